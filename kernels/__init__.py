@@ -1,0 +1,1 @@
+"""Fused kernels (Triton) with torch references; models call them through ``kernels.dispatch``."""

@@ -1,0 +1,88 @@
+"""Typed model configuration shared by the models, the trainer and the planners.
+
+One dataclass covers both architectures; ``arch`` picks the block:
+- ``"gpt"``: learned positions, pre-LayerNorm, GELU MLP (ffn = 4h by default),
+  tied input/output embeddings, optional biases.
+- ``"llama"``: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention
+  (``num_kv_heads``), untied output, no biases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+ARCHS = ("gpt", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "gpt"
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: same as num_heads (multi-head attention)
+    ffn_hidden_size: int | None = None  # None: 4*hidden (gpt); llama configs set it explicitly
+    vocab_size: int = 512
+    max_seq_len: int = 128
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0  # llama only
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    dropout: float = 0.0  # hidden/residual dropout; attention probabilities are not dropped
+    init_std: float = 0.02
+    fused_kernels: bool = True  # use kernels.dispatch (Triton/apex) where it can run
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived -------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    # ---- validation ------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the key and the allowed values."""
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} is not one of {ARCHS}")
+        for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_seq_len"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{key}={value!r} must be an integer >= 1")
+        if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1):
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads!r} must be an integer >= 1 or null")
+        if self.ffn_hidden_size is not None and (not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1):
+            raise ValueError(f"model.ffn_hidden_size={self.ffn_hidden_size!r} must be an integer >= 1 or null")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.kv_heads}"
+            )
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if not (0.0 <= self.dropout < 1.0):
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            raise ValueError("model.norm_eps and model.init_std must be > 0")
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown model keys {sorted(unknown)}; known: {[f.name for f in fields(self)]}")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

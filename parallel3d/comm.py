@@ -1,0 +1,134 @@
+"""Collectives over one of this rank's groups, with byte accounting and clear errors.
+
+Every collective in parallel3d goes through here so that
+- a group of size 1 (or a non-distributed run) is a no-op, so tp=1 / dp=1 /
+  single-process runs share one code path;
+- communication volume is counted per (group kind, op) in ``pstate.comm_stats``;
+- a failed or timed-out collective raises an error naming this rank, the op and
+  the group's ranks instead of a bare gloo/NCCL message.
+
+Byte convention (``CommStats``): bytes *sent by this rank* under the ring
+algorithm, for a payload of N bytes on n ranks: all-reduce 2N(n-1)/n,
+reduce-scatter and all-gather N(n-1)/n (N = the full, unsharded size),
+broadcast N, send N. With it a ZeRO reduce-scatter + all-gather costs exactly
+what DDP's all-reduce costs, as the ZeRO paper says.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+class CommStats:
+    """Bytes sent by this rank, keyed by (group kind, op)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, kind: str, op: str, nbytes: float) -> None:
+        self.bytes[(kind, op)] += int(nbytes)
+        self.calls[(kind, op)] += 1
+
+    def total(self, kind: str | None = None) -> int:
+        return sum(v for (k, _), v in self.bytes.items() if kind is None or k == kind)
+
+    def by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (k, _), v in self.bytes.items():
+            out[k] += v
+        return dict(out)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def group_size(pstate: "ParallelState", kind: str) -> int:
+    return len(pstate.ranks(kind)) if pstate.distributed else 1
+
+
+@contextmanager
+def _named_failure(pstate: "ParallelState", kind: str, op: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:  # gloo/NCCL errors (timeouts, dead peers) are RuntimeErrors
+        raise RuntimeError(
+            f"rank {pstate.rank}: {op} on the {kind} group {pstate.ranks(kind)} failed: {exc}"
+        ) from exc
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    pstate: "ParallelState",
+    kind: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    async_op: bool = False,
+):
+    """In-place all-reduce over this rank's ``kind`` group. Returns a Work if ``async_op``."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        return None
+    pstate.comm_stats.add(kind, "all_reduce", 2 * _nbytes(tensor) * (n - 1) / n)
+    with _named_failure(pstate, kind, "all_reduce"):
+        return dist.all_reduce(tensor, op=op, group=pstate.group(kind), async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, shard: torch.Tensor, pstate: "ParallelState", kind: str, async_op: bool = False
+):
+    """Concatenate every member's ``shard`` (dim 0, group-rank order) into ``output``."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        output.copy_(shard.reshape(output.shape))
+        return None
+    pstate.comm_stats.add(kind, "all_gather", _nbytes(output) * (n - 1) / n)
+    with _named_failure(pstate, kind, "all_gather"):
+        return dist.all_gather_into_tensor(output, shard.contiguous(), group=pstate.group(kind), async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    pstate: "ParallelState",
+    kind: str,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    async_op: bool = False,
+):
+    """Reduce ``full`` over the group and keep this member's dim-0 chunk in ``output``."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        output.copy_(full.reshape(output.shape))
+        return None
+    pstate.comm_stats.add(kind, "reduce_scatter", _nbytes(full) * (n - 1) / n)
+    with _named_failure(pstate, kind, "reduce_scatter"):
+        return dist.reduce_scatter_tensor(output, full.contiguous(), op=op, group=pstate.group(kind), async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, pstate: "ParallelState", kind: str, src_global_rank: int):
+    """Broadcast ``tensor`` in place from global rank ``src_global_rank`` of the ``kind`` group."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        return None
+    if pstate.rank == src_global_rank:
+        pstate.comm_stats.add(kind, "broadcast", _nbytes(tensor))
+    with _named_failure(pstate, kind, "broadcast"):
+        return dist.broadcast(tensor, src=src_global_rank, group=pstate.group(kind))
+
+
+def group_rank(pstate: "ParallelState", kind: str) -> int:
+    """This rank's index inside its ``kind`` group (0 when not distributed)."""
+    ranks = pstate.ranks(kind)
+    return ranks.index(pstate.rank) if pstate.distributed and ranks else 0

@@ -1,0 +1,215 @@
+"""This process's view of the layout: its coordinates and its process groups.
+
+``ParallelState`` is created once per process from a ``Topology`` and the rank,
+and handed to every component that communicates (no module globals). It
+creates *every* group of *every* kind with ``new_group`` in the same order on
+all ranks, as torch.distributed requires, and keeps the ones this rank is in.
+
+A single-process state (world size 1, torch.distributed not initialised) is
+valid: all groups are ``None`` and every size is 1, and the communication
+helpers treat a size-1 group as a no-op. That is how the single-process
+reference model runs through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.comm import CommStats
+from parallel3d.topology import GROUP_KINDS, Coords, LayoutError, Topology
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's env vars (no-op if already done).
+
+    Returns ``(rank, world_size)``. Without ``WORLD_SIZE`` in the environment (a
+    plain ``python`` run) nothing is initialised and ``(0, 1)`` is returned.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise LayoutError(f"unsupported backend {backend!r}; use 'gloo' or 'nccl'")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class _GroupHandle:
+    ranks: list[int]
+    group: "dist.ProcessGroup | None"
+
+
+class ParallelState:
+    """Coordinates and process groups of one rank.
+
+    Invariant: ``groups`` and ``ranks`` come from ``topology`` alone; this
+    class never does rank arithmetic of its own.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        rank: int | None = None,
+        *,
+        backend: str | None = None,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+        distributed: bool | None = None,
+    ) -> None:
+        self.topology = topology
+        if distributed is None:
+            distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = distributed
+        world = dist.get_world_size() if distributed else 1
+        topology.check_world_size(world)
+        if rank is None:
+            rank = dist.get_rank() if distributed else 0
+        self.rank = rank
+        self.world_size = world
+        self.coords: Coords = topology.coords(rank)
+        self.backend = backend or (dist.get_backend() if distributed else default_backend())
+        if device is None:
+            if self.backend == "nccl" and distributed:
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+        self.device = torch.device(device)
+        self.comm_stats = CommStats()
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        self._handles: dict[str, _GroupHandle] = {}
+        self._created: list[dist.ProcessGroup] = []
+        for kind in GROUP_KINDS:
+            mine: _GroupHandle = _GroupHandle(topology.group_of(kind, rank), None)
+            for ranks in topology.groups(kind):
+                if not distributed:
+                    continue
+                # Every rank must call new_group for every group, in the same order.
+                pg = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+                self._created.append(pg)
+                if rank in ranks:
+                    mine = _GroupHandle(ranks, pg)
+            self._handles[kind] = mine
+
+    # ---- groups ------------------------------------------------------------
+    def group(self, kind: str) -> "dist.ProcessGroup | None":
+        """This rank's process group of ``kind`` (``None`` when not distributed or not a member)."""
+        return self._handles[kind].group
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind`` ([] for a middle stage's embedding group)."""
+        return list(self._handles[kind].ranks)
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def model_group(self):
+        return self.group("model")
+
+    @property
+    def embedding_group(self):
+        return self.group("embedding")
+
+    # ---- sizes and coordinates -------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.topology.is_first_stage(self.rank)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.topology.is_last_stage(self.rank)
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        return self.topology.next_stage_rank(self.rank)
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        return self.topology.prev_stage_rank(self.rank)
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self._handles["embedding"].ranks
+
+    def is_logging_rank(self) -> bool:
+        """The rank that owns the loss: last stage, tp=0, dp=0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def destroy(self) -> None:
+        """Destroy the groups this state created (all ranks must call it)."""
+        for pg in self._created:
+            dist.destroy_process_group(pg)
+        self._created.clear()
+
+    def __repr__(self) -> str:
+        c = self.coords
+        return (
+            f"ParallelState(rank={self.rank}, tp={c.tp}/{self.tp_size}, pp={c.pp}/{self.pp_size}, "
+            f"dp={c.dp}/{self.dp_size}, backend={self.backend})"
+        )
+
+    @classmethod
+    def single_process(cls, device: torch.device | str | None = None) -> "ParallelState":
+        """The state of a plain, non-distributed run (every size is 1).
+
+        Usable inside a distributed job too (e.g. a test's single-process
+        reference model on every rank): it never touches the default group.
+        """
+        return cls(Topology(1, 1, 1), rank=0, distributed=False, backend="gloo", device=device)

@@ -1,0 +1,56 @@
+"""Metadata that parameters carry for ZeRO, clipping and checkpointing.
+
+Attributes set on ``torch.nn.Parameter`` objects (by the layers that create them):
+
+- ``tp_split_dim`` (int | None): the dimension split over the TP group, or
+  ``None`` for a parameter replicated across TP (norm weights, row-parallel
+  biases). Gradient-norm clipping sums squares of split parameters over TP and
+  counts replicated ones once.
+- ``global_name`` (str): the layout-independent name (e.g.
+  ``layers.3.attn.qkv.weight``) used for init seeding and checkpoints.
+- ``tied_embedding`` (bool): a copy of the tied input/output embedding that
+  also lives on another pipeline stage; its gradient is summed over the
+  ``embedding`` group and it is counted once in the grad norm (on the first stage).
+- ``no_weight_decay`` (bool): norms and biases are excluded from weight decay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def set_meta(
+    param: torch.nn.Parameter,
+    *,
+    tp_split_dim: int | None = None,
+    global_name: str | None = None,
+    tied_embedding: bool | None = None,
+    no_weight_decay: bool | None = None,
+) -> torch.nn.Parameter:
+    if tp_split_dim is not None:
+        param.tp_split_dim = tp_split_dim
+    if global_name is not None:
+        param.global_name = global_name
+    if tied_embedding is not None:
+        param.tied_embedding = tied_embedding
+    if no_weight_decay is not None:
+        param.no_weight_decay = no_weight_decay
+    return param
+
+
+def tp_split_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, "tp_split_dim", None)
+
+
+def is_tp_split(param: torch.Tensor) -> bool:
+    return tp_split_dim(param) is not None
+
+
+def is_tied_embedding(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tied_embedding", False))
+
+
+def no_weight_decay(param: torch.Tensor) -> bool:
+    """Norm weights and biases (1-D tensors) are not decayed unless marked otherwise."""
+    flag = getattr(param, "no_weight_decay", None)
+    return param.ndim < 2 if flag is None else bool(flag)

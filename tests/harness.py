@@ -1,0 +1,194 @@
+"""Run a test function on N real gloo ranks (spawned processes on this machine).
+
+    results = run_on_ranks(fn, world_size, *args, timeout=120, **kwargs)
+
+``fn(rank, world_size, *args, **kwargs)`` runs on every rank after the default
+gloo group is initialised (one torch thread per rank, flush-denormal on);
+``results[r]`` is rank r's return value (it must pickle). ``fn`` must be a
+module-level function of an importable module (spawn pickles it by name).
+
+If any rank raises, the test fails with that rank's traceback (the first
+failing rank, by arrival). If the ranks do not all finish within ``timeout``
+seconds, every rank is killed and the test fails naming the ranks that had not
+finished. A failure or timeout also tears the worker set down, so the next
+test starts on fresh processes.
+
+Workers are kept alive between tests of the same world size (spawning 8 torch
+processes costs ~5 s on 2 cores); each task's new process groups are destroyed
+when it ends. Set ``P3D_FRESH_RANKS=1`` to spawn fresh processes per test.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+COLLECTIVE_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        )
+    except BaseException:
+        results.put((-1, rank, "err", "init_process_group failed:\n" + traceback.format_exc()))
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        before = set(c10d._world.pg_map.keys())
+        try:
+            out = ("ok", fn(rank, world_size, *args, **kwargs))
+        except BaseException:
+            out = ("err", traceback.format_exc())
+        try:
+            results.put((task_id, rank, *out))
+        except BaseException:  # unpicklable result
+            results.put((task_id, rank, "err", "result could not be pickled:\n" + traceback.format_exc()))
+        # Destroy the groups this task created so long test runs do not pile up sockets.
+        if out[0] == "ok":
+            for pg in list(c10d._world.pg_map.keys()):
+                if pg not in before and pg is not c10d.GroupMember.WORLD:
+                    try:
+                        dist.destroy_process_group(pg)
+                    except Exception:
+                        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` spawned worker processes sharing one gloo default group."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._ids = itertools.count()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        task_id = next(self._ids)
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs))
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(done))
+                raise TimeoutError(
+                    f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f}s "
+                    f"(finished: {sorted(done)}); all ranks were killed"
+                )
+            try:
+                tid, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
+                if dead:
+                    codes = {r: self.procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"{fn.__name__}: rank(s) {dead} died (exit codes {codes})")
+                continue
+            if tid == -1 or status == "err":
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{payload}")
+            if tid == task_id:
+                done[rank] = payload
+        return [done[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+_POOLS: dict[int, RankPool] = {}  # test-harness cache, not framework state
+
+
+def _shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(_shutdown_pools)
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; see module doc."""
+    fresh = os.environ.get("P3D_FRESH_RANKS") == "1"
+    pool = None if fresh else _POOLS.get(world_size)
+    if pool is not None and not pool.alive():
+        pool.close(kill=True)
+        pool = None
+    if pool is None:
+        # Other pools hold CPU-idle processes only; keep at most two world sizes warm.
+        if len(_POOLS) >= 2 and not fresh:
+            oldest = next(iter(_POOLS))
+            _POOLS.pop(oldest).close()
+        pool = RankPool(world_size)
+        if not fresh:
+            _POOLS[world_size] = pool
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(kill=True)
+        raise
+    finally:
+        if fresh:
+            pool.close()
