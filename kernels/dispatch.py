@@ -8,7 +8,9 @@ Conventions (shared by every backend):
 - ``swiglu(gate, up) = silu(gate) * up``.
 - ``cross_entropy(logits, targets, ignore_index=-100)``: mean over non-ignored tokens.
 
-``enabled=False`` always runs the torch reference (``model.fused_kernels=false``).
+``backend`` is ``auto`` (Triton on CUDA or under TRITON_INTERPRET=1, else torch),
+``triton``, ``apex`` or ``torch``; an unavailable choice is a clear error.
+(This file currently holds only the torch references; the Triton paths land with the kernels issue.)
 """
 
 from __future__ import annotations
@@ -17,20 +19,20 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, enabled: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "auto") -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, enabled: bool = True
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, backend: str = "auto"
 ) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, enabled: bool = True
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     def rot(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -42,11 +44,11 @@ def apply_rope(
     return rot(q), rot(k)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return F.silu(gate) * up
 
 
 def cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, enabled: bool = True
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, backend: str = "auto"
 ) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=ignore_index)

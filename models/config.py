@@ -31,8 +31,14 @@ class ModelConfig:
     use_bias: bool = True
     dropout: float = 0.0  # hidden/residual dropout; attention probabilities are not dropped
     init_std: float = 0.02
-    fused_kernels: bool = True  # use kernels.dispatch (Triton/apex) where it can run
+    fused_kernels: bool = True  # False forces the torch reference ops (kernels.dispatch backend "torch")
+    kernel_backend: str = "auto"  # kernels.backend: auto | triton | apex | torch
     name: str = ""
+
+    @property
+    def backend(self) -> str:
+        """The kernels.dispatch backend the model should ask for."""
+        return self.kernel_backend if self.fused_kernels else "torch"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +81,8 @@ class ModelConfig:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.kernel_backend not in ("auto", "triton", "apex", "torch"):
+            raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of auto, triton, apex, torch")
         if self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.norm_eps and model.init_std must be > 0")
 

@@ -53,6 +53,7 @@ class CommStats:
 
 
 def group_size(pstate: "ParallelState", kind: str) -> int:
+    """Members of this rank's ``kind`` group that take part in collectives (1 without groups)."""
     return len(pstate.ranks(kind)) if pstate.distributed else 1
 
 

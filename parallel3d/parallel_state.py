@@ -85,6 +85,8 @@ class ParallelState:
             distributed = dist.is_available() and dist.is_initialized()
         self.distributed = distributed
         world = dist.get_world_size() if distributed else 1
+        if not distributed and rank is not None:
+            world = topology.world_size  # a coordinates-only state (see without_groups)
         topology.check_world_size(world)
         if rank is None:
             rank = dist.get_rank() if distributed else 0
@@ -213,3 +215,12 @@ class ParallelState:
         reference model on every rank): it never touches the default group.
         """
         return cls(Topology(1, 1, 1), rank=0, distributed=False, backend="gloo", device=device)
+
+    @classmethod
+    def without_groups(cls, topology: Topology, rank: int) -> "ParallelState":
+        """Coordinates of ``rank`` in ``topology`` with no process groups (collectives are no-ops).
+
+        For planners and meta-device builds of one rank's shard of a huge layout
+        on a single machine; never for real training.
+        """
+        return cls(topology, rank=rank, distributed=False, backend="gloo", device="meta")
