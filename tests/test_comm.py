@@ -1,0 +1,66 @@
+"""The comm layer: size-1 no-ops, ring byte accounting, and errors that name rank and op."""
+
+import pytest
+import torch
+
+from parallel3d import comm
+from parallel3d.parallel_state import ParallelState
+from parallel3d.topology import Topology
+from tests.harness import run_on_ranks
+
+
+def test_single_process_collectives_are_noops():
+    ps = ParallelState.single_process()
+    t = torch.arange(4.0)
+    assert comm.all_reduce(t, ps, "tp") is None
+    assert torch.equal(t, torch.arange(4.0))
+    out = torch.empty(4)
+    comm.all_gather_into_tensor(out, t, ps, "dp")
+    assert torch.equal(out, t)
+    assert ps.comm_stats.total() == 0
+
+
+def _collectives(rank, world_size):
+    ps = ParallelState(Topology(tp=2, pp=1, dp=2))
+    n = 2
+    x = torch.full((6,), float(rank))
+    comm.all_reduce(x, ps, "tp")
+    tp_peers = ps.ranks("tp")
+    assert torch.allclose(x, torch.full((6,), float(sum(tp_peers))))
+    full = torch.arange(8.0) + rank
+    shard = torch.empty(4)
+    comm.reduce_scatter_tensor(shard, full, ps, "dp")
+    dp_peers = ps.ranks("dp")
+    expected = sum(torch.arange(8.0) + r for r in dp_peers)
+    idx = dp_peers.index(rank)
+    assert torch.allclose(shard, expected[idx * 4 : (idx + 1) * 4])
+    gathered = torch.empty(8)
+    comm.all_gather_into_tensor(gathered, shard, ps, "dp")
+    assert torch.allclose(gathered, expected)
+    nbytes = 6 * 4
+    assert ps.comm_stats.bytes[("tp", "all_reduce")] == 2 * nbytes * (n - 1) // n
+    # reduce-scatter + all-gather of N bytes cost what one all-reduce of N costs.
+    rs_ag = ps.comm_stats.bytes[("dp", "reduce_scatter")] + ps.comm_stats.bytes[("dp", "all_gather")]
+    assert rs_ag == 2 * 8 * 4 * (n - 1) // n
+    return True
+
+
+def test_collectives_on_four_ranks():
+    assert all(run_on_ranks(_collectives, 4))
+
+
+def _missing_peer(rank, world_size):
+    ps = ParallelState(Topology(tp=1, pp=1, dp=2), timeout_s=2)
+    if rank == 1:
+        return "skipped"
+    try:
+        comm.all_reduce(torch.ones(3), ps, "dp")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_collective_timeout_names_rank_and_op():
+    msgs = run_on_ranks(_missing_peer, 2, timeout=60)
+    assert msgs[1] == "skipped"
+    assert msgs[0].startswith("rank 0: all_reduce on the dp group [0, 1] failed"), msgs[0]
