@@ -1,0 +1,168 @@
+"""The transformer block shared by GPT and Llama: norms, attention, residuals, dropout.
+
+A block maps ``[b, s_local, h] -> [b, s_local, h]`` (``s_local = s/tp`` with sequence
+parallel, else ``s``). Attention and MLP are tensor parallel: each tp rank holds
+``num_heads/tp`` query heads, ``num_kv_heads/tp`` key/value heads and ``ffn/tp`` MLP
+columns. The fused QKV weight is laid out by key/value group, ``[q heads of group 0,
+k_0, v_0, q heads of group 1, k_1, v_1, ...]`` (each ``head_dim`` rows per head), so a
+contiguous split over tp gives every rank whole groups, whatever tp is.
+Architecture-specific pieces (MLP, norm kind, rotary) come from ``models.gpt`` /
+``models.llama`` through the ``arch`` of the config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import dispatch
+from models.config import ModelConfig
+from parallel3d.param_meta import set_meta
+from parallel3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
+from parallel3d.tensor_parallel.dropout import layout_independent_dropout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What every layer needs to build itself (no globals)."""
+
+    config: ModelConfig
+    pstate: "ParallelState"
+    seed: int
+    sequence_parallel: bool
+    recompute: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def residual_std(self) -> float:
+        # GPT-2 / Megatron: projections that write into the residual stream are scaled by
+        # 1/sqrt(2 * num_layers) so the residual's variance does not grow with depth.
+        return self.config.init_std / math.sqrt(2.0 * self.config.num_layers)
+
+    def column(self, fan_in: int, fan_out: int, name: str) -> ColumnParallelLinear:
+        return ColumnParallelLinear(fan_in, fan_out, self.pstate, global_name=name, seed=self.seed,
+                                    init_std=self.config.init_std, bias=self.config.use_bias,
+                                    sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device)
+
+    def row(self, fan_in: int, fan_out: int, name: str) -> RowParallelLinear:
+        return RowParallelLinear(fan_in, fan_out, self.pstate, global_name=name, seed=self.seed,
+                                 init_std=self.residual_std, bias=self.config.use_bias,
+                                 sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class ForwardContext:
+    """Per-call values every block reads: rotary tables, dropout coordinates."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    sample_ids: torch.Tensor | None
+    step: int
+    training: bool
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt) or RMSNorm (llama) over the last dim; weight replicated over tp.
+
+    With sequence parallel each rank normalises only its tokens, so the replicated
+    weight/bias gradients are partial sums: ``copy_to_tp_region`` all-reduces them in backward.
+    """
+
+    def __init__(self, ctx: BuildContext, global_name: str) -> None:
+        super().__init__()
+        c = ctx.config
+        self.rms = c.arch == "llama"
+        self.eps, self.backend = c.norm_eps, c.backend
+        self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
+        self.weight = nn.Parameter(torch.ones(c.hidden_size, dtype=ctx.dtype, device=ctx.device))
+        set_meta(self.weight, global_name=f"{global_name}.weight", no_weight_decay=True)
+        self.bias = None
+        if not self.rms and c.use_bias:
+            self.bias = nn.Parameter(torch.zeros(c.hidden_size, dtype=ctx.dtype, device=ctx.device))
+            set_meta(self.bias, global_name=f"{global_name}.bias", no_weight_decay=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight = copy_to_tp_region(weight, self.pstate)
+            bias = None if bias is None else copy_to_tp_region(bias, self.pstate)
+        if self.rms:
+            return dispatch.rms_norm(x, weight, self.eps, backend=self.backend)
+        return dispatch.layer_norm(x, weight, bias, self.eps, backend=self.backend)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(QK^T/sqrt(d))V; q ``[b, s, hq, d]``, k/v ``[b, s, hk, d]`` -> ``[b, s, hq*d]``."""
+    b, s, hq, d = q.shape
+    repeat = hq // k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if repeat > 1:  # grouped-query attention: query head j reads key/value head j // repeat
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, s, hq * d)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query causal self-attention, heads split over tp."""
+
+    def __init__(self, ctx: BuildContext, layer: int) -> None:
+        super().__init__()
+        c, tp = ctx.config, ctx.pstate.tp_size
+        self.head_dim = c.head_dim
+        self.kv_local = c.kv_heads // tp
+        self.q_per_kv = c.num_heads // c.kv_heads
+        self.backend = c.backend
+        self.selective = ctx.recompute == "selective"
+        qkv_rows = (c.num_heads + 2 * c.kv_heads) * c.head_dim
+        self.qkv = ctx.column(c.hidden_size, qkv_rows, f"layers.{layer}.attn.qkv")
+        self.out = ctx.row(c.num_heads * c.head_dim, c.hidden_size, f"layers.{layer}.attn.out")
+
+    def forward(self, x: torch.Tensor, run: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.kv_local, self.q_per_kv + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, self.kv_local * self.q_per_kv, self.head_dim)
+        k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
+        if run.rope is not None:
+            q, k = dispatch.apply_rope(q, k, run.rope[0], run.rope[1], backend=self.backend)
+        if self.selective and torch.is_grad_enabled():
+            # Selective recompute: keep q, k, v; recompute the O(s^2) core in backward.
+            out = checkpoint(attention_core, q, k, v, use_reentrant=False)
+        else:
+            out = attention_core(q, k, v)
+        return self.out(out)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + drop(attn(norm1(x)))``, ``out = h + drop(mlp(norm2(h)))``."""
+
+    def __init__(self, ctx: BuildContext, layer: int, mlp: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.dropout, self.seed = ctx.config.dropout, ctx.seed
+        self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
+        self.norm1 = Norm(ctx, f"layers.{layer}.norm1")
+        self.attn = Attention(ctx, layer)
+        self.norm2 = Norm(ctx, f"layers.{layer}.norm2")
+        self.mlp = mlp
+
+    def _drop(self, x: torch.Tensor, run: ForwardContext, site: str) -> torch.Tensor:
+        if not run.training or self.dropout == 0.0:
+            return x
+        return layout_independent_dropout(x, self.dropout, seed=self.seed, step=run.step, sample_ids=run.sample_ids,
+                                          layer=self.layer, site=site, pstate=self.pstate,
+                                          sequence_parallel=self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, run: ForwardContext) -> torch.Tensor:
+        h = x + self._drop(self.attn(self.norm1(x), run), run, "attn")
+        return h + self._drop(self.mlp(self.norm2(h)), run, "mlp")

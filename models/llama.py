@@ -1,0 +1,43 @@
+"""Llama 2 / 3 pieces: rotary position tables and the SwiGLU MLP.
+
+The rest of a Llama (RMSNorm pre-norm blocks, grouped-query attention with
+``num_kv_heads``, untied head) is the shared ``models.transformer.TransformerLM``
+with ``arch="llama"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import dispatch
+from models.blocks import BuildContext
+from parallel3d.tensor_parallel import copy_to_tp_region, gather_seq
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[seq_len, head_dim/2]`` in float32 (the HF Llama frequencies)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+class SwiGLUMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; gate/up column-parallel (h -> ffn/tp), down row-parallel."""
+
+    def __init__(self, ctx: BuildContext, layer: int) -> None:
+        super().__init__()
+        c = ctx.config
+        self.backend = c.backend
+        self.gate = ctx.column(c.hidden_size, c.ffn_size, f"layers.{layer}.mlp.gate")
+        self.up = ctx.column(c.hidden_size, c.ffn_size, f"layers.{layer}.mlp.up")
+        self.down = ctx.row(c.ffn_size, c.hidden_size, f"layers.{layer}.mlp.down")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # gate and up read the same input: make it whole once (one all-gather / one f), not twice.
+        g = self.gate
+        x = gather_seq(x, g.pstate) if g.sequence_parallel else copy_to_tp_region(x, g.pstate)
+        gate = F.linear(x, g.weight, g.bias)
+        up = F.linear(x, self.up.weight, self.up.bias)
+        return self.down(dispatch.swiglu(gate, up, backend=self.backend))

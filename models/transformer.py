@@ -1,0 +1,193 @@
+"""The language model (GPT or Llama by ``config.arch``) and ``build_model``.
+
+One module serves every layout: it holds the global layers ``[a, b)`` of the model
+(``layers`` is a ModuleDict keyed by the *global* index, so parameter names never
+depend on pp), plus the embedding when ``pre_process`` and the final norm and head
+when ``post_process``. Tensor parallelism enters only through the layers it is built
+from; the model code speaks of layers and shapes, not ranks.
+
+Forward contract (docs/ARCHITECTURE.md "Model"):
+``module(x, labels=None, *, sample_ids=None, step=0)`` with ``x`` the token ids ``[b, s]``
+when ``pre_process`` else the hidden states ``[b, s_local, h]``; returns the mean token
+loss (``labels`` given) or the logits ``[b, s, V_pad/tp]`` when ``post_process``, else
+the hidden states ``[b, s_local, h]``. ``s_local = s/tp`` with sequence parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import dispatch
+from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
+from models.config import ModelConfig
+from models.gpt import Embedding, GeluMLP
+from models.llama import SwiGLUMLP, rotary_tables
+from parallel3d import comm
+from parallel3d.param_meta import set_meta
+from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
+from parallel3d.tensor_parallel.dropout import layout_independent_dropout
+from parallel3d.tensor_parallel.layers import padded_vocab_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+log = logging.getLogger(__name__)
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+EMBEDDING_LAYER = -1  # the "layer index" of the embedding's dropout site
+
+
+class TransformerLM(nn.Module):
+    """Global layers ``layer_range`` of a GPT/Llama, optionally with embedding and head."""
+
+    def __init__(self, ctx: BuildContext, layer_range: tuple[int, int], pre_process: bool, post_process: bool) -> None:
+        super().__init__()
+        c = ctx.config
+        self.config, self.pstate, self.seed = c, ctx.pstate, ctx.seed
+        self.layer_range, self.pre_process, self.post_process = layer_range, pre_process, post_process
+        self.sequence_parallel, self.recompute = ctx.sequence_parallel, ctx.recompute
+        self.padded_vocab_size = padded_vocab_size(c.vocab_size, ctx.pstate.tp_size)
+        self.embedding: Embedding | None = None
+        if pre_process:
+            self.embedding = Embedding(ctx, with_positions=c.arch == "gpt")
+        elif post_process and c.tie_embeddings:
+            # A last stage that is not also first: its own copy of the tied word embedding
+            # (same global name, same init); the pipeline sums its grad over the embedding group.
+            self.embedding = Embedding(ctx, with_positions=False)
+        if c.tie_embeddings and pre_process != post_process and self.embedding is not None:
+            set_meta(self.embedding.word.weight, tied_embedding=True)
+        mlp = GeluMLP if c.arch == "gpt" else SwiGLUMLP
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(ctx, i, mlp(ctx, i)) for i in range(*layer_range)}
+        )
+        self.final_norm = Norm(ctx, "final_norm") if post_process else None
+        self.head: ParallelLMHead | None = None
+        if post_process and not c.tie_embeddings:
+            self.head = ParallelLMHead(c.hidden_size, c.vocab_size, ctx.pstate, global_name="head", seed=ctx.seed,
+                                       init_std=c.init_std, sequence_parallel=ctx.sequence_parallel,
+                                       dtype=ctx.dtype, device=ctx.device)
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _tp(self) -> int:
+        return comm.group_size(self.pstate, "tp")
+
+    def _check_tokens(self, x: torch.Tensor) -> tuple[int, int]:
+        if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {x.dtype} {tuple(x.shape)}")
+        return x.shape[0], x.shape[1]
+
+    def _check_seq(self, s: int) -> None:
+        if s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.config.max_seq_len}")
+        if self.sequence_parallel and s % self._tp():
+            raise ValueError(f"sequence parallel: sequence length {s} is not divisible by tp={self._tp()}")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden ``[b, s_local, h]`` -> logits ``[b, s, V_pad/tp]``."""
+        if self.head is not None:
+            return self.head(hidden)
+        assert self.embedding is not None
+        return column_parallel_linear(hidden, self.embedding.word.weight, None, self.pstate,
+                                      sequence_parallel=self.sequence_parallel)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over tokens whose label is not -100."""
+        if self._tp() == 1 and logits.shape[-1] == self.config.vocab_size:
+            return dispatch.cross_entropy(logits, labels, backend=self.config.backend)
+        return vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=self.config.vocab_size)
+
+    # ---- forward ---------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
+                sample_ids: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
+        c = self.config
+        if self.pre_process:
+            b, s = self._check_tokens(x)
+            self._check_seq(s)
+            assert self.embedding is not None
+            h = self.embedding(x)
+        else:
+            if x.dim() != 3 or x.shape[-1] != c.hidden_size:
+                raise ValueError(f"hidden states must be [batch, seq, {c.hidden_size}], got {tuple(x.shape)}")
+            h = x
+            b = x.shape[0]
+            s = x.shape[1] * (self._tp() if self.sequence_parallel else 1)
+            self._check_seq(s)
+        training = self.training and c.dropout > 0
+        if training and sample_ids is None:
+            sample_ids = torch.arange(b)
+        rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.arch == "llama" else None
+        run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training)
+        if self.pre_process and training:
+            h = layout_independent_dropout(h, c.dropout, seed=self.seed, step=step, sample_ids=sample_ids,
+                                           layer=EMBEDDING_LAYER, site="embedding", pstate=self.pstate,
+                                           sequence_parallel=self.sequence_parallel)
+        full = self.recompute == "full" and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            h = checkpoint(layer, h, run, use_reentrant=False) if full else layer(h, run)
+        if not self.post_process:
+            return h
+        assert self.final_norm is not None
+        logits = self.logits(self.final_norm(h))
+        return logits if labels is None else self.loss(logits, labels)
+
+
+def _resolve_layer_range(config: ModelConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:
+    if layer_range is None:
+        return 0, config.num_layers
+    try:
+        a, b = (int(v) for v in layer_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"layer_range must be a pair (start, stop) of ints, got {layer_range!r}") from None
+    if not (0 <= a < b <= config.num_layers):
+        raise ValueError(f"layer_range={layer_range!r} must satisfy 0 <= start < stop <= num_layers={config.num_layers}")
+    return a, b
+
+
+def build_model(
+    config: ModelConfig,
+    pstate: "ParallelState",
+    *,
+    seed: int = 0,
+    layer_range: tuple[int, int] | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> TransformerLM:
+    """Build this rank's shard of global layers ``layer_range`` (see module docstring).
+
+    Every parameter's full value depends only on ``(seed, global name)``. ``device="meta"``
+    allocates and initialises nothing (parameter counting for huge configs).
+    ``pre_process`` / ``post_process`` default to the range touching the first / last layer.
+    """
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config must be a models.ModelConfig, got {type(config).__name__}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    tp = pstate.tp_size
+    pstate.topology.check_model(num_layers=config.num_layers, num_heads=config.num_heads,
+                                num_kv_heads=config.kv_heads, hidden_size=config.hidden_size)
+    if config.ffn_size % tp:
+        raise ValueError(f"model.ffn_hidden_size={config.ffn_size} is not divisible by tp={tp}")
+    a, b = _resolve_layer_range(config, layer_range)
+    pre = (a == 0) if pre_process is None else bool(pre_process)
+    post = (b == config.num_layers) if post_process is None else bool(post_process)
+    padded = padded_vocab_size(config.vocab_size, tp)
+    if padded != config.vocab_size and pstate.rank == 0 and (pre or post):
+        log.info("vocab_size=%d padded to %d (a multiple of tp=%d); padding rows are zero and masked",
+                 config.vocab_size, padded, tp)
+    ctx = BuildContext(config=config, pstate=pstate, seed=seed, sequence_parallel=bool(sequence_parallel),
+                       recompute=recompute, dtype=dtype,
+                       device=torch.device(device) if device is not None else pstate.device)
+    return TransformerLM(ctx, (a, b), pre, post)

@@ -1,0 +1,232 @@
+"""Checkpoint directories: atomic saves by all ranks, keep-last-K, and finding one to resume.
+
+Layout (``root`` = ``<train.out_dir>/checkpoints``, on a filesystem every rank sees)::
+
+    root/step_00000100/            a complete checkpoint (only ever created by a rename)
+        meta.json                  step, layout, world size, config, per-rank file list
+        rank_00000.pt ...          each rank's own state (model shard, optimizer shard, ...)
+    root/step_00000200.tmp/        a save in progress or a failed one: never resumed from
+
+Invariants:
+- A directory named ``step_<N>`` is complete: every rank wrote and fsynced its files
+  into ``step_<N>.tmp``, all ranks agreed that they succeeded (a MIN all-reduce of
+  their success flags, which is also the barrier), then rank 0 wrote ``meta.json``
+  and renamed the directory. A kill at any earlier point leaves only ``.tmp``.
+- A failed save (disk full, permissions) on any rank warns on the ranks that saw it,
+  removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
+  training goes on.
+- Only after a new checkpoint is complete does rank 0 delete older ones beyond the
+  newest ``keep_last``.
+What each rank stores is the caller's business (``write_rank`` / ``read_rank``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from parallel3d import comm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from (missing files, other layout)."""
+
+
+def rank_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank_{rank:05d}.pt")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
+    """Call ``write(file)`` on ``path + '.part'``, fsync it, then rename it to ``path``."""
+    part = path + ".part"
+    with open(part, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(part, path)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    atomic_write_bytes(path, lambda fh: torch.save(obj, fh))
+
+
+def _world_all_true(flag: bool, pstate: "ParallelState") -> bool:
+    """True iff ``flag`` is true on every rank (MIN over tp, pp, dp covers the world)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=pstate.device)
+    for kind in ("tp", "pp", "dp"):
+        comm.all_reduce(t, pstate, kind, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, dir)`` of complete checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, META)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, META)) as fh:
+        return json.load(fh)
+
+
+def is_loadable(directory: str) -> bool:
+    """Complete and not partly pruned: meta.json and every rank file it lists exist."""
+    try:
+        meta = read_meta(directory)
+    except (OSError, ValueError):
+        return False
+    return all(os.path.isfile(os.path.join(directory, f)) for f in meta.get("files", []))
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under ``root`` for one job (all ranks construct it)."""
+
+    def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = 2) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: must be >= 1")
+        self.root = root
+        self.pstate = pstate
+        self.keep_last = keep_last
+        if pstate.rank == 0:
+            os.makedirs(root, exist_ok=True)
+            self._remove_partial()
+
+    def _remove_partial(self) -> None:
+        for name in os.listdir(self.root):
+            if name.endswith(".tmp") or name.endswith(".old"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    # ---- save ---------------------------------------------------------------------------
+    def save(self, step: int, write_rank: Callable[[str], None], meta: dict[str, Any]) -> bool:
+        """Collective: every rank writes its state with ``write_rank(tmp_dir)``; see module doc.
+
+        Returns True when the checkpoint is complete on disk.
+        """
+        final = step_dir(self.root, step)
+        tmp = final + ".tmp"
+        ok = True
+        try:
+            os.makedirs(tmp, exist_ok=True)
+            write_rank(tmp)
+        except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
+            ok = False
+            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}", stacklevel=2)
+        all_ok = _world_all_true(ok, self.pstate)
+        committed = False
+        if self.pstate.rank == 0:
+            committed = all_ok and self._commit(step, tmp, final, meta)
+            if not committed:
+                shutil.rmtree(tmp, ignore_errors=True)
+        committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate)
+        if committed and self.pstate.rank == 0:
+            self._prune()
+        if not committed and self.pstate.rank == 0:
+            warnings.warn(
+                f"checkpoint at step {step} was not saved; keeping the previous ones "
+                f"({[s for s, _ in complete_checkpoints(self.root)]})",
+                stacklevel=2,
+            )
+        return committed
+
+    def _commit(self, step: int, tmp: str, final: str, meta: dict[str, Any]) -> bool:
+        try:
+            files = sorted(f for f in os.listdir(tmp) if not f.endswith(".part"))
+            body = dict(meta, step=step, files=files, world_size=self.pstate.world_size)
+            atomic_write_bytes(os.path.join(tmp, META), lambda fh: fh.write(json.dumps(body, indent=1).encode()))
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap it out
+                os.replace(final, final + ".old")
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            shutil.rmtree(final + ".old", ignore_errors=True)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"[rank 0] committing checkpoint at step {step} failed: {exc}", stacklevel=3)
+            return False
+
+    def _prune(self) -> None:
+        done = complete_checkpoints(self.root)
+        for _, path in done[: max(0, len(done) - self.keep_last)]:
+            # Rename first so a kill mid-delete never leaves a half-deleted "complete" dir.
+            trash = path + ".old"
+            try:
+                os.replace(path, trash)
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+
+    # ---- resume -------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        """The newest loadable checkpoint directory, or None."""
+        for _, path in reversed(complete_checkpoints(self.root)):
+            if is_loadable(path):
+                return path
+        return None
+
+    def find(self, resume: str) -> str | None:
+        """The checkpoint ``train.resume`` asks for: ``auto``, ``none`` or a directory.
+
+        Collective: every rank must find the same step (a filesystem that is not
+        shared would otherwise desynchronise them silently).
+        """
+        if resume == "none":
+            path = None
+        elif resume == "auto":
+            path = self.latest()
+        else:
+            if not is_loadable(resume):
+                raise CheckpointError(f"train.resume={resume!r}: not a complete checkpoint directory")
+            path = resume
+        step = -1 if path is None else int(read_meta(path)["step"])
+        t = torch.tensor([step, -step], dtype=torch.int64, device=self.pstate.device)
+        for kind in ("tp", "pp", "dp"):
+            comm.all_reduce(t, self.pstate, kind, op=dist.ReduceOp.MAX)
+        if int(t[0]) != step or int(-t[1]) != step:
+            raise CheckpointError(
+                f"[rank {self.pstate.rank}] ranks disagree on the checkpoint to resume "
+                f"(this rank: step {step}); is {self.root} on a shared filesystem?"
+            )
+        return path
+
+    def check_layout(self, directory: str, layout: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's meta, after checking it was written by the same layout."""
+        meta = read_meta(directory)
+        saved = meta.get("layout")
+        if saved != layout:
+            raise CheckpointError(
+                f"checkpoint {directory} was saved with layout {saved}, this job is {layout}; "
+                f"resume with the same parallel.* settings (or train.resume=none)"
+            )
+        return meta

@@ -1,0 +1,457 @@
+"""The structured-config schema of a training job, and its validation.
+
+Hydra composes ``conf/config.yaml`` against ``JobConfig`` (registered in Hydra's
+ConfigStore as ``job_schema``), so a key that is not a field here is rejected
+while composing and every value is type-checked. ``resolve`` then checks the
+*meaning* of every value (ranges, choices, batch arithmetic, model fit) and
+returns a frozen ``ResolvedJob``; library code never sees an OmegaConf object.
+
+Invariant: ``resolve`` runs before any process group exists (it reads the world
+size from the launcher's ``WORLD_SIZE``), and every problem it finds is one
+``ConfigError`` whose message names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import ModelConfig
+from parallel3d.topology import LayoutError, Topology
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("online", "offline", "disabled")
+KERNEL_BACKENDS = ("auto", "triton", "apex", "torch")
+ZERO_STAGES = (0, 1, 2)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line a user can act on."""
+
+
+# ---- schema -------------------------------------------------------------------------
+
+# kernels.backend is the public name of ModelConfig.kernel_backend, so the model group
+# does not carry it (one key per setting).
+_MODEL_KEYS_NOT_IN_GROUP = ("kernel_backend",)
+
+
+def _model_schema() -> type:
+    """ModelConfig's fields as a mutable dataclass (Hydra cannot override frozen nodes).
+
+    Built from ModelConfig itself so the YAML schema cannot drift from the model code.
+    """
+    hints = typing.get_type_hints(ModelConfig)
+    specs = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in _MODEL_KEYS_NOT_IN_GROUP:
+            continue
+        specs.append((f.name, hints[f.name], field(default=f.default)))
+    schema = dataclasses.make_dataclass("ModelSchema", specs)
+    schema.__module__ = __name__
+    return schema
+
+
+ModelSchema = _model_schema()
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel degree (splits heads / MLP columns)
+    pp: int = 1  # pipeline stages
+    dp: Any = "auto"  # data-parallel replicas, or "auto" = world_size / (tp * pp)
+    zero_stage: int = 0  # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads
+    sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
+    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
+    order: str = "tp-dp-pp"  # rank order, fastest-varying first
+    bucket_size_mb: float = 25.0  # gradient bucket size for DP/ZeRO reduction
+    pp_layers: list[int] | None = None  # layers per pipeline chunk; null = balanced split
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch_size: int = 8  # = micro_batch_size * grad_accum * dp
+    micro_batch_size: int = 4
+    seq_len: int = 128
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses dynamic loss scaling)
+    recompute: str = "none"  # activation recompute: none | selective | full
+    out_dir: str = "runs/default"  # run directory: metrics.jsonl, checkpoints/, .hydra/
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept (K)
+    resume: str = "auto"  # auto (newest complete checkpoint in out_dir) | none | <checkpoint dir>
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    timeout_s: float = 600.0  # collective timeout
+    peak_tflops: float | None = None  # per-device peak for MFU; null = detect known GPUs
+    stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # cosine decay floor, reached at train.steps
+    warmup_steps: int = 20  # linear warm-up from 0
+    weight_decay: float = 0.1  # AdamW decoupled decay (not on norms/biases)
+    clip_grad: float = 1.0  # max global grad norm; 0 = no clipping
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    source: str = "default"  # default (built-in corpus) | indexed (Megatron .bin/.idx prefixes)
+    corpus: str = "pydoc"  # built-in corpus (source=default): pydoc | stdlib | pydoc+stdlib
+    tokenizer: str = "bpe"  # built-in corpus tokenizer: bpe (trained locally to model.vocab_size) | byte
+    paths: list[str] = field(default_factory=list)  # dataset prefixes (source=indexed)
+    weights: list[float] | None = None  # blending weights, one per path; null = by dataset size
+    cache_dir: str = ".cache/parallel3d"  # where the built-in corpus is tokenized once
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # online | offline | disabled
+    project: str = "parallel3d"
+    entity: str | None = None
+    name: str | None = None  # run name; null = W&B picks one
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10  # console/JSONL/W&B every N steps (and the last step)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto | triton | apex | torch (ModelConfig.kernel_backend)
+
+
+@dataclass
+class JobConfig:
+    model: ModelSchema = field(default_factory=ModelSchema)  # type: ignore[valid-type]
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+
+def register_schema() -> None:
+    """Register ``JobConfig`` as ``job_schema`` for conf/config.yaml's defaults list."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+# ---- resolved job ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A validated job: the config plus everything derived from it and the world size."""
+
+    job: JobConfig
+    model: ModelConfig
+    topology: Topology
+    world_size: int
+    grad_accum: int  # micro-batches per step per DP rank
+    device: str  # "cpu" | "cuda"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.job.train.global_batch_size * self.job.train.seq_len
+
+
+def _check_int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> Any:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: must be one of {', '.join(map(str, allowed))}")
+    return value
+
+
+def _check_range(key: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = value > lo if lo_open else value >= lo
+        ok = ok and (hi is None or value <= hi)
+    if not ok:
+        bound = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
+        raise ConfigError(f"{key}={value!r}: must be a number {bound}")
+    return float(value)
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return _check_int("WORLD_SIZE", int(raw), 1)
+    except ValueError:
+        raise ConfigError(f"environment WORLD_SIZE={raw!r}: must be an integer >= 1") from None
+
+
+def _resolve_dp(p: ParallelConfig, world_size: int) -> int:
+    tp = _check_int("parallel.tp", p.tp, 1)
+    pp = _check_int("parallel.pp", p.pp, 1)
+    if p.dp == "auto":
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"parallel.dp=auto: world_size={world_size} is not divisible by "
+                f"parallel.tp*parallel.pp = {tp}*{pp} = {tp * pp}"
+            )
+        return world_size // (tp * pp)
+    dp = p.dp
+    if isinstance(dp, str) and dp.strip().isdigit():
+        dp = int(dp)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"parallel.dp={p.dp!r}: must be an integer >= 1 or 'auto'")
+    if tp * pp * dp != world_size:
+        raise ConfigError(
+            f"parallel.tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the job has "
+            f"world_size={world_size} processes (use parallel.dp=auto to derive dp)"
+        )
+    return dp
+
+
+def _check_parallel(p: ParallelConfig, model: ModelConfig, topo: Topology) -> None:
+    _check_choice("parallel.zero_stage", p.zero_stage, ZERO_STAGES)
+    _check_choice("parallel.schedule", p.schedule, SCHEDULES)
+    v = _check_int("parallel.virtual_stages", p.virtual_stages, 1)
+    if v > 1 and p.schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallel.virtual_stages={v}: only parallel.schedule=interleaved_1f1b uses more than one "
+            f"chunk per stage (schedule is {p.schedule!r})"
+        )
+    if p.schedule == "interleaved_1f1b" and (v < 2 or topo.pp < 2):
+        raise ConfigError(
+            f"parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
+            f"(got pp={topo.pp}, virtual_stages={v})"
+        )
+    if p.sequence_parallel and topo.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true: needs parallel.tp > 1 (with tp=1 it would do nothing)")
+    _check_range("parallel.bucket_size_mb", p.bucket_size_mb, 0.0, lo_open=True)
+    if model.ffn_size % topo.tp:
+        raise ConfigError(f"model.ffn_hidden_size={model.ffn_size}: must be divisible by parallel.tp={topo.tp}")
+    try:
+        topo.check_model(
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            hidden_size=model.hidden_size,
+            virtual_stages=v,
+        )
+    except LayoutError as exc:
+        raise ConfigError(f"model does not fit the layout: {exc}") from None
+    if p.pp_layers is not None:
+        chunks = topo.pp * v
+        layers = list(p.pp_layers)
+        if len(layers) != chunks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+            raise ConfigError(
+                f"parallel.pp_layers={layers}: must list {chunks} positive layer counts "
+                f"(one per pipeline chunk = pp*virtual_stages = {topo.pp}*{v}), or be null"
+            )
+        if sum(layers) != model.num_layers:
+            raise ConfigError(
+                f"parallel.pp_layers={layers}: sums to {sum(layers)} but model.num_layers={model.num_layers}"
+            )
+
+
+def _grad_accum(t: TrainConfig, dp: int) -> int:
+    gbs = _check_int("train.global_batch_size", t.global_batch_size, 1)
+    mbs = _check_int("train.micro_batch_size", t.micro_batch_size, 1)
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"train.global_batch_size={gbs} is not divisible by train.micro_batch_size*dp = {mbs}*{dp} = "
+            f"{mbs * dp}; global_batch = micro_batch * grad_accum * dp needs an integer grad_accum"
+        )
+    return gbs // (mbs * dp)
+
+
+def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: ParallelConfig, accum: int) -> str:
+    _check_int("train.steps", t.steps, 1)
+    seq = _check_int("train.seq_len", t.seq_len, 1)
+    if seq > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={seq}: must be <= model.max_seq_len={model.max_seq_len}")
+    if p.sequence_parallel and seq % topo.tp:
+        raise ConfigError(f"train.seq_len={seq}: sequence parallel needs it divisible by parallel.tp={topo.tp}")
+    if p.schedule == "interleaved_1f1b" and accum % topo.pp:
+        raise ConfigError(
+            f"parallel.schedule=interleaved_1f1b: grad_accum={accum} micro-batches must be a multiple of "
+            f"parallel.pp={topo.pp} (grad_accum = global_batch_size / (micro_batch_size*dp))"
+        )
+    _check_int("train.seed", t.seed, 0)
+    _check_choice("train.precision", t.precision, PRECISIONS)
+    _check_choice("train.recompute", t.recompute, RECOMPUTE)
+    _check_int("train.save_every", t.save_every, 0)
+    _check_int("train.keep_last", t.keep_last, 1)
+    if t.stop_after is not None:
+        _check_int("train.stop_after", t.stop_after, 1)
+    if not isinstance(t.out_dir, str) or not t.out_dir.strip():
+        raise ConfigError(f"train.out_dir={t.out_dir!r}: must be a non-empty path")
+    if t.resume not in ("auto", "none") and not os.path.isdir(t.resume):
+        raise ConfigError(f"train.resume={t.resume!r}: must be auto, none or an existing checkpoint directory")
+    _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    if t.peak_tflops is not None:
+        _check_range("train.peak_tflops", t.peak_tflops, 0.0, lo_open=True)
+    device = _check_choice("train.device", t.device, DEVICES)
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda: CUDA is not available on this machine (use auto or cpu)")
+    if t.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision=bf16: this GPU does not support bf16 (use fp16 or fp32)")
+    return device
+
+
+def _check_optimizer(o: OptimizerConfig, steps: int) -> None:
+    lr = _check_range("optimizer.lr", o.lr, 0.0, lo_open=True)
+    _check_range("optimizer.min_lr", o.min_lr, 0.0, lr)
+    _check_int("optimizer.warmup_steps", o.warmup_steps, 0)
+    if o.warmup_steps > steps:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps}: must be <= train.steps={steps}")
+    _check_range("optimizer.weight_decay", o.weight_decay, 0.0)
+    _check_range("optimizer.clip_grad", o.clip_grad, 0.0)
+    for key in ("beta1", "beta2"):
+        value = getattr(o, key)
+        if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ConfigError(f"optimizer.{key}={value!r}: must be in [0, 1)")
+    _check_range("optimizer.eps", o.eps, 0.0, lo_open=True)
+
+
+def _check_data(d: DataConfig, model: ModelConfig) -> None:
+    _check_choice("data.source", d.source, ("default", "indexed"))
+    if d.source == "indexed" and not d.paths:
+        raise ConfigError("data.paths=[]: data.source=indexed needs at least one dataset prefix")
+    if d.source == "default" and d.paths:
+        raise ConfigError(f"data.paths={list(d.paths)}: only used with data.source=indexed")
+    if d.source == "default" and d.weights is not None:
+        raise ConfigError(f"data.weights={list(d.weights)}: only used with data.source=indexed")
+    if d.weights is not None:
+        weights = list(d.weights)
+        if len(weights) != len(d.paths) or any(w <= 0 for w in weights):
+            raise ConfigError(
+                f"data.weights={weights}: must give one positive weight per data.paths entry ({len(d.paths)})"
+            )
+    for prefix in d.paths:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(f"data.paths entry {prefix!r}: file {prefix + ext} does not exist")
+    from parallel3d.data.corpus import CORPORA, TOKENIZER_KINDS
+
+    _check_choice("data.corpus", d.corpus, CORPORA)
+    _check_choice("data.tokenizer", d.tokenizer, TOKENIZER_KINDS)
+    if d.source == "default" and model.vocab_size < 257:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size}: the built-in corpus needs >= 257 (256 bytes + end-of-document)"
+        )
+
+
+def _check_logging(lg: LoggingConfig) -> None:
+    _check_int("logging.log_every", lg.log_every, 1)
+    _check_choice("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
+    if not isinstance(lg.wandb.project, str) or not lg.wandb.project:
+        raise ConfigError(f"logging.wandb.project={lg.wandb.project!r}: must be a non-empty string")
+
+
+def build_model_config(job: JobConfig) -> ModelConfig:
+    """The frozen ModelConfig from the model group plus kernels.backend."""
+    _check_choice("kernels.backend", job.kernels.backend, KERNEL_BACKENDS)
+    values = {f.name: getattr(job.model, f.name) for f in dataclasses.fields(ModelSchema)}
+    values["kernel_backend"] = job.kernels.backend
+    try:
+        return ModelConfig(**values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
+    """Validate every value of ``job`` for a job of ``world_size`` processes; see module doc."""
+    world = world_size_from_env() if world_size is None else world_size
+    model = build_model_config(job)
+    p = job.parallel
+    dp = _resolve_dp(p, world)
+    try:
+        topo = Topology(p.tp, p.pp, dp, order=p.order)
+    except LayoutError as exc:
+        raise ConfigError(f"parallel.order={p.order!r}: {exc}") from None
+    _check_parallel(p, model, topo)
+    accum = _grad_accum(job.train, dp)
+    device = _check_train(job.train, model, topo, p, accum)
+    _check_optimizer(job.optimizer, job.train.steps)
+    _check_data(job.data, model)
+    _check_logging(job.logging)
+    return ResolvedJob(job=job, model=model, topology=topo, world_size=world, grad_accum=accum, device=device)
+
+
+def job_from_dict(values: dict | None = None) -> JobConfig:
+    """A ``JobConfig`` from nested plain values (for tests and scripts), type-checked like Hydra does."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(values or {}))
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(one_line_omegaconf_error(exc)) from None
+
+
+def one_line_omegaconf_error(exc: BaseException) -> str:
+    """OmegaConf/Hydra errors span several lines; keep the key and the reason on one."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    full_key = getattr(exc, "full_key", None)
+    if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and full_key:
+        return f"{full_key}: unknown key; {_allowed_keys(str(full_key))}"
+    msg = getattr(exc, "msg", None) or str(exc)
+    lines = []
+    for line in str(msg).splitlines():
+        line = line.strip()
+        if not line or line.startswith(("full_key", "object_type", "reference_type")):
+            continue
+        if line.startswith("Config search path"):
+            break
+        lines.append(line)
+    text = " ".join(lines)
+    if full_key and str(full_key) not in text:
+        return f"{full_key}: {text}"
+    return text
+
+
+def _allowed_keys(full_key: str) -> str:
+    """``'<section> accepts: a, b, c'`` for the schema node holding ``full_key``."""
+    node: Any = JobConfig
+    path = full_key.split(".")[:-1]
+    for part in path:
+        hints = typing.get_type_hints(node)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            break
+        node = hints[part]
+    where = ".".join(path) or "the config root"
+    return f"{where} accepts: {', '.join(f.name for f in dataclasses.fields(node))}"
+
+
+def check_no_extra_keys(cfg: Any) -> None:
+    """Reject keys a ``+key=value`` override added outside the schema (Hydra allows it)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.merge(OmegaConf.structured(JobConfig), cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(one_line_omegaconf_error(exc)) from None

@@ -1,0 +1,130 @@
+"""Per-step batches of one data-parallel rank, independent of the layout.
+
+Invariant: global step ``t`` (counted from ``start_sample``) consumes the global
+sample ids ``[start + t*G, start + (t+1)*G)``. DP rank ``r`` of ``dp`` takes the
+contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of it, cut into microbatches of
+``micro_batch_size`` in order. So the union over DP ranks of one step is the
+same global batch for any ``dp`` and any micro-batch size; TP ranks of one
+replica (same ``dp_rank``) get identical batches; pipeline stages that need no
+tokens (neither first nor last) can skip reading them (``load_tokens=False``)
+and still get ``sample_ids``, which seed dropout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from parallel3d.data.errors import DataError
+from parallel3d.data.gpt_dataset import GPTDataset
+
+if TYPE_CHECKING:
+    from parallel3d.parallel_state import ParallelState
+
+Microbatch = dict[str, torch.Tensor]
+
+
+class DistributedBatchIterator:
+    """Yields, per optimizer step, this DP rank's list of microbatch dicts.
+
+    Each microbatch is ``{"input_ids": int64 [mb, s], "labels": int64 [mb, s],
+    "sample_ids": int64 [mb]}`` (only ``sample_ids`` when ``load_tokens`` is
+    False). The iterator never ends: the dataset repeats with a fresh shuffle per
+    epoch. ``state_dict()`` records the next unseen global sample.
+    """
+
+    def __init__(
+        self,
+        dataset: GPTDataset,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        start_sample: int = 0,
+        *,
+        load_tokens: bool = True,
+    ) -> None:
+        for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
+                            ("dp_size", dp_size)):
+            if not isinstance(value, int) or value < 1:
+                raise DataError(f"{name}={value!r} must be a positive int")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise DataError(
+                f"global_batch_size={global_batch_size} must be a multiple of "
+                f"micro_batch_size * dp_size = {micro_batch_size} * {dp_size}"
+            )
+        if not isinstance(start_sample, int) or start_sample < 0:
+            raise DataError(f"start_sample={start_sample!r} must be a non-negative int")
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.load_tokens = load_tokens
+        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.next_sample = start_sample
+
+    @classmethod
+    def for_rank(
+        cls,
+        dataset: GPTDataset,
+        pstate: "ParallelState",
+        global_batch_size: int,
+        micro_batch_size: int,
+        start_sample: int = 0,
+    ) -> "DistributedBatchIterator":
+        """The iterator of this process: its DP coordinate; tokens only on the first/last stage."""
+        return cls(
+            dataset, global_batch_size, micro_batch_size, pstate.dp_rank, pstate.dp_size, start_sample,
+            load_tokens=pstate.is_first_stage or pstate.is_last_stage,
+        )
+
+    def local_sample_ids(self, step_start: int) -> np.ndarray:
+        """Global ids of this rank's samples for the step starting at ``step_start``."""
+        per_rank = self.global_batch_size // self.dp_size
+        first = step_start + self.dp_rank * per_rank
+        return np.arange(first, first + per_rank, dtype=np.int64)
+
+    def __iter__(self) -> Iterator[list[Microbatch]]:
+        return self
+
+    def __next__(self) -> list[Microbatch]:
+        ids = self.local_sample_ids(self.next_sample)
+        tokens = torch.from_numpy(self.dataset.get_samples(ids)) if self.load_tokens else None
+        sample_ids = torch.from_numpy(ids)
+        microbatches = []
+        for j in range(self.num_microbatches):
+            rows = slice(j * self.micro_batch_size, (j + 1) * self.micro_batch_size)
+            mb: Microbatch = {"sample_ids": sample_ids[rows].clone()}
+            if tokens is not None:
+                mb["input_ids"] = tokens[rows, :-1].contiguous()
+                mb["labels"] = tokens[rows, 1:].contiguous()
+            microbatches.append(mb)
+        self.next_sample += self.global_batch_size
+        return microbatches
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.next_sample
+
+    def state_dict(self) -> dict:
+        return {"next_sample": self.next_sample, "dataset": self.dataset.fingerprint()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue at ``state["next_sample"]``; with ``strict``, the dataset must match the saved one."""
+        if "next_sample" not in state:
+            raise DataError(f"data state has no 'next_sample' (keys: {sorted(state)})")
+        saved = state.get("dataset")
+        if strict and saved is not None and saved != self.dataset.fingerprint():
+            raise DataError(
+                f"the checkpoint's dataset {saved} differs from this run's {self.dataset.fingerprint()}; "
+                "sample ids would mean different samples (pass strict=False to resume anyway)"
+            )
+        next_sample = state["next_sample"]
+        if not isinstance(next_sample, int) or next_sample < 0:
+            raise DataError(f"data state next_sample={next_sample!r} must be a non-negative int")
+        self.next_sample = next_sample

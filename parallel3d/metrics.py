@@ -1,0 +1,359 @@
+"""Training metrics: FLOPs / MFU, throughput, memory, and the JSONL / W&B / console sinks.
+
+FLOPs convention (also in README):
+- ``N`` = every parameter that takes part in a matmul per token: all transformer-layer
+  parameters (attention, MLP, norms, biases) plus the output projection ``h * V``
+  (counted even when tied to the input embedding, because the logits matmul runs).
+  Input embedding lookups (word, learned positions) are not matmuls and are excluded.
+- Model FLOPs per token = ``6 * N + 6 * L * s * h``: 2 FLOPs per multiply-add, forward
+  plus a backward twice as expensive. The attention term is the score (QK^T) and
+  weighted-sum (AV) matmuls, ``12 * L * s * h`` for full attention, *halved* because
+  attention is causal.
+- MFU uses model FLOPs only (recompute does not count). HFU adds the recomputed
+  forward: ``full`` recompute re-runs the whole forward (``8 * N + 8 * L * s * h``),
+  ``selective`` re-runs core attention (``6 * N + 8 * L * s * h``).
+- The peak is per device for the run's dtype: dense bf16/fp16 tensor-core peak (never
+  TF32 or sparse) or the plain fp32 peak for fp32 runs. Unknown devices (and CPUs)
+  get no MFU and a single warning unless ``train.peak_tflops`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from models.config import ModelConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+# Dense peaks in TFLOP/s: (bf16/fp16 tensor core, fp32 without TF32). Matched as
+# substrings of torch.cuda.get_device_name(), most specific first.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989.0, 67.0),
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100", 989.0, 67.0),  # SXM
+    ("A100", 312.0, 19.5),
+    ("A10G", 125.0, 31.2),
+    ("L40S", 362.0, 91.6),
+    ("V100", 125.0, 15.7),  # fp16 (no bf16 on V100)
+)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """``N`` of the FLOPs convention: layer parameters + final norm + output projection."""
+    h, f, L, V = cfg.hidden_size, cfg.ffn_size, cfg.num_layers, cfg.vocab_size
+    if cfg.arch == "gpt":
+        bias = 1 if cfg.use_bias else 0
+        attn = 3 * h * h + h * h + bias * (3 * h + h)
+        mlp = 2 * h * f + bias * (f + h)
+        norms = 2 * 2 * h  # two LayerNorms with weight and bias
+        final_norm = 2 * h
+    else:
+        kv = cfg.kv_heads * cfg.head_dim
+        attn = h * h + 2 * h * kv + h * h
+        mlp = 3 * h * f  # gate, up, down
+        norms = 2 * h  # two RMSNorms, weight only
+        final_norm = h
+    return L * (attn + mlp + norms) + final_norm + h * V
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token without recompute (see module doc)."""
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * seq_len * cfg.hidden_size
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> float:
+    """Training FLOPs per token including the recomputed forward."""
+    n_term = 6.0 * matmul_params(cfg)
+    attn_term = 6.0 * cfg.num_layers * seq_len * cfg.hidden_size
+    if recompute == "full":
+        return n_term * 8 / 6 + attn_term * 8 / 6
+    if recompute == "selective":
+        return n_term + attn_term * 8 / 6
+    return n_term + attn_term
+
+
+def detect_peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The per-device dense peak for ``precision`` on a known GPU, else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, half, fp32 in PEAK_TFLOPS:
+        if pattern in name:
+            return fp32 if precision == "fp32" else half
+    return None
+
+
+# ---- memory -----------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_snapshot(device: torch.device, tracked: dict[str, int] | None = None) -> dict[str, int]:
+    """``mem_*`` values of this rank.
+
+    CUDA: allocator's allocated / reserved / peak allocated. CPU: the tracked
+    parameter / gradient / optimizer bytes (from the optimizer) plus RSS; the
+    peak is the peak RSS.
+    """
+    out = {f"mem_{k}_bytes": int(v) for k, v in (tracked or {}).items()}
+    if device.type == "cuda":
+        out["mem_allocated_bytes"] = torch.cuda.memory_allocated(device)
+        out["mem_reserved_bytes"] = torch.cuda.memory_reserved(device)
+        out["mem_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    else:
+        out["mem_rss_bytes"] = rss_bytes()
+        out["mem_peak_bytes"] = peak_rss_bytes()
+    return out
+
+
+# ---- per-step numbers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """What a step's FLOPs and tokens are; built once per run."""
+
+    tokens_per_step: int
+    samples_per_step: int
+    world_size: int
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    peak_tflops: float | None  # per device; None: no MFU/HFU
+
+    @classmethod
+    def build(
+        cls,
+        cfg: ModelConfig,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        world_size: int,
+        recompute: str,
+        peak_tflops: float | None,
+    ) -> "ThroughputModel":
+        tokens = global_batch_size * seq_len
+        return cls(
+            tokens_per_step=tokens,
+            samples_per_step=global_batch_size,
+            world_size=world_size,
+            model_flops_per_step=model_flops_per_token(cfg, seq_len) * tokens,
+            hardware_flops_per_step=hardware_flops_per_token(cfg, seq_len, recompute) * tokens,
+            peak_tflops=peak_tflops,
+        )
+
+    def step_metrics(self, step_time: float) -> dict[str, float | None]:
+        tflops = self.model_flops_per_step / step_time / self.world_size / 1e12
+        hw_tflops = self.hardware_flops_per_step / step_time / self.world_size / 1e12
+        peak = self.peak_tflops
+        return {
+            "step_time": step_time,
+            "tokens_per_sec": self.tokens_per_step / step_time,
+            "samples_per_sec": self.samples_per_step / step_time,
+            "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None,
+            "hfu": hw_tflops / peak if peak else None,
+        }
+
+
+def resolve_peak_tflops(configured: float | None, device: torch.device, precision: str) -> float | None:
+    """The configured peak, else a detected one; warns once when there is none."""
+    if configured is not None:
+        return float(configured)
+    peak = detect_peak_tflops(device, precision)
+    if peak is None:
+        what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        warnings.warn(
+            f"no peak TFLOP/s known for device {what!r} ({precision}): MFU is not reported "
+            f"(set train.peak_tflops to enable it)",
+            stacklevel=2,
+        )
+    return peak
+
+
+# ---- sinks --------------------------------------------------------------------------------
+
+WANDB_GROUPS = {
+    "loss": "train",
+    "lr": "train",
+    "grad_norm": "train",
+    "loss_scale": "train",
+    "tokens_per_sec": "throughput",
+    "samples_per_sec": "throughput",
+    "step_time": "throughput",
+    "tflops_per_device": "throughput",
+    "mfu": "throughput",
+    "hfu": "throughput",
+    "bubble_fraction": "parallel",
+    "comm_bytes": "parallel",
+}
+
+
+def wandb_key(key: str) -> str:
+    """The grouped W&B name of a JSONL key (``train/``, ``throughput/``, ``memory/``, ``parallel/``)."""
+    if key.startswith("mem_"):
+        return f"memory/{key}"
+    if key.startswith("comm_bytes_"):
+        return f"parallel/{key}"
+    return f"{WANDB_GROUPS.get(key, 'train')}/{key}"
+
+
+class JsonlSink:
+    """``metrics.jsonl``: one JSON object per logged step, flushed at once."""
+
+    def __init__(self, path: str, *, keep_through_step: int | None = None) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if keep_through_step is not None:
+            self._truncate_after(keep_through_step)
+        elif os.path.exists(path):
+            os.remove(path)  # a fresh run starts a fresh file
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run drops records the interrupted run wrote after its checkpoint."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as fh:
+            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as fh:
+            fh.writelines(kept)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+class WandbSink:
+    """One W&B run; any failure (missing package, server down) warns once and disables it."""
+
+    def __init__(
+        self, *, mode: str, project: str, entity: str | None, name: str | None, run_dir: str,
+        config: dict[str, Any], resume_id: str | None = None,
+    ) -> None:
+        self.run = None
+        self.run_id: str | None = None
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self._wandb = wandb
+            self.run = wandb.init(
+                mode=mode, project=project, entity=entity, name=name, dir=run_dir, config=config,
+                id=resume_id, resume="allow" if resume_id else None,
+                settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
+            )
+            self.run_id = self.run.id
+        except Exception as exc:  # noqa: BLE001 - W&B must never kill training
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        warnings.warn(f"W&B disabled ({type(exc).__name__}: {exc}); metrics.jsonl continues", stacklevel=3)
+        self.run = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            data = {wandb_key(k): v for k, v in record.items() if k != "step" and v is not None}
+            self.run.log(data, step=int(record["step"]))
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        try:
+            for k, v in summary.items():
+                self.run.summary[k] = v
+            self.run.finish()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+        self.run = None
+
+
+def format_console(record: dict[str, Any], total_steps: int) -> str:
+    """The one line printed per logged step (logging rank only)."""
+    parts = [f"step {record['step']:>5d}/{total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
+    if record.get("grad_norm") is not None:
+        parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"scale {record['loss_scale']:.0f}")
+    parts.append(f"{record['tokens_per_sec']:,.0f} tok/s")
+    parts.append(f"{record['step_time'] * 1e3:.0f} ms")
+    parts.append(f"{record['tflops_per_device']:.3g} TFLOP/s/dev")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record.get("bubble_fraction") is not None:
+        parts.append(f"bubble {100 * record['bubble_fraction']:.0f}%")
+    parts.append(f"mem {record.get('mem_peak_bytes_max', 0) / 2**20:,.0f} MiB")
+    return " | ".join(parts)
+
+
+class StepTimer:
+    """Wall time of one step; synchronises CUDA so the time covers the queued kernels."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self._t0
+
+
+@dataclass(frozen=True)
+class Reduced:
+    max: float
+    min: float
+    sum: float
+    mean: float
+
+
+def reduce_over_world(values: dict[str, float], pstate: "ParallelState") -> dict[str, Reduced]:
+    """Max, min, sum and mean of per-rank ``values`` over all ranks (every rank must call it).
+
+    Reducing over the tp, then pp, then dp group covers the world, because each
+    kind of group partitions the ranks.
+    """
+    import torch.distributed as dist
+
+    from parallel3d import comm
+
+    keys = sorted(values)
+    hi = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=pstate.device)
+    lo, total = hi.clone(), hi.clone()
+    for kind in ("tp", "pp", "dp"):
+        comm.all_reduce(hi, pstate, kind, op=dist.ReduceOp.MAX)
+        comm.all_reduce(lo, pstate, kind, op=dist.ReduceOp.MIN)
+        comm.all_reduce(total, pstate, kind, op=dist.ReduceOp.SUM)
+    world = pstate.world_size
+    return {
+        k: Reduced(hi[i].item(), lo[i].item(), total[i].item(), total[i].item() / world) for i, k in enumerate(keys)
+    }

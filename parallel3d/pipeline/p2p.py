@@ -1,0 +1,117 @@
+"""Point-to-point transfers between neighbouring pipeline chunks.
+
+Activations travel forward (model chunk k -> k + 1), their gradients backward.
+Every message of a pipeline has the same shape, fixed by the config:
+``[micro_batch_size, seq_len / tp if sequence_parallel else seq_len, hidden_size]``
+and the model's dtype, so no shape handshake is needed. Each TP rank talks to
+the TP rank with the same coordinate in the neighbouring stage (hidden states
+are replicated over TP, or each rank holds its own sequence shard).
+
+All sends and receives that the schedule lists back to back go out as one
+``batch_isend_irecv`` (gloo and NCCL); receives are waited for before the
+caller uses them, sends are waited for at the end of the step
+(``wait_sends``), so a send never blocks the sender's next computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.pipeline.schedules import Action, stage_and_chunk, virtual_stage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    """Shape and dtype of every activation (and gradient) message of this pipeline."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(
+        cls,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+    ) -> "MessageSpec":
+        if sequence_parallel and seq_len % tp_size:
+            raise ValueError(
+                f"data.seq_len={seq_len} is not divisible by parallel.tp={tp_size}, which sequence parallel needs"
+            )
+        local_seq = seq_len // tp_size if sequence_parallel else seq_len
+        return cls((micro_batch_size, local_seq, hidden_size), dtype)
+
+
+class PipelineP2P:
+    """This rank's sends/receives for the actions of its schedule.
+
+    Peers are global ranks asked from the ``Topology``: the chunk after
+    (stage s, chunk c) is model chunk ``s + c*p + 1``, which may wrap to stage 0.
+    """
+
+    def __init__(self, pstate: "ParallelState", spec: MessageSpec, num_virtual_stages: int = 1) -> None:
+        self.pstate = pstate
+        self.spec = spec
+        self.num_virtual_stages = num_virtual_stages
+        self._pending_sends: list = []
+
+    def peer(self, action: Action) -> int:
+        """Global rank on the other end of a communication action."""
+        p = self.pstate.pp_size
+        vs = virtual_stage(self.pstate.pp_rank, action.chunk, p)
+        other = vs + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
+        if not (0 <= other < p * self.num_virtual_stages):
+            raise ValueError(f"rank {self.pstate.rank}: {action} has no neighbour (model chunk {other})")
+        stage, _ = stage_and_chunk(other, p)
+        return self.pstate.topology.stage_rank(self.pstate.rank, stage)
+
+    def exchange(
+        self, sends: list[tuple[Action, torch.Tensor]], recvs: list[Action]
+    ) -> dict[Action, torch.Tensor]:
+        """Post all ``sends`` and ``recvs`` as one batch; return the received tensors once they arrived."""
+        ops: list[dist.P2POp] = []
+        group = self.pstate.group("pp")
+        for action, tensor in sends:
+            if tuple(tensor.shape) != self.spec.shape or tensor.dtype != self.spec.dtype:
+                raise ValueError(
+                    f"rank {self.pstate.rank}: {action} sends shape {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"but the pipeline's messages are {self.spec.shape} {self.spec.dtype}"
+                )
+            tensor = tensor.detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, self.peer(action), group=group))
+            self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
+        received: dict[Action, torch.Tensor] = {}
+        for action in recvs:
+            buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.pstate.device)
+            ops.append(dist.P2POp(dist.irecv, buf, self.peer(action), group=group))
+            received[action] = buf
+        if not ops:
+            return received
+        try:
+            works = dist.batch_isend_irecv(ops)
+            self._pending_sends.extend(works[: len(sends)])
+            for work in works[len(sends):]:
+                work.wait()
+        except RuntimeError as exc:
+            what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
+            raise RuntimeError(
+                f"rank {self.pstate.rank} (pipeline stage {self.pstate.pp_rank}): p2p {what} failed: {exc}"
+            ) from exc
+        return received
+
+    def wait_sends(self) -> None:
+        """Block until every send posted so far has left this rank."""
+        for work in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()

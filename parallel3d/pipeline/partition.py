@@ -1,0 +1,129 @@
+"""Which global layers each pipeline chunk holds.
+
+``partition_layers`` returns one ``(first, last_exclusive)`` layer range per model
+chunk, in model order (chunk ``k`` of ``pp * v``; stage ``s`` holds chunks
+``s, s + pp, ...``, see ``schedules.virtual_stage``). The first chunk also holds
+the embedding, the last the final norm, the head and the loss.
+
+Default split: contiguous, every chunk at least one layer, minimising the most
+expensive chunk under ``stage_costs``'s estimate (forward FLOPs per token, where
+the head and the embedding count too), ties broken towards even costs. An
+explicit ``pp_layers`` list overrides it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from models.config import ModelConfig
+from parallel3d.topology import LayoutError
+
+
+def layer_flops(config: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one transformer layer (matmuls and attention scores)."""
+    h, kv_dim = config.hidden_size, config.kv_heads * config.head_dim
+    attn_proj = 2 * h * (h + 2 * kv_dim) + 2 * h * h  # qkv, out
+    mlp_mats = 3 if config.arch == "llama" else 2  # SwiGLU has a gate matrix
+    mlp = 2 * mlp_mats * h * config.ffn_size
+    attn_core = 2 * 2 * seq_len * h / 2  # QK^T and PV, causal: half the pairs
+    return attn_proj + mlp + attn_core
+
+
+def head_flops(config: ModelConfig) -> float:
+    """Forward FLOPs per token of the output projection and the cross entropy."""
+    return 2 * config.hidden_size * config.vocab_size + 4 * config.vocab_size
+
+
+def embedding_flops(config: ModelConfig) -> float:
+    """The lookup is memory-bound; charge it like an elementwise pass over the hidden state."""
+    return 4 * config.hidden_size
+
+
+def _chunk_cost(costs: Sequence[float], a: int, b: int, first: bool, last: bool, emb: float, head: float) -> float:
+    return sum(costs[a:b]) + (emb if first else 0.0) + (head if last else 0.0)
+
+
+def _balanced_split(costs: Sequence[float], chunks: int, emb: float, head: float) -> list[int]:
+    """Layer counts per chunk minimising (max chunk cost, sum of squared costs)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = (float("inf"), float("inf"))
+    # best[k][i]: best (max, sumsq) for the first i layers in k chunks; cut[k][i]: start of chunk k.
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, chunks + 1):
+        for i in range(k, n - (chunks - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                c = prefix[i] - prefix[j] + (emb if k == 1 else 0.0) + (head if k == chunks else 0.0)
+                cand = (max(best[k - 1][j][0], c), best[k - 1][j][1] + c * c)
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    counts, i = [], n
+    for k in range(chunks, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def partition_layers(
+    config: ModelConfig,
+    num_stages: int,
+    num_virtual_stages: int = 1,
+    pp_layers: Sequence[int] | None = None,
+    seq_len: int | None = None,
+) -> list[tuple[int, int]]:
+    """Layer ranges ``[(a, b), ...]`` of the ``num_stages * num_virtual_stages`` model chunks."""
+    for key, value in (("parallel.pp", num_stages), ("parallel.virtual_stages", num_virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{key}={value!r} must be an integer >= 1")
+    chunks = num_stages * num_virtual_stages
+    n = config.num_layers
+    if n < chunks:
+        raise LayoutError(
+            f"model.num_layers={n} is fewer than the pipeline chunks parallel.pp*virtual_stages="
+            f"{num_stages}*{num_virtual_stages}={chunks}; every chunk needs at least one layer"
+        )
+    if pp_layers is not None:
+        counts = list(pp_layers)
+        if len(counts) != chunks:
+            raise LayoutError(
+                f"parallel.pp_layers={counts} has {len(counts)} entries; it needs one per pipeline chunk "
+                f"(pp*virtual_stages={chunks})"
+            )
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise LayoutError(f"parallel.pp_layers={counts}: every entry must be an integer >= 1")
+        if sum(counts) != n:
+            raise LayoutError(
+                f"parallel.pp_layers={counts} sums to {sum(counts)} but model.num_layers={n}"
+            )
+    else:
+        seq = config.max_seq_len if seq_len is None else seq_len
+        costs = [layer_flops(config, seq)] * n
+        counts = _balanced_split(costs, chunks, embedding_flops(config), head_flops(config))
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start, start + c))
+        start += c
+    return ranges
+
+
+def chunk_costs(config: ModelConfig, ranges: Sequence[tuple[int, int]], seq_len: int | None = None) -> list[float]:
+    """Estimated forward FLOPs per token of each chunk (embedding on the first, head on the last)."""
+    seq = config.max_seq_len if seq_len is None else seq_len
+    costs = [layer_flops(config, seq)] * config.num_layers
+    last = len(ranges) - 1
+    return [
+        _chunk_cost(costs, a, b, k == 0, k == last, embedding_flops(config), head_flops(config))
+        for k, (a, b) in enumerate(ranges)
+    ]
+
+
+def stage_layer_ranges(ranges: Sequence[tuple[int, int]], num_stages: int, stage: int) -> list[tuple[int, int]]:
+    """The ranges held by ``stage``: its chunks c = 0..v-1 are model chunks stage + c*num_stages."""
+    return [ranges[k] for k in range(stage, len(ranges), num_stages)]

@@ -1,0 +1,138 @@
+"""Activation memory per transformer layer and per pipeline stage.
+
+Per-layer bytes follow Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (section 4), for 16-bit activations
+and 1-byte dropout masks, with s = sequence length, b = micro-batch size,
+h = hidden size, a = heads, t = tensor-parallel size:
+
+    no parallelism            s*b*h * (34 + 5*a*s/h)
+    tensor parallel           s*b*h * (10 + 24/t + 5*a*s/(h*t))
+    tensor + sequence par.    s*b*h/t * (34 + 5*a*s/h)
+    selective recompute       the 5*a*s/h term (attention scores) is dropped
+    full recompute            only the layer input, 2*s*b*h (/t with sequence parallel)
+
+The terms are kept separately (which tensors are stored, which are split over
+tp) so that the same code also covers GQA, SwiGLU, no dropout, fp32
+activations and fused attention; with the paper's assumptions
+(``ActivationAssumptions.korthikanti()``) it reduces exactly to the table above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.params import padded_vocab
+
+
+@dataclass(frozen=True)
+class ActivationAssumptions:
+    """What a layer stores for backward, beyond the matmul inputs."""
+
+    element_bytes: int = 2  # activation dtype size (2 for bf16/fp16, 4 for fp32)
+    hidden_dropout: bool = True  # 1-byte masks after attention, after the MLP and after the embedding
+    attention_dropout: bool = True  # dropout on attention probabilities (mask + output)
+    fused_attention: bool = False  # flash-style attention: scores are never stored
+    logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
+
+    @classmethod
+    def korthikanti(cls) -> "ActivationAssumptions":
+        """The paper's GPT setting: 16-bit activations, dropout everywhere, unfused attention."""
+        return cls()
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, precision: str = "bf16") -> "ActivationAssumptions":
+        """parallel3d's own models: dropout only on hidden states, none on attention probabilities."""
+        return cls(
+            element_bytes=4 if precision == "fp32" else 2,
+            hidden_dropout=config.dropout > 0,
+            attention_dropout=False,
+            fused_attention=True,  # F.scaled_dot_product_attention keeps no s x s scores
+        )
+
+
+@dataclass(frozen=True)
+class LayerActivationTerms:
+    """Bytes one layer stores for one microbatch on one tp rank, by kind."""
+
+    replicated: float  # not split over tp (split only by sequence parallel)
+    sharded: float  # split over tp by heads / ffn columns (already divided by t)
+    scores: float  # attention scores, split over tp by heads (already divided by t)
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.sharded + self.scores
+
+
+def layer_activation_terms(
+    config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
+) -> LayerActivationTerms:
+    s, b, h, t = layout.seq_len, layout.micro_batch_size, config.hidden_size, layout.tp
+    a, f, e = config.num_heads, config.ffn_size, assumptions.element_bytes
+    kv = config.kv_heads * config.head_dim
+    sbh = s * b * h
+    if layout.recompute == "full":
+        # Only the layer input is checkpointed; everything else is rebuilt in backward.
+        stored = e * sbh
+        return LayerActivationTerms(stored / t if layout.sequence_parallel else stored, 0.0, 0.0)
+    # Two norm inputs, the QKV input and the MLP input (the norms' outputs).
+    replicated = 4 * e * sbh
+    if assumptions.hidden_dropout:
+        replicated += 2 * sbh  # masks of the attention and MLP residual dropouts
+    if layout.sequence_parallel:
+        replicated /= t
+    # Q, K, V (GQA: K and V are kv_heads wide) and the attention projection input.
+    sharded = e * s * b * (h + 2 * kv) + e * sbh
+    if config.arch == "gpt":
+        sharded += 2 * e * s * b * f  # GeLU input and output (the second matmul's input)
+    else:
+        sharded += 4 * e * s * b * f  # SwiGLU: gate, up, silu(gate), silu(gate)*up
+    sharded /= t
+    scores = 0.0
+    if layout.recompute == "none" and not assumptions.fused_attention:
+        per_score = e  # softmax output
+        if assumptions.attention_dropout:
+            per_score += 1 + e  # dropout mask and dropout output
+        scores = per_score * a * s * s * b / t
+    return LayerActivationTerms(replicated, sharded, scores)
+
+
+def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """Bytes one layer stores for one in-flight microbatch on one tp rank."""
+    return layer_activation_terms(config, layout, assumptions).total
+
+
+def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """First stage, per in-flight microbatch: the embedding-output dropout mask."""
+    if not assumptions.hidden_dropout:
+        return 0.0
+    sbh = layout.seq_len * layout.micro_batch_size * config.hidden_size
+    return sbh / layout.tp if layout.sequence_parallel else float(sbh)
+
+
+def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
+    s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
+    norm_and_head_inputs = 2 * assumptions.element_bytes * s * b * h
+    if layout.sequence_parallel:
+        norm_and_head_inputs /= layout.tp
+    logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp
+    return norm_and_head_inputs + logits
+
+
+def inflight_chunks(layout: Layout, stage: int) -> int:
+    """Most (microbatch, chunk) forward passes whose activations ``stage`` holds at once.
+
+    gpipe: all m microbatches of every chunk. 1F1B: stage i warms up with p - i
+    forwards before its first backward. Interleaved 1F1B (Narayanan et al.
+    2021): stage i runs (p - i - 1) * 2 + (v - 1) * p warm-up forwards, then
+    one more before the first backward; for the first stage that is
+    p*v + p - 1 chunks, i.e. Korthikanti's factor (1 + (p - 1)/(p*v)) on L layers.
+    """
+    p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    if layout.schedule == "gpipe":
+        return m * v
+    if layout.schedule == "1f1b":
+        return min(p - stage, m)
+    return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)

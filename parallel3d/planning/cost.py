@@ -1,0 +1,325 @@
+"""Predicted step time of a layout on a cluster.
+
+Per microbatch and layer, on one tensor-parallel rank:
+
+- matmuls and attention scores: FLOPs / tp at ``peak * matmul_efficiency``;
+- memory-bound elementwise work (norms, GeLU/SwiGLU, dropout, softmax): twice
+  the bytes of the tensors the layer stores for backward (written once, read
+  once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
+- tensor-parallel collectives: two all-reduces (or all-gather + reduce-scatter
+  with sequence parallel, the same volume) of the ``[b, s, h]`` activation in
+  forward and two in backward; full recompute repeats the forward ones;
+- backward = 2 x forward compute; full recompute adds one forward, selective
+  recompute the attention scores.
+
+The pipeline is then *simulated* (``parallel3d.pipeline.schedules.simulate``)
+with those per-chunk times (embedding on the first chunk, head and loss on the
+last) and one P2P message per boundary. After a stage's last backward come its
+data-parallel gradient reduction and parameter all-gather, minus what overlaps
+with that backward, and the Adam update (memory-bound). The slowest stage ends
+the step. Collectives are ring/hierarchical: inside a node at NVLink
+bandwidth, across nodes at the NICs of the group's members on each node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from models.config import ModelConfig
+from parallel3d.pipeline.schedules import build_schedule, simulate
+from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.memory import PrecisionBytes
+from parallel3d.planning.params import layer_params, padded_vocab, rank_params, stage_layer_counts
+from parallel3d.topology import Topology
+
+P2P_LATENCY_S = 20e-6  # per message: launch + handshake, small next to megabyte payloads
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """What the training implementation overlaps or shrinks; defaults describe parallel3d."""
+
+    # Fused (flash-style) attention keeps no s x s scores, so it moves no score bytes.
+    fused_attention: bool = True
+    # Send 1/tp of each activation across nodes and all-gather it over NVLink
+    # (Megatron-LM's scatter/gather optimisation); sequence parallel gets this for free.
+    p2p_scatter_gather: bool = False
+    # ZeRO stages whose gradient reduce-scatter runs during the last backward (parallel3d: stage 2 only).
+    overlapped_zero_stages: tuple[int, ...] = (2,)
+    # Bytes per gradient element in the DP reduction (None: the precision's gradient dtype).
+    dp_grad_bytes: int | None = None
+
+    @classmethod
+    def megatron_sc21(cls) -> "CostOptions":
+        """Megatron-LM as measured by Narayanan et al. 2021: unfused attention, scatter/gather
+        P2P, fp32 gradient all-reduce after the backward pass, not overlapped."""
+        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=4)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    layout: Layout
+    step_time_s: float
+    pipeline_s: float  # simulated makespan of forward/backward
+    dp_exposed_s: float  # gradient/parameter collectives not hidden (slowest stage)
+    optimizer_s: float
+    bubble_fraction: float
+    model_flops: float  # per step, no recompute: 3 x forward (what MFU counts)
+    hardware_flops: float  # per step, including recompute (what Megatron's TFLOP/s counts)
+    gpus: int
+    peak_flops: float
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Achieved TFLOP/s per GPU counting recomputation, as Narayanan et al. report it."""
+        return self.hardware_flops / self.step_time_s / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.step_time_s / self.gpus / self.peak_flops
+
+    def tokens_per_s(self) -> float:
+        return self.layout.global_batch_size * self.layout.seq_len / self.step_time_s
+
+
+# ---- FLOPs ---------------------------------------------------------------------------
+def layer_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int) -> tuple[float, float]:
+    """(matmul FLOPs, attention-score FLOPs) of one layer's forward for one microbatch (all tp ranks).
+
+    Attention counts the full s x s product (QK^T and PV), as Megatron-LM's formula does.
+    """
+    tokens = micro_batch_size * seq_len
+    lp = layer_params(config)
+    weights = lp.sharded - (_bias_count(config) if config.use_bias else 0)
+    return 2.0 * tokens * weights, 4.0 * tokens * seq_len * config.num_heads * config.head_dim
+
+
+def _bias_count(config: ModelConfig) -> int:
+    qkv_rows = (config.num_heads + 2 * config.kv_heads) * config.head_dim
+    return qkv_rows + (config.ffn_size if config.arch == "gpt" else 2 * config.ffn_size)
+
+
+def head_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int, tp: int = 1) -> float:
+    return 2.0 * micro_batch_size * seq_len * config.hidden_size * padded_vocab(config, tp)
+
+
+def step_flops(config: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs incl. recompute) of one whole step (all GPUs)."""
+    mm, att = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
+    head = head_forward_flops(config, layout.micro_batch_size, layout.seq_len)
+    per_mb_model = 3 * (config.num_layers * (mm + att) + head)
+    extra = {"none": 0.0, "selective": att, "full": mm + att}[layout.recompute] * config.num_layers
+    microbatches = layout.num_microbatches * layout.dp
+    return per_mb_model * microbatches, (per_mb_model + extra) * microbatches
+
+
+# ---- communication ---------------------------------------------------------------------
+class CommModel:
+    """Ring collective and P2P times for the groups of one layout on one cluster."""
+
+    def __init__(self, cluster: ClusterSpec, topology: Topology) -> None:
+        self.cluster, self.topology = cluster, topology
+        dev = cluster.device
+        self.intra = dev.intra_node_bytes_per_s * dev.link_efficiency
+        self.inter = dev.inter_node_bytes_per_s * dev.link_efficiency
+        self._spans: dict[str, tuple[int, int, int]] = {}
+
+    def _span(self, kind: str) -> tuple[int, int, int]:
+        """(group size, nodes it spans, members per node) of rank 0's group of ``kind``."""
+        if kind not in self._spans:
+            ranks = self.topology.group_of(kind, 0)
+            nodes, per_node = self.cluster.nodes_spanned(ranks)
+            self._spans[kind] = (len(ranks), nodes, per_node)
+        return self._spans[kind]
+
+    def reduce_scatter(self, nbytes: float, kind: str) -> float:
+        """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``.
+
+        Hierarchical: within each node over NVLink, then across nodes where each of the
+        ``per_node`` members drives its own NIC with 1/per_node of the data.
+        """
+        n, nodes, per_node = self._span(kind)
+        if n == 1:
+            return 0.0
+        t = (per_node - 1) / per_node * nbytes / self.intra
+        if nodes > 1:
+            t += (nodes - 1) / nodes * nbytes / per_node / self.inter
+        return t
+
+    def all_gather(self, nbytes: float, kind: str) -> float:
+        return self.reduce_scatter(nbytes, kind)
+
+    def all_reduce(self, nbytes: float, kind: str) -> float:
+        return 2.0 * self.reduce_scatter(nbytes, kind)
+
+    def p2p(self, nbytes: float) -> float:
+        """One activation/gradient message between neighbouring stages."""
+        if self.topology.pp == 1:
+            return 0.0
+        nxt = self.topology.next_stage_rank(0)
+        same_node = self.cluster.node_of(0) == self.cluster.node_of(nxt)
+        return P2P_LATENCY_S + nbytes / (self.intra if same_node else self.inter)
+
+
+# ---- pipeline ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PipelineTimes:
+    makespan: float
+    stage_end: list[float]  # when each stage's last computation ends
+    busy: list[float]  # per stage: time spent computing
+
+    @property
+    def bubble_fraction(self) -> float:
+        return sum(1 - b / self.makespan for b in self.busy) / len(self.busy) if self.makespan > 0 else 0.0
+
+
+def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+    timeline = simulate(build_schedule(name, p, m, v), fwd, bwd, p2p)
+    end = [0.0] * p
+    for ta in timeline.actions:
+        if ta.action.is_compute:
+            end[ta.stage] = max(end[ta.stage], ta.end)
+    return PipelineTimes(timeline.makespan, end, list(timeline.busy))
+
+
+def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+    """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
+
+    Once every stage is in its steady state (m >= p), each further group of p
+    microbatches adds the same time to every stage, so finish times are linear
+    in m: simulate m = p and m = 2p and extend the line (exact for these
+    schedules; tests compare it with a full simulation). Keeps 1T-scale
+    layouts (p = 64, m = 512) to seconds.
+    """
+    if m <= 2 * p:
+        return _simulate_once(name, p, m, v, fwd, bwd, p2p)
+    a = _simulate_once(name, p, p, v, fwd, bwd, p2p)
+    b = _simulate_once(name, p, 2 * p, v, fwd, bwd, p2p)
+    k = (m - p) / p
+
+    def line(x: float, y: float) -> float:
+        return x + (y - x) * k
+
+    return PipelineTimes(
+        line(a.makespan, b.makespan),
+        [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
+        [x * m / p for x in a.busy],
+    )
+
+
+# ---- per-chunk times ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd: float
+    bwd: float  # includes recomputation
+
+
+def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm: CommModel,
+                options: CostOptions) -> LayerTimes:
+    dev, t = cluster.device, layout.tp
+    flops_rate = dev.peak_flops * dev.matmul_efficiency
+    mm, att = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
+    mm_t, att_t = mm / t / flops_rate, att / t / flops_rate
+    assumptions = ActivationAssumptions(
+        element_bytes=4 if layout.precision == "fp32" else 2,
+        hidden_dropout=config.dropout > 0 or not options.fused_attention,
+        attention_dropout=not options.fused_attention,
+        fused_attention=options.fused_attention,
+    )
+    stored = layer_activation_terms(config, layout.replace(recompute="none"), assumptions)
+    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s
+    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s
+    act_bytes = assumptions.element_bytes * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    tp_t = 2 * comm.all_reduce(act_bytes, "tp")
+    fwd = mm_t + att_t + elem_t + score_t + tp_t
+    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t
+    if layout.recompute == "full":
+        bwd += fwd
+    elif layout.recompute == "selective":
+        bwd += att_t + score_t
+    return LayerTimes(fwd, bwd)
+
+
+def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel, config: ModelConfig,
+               options: CostOptions) -> tuple[float, float, float, float]:
+    """(embedding fwd, embedding bwd, head fwd, head bwd) extra time on the first / last chunk."""
+    dev, t = cluster.device, layout.tp
+    e = 4 if layout.precision == "fp32" else 2
+    act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    emb_fwd = comm.all_reduce(act_bytes, "tp")  # vocab-parallel lookup: partial rows summed over tp
+    head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t
+    logits = 4.0 * layout.micro_batch_size * layout.seq_len * padded_vocab(config, t) / t
+    head_fwd = head_mm / (dev.peak_flops * dev.matmul_efficiency) + 2 * logits / dev.hbm_bytes_per_s
+    head_bwd = 2 * head_fwd + comm.all_reduce(act_bytes, "tp")  # grad of the head's replicated input
+    return emb_fwd, 0.0, head_fwd, head_bwd
+
+
+def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
+                  options: CostOptions | None = None, stage_layers: list[int] | None = None,
+                  pipeline: Callable[..., PipelineTimes] | None = None) -> StepEstimate:
+    """Predicted time of one optimizer step of ``layout`` (see the module docstring).
+
+    ``pipeline`` times the schedule: ``simulate_pipeline`` (default) or a cheaper
+    stand-in with the same signature (the planner's analytic pre-ranking).
+    """
+    options = options or CostOptions()
+    if layout.world_size != cluster.gpus:
+        raise ValueError(f"layout uses tp*pp*dp={layout.world_size} GPUs but cluster.gpus={cluster.gpus}")
+    if layout.tp > cluster.gpus_per_node:
+        raise ValueError(f"parallel.tp={layout.tp} exceeds cluster.gpus_per_node={cluster.gpus_per_node}")
+    p, v = layout.pp, layout.virtual_stages
+    if stage_layers is None:
+        stage_layers = stage_layer_counts(config, p, v)
+    topo = Topology(layout.tp, p, layout.dp)
+    comm = CommModel(cluster, topo)
+    lt = layer_times(config, layout, cluster, comm, options)
+    emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config, options)
+
+    def chunk_layers(stage: int) -> float:
+        return stage_layers[stage] / v
+
+    def fwd(stage: int, chunk: int) -> float:
+        extra = emb_f if (stage, chunk) == (0, 0) else head_f if (stage, chunk) == (p - 1, v - 1) else 0.0
+        return chunk_layers(stage) * lt.fwd + extra
+
+    def bwd(stage: int, chunk: int) -> float:
+        extra = emb_b if (stage, chunk) == (0, 0) else head_b if (stage, chunk) == (p - 1, v - 1) else 0.0
+        return chunk_layers(stage) * lt.bwd + extra
+
+    e = 4 if layout.precision == "fp32" else 2
+    msg = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    if layout.sequence_parallel or options.p2p_scatter_gather:
+        msg /= layout.tp
+    p2p = comm.p2p(msg)
+    if options.p2p_scatter_gather and not layout.sequence_parallel and p > 1:
+        p2p += comm.all_gather(msg * layout.tp, "tp")
+    pipe = (pipeline or simulate_pipeline)(layout.schedule, p, layout.num_microbatches, v, fwd, bwd, p2p)
+
+    pb = PrecisionBytes.for_precision(layout.precision)
+    grad_bytes = options.dp_grad_bytes or pb.grad
+    finish, dp_worst, opt_worst = 0.0, 0.0, 0.0
+    for stage in range(p):
+        n = rank_params(config, layout.tp, p, stage, stage_layers[stage]).total
+        if layout.zero_stage == 0:
+            reduce_t, gather_t = comm.all_reduce(n * grad_bytes, "dp"), 0.0
+        else:
+            reduce_t = comm.reduce_scatter(n * grad_bytes, "dp")
+            gather_t = comm.all_gather(n * pb.weight, "dp")
+        if layout.zero_stage in options.overlapped_zero_stages:
+            reduce_t = max(0.0, reduce_t - bwd(stage, 0))  # hidden behind the last microbatch's backward
+        shard = n / layout.dp if layout.zero_stage >= 1 else n
+        # Adam reads the gradient, master weight and moments, writes them back and the model weight.
+        master = pb.master or pb.weight
+        opt_t = shard * (pb.grad + 2 * (master + pb.moments) + pb.weight) / cluster.device.hbm_bytes_per_s
+        end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
+        if end >= finish:
+            finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t
+    model_flops, hardware_flops = step_flops(config, layout)
+    return StepEstimate(
+        layout=layout, step_time_s=finish, pipeline_s=pipe.makespan, dp_exposed_s=dp_worst,
+        optimizer_s=opt_worst, bubble_fraction=pipe.bubble_fraction, model_flops=model_flops,
+        hardware_flops=hardware_flops, gpus=cluster.gpus, peak_flops=cluster.device.peak_flops,
+    )

@@ -1,0 +1,168 @@
+"""Per-rank memory of a layout, by category; the worst rank decides whether it fits.
+
+Model states follow the ZeRO paper's arithmetic (Rajbhandari et al. 2020,
+section 3 and Figure 1): with mixed precision and Adam a parameter costs
+2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
+master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
+also the gradients. ``PrecisionBytes.for_precision`` has the per-precision
+byte counts parallel3d's ZeRO optimizer uses. Activations come from
+``parallel3d.planning.activations`` times the microbatches each stage holds in
+flight under the schedule. Every rank of a pipeline stage holds the same
+amount (the vocabulary is padded so tp shards are equal), so the estimate is
+computed per stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from models.config import ModelConfig
+from parallel3d.planning.activations import (
+    ActivationAssumptions,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    inflight_chunks,
+    layer_activation_bytes,
+)
+from parallel3d.planning.layout import Layout, check_fits_model
+from parallel3d.planning.params import rank_params, stage_layer_counts
+
+CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per parameter of each model state."""
+
+    weight: int
+    grad: int
+    master: int  # fp32 copy kept by the optimizer (0 when the weights are already fp32)
+    moments: int  # Adam's two fp32 moments
+
+    @classmethod
+    def for_precision(cls, precision: str) -> "PrecisionBytes":
+        if precision in ("bf16", "fp16"):
+            return cls(weight=2, grad=2, master=4, moments=8)
+        if precision == "fp32":
+            return cls(weight=4, grad=4, master=0, moments=8)
+        raise ValueError(f"train.precision={precision!r} is not one of ('bf16', 'fp16', 'fp32')")
+
+    @property
+    def optimizer(self) -> int:
+        """The ZeRO paper's K (12 for mixed-precision Adam)."""
+        return self.master + self.moments
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one rank of pipeline ``stage``."""
+
+    stage: int
+    params: int  # parameters this rank holds (its tp shard of its layers + embedding/head)
+    inflight: int  # (microbatch, chunk) activations held at the peak
+    weights: float
+    gradients: float
+    master_weights: float
+    optimizer_moments: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    def by_category(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in CATEGORIES}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    config: ModelConfig
+    layout: Layout
+    stages: list[StageMemory] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda m: m.total)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.worst.total
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.peak_bytes <= device_bytes
+
+
+def model_state_bytes(
+    params: int, dp: int, zero_stage: int, precision: str, num_microbatches: int = 1
+) -> dict[str, float]:
+    """Weights, gradients, master weights and moments for ``params`` parameters on one rank.
+
+    ZeRO shards the flat buffer into dp equal (padded) pieces, hence the ceil.
+    parallel3d's stage 2 reduces once per step, during the last microbatch's
+    backward: with gradient accumulation (``num_microbatches > 1``) the earlier
+    microbatches accumulate into full-size ``.grad`` tensors, so the peak holds
+    them as well as the reduced shard.
+    """
+    pb = PrecisionBytes.for_precision(precision)
+    shard = math.ceil(params / dp)
+    opt_params = shard if zero_stage >= 1 else params
+    grad_params = params
+    if zero_stage >= 2:
+        grad_params = shard + (params if num_microbatches > 1 else 0)
+    return {
+        "weights": float(pb.weight * params),
+        "gradients": float(pb.grad * grad_params),
+        "master_weights": float(pb.master * opt_params),
+        "optimizer_moments": float(pb.moments * opt_params),
+    }
+
+
+def stage_activation_bytes(
+    config: ModelConfig, layout: Layout, stage: int, layers: int, assumptions: ActivationAssumptions
+) -> tuple[float, int]:
+    """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` layers.
+
+    The first stage also holds the embedding's activations for every in-flight
+    microbatch; the last stage holds the head's for the one microbatch whose
+    backward it runs (1F1B/interleaved finish each last-stage forward with its
+    backward at once; GPipe holds all of them).
+    """
+    inflight = inflight_chunks(layout, stage)
+    chunk_layers = layers / layout.virtual_stages
+    total = inflight * chunk_layers * layer_activation_bytes(config, layout, assumptions)
+    microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
+    if stage == 0:
+        total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
+    if stage == layout.pp - 1:
+        held = layout.num_microbatches if layout.schedule == "gpipe" else 1
+        total += held * head_activation_bytes(config, layout, assumptions)
+    return total, inflight
+
+
+def estimate_memory(
+    config: ModelConfig,
+    layout: Layout,
+    assumptions: ActivationAssumptions | None = None,
+    stage_layers: list[int] | None = None,
+) -> MemoryEstimate:
+    """Per-stage memory of ``layout`` running ``config``; ``.worst`` is the rank that decides.
+
+    ``stage_layers`` (layers per stage) defaults to the pipeline engine's split;
+    callers that evaluate many layouts pass it to avoid recomputing the split.
+    """
+    check_fits_model(config, layout)
+    if assumptions is None:
+        assumptions = ActivationAssumptions.for_model(config, layout.precision)
+    if stage_layers is None:
+        stage_layers = stage_layer_counts(config, layout.pp, layout.virtual_stages)
+    if len(stage_layers) != layout.pp or sum(stage_layers) != config.num_layers:
+        raise ValueError(f"stage_layers={stage_layers} must give pp={layout.pp} counts summing to "
+                         f"model.num_layers={config.num_layers}")
+    stages = []
+    for stage in range(layout.pp):
+        params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
+        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.num_microbatches)
+        activations, inflight = stage_activation_bytes(config, layout, stage, stage_layers[stage], assumptions)
+        stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations, **states))
+    return MemoryEstimate(config=config, layout=layout, stages=stages)

@@ -1,0 +1,198 @@
+"""Layout planner: enumerate layouts for a cluster, drop those that do not fit, rank by step time.
+
+Search space (for a fixed model, cluster, global batch, sequence and precision):
+tp a power of two up to ``gpus_per_node`` that divides the heads, the KV
+heads and the FFN width (tensor parallelism stays inside a node's NVLink);
+pp a divisor of ``num_layers`` whose tp*pp divides the GPUs; dp the rest;
+micro-batch sizes that divide the per-replica batch; 1F1B, and interleaved
+1F1B with v chunks per stage when v*pp divides the layers. Sequence
+parallelism is on whenever tp > 1 (same communication volume, less memory).
+For each, the cheapest recompute mode (none < selective < full) and the ZeRO
+stages that fit the device memory are kept.
+
+Ranking is two-pass so large searches stay fast: an analytic pipeline estimate
+(bubble = (p - 1) / (v * m)) orders every fitting candidate, then the best
+``simulate_top`` are re-timed with the simulated schedule (``cost.estimate_step``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.config import ModelConfig
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, estimate_step
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.memory import MemoryEstimate, estimate_memory
+from parallel3d.planning.params import stage_layer_counts
+
+RECOMPUTE_ORDER: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    global_batch_size: int
+    seq_len: int
+    precision: str = "bf16"
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_virtual_stages: int = 4
+    zero_stages: tuple[int, ...] = (1, 2)
+    recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER
+    # Share of device memory the estimate may use; the rest is CUDA context, NCCL
+    # buffers, allocator fragmentation and temporaries the estimator does not model.
+    memory_fraction: float = 0.9
+    top_k: int = 10
+    simulate_top: int = 24
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"plan.{key}={value!r} must be an integer >= 1")
+        if not self.micro_batch_sizes or any(
+            isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.micro_batch_sizes
+        ):
+            raise ValueError(f"plan.micro_batch_sizes={list(self.micro_batch_sizes)!r} must be integers >= 1")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"plan.memory_fraction={self.memory_fraction!r} must be in (0, 1]")
+        bad = [z for z in self.zero_stages if z not in (0, 1, 2)]
+        if not self.zero_stages or bad:
+            raise ValueError(f"plan.zero_stages={list(self.zero_stages)!r} must be a non-empty subset of [0, 1, 2]")
+        bad_rc = [r for r in self.recompute_modes if r not in RECOMPUTE_ORDER]
+        if not self.recompute_modes or bad_rc:
+            raise ValueError(f"plan.recompute_modes={list(self.recompute_modes)!r} must be a subset of {list(RECOMPUTE_ORDER)}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    step: StepEstimate
+    simulated: bool  # False: ranked by the analytic pipeline estimate only
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory.peak_bytes
+
+
+@dataclass
+class Plan:
+    config: ModelConfig
+    cluster: ClusterSpec
+    request: PlanRequest
+    ranked: list[Candidate] = field(default_factory=list)  # best first, simulated ones
+    considered: int = 0  # layouts enumerated
+    fitting: int = 0  # of those, layouts with some recompute/ZeRO setting that fits
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            raise ValueError(
+                f"no layout of {self.config.name or 'the model'} fits {self.cluster.gpus} x "
+                f"{self.cluster.device.name} at global_batch_size={self.request.global_batch_size}; "
+                f"try more GPUs, a larger device, or a global batch divisible by more dp sizes"
+            )
+        return self.ranked[0]
+
+
+def _powers_of_two_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def tensor_parallel_sizes(config: ModelConfig, gpus_per_node: int) -> list[int]:
+    return [t for t in _powers_of_two_upto(gpus_per_node)
+            if config.num_heads % t == 0 and config.kv_heads % t == 0 and config.ffn_size % t == 0]
+
+
+def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest) -> list[Layout]:
+    """Every layout in the search space (module docstring), before any memory check."""
+    layouts = []
+    gbs = request.global_batch_size
+    for tp in tensor_parallel_sizes(config, cluster.gpus_per_node):
+        for pp in (p for p in range(1, config.num_layers + 1) if config.num_layers % p == 0):
+            if cluster.gpus % (tp * pp):
+                continue
+            dp = cluster.gpus // (tp * pp)
+            for mbs in request.micro_batch_sizes:
+                if gbs % (dp * mbs):
+                    continue
+                m = gbs // (dp * mbs)
+                schedules = [("1f1b", 1)]
+                if pp > 1 and m % pp == 0:
+                    schedules += [("interleaved_1f1b", v) for v in range(2, request.max_virtual_stages + 1)
+                                  if config.num_layers % (pp * v) == 0]
+                for schedule, v in schedules:
+                    layouts.append(Layout(
+                        tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
+                        micro_batch_size=mbs, seq_len=request.seq_len, global_batch_size=gbs,
+                        precision=request.precision,
+                    ))
+    return layouts
+
+
+def analytic_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+    """Closed-form pipeline time for uniform stages: (v*m + p - 1) chunk slots (GPipe the same)
+    plus one P2P hop per slot boundary. Used only to pre-rank candidates."""
+    per_chunk = max(fwd(s, c) + bwd(s, c) for s in range(p) for c in range(v))
+    hop = p2p if isinstance(p2p, (int, float)) else 0.0
+    makespan = (v * m + p - 1) * per_chunk + 2 * (p - 1) * hop
+    busy = [m * sum(fwd(s, c) + bwd(s, c) for c in range(v)) for s in range(p)]
+    return PipelineTimes(makespan, [makespan] * p, busy)
+
+
+def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
+         options: CostOptions | None = None) -> Plan:
+    """Rank the layouts of ``config`` on ``cluster`` by predicted step time (best first)."""
+    options = options or CostOptions()
+    if request.seq_len > config.max_seq_len:
+        raise ValueError(f"train.seq_len={request.seq_len} exceeds model.max_seq_len={config.max_seq_len}")
+    budget = cluster.device.memory_bytes * request.memory_fraction
+    result = Plan(config=config, cluster=cluster, request=request)
+    splits: dict[tuple[int, int], list[int]] = {}
+    rough: list[tuple[float, Layout, MemoryEstimate]] = []
+    for base in enumerate_layouts(config, cluster, request):
+        result.considered += 1
+        key = (base.pp, base.virtual_stages)
+        if key not in splits:
+            splits[key] = stage_layer_counts(config, base.pp, base.virtual_stages)
+        best_for_base: tuple[float, Layout, MemoryEstimate] | None = None
+        for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
+            for zero in request.zero_stages:
+                layout = base.replace(recompute=recompute, zero_stage=zero)
+                memory = estimate_memory(config, layout, stage_layers=splits[key])
+                if memory.peak_bytes > budget:
+                    continue
+                est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline)
+                if best_for_base is None or est.step_time_s < best_for_base[0]:
+                    best_for_base = (est.step_time_s, layout, memory)
+            if best_for_base is not None:
+                break  # a cheaper recompute mode already fits: more recompute only costs time
+        if best_for_base is not None:
+            result.fitting += 1
+            rough.append(best_for_base)
+    rough.sort(key=lambda item: item[0])
+    simulated = []
+    for _, layout, memory in rough[: request.simulate_top]:
+        key = (layout.pp, layout.virtual_stages)
+        step = estimate_step(config, layout, cluster, options, splits[key])
+        simulated.append(Candidate(layout, memory, step, simulated=True))
+    simulated.sort(key=lambda c: c.step.step_time_s)
+    result.ranked = simulated
+    return result
+
+
+def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
+             options: CostOptions | None = None) -> Candidate:
+    """Memory and simulated step time of one given layout (e.g. a published one)."""
+    splits = stage_layer_counts(config, layout.pp, layout.virtual_stages)
+    memory = estimate_memory(config, layout, stage_layers=splits)
+    step = estimate_step(config, layout, cluster, options or CostOptions(), splits)
+    return Candidate(layout, memory, step, simulated=True)
+
+
+__all__ = ["Candidate", "Plan", "PlanRequest", "analytic_pipeline", "enumerate_layouts",
+           "evaluate", "plan", "tensor_parallel_sizes"]

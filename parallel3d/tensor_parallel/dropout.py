@@ -1,0 +1,47 @@
+"""Dropout whose masks do not depend on the parallel layout.
+
+Invariant: the mask of batch row ``i`` at ``(seed, step, sample_ids[i], layer, site)`` is the
+same whatever the tp / pp / dp layout or micro-batch size. Each row's full-sequence mask
+``[s, h]`` is drawn from a CPU generator seeded by a stable hash of those values; with
+sequence parallel a rank keeps the rows of its sequence chunk. Costs one generator per
+row and call, which is why everything is skipped when ``p == 0``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from parallel3d import comm
+from parallel3d.tensor_parallel.init import stable_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+def layout_independent_dropout(
+    x: torch.Tensor,
+    p: float,
+    *,
+    seed: int,
+    step: int,
+    sample_ids: torch.Tensor,
+    layer: int,
+    site: str,
+    pstate: "ParallelState",
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """Dropout of ``x [b, s_local, h]`` (``s_local = s/tp`` with sequence parallel)."""
+    if p == 0.0:
+        return x
+    b, s_local, h = x.shape
+    n = comm.group_size(pstate, "tp") if sequence_parallel else 1
+    chunk = comm.group_rank(pstate, "tp") if sequence_parallel else 0
+    masks = []
+    for sample in sample_ids.tolist():
+        gen = torch.Generator().manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))
+        keep = torch.rand(s_local * n, h, generator=gen) >= p
+        masks.append(keep[chunk * s_local : (chunk + 1) * s_local])
+    mask = torch.stack(masks).to(device=x.device)
+    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))

@@ -1,0 +1,194 @@
+"""Autograd functions that move activations in and out of the tensor-parallel region.
+
+Named after the Megatron-LM paper's ``f`` and ``g`` operators; each is the
+other's transpose, so forward and backward communicate once each:
+
+==============================  ==========================  ===========================
+function                        forward                     backward
+==============================  ==========================  ===========================
+``copy_to_tp_region`` (f)       identity                    all-reduce over tp
+``reduce_from_tp_region`` (g)   all-reduce over tp          identity
+``gather_last_dim``             all-gather (last dim)       keep own chunk (split)
+``split_last_dim``              keep own chunk (split)      all-gather (last dim)
+``gather_seq``  (SP)            all-gather along dim 1      reduce-scatter along dim 1
+``reduce_scatter_seq`` (SP)     reduce-scatter along dim 1  all-gather along dim 1
+``split_seq`` (SP)              keep own chunk of dim 1     all-gather along dim 1
+==============================  ==========================  ===========================
+
+Every collective goes through ``parallel3d.comm`` on the ``tp`` group, so a
+group of one (tp=1, single process, ``ParallelState.without_groups``) makes all
+of them the identity: the model has one code path for every tp.
+Chunks are in tp-rank order, the same order as parameter shards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from parallel3d import comm
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+KIND = "tp"
+
+
+def tp_group_size(pstate: "ParallelState") -> int:
+    return comm.group_size(pstate, KIND)
+
+
+def _all_reduce(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    if tp_group_size(pstate) == 1:
+        return x
+    out = x.contiguous().clone()
+    comm.all_reduce(out, pstate, KIND)
+    return out
+
+
+def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+    n = tp_group_size(pstate)
+    if n == 1:
+        return x
+    # comm gathers along dim 0; move the wanted dim to the front and back again.
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into_tensor(out, front, pstate, KIND)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+    n = tp_group_size(pstate)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"sequence parallel: dimension {dim} of size {x.shape[dim]} is not divisible by tp={n}"
+        )
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_tensor(out, front, pstate, KIND)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+    n = tp_group_size(pstate)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split dimension {dim} of size {x.shape[dim]} over tp={n}")
+    index = comm.group_rank(pstate, KIND)
+    return x.chunk(n, dim=dim)[index].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pstate):  # type: ignore[override]
+        ctx.pstate = pstate
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_reduce(grad, ctx.pstate), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pstate):  # type: ignore[override]
+        return _all_reduce(x, pstate)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's chunk (the transpose of a gather)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, pstate):  # type: ignore[override]
+        ctx.dim, ctx.pstate = dim, pstate
+        return all_gather_along_dim(x, dim, pstate)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _split(grad, ctx.dim, ctx.pstate), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, pstate):  # type: ignore[override]
+        ctx.dim, ctx.pstate = dim, pstate
+        return _split(x, dim, pstate)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_gather_along_dim(grad, ctx.dim, ctx.pstate), None, None
+
+
+class _GatherReduceScatterBackward(torch.autograd.Function):
+    """All-gather along ``dim``; backward reduce-scatters (each rank's copy fed a different branch)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, pstate):  # type: ignore[override]
+        ctx.dim, ctx.pstate = dim, pstate
+        return all_gather_along_dim(x, dim, pstate)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scatter(grad, ctx.dim, ctx.pstate), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, pstate):  # type: ignore[override]
+        ctx.dim, ctx.pstate = dim, pstate
+        return _reduce_scatter(x, dim, pstate)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return all_gather_along_dim(grad, ctx.dim, ctx.pstate), None, None
+
+
+SEQ_DIM = 1  # activations are batch-first [b, s, h]
+
+
+def copy_to_tp_region(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient over tp."""
+    return _CopyToRegion.apply(x, pstate)
+
+
+def reduce_from_tp_region(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """g: all-reduce (sum of partial results) forward, identity backward."""
+    return _ReduceFromRegion.apply(x, pstate)
+
+
+def gather_last_dim(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """Concatenate every tp rank's last-dim chunk; backward keeps this rank's chunk."""
+    return _Gather.apply(x, x.dim() - 1, pstate)
+
+
+def split_last_dim(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """Keep this rank's chunk of the last dim; backward all-gathers the gradient."""
+    return _Split.apply(x, x.dim() - 1, pstate)
+
+
+def gather_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """SP entry to a column-parallel layer: [b, s/tp, h] -> [b, s, h]; backward reduce-scatters."""
+    return _GatherReduceScatterBackward.apply(x, SEQ_DIM, pstate)
+
+
+def reduce_scatter_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """SP exit of a row-parallel layer: partial [b, s, h] -> summed [b, s/tp, h]; backward all-gathers."""
+    return _ReduceScatter.apply(x, SEQ_DIM, pstate)
+
+
+def split_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """Keep this rank's sequence chunk of a replicated [b, s, h]; backward all-gathers."""
+    return _Split.apply(x, SEQ_DIM, pstate)
+
+
+def gather_seq_replicated_grad(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
+    """All-gather along the sequence when the consumer's gradient is replicated (backward just splits)."""
+    return _Gather.apply(x, SEQ_DIM, pstate)

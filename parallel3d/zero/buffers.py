@@ -1,0 +1,212 @@
+"""Flat parameter / gradient buffers cut into buckets, and each DP rank's share of them.
+
+Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
+
+- Parameters are packed into one contiguous buffer in *reverse* registration
+  order, which approximates the order backward produces gradients, so the
+  first bucket filled during backward is the first one reduced.
+- The buffer is cut into buckets of about ``bucket_numel`` elements (a parameter
+  is never split; one larger than a bucket gets a bucket of its own). Every
+  bucket is padded with zeros to a multiple of ``dp`` so it divides evenly.
+- In bucket ``b`` (flat range ``[start, start + size)``), DP rank ``r`` owns the
+  contiguous piece ``[start + r*size/dp, start + (r+1)*size/dp)``. The rank's
+  *shard* is the concatenation of its pieces over all buckets, in bucket order;
+  fp32 master weights, Adam moments (and the stage-2 gradient shard) are flat
+  tensors in these shard coordinates.
+- With ``owner_count == 1`` (stage 0, plain data parallel) a rank owns every
+  bucket whole; the layout, padding and collectives' sizes stay the same.
+
+Tied-embedding copies get buckets of their own: their gradient is summed over
+the ``embedding`` group before the DP reduction, so they cannot ride in a
+bucket that backward hooks reduce early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel3d import param_meta
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the flat buffer."""
+
+    param: torch.nn.Parameter = field(repr=False, compare=False)
+    name: str
+    start: int  # flat offset of element 0
+    numel: int
+    decay: bool  # subject to weight decay
+    norm_counted: bool  # this rank counts it in the global grad norm
+    tied: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of the local shard that lies inside one parameter.
+
+    ``[shard_start, shard_end)`` in shard coordinates maps to elements
+    ``[param_start, param_start + length)`` of ``slot``'s flattened parameter.
+    """
+
+    slot: ParamSlot
+    shard_start: int
+    shard_end: int
+    param_start: int
+
+    @property
+    def length(self) -> int:
+        return self.shard_end - self.shard_start
+
+
+@dataclass
+class Bucket:
+    """A padded range of the flat buffer that is reduced with one collective."""
+
+    index: int
+    start: int
+    size: int  # padded numel, a multiple of dp
+    slots: list[ParamSlot]
+    tied: bool
+    piece_start: int = 0  # flat offset of the piece this rank owns
+    piece_size: int = 0
+    shard_offset: int = 0  # offset of that piece in the local shard
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def used(self) -> int:
+        """Elements holding parameters (the rest of ``size`` is zero padding)."""
+        return sum(s.numel for s in self.slots)
+
+
+def _param_name(param: torch.nn.Parameter, fallback: str) -> str:
+    return getattr(param, "global_name", None) or fallback
+
+
+class BufferLayout:
+    """Offsets of a list of same-dtype parameters in a padded, bucketed flat buffer.
+
+    ``named_params`` is in registration order; ``owner_count``/``owner_index``
+    say how buckets are split among owners (``dp``/``dp_rank`` for stages 1-2,
+    ``1``/``0`` for stage 0). ``count_in_norm(param)`` says whether this rank
+    counts a parameter in the global gradient norm.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        bucket_numel: int,
+        dp: int,
+        owner_count: int,
+        owner_index: int,
+        count_in_norm,
+    ) -> None:
+        if bucket_numel <= 0:
+            raise ValueError(f"bucket_numel={bucket_numel} must be > 0")
+        if not named_params:
+            raise ValueError("BufferLayout needs at least one parameter")
+        dtypes = {p.dtype for _, p in named_params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one BufferLayout holds one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype: torch.dtype = next(iter(dtypes))
+        self.dp = dp
+        self.buckets: list[Bucket] = []
+        ordered = list(reversed(named_params))
+        plain = [(n, p) for n, p in ordered if not param_meta.is_tied_embedding(p)]
+        tied = [(n, p) for n, p in ordered if param_meta.is_tied_embedding(p)]
+        offset = 0
+        for group, is_tied in ((plain, False), (tied, True)):
+            current: list[tuple[str, torch.nn.Parameter]] = []
+            current_numel = 0
+            for name, p in group:
+                if current and current_numel + p.numel() > bucket_numel:
+                    offset = self._add_bucket(current, offset, is_tied, count_in_norm)
+                    current, current_numel = [], 0
+                current.append((name, p))
+                current_numel += p.numel()
+            if current:
+                offset = self._add_bucket(current, offset, is_tied, count_in_norm)
+        self.numel = offset
+        self._assign_pieces(owner_count, owner_index)
+
+    def _add_bucket(self, named, offset: int, tied: bool, count_in_norm) -> int:
+        slots, cursor = [], offset
+        for name, p in named:
+            slots.append(
+                ParamSlot(
+                    param=p,
+                    name=name,
+                    start=cursor,
+                    numel=p.numel(),
+                    decay=not param_meta.no_weight_decay(p),
+                    norm_counted=bool(count_in_norm(p)),
+                    tied=tied,
+                )
+            )
+            cursor += p.numel()
+        used = cursor - offset
+        size = -(-used // self.dp) * self.dp
+        self.buckets.append(Bucket(index=len(self.buckets), start=offset, size=size, slots=slots, tied=tied))
+        return offset + size
+
+    def _assign_pieces(self, owner_count: int, owner_index: int) -> None:
+        shard = 0
+        for b in self.buckets:
+            b.piece_size = b.size // owner_count
+            b.piece_start = b.start + owner_index * b.piece_size
+            b.shard_offset = shard
+            piece_end = b.piece_start + b.piece_size
+            for s in b.slots:
+                lo, hi = max(s.start, b.piece_start), min(s.end, piece_end)
+                if lo < hi:
+                    b.segments.append(
+                        Segment(slot=s, shard_start=shard + lo - b.piece_start,
+                                shard_end=shard + hi - b.piece_start, param_start=lo - s.start)
+                    )
+            shard += b.piece_size
+        self.shard_numel = shard
+
+    @property
+    def slots(self) -> list[ParamSlot]:
+        return [s for b in self.buckets for s in b.slots]
+
+    @property
+    def max_bucket_size(self) -> int:
+        return max(b.size for b in self.buckets)
+
+
+class FlatBuffer:
+    """A zero-initialised flat tensor laid out by ``layout``, with per-parameter views."""
+
+    def __init__(self, layout: BufferLayout, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+
+    def view_of(self, slot: ParamSlot) -> torch.Tensor:
+        return self.data[slot.start : slot.end].view(slot.param.shape)
+
+    def bucket_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.data[bucket.start : bucket.start + bucket.size]
+
+    def piece_view(self, bucket: Bucket) -> torch.Tensor:
+        return self.data[bucket.piece_start : bucket.piece_start + bucket.piece_size]
+
+    def adopt_params(self) -> None:
+        """Copy every parameter into the buffer and make the parameter a view of it."""
+        with torch.no_grad():
+            for slot in self.layout.slots:
+                view = self.view_of(slot)
+                view.copy_(slot.param.detach())
+                slot.param.data = view
+
+
+def shard_slice(t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """``bucket``'s piece inside a flat tensor in shard coordinates."""
+    return t[bucket.shard_offset : bucket.shard_offset + bucket.piece_size]

@@ -1,0 +1,55 @@
+"""Global gradient norm over TP, PP and DP, counting every logical parameter once.
+
+Each rank sums squares over the elements it owns (its DP shard for stages 1-2,
+everything for stage 0) of the parameters it counts: tensor-parallel-split
+parameters on every TP rank, TP-replicated ones (norms, row-parallel biases)
+only on TP rank 0, the tied embedding only on the first pipeline stage. The
+sum is then all-reduced over ``dp`` (only when shards differ, stages 1-2) and
+over ``model`` (tp x pp), so every rank of the job ends with the same norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parallel3d import comm, param_meta
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.buffers import Bucket
+
+
+def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
+    """Whether this rank contributes ``param`` to the global norm."""
+    if not param_meta.is_tp_split(param) and pstate.tp_rank != 0:
+        return False
+    if param_meta.is_tied_embedding(param) and not pstate.is_first_stage:
+        return False
+    return True
+
+
+def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torch.Tensor:
+    """Sum of squares (fp32) of ``scale * grad`` over the counted segments of this rank's piece."""
+    total = torch.zeros((), dtype=torch.float32, device=grad_piece.device)
+    for seg in bucket.segments:
+        if seg.slot.norm_counted:
+            lo = seg.shard_start - bucket.shard_offset
+            g = grad_piece[lo : lo + seg.length].float() * scale
+            total += torch.dot(g, g)
+    return total
+
+
+def reduce_norm(local_sq: torch.Tensor, pstate: ParallelState, *, sharded_over_dp: bool) -> float:
+    """The global L2 norm from each rank's local sum of squares (inf/nan propagate)."""
+    sq = local_sq.reshape(1).clone()
+    if sharded_over_dp:
+        comm.all_reduce(sq, pstate, "dp")
+    comm.all_reduce(sq, pstate, "model")
+    return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float(sq.item())
+
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` would apply (1.0 without clipping)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

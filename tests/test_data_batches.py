@@ -1,0 +1,129 @@
+"""DistributedBatchIterator: layout-independent global batches, resume, and a gloo run of 8 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from parallel3d.data import DataError, DistributedBatchIterator, GPTDataset, write_indexed_dataset
+from tests.harness import run_on_ranks
+
+SEQ = 8
+
+
+@pytest.fixture
+def dataset(tmp_path) -> GPTDataset:
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(1, 300, size=int(rng.integers(5, 30)))) + [0] for _ in range(40)]
+    return GPTDataset(write_indexed_dataset(tmp_path / "d", docs), None, SEQ, seed=1)
+
+
+def _global_step(dataset: GPTDataset, step_start: int, g: int, mb: int, dp: int) -> dict[str, torch.Tensor]:
+    """Concatenate all DP ranks' microbatches of one step, in rank then microbatch order."""
+    parts = []
+    for r in range(dp):
+        parts += next(DistributedBatchIterator(dataset, g, mb, r, dp, start_sample=step_start))
+    return {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels", "sample_ids")}
+
+
+def test_global_batch_is_layout_independent(dataset):
+    g = 12
+    reference = torch.from_numpy(dataset.get_samples(np.arange(g, 2 * g)))  # step 1, straight from the dataset
+    for mb, dp in ((12, 1), (1, 1), (3, 2), (2, 3), (1, 4)):
+        batch = _global_step(dataset, g, g, mb, dp)
+        torch.testing.assert_close(batch["input_ids"], reference[:, :-1])
+        torch.testing.assert_close(batch["labels"], reference[:, 1:])
+        torch.testing.assert_close(batch["sample_ids"], torch.arange(g, 2 * g))
+
+
+def test_microbatch_shapes_and_count(dataset):
+    it = DistributedBatchIterator(dataset, 16, 2, dp_rank=1, dp_size=2)
+    step = next(it)
+    assert it.num_microbatches == len(step) == 4
+    for j, mb in enumerate(step):
+        assert mb["input_ids"].shape == mb["labels"].shape == (2, SEQ)
+        assert mb["input_ids"].dtype == mb["labels"].dtype == mb["sample_ids"].dtype == torch.int64
+        assert mb["sample_ids"].tolist() == [8 + 2 * j, 9 + 2 * j]
+    no_tokens = next(DistributedBatchIterator(dataset, 16, 2, 1, 2, load_tokens=False))
+    assert [set(mb) for mb in no_tokens] == [{"sample_ids"}] * 4
+
+
+def test_resume_continues_with_the_next_unseen_sample(dataset):
+    run = DistributedBatchIterator(dataset, 6, 3, 0, 1)
+    straight = [next(run) for _ in range(25)]  # > 2 epochs of 40-ish samples: crosses epoch boundaries
+    first = DistributedBatchIterator(dataset, 6, 3, 0, 1)
+    for _ in range(10):
+        next(first)
+    state = first.state_dict()
+    assert state["next_sample"] == 60
+    resumed = DistributedBatchIterator(dataset, 6, 3, 0, 1)
+    resumed.load_state_dict(state)
+    for step in straight[10:]:
+        got = next(resumed)
+        for a, b in zip(step, got):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k])
+    # Resuming with another dp / micro-batch size continues the same global sample stream.
+    other = DistributedBatchIterator(dataset, 6, 1, 1, 2)
+    other.load_state_dict(state)
+    assert torch.cat([m["sample_ids"] for m in next(other)]).tolist() == [63, 64, 65]
+
+
+def test_errors(dataset, tmp_path):
+    with pytest.raises(DataError, match=r"global_batch_size=10 must be a multiple of micro_batch_size \* dp_size = 2 \* 3"):
+        DistributedBatchIterator(dataset, 10, 2, 0, 3)
+    with pytest.raises(DataError, match=r"dp_rank=2 must be in \[0, dp_size=2\)"):
+        DistributedBatchIterator(dataset, 4, 1, 2, 2)
+    with pytest.raises(DataError, match="micro_batch_size=0"):
+        DistributedBatchIterator(dataset, 4, 0, 0, 1)
+    with pytest.raises(DataError, match="start_sample=-3"):
+        DistributedBatchIterator(dataset, 4, 1, 0, 1, start_sample=-3)
+    it = DistributedBatchIterator(dataset, 4, 1)
+    changed = GPTDataset(dataset.datasets, None, SEQ, seed=2)
+    with pytest.raises(DataError, match="differs from this run's"):
+        DistributedBatchIterator(changed, 4, 1).load_state_dict(it.state_dict())
+    DistributedBatchIterator(changed, 4, 1).load_state_dict(it.state_dict(), strict=False)
+    with pytest.raises(DataError, match="no 'next_sample'"):
+        it.load_state_dict({})
+
+
+def _ranks_read_batches(rank: int, world_size: int, cache_dir: str) -> dict:
+    from parallel3d.data import build_default_corpus
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.topology import Topology
+
+    pstate = ParallelState(Topology(tp=2, pp=2, dp=2))
+    # Only global rank 0 builds; the others wait for its completion marker.
+    prefix, tok = build_default_corpus(cache_dir, 512, is_builder=(rank == 0), wait_timeout_s=60)
+    dataset = GPTDataset(prefix, None, 16, seed=5, model_vocab_size=512)
+    it = DistributedBatchIterator.for_rank(dataset, pstate, 8, 2, start_sample=8)
+    steps = [next(it) for _ in range(2)]
+    return {
+        "dp": pstate.dp_rank, "tp": pstate.tp_rank, "stage": pstate.pp_rank, "prefix": prefix,
+        "vocab": tok.vocab_size, "steps": steps, "state": it.state_dict()["next_sample"],
+    }
+
+
+@pytest.mark.slow
+def test_eight_ranks_tp_pp_dp(tmp_path):
+    results = run_on_ranks(_ranks_read_batches, 8, str(tmp_path / "cache"), timeout=120)
+    assert len({r["prefix"] for r in results}) == 1
+    assert all(r["state"] == 24 for r in results)
+    reference = GPTDataset(results[0]["prefix"], None, 16, seed=5)
+    for r in results:
+        for t, step in enumerate(r["steps"]):
+            ids = torch.cat([mb["sample_ids"] for mb in step])
+            first = 8 + 8 * t + 4 * r["dp"]
+            assert ids.tolist() == list(range(first, first + 4))
+            if r["stage"] == 0 or r["stage"] == 1:  # pp=2: both stages are an end stage
+                tokens = torch.from_numpy(reference.get_samples(ids.numpy()))
+                torch.testing.assert_close(torch.cat([mb["input_ids"] for mb in step]), tokens[:, :-1])
+                torch.testing.assert_close(torch.cat([mb["labels"] for mb in step]), tokens[:, 1:])
+    # TP ranks of one replica read identical batches.
+    by_coord = {(r["dp"], r["stage"], r["tp"]): r for r in results}
+    for (dp, stage, tp), r in by_coord.items():
+        other = by_coord[(dp, stage, 1 - tp)]
+        for a, b in zip(r["steps"], other["steps"]):
+            for x, y in zip(a, b):
+                assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -1,0 +1,69 @@
+"""scripts/preprocess_data.py: JSONL and text into the indexed format; clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parallel3d.data import ByteTokenizer, DataError, IndexedDataset, iter_documents, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["First document.\nWith two lines.", "Zweites Dokument: ünïcode ✓", "third"]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("preprocess_data", ROOT / "scripts" / "preprocess_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_jsonl_with_byte_tokenizer(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t, "id": i} for i, t in enumerate(TEXTS)])
+    assert _script().main(["--input", str(src), "--json-key", "text", "--tokenizer", "byte",
+                           "--output-prefix", str(tmp_path / "out")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    ds = IndexedDataset(tmp_path / "out")
+    assert stats["documents"] == ds.num_documents == len(TEXTS)
+    for d, text in enumerate(TEXTS):
+        np.testing.assert_array_equal(ds.get_document(d), list(text.encode("utf-8")) + [ByteTokenizer().eod_id])
+
+
+def test_text_paragraphs_with_trained_bpe(tmp_path, capsys):
+    src = tmp_path / "book.txt"
+    src.write_text("\n\n".join(TEXTS * 20) + "\n", encoding="utf-8")
+    assert _script().main(["--input", str(src), "--split-paragraphs", "--train-bpe", "300",
+                           "--output-prefix", str(tmp_path / "book"), "--no-append-eod"]) == 0
+    tok = load_tokenizer(tmp_path / "book.tokenizer.json")
+    ds = IndexedDataset(tmp_path / "book")
+    assert ds.num_documents == 60
+    for d in range(6):
+        assert tok.decode(ds.get_document(d).tolist()) == TEXTS[d % 3]
+
+
+def test_bad_inputs_name_the_problem(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": "ok"}, {"body": "no text key"}])
+    with pytest.raises(DataError, match=r"in\.jsonl:2: no key 'text' \(found: \['body'\]\)"):
+        list(iter_documents([src], "text"))
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{not json\n')
+    with pytest.raises(DataError, match=r"broken\.jsonl:2: not valid JSON"):
+        list(iter_documents([tmp_path / "broken.jsonl"], "text"))
+    _write_jsonl(tmp_path / "num.jsonl", [{"text": 3}])
+    with pytest.raises(DataError, match=r"num\.jsonl:1: 'text' holds a int"):
+        list(iter_documents([tmp_path / "num.jsonl"], "text"))
+    with pytest.raises(DataError, match=r"input file '.*missing\.txt' does not exist"):
+        list(iter_documents([tmp_path / "missing.txt"]))
+    # The CLI turns them into one line on stderr and exit code 2, with no output files left behind.
+    code = _script().main(["--input", str(src), "--json-key", "text", "--tokenizer", "byte",
+                           "--output-prefix", str(tmp_path / "out")])
+    assert code == 2 and "in.jsonl:2: no key 'text'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*"))

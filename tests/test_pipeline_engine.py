@@ -1,0 +1,119 @@
+"""The pipeline executor on a toy model: gradients equal the single-process model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from parallel3d.parallel_state import ParallelState
+from parallel3d.pipeline.engine import PipelineEngine, split_batch
+from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.tied import sync_tied_embedding_grads
+from parallel3d.topology import LayoutError, Topology
+from tests.harness import run_on_ranks
+from tests.pipeline_toy import HIDDEN, ToyModel, toy_batch
+
+MBS, SEQ = 2, 4
+
+
+def _reference(num_layers: int, microbatches: list[dict], tied: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean loss over microbatches and its gradients, computed in one graph in float64."""
+    model = ToyModel(num_layers, tied=tied).double()
+    loss = sum(model(mb["input_ids"], mb["labels"]) for mb in microbatches) / len(microbatches)
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    if tied:
+        grads["head"] = grads["embedding"]
+    return loss.item(), grads
+
+
+def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied):
+    pstate = ParallelState(Topology(1, pp, world // pp))
+    cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
+    ranges = partition_layers(cfg, pp, v, pp_layers)
+    chunks = [
+        ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied)
+        for r in stage_layer_ranges(ranges, pp, pstate.pp_rank)
+    ]
+    engine = PipelineEngine(
+        chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=MBS, seq_len=SEQ, hidden_size=HIDDEN
+    )
+    microbatches = toy_batch(m, MBS, SEQ)
+    result = engine.run_step(microbatches)
+    ref_loss, ref_grads = _reference(num_layers, microbatches, tied)
+    errors = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            ref = ref_grads[name]
+            errors[name] = ((param.grad - ref).norm() / ref.norm()).item()
+    loss_err = None if result.loss is None else abs(result.loss - ref_loss) / abs(ref_loss)
+    return {
+        "errors": errors,
+        "loss_err": loss_err,
+        "peak": result.peak_live_activations,
+        "bytes": result.peak_activation_bytes,
+        "stage": pstate.pp_rank,
+        "pp_bytes": pstate.comm_stats.total("pp"),
+    }
+
+
+CASES = [
+    # pp, schedule, m, v, num_layers, pp_layers, tied
+    (2, "1f1b", 1, 1, 4, None, False),  # m < p
+    (2, "1f1b", 2, 1, 4, None, True),  # m = p, tied embedding
+    (2, "gpipe", 3, 1, 3, None, False),  # m > p, uneven
+    (2, "interleaved_1f1b", 4, 2, 4, None, True),
+    (4, "1f1b", 2, 1, 6, None, False),  # m < p, uneven default split
+    (4, "1f1b", 6, 1, 6, [1, 2, 2, 1], True),  # explicit uneven split, tied
+    (4, "gpipe", 4, 1, 4, None, False),
+    (4, "interleaved_1f1b", 4, 2, 8, None, False),
+    (1, "1f1b", 3, 1, 2, None, True),  # pp = 1: plain gradient accumulation
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_grads_match_single_process(world):
+    cases = [c for c in CASES if c[0] <= world and world % c[0] == 0 and (c[0] == world or c[0] == 1 and world == 2)]
+    results = run_on_ranks(_run_cases, world, cases, timeout=120)
+    for case, per_rank in zip(cases, zip(*results)):
+        pp, schedule, m = case[0], case[1], case[2]
+        for r in per_rank:
+            for name, err in r["errors"].items():
+                assert err < 1e-5, f"{case} stage {r['stage']}: grad of {name} off by {err:.2e}"
+            if r["stage"] == pp - 1:
+                assert r["loss_err"] < 1e-6, f"{case}: loss off by {r['loss_err']:.2e}"
+            else:
+                assert r["loss_err"] is None
+            limit = {"1f1b": min(pp - r["stage"], m), "gpipe": m}.get(schedule)
+            if limit is not None:
+                assert r["peak"] <= limit, f"{case} stage {r['stage']}: {r['peak']} live activations > {limit}"
+            assert r["bytes"] > 0
+            if pp > 1:
+                assert r["pp_bytes"] > 0
+
+
+def _run_cases(rank, world, cases):
+    return [_pipeline_case(rank, world, *case) for case in cases]
+
+
+def test_split_batch_rejects_non_dividing_micro_batch():
+    batch = toy_batch(1, 6, SEQ)[0]
+    assert len(split_batch(batch, 3)) == 2
+    with pytest.raises(ValueError, match="micro_batch_size=4 does not divide the batch of 6"):
+        split_batch(batch, 4)
+
+
+def test_engine_rejects_wrong_microbatch_count_and_shape():
+    pstate = ParallelState.single_process()
+    engine = PipelineEngine(
+        [ToyModel(2)], pstate, num_microbatches=2, micro_batch_size=MBS, seq_len=SEQ, hidden_size=HIDDEN
+    )
+    with pytest.raises(ValueError, match="got 1 microbatches"):
+        engine.run_step(toy_batch(1, MBS, SEQ))
+    with pytest.raises(ValueError, match=r"input_ids has shape \(3, 4\)"):
+        engine.run_step(toy_batch(2, 3, SEQ))
+    with pytest.raises(ValueError, match="num_microbatches divisible by num_stages"):
+        PipelineEngine([ToyModel(2)] * 2, ParallelState.without_groups(Topology(1, 2, 1), 0),
+                       schedule="interleaved_1f1b", num_microbatches=3, micro_batch_size=MBS, seq_len=SEQ,
+                       hidden_size=HIDDEN)

@@ -1,0 +1,192 @@
+"""ZeRO 0/1/2 on gloo ranks against single-process torch.optim.AdamW on the same global batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel3d.parallel_state import ParallelState
+from parallel3d.topology import Topology
+from parallel3d.zero import StepInfo, WarmupCosine, ZeroOptimizer
+from tests.harness import run_on_ranks
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+TINY_BUCKET_MB = 40 * 4 / 2**20  # ~40 fp32 elements: several buckets, none divisible by dp
+
+
+def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """131 parameters (odd, so no dp divides it); LayerNorm and biases are not decayed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 9), nn.LayerNorm(9), nn.GELU(), nn.Linear(9, 5)).to(dtype)
+
+
+def global_batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(size, 6, generator=g), torch.randint(0, 5, (size,), generator=g)
+
+
+def reference_adamw(model: nn.Module, lr, schedule=None) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS)
+
+
+def train_reference(steps: int, clip: float | None, schedule=None) -> tuple[nn.Module, list[float]]:
+    model = make_mlp()
+    opt = reference_adamw(model, LR)
+    norms = []
+    for step in range(steps):
+        if schedule is not None:
+            for group in opt.param_groups:
+                group["lr"] = schedule(step)
+        x, y = global_batch(step)
+        F.cross_entropy(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)))
+        opt.step()
+        opt.zero_grad()
+    return model, norms
+
+
+def max_rel_error(model: nn.Module, ref: nn.Module) -> float:
+    return max(float((a.detach() - b.detach()).abs().max() / b.detach().abs().max())
+               for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
+    ps = ParallelState(Topology(1, 1, world_size))
+    schedule = WarmupCosine(max_lr=LR, min_lr=LR / 10, warmup_steps=3, decay_steps=steps) if use_schedule else None
+    ref, ref_norms = train_reference(steps, clip, schedule)
+    out = {}
+    for stage in stages:
+        model = make_mlp()
+        opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            clip_grad=clip, bucket_size_mb=TINY_BUCKET_MB, lr_schedule=schedule)
+        norms = []
+        for step in range(steps):
+            x, y = global_batch(step)
+            local = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+            F.cross_entropy(model(x[local]), y[local]).backward()
+            info = opt.step()
+            assert isinstance(info, StepInfo) and not info.skipped
+            norms.append(info.grad_norm)
+            opt.zero_grad()
+        out[stage] = (max_rel_error(model, ref), norms, [b.size for b in opt.layouts[0].buckets])
+    return out, ref_norms
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_stages_match_torch_adamw(dp):
+    results = run_on_ranks(_train_dp, dp, (0, 1, 2), 10, 0.05, True, timeout=120)
+    for rank, (per_stage, ref_norms) in enumerate(results):
+        assert max(ref_norms) > 0.05, "clipping should be active in this test"
+        for stage, (err, norms, bucket_sizes) in per_stage.items():
+            assert err < 1e-5, f"dp={dp} stage={stage} rank={rank}: rel. error {err:.2e}"
+            assert norms == pytest.approx(ref_norms, rel=1e-5), f"stage={stage}: grad norms differ"
+            assert len(bucket_sizes) > 1 and all(s % dp == 0 for s in bucket_sizes)
+    assert sum(bucket_sizes) > 131 or 131 % dp == 0  # padding was needed for an odd parameter count
+
+
+def test_single_process_matches_torch_adamw_without_clipping():
+    ps = ParallelState.single_process()
+    ref, _ = train_reference(5, None)
+    model = make_mlp()
+    opt = ZeroOptimizer(model, ps, zero_stage=2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for step in range(5):
+        x, y = global_batch(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_rel_error(model, ref) < 1e-6
+
+
+def _accumulate(rank, world_size, stage):
+    """Two microbatches per step through grad_sync.prepare/finish, as the pipeline engine drives it."""
+    ps = ParallelState(Topology(1, 1, world_size))
+    ref, _ = train_reference(4, 0.05)
+    model = make_mlp()
+    opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                        clip_grad=0.05, bucket_size_mb=TINY_BUCKET_MB)
+    for step in range(4):
+        x, y = global_batch(step)
+        x, y = x[rank::world_size], y[rank::world_size]
+        for mb in range(2):
+            opt.grad_sync.prepare(is_last_microbatch=mb == 1)
+            (F.cross_entropy(model(x[mb::2]), y[mb::2]) / 2).backward()
+        opt.grad_sync.finish()
+        opt.step()
+        opt.zero_grad()
+    return max_rel_error(model, ref), dict(ps.comm_stats.calls)
+
+
+def test_gradient_accumulation_reduces_once_per_step():
+    results = run_on_ranks(_accumulate, 2, 2, timeout=120)
+    for err, calls in results:
+        assert err < 1e-5
+        buckets = calls[("dp", "all_gather")] // 4
+        assert calls[("dp", "reduce_scatter")] == 4 * buckets  # once per bucket per step, not per microbatch
+
+
+def _double_backward_without_prepare(rank, world_size):
+    ps = ParallelState(Topology(1, 1, world_size))
+    model = make_mlp()
+    opt = ZeroOptimizer([model], ps, zero_stage=2, lr=LR)
+    x, y = global_batch(0)
+    F.cross_entropy(model(x), y).backward()
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_stage2_second_backward_without_prepare_fails_loudly():
+    (msg,) = run_on_ranks(_double_backward_without_prepare, 1, timeout=60)
+    assert "arrived twice in one step" in msg and "prepare(is_last_microbatch=False)" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(zero_stage=3), r"parallel.zero_stage=3 is not one of \(0, 1, 2\)"),
+        (dict(zero_stage=1, bucket_size_mb=0), r"parallel.bucket_size_mb=0 must be a number > 0"),
+        (dict(zero_stage=1, bucket_size_mb=-2.5), r"parallel.bucket_size_mb=-2.5"),
+        (dict(zero_stage=1, precision="fp8"), r"train.precision='fp8' is not one of"),
+        (dict(zero_stage=1, precision="bf16"), r"needs torch.bfloat16 parameters, but 0.weight is torch.float32"),
+        (dict(zero_stage=1, clip_grad=0.0), r"optim.clip_grad=0.0 must be > 0"),
+        (dict(zero_stage=1, fused_adamw_backend="cuda"), r"fused_adamw_backend='cuda' is not one of"),
+    ],
+)
+def test_bad_settings_fail_fast(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroOptimizer(make_mlp(), ParallelState.single_process(), lr=LR, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(loss_scale_init=0.0), r"loss_scale_init=0.0 must be a finite number > 0"),
+        (dict(loss_scale_init=float("inf")), r"loss_scale_init=inf"),
+        (dict(loss_scale_backoff_factor=1.5), r"loss_scale_backoff_factor=1.5 must be in \(0, 1\)"),
+        (dict(loss_scale_growth_factor=1.0), r"loss_scale_growth_factor=1.0 must be > 1"),
+        (dict(loss_scale_growth_interval=0), r"loss_scale_growth_interval=0 must be an integer >= 1"),
+        (dict(loss_scale_min=1e9), r"loss_scale_min=1000000000.0 must be in \(0, loss_scale_init\]"),
+    ],
+)
+def test_fp16_loss_scaling_settings_are_checked(kwargs, match):
+    model = make_mlp(dtype=torch.float16)
+    with pytest.raises(ValueError, match=match):
+        ZeroOptimizer(model, ParallelState.single_process(), zero_stage=2, lr=LR, precision="fp16", **kwargs)
+
+
+def test_warmup_cosine_schedule():
+    s = WarmupCosine(max_lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
+    assert [s(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(9) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
+    assert s(14) == s(100) == 0.1
+    with pytest.raises(ValueError, match="min_lr"):
+        WarmupCosine(max_lr=1.0, min_lr=2.0, warmup_steps=1, decay_steps=2)
