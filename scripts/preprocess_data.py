@@ -21,7 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel3d.data import DataError, iter_documents, load_tokenizer, train_byte_level_bpe, write_tokenized  # noqa: E402
+from parallel3d.data import (  # noqa: E402  (needs the sys.path entry above)
+    DataError,
+    iter_documents,
+    load_tokenizer,
+    train_byte_level_bpe,
+    write_tokenized,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

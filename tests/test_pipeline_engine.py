@@ -117,3 +117,45 @@ def test_engine_rejects_wrong_microbatch_count_and_shape():
         PipelineEngine([ToyModel(2)] * 2, ParallelState.without_groups(Topology(1, 2, 1), 0),
                        schedule="interleaved_1f1b", num_microbatches=3, micro_batch_size=MBS, seq_len=SEQ,
                        hidden_size=HIDDEN)
+
+
+class RecordingGradSync:
+    """Records the engine's calls to the ZeRO hook (the hook is not what is under test)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def prepare(self, is_last_microbatch: bool) -> None:
+        self.calls.append(("prepare", is_last_microbatch))
+
+    def finish(self) -> None:
+        self.calls.append(("finish",))
+
+
+def _grad_sync_case(rank, world):
+    pstate = ParallelState(Topology(1, 2, 1))
+    cfg = ModelConfig(num_layers=4, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
+    ranges = stage_layer_ranges(partition_layers(cfg, 2, 2), 2, pstate.pp_rank)
+    chunks = [ToyModel(4, r, tied=True) for r in ranges]
+    sync = RecordingGradSync()
+    engine = PipelineEngine(chunks, pstate, schedule="interleaved_1f1b", num_microbatches=4, micro_batch_size=MBS,
+                            seq_len=SEQ, hidden_size=HIDDEN, grad_sync=sync)
+    microbatches = toy_batch(4, MBS, SEQ)
+    engine.run_step(microbatches)
+    backwards = [a for a in engine.actions if a.kind == "B"]
+    _, ref = _reference(4, microbatches, tied=True)
+    tied = [p for c in chunks for p in c.parameters() if getattr(p, "tied_embedding", False)]
+    before = [((p.grad - ref["embedding"]).norm() / ref["embedding"].norm()).item() for p in tied]
+    sync_tied_embedding_grads(chunks, pstate)  # the optimizer's job when it passes grad_sync
+    after = [((p.grad - ref["embedding"]).norm() / ref["embedding"].norm()).item() for p in tied]
+    return sync.calls, [(a.microbatch, a.chunk) for a in backwards], before, after
+
+
+def test_grad_sync_hook_calls_and_tied_sync_left_to_optimizer():
+    for calls, backwards, before, after in run_on_ranks(_grad_sync_case, 2):
+        assert len(calls) == len(backwards) + 1 and calls[-1] == ("finish",)
+        flags = [c[1] for c in calls[:-1]]
+        # True exactly on the backward that completes each chunk's accumulation (microbatch 3 of each chunk).
+        assert [bw for bw, flag in zip(backwards, flags) if flag] == [(3, 1), (3, 0)]
+        assert len(before) == 1 and before[0] > 1e-3  # not synced inside run_step when grad_sync is given
+        assert after[0] < 1e-5

@@ -110,7 +110,9 @@ def build_default_corpus(
     """
     del seed  # accepted so callers can pass the run seed; the build is seed-independent
     if tokenizer not in TOKENIZER_KINDS:
-        raise DataError(f"tokenizer={tokenizer!r} is not a default-corpus tokenizer; choose from {list(TOKENIZER_KINDS)}")
+        raise DataError(
+            f"tokenizer={tokenizer!r} is not a default-corpus tokenizer; choose from {list(TOKENIZER_KINDS)}"
+        )
     min_vocab = ByteTokenizer().vocab_size
     if not isinstance(vocab_size, int) or vocab_size < min_vocab:
         raise DataError(f"vocab_size={vocab_size!r} must be an int >= {min_vocab} (256 bytes + end-of-document)")

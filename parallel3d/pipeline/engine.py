@@ -60,6 +60,7 @@ class StepResult:
     peak_live_activations: int
     peak_activation_bytes: int
     num_microbatches: int
+    comm_time: float = 0.0  # seconds blocked in point-to-point (posting + waiting for receives)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
 
     @property
@@ -203,7 +204,7 @@ class PipelineEngine:
         timeline: list[tuple[Action, float, float]] = []
         pending: list[Action] = []
         peak_live = peak_bytes = 0
-        busy = 0.0
+        busy = comm_time = 0.0
         t0 = time.perf_counter()
 
         def flush() -> None:
@@ -224,8 +225,11 @@ class PipelineEngine:
                     inputs[key] = tensor.requires_grad_(True)
                 else:
                     grads_in[key] = tensor
+            end = time.perf_counter()
+            nonlocal comm_time
+            comm_time += end - start
             for a in pending:
-                timeline.append((a, start - t0, time.perf_counter() - t0))
+                timeline.append((a, start - t0, end - t0))
             pending.clear()
 
         for action in self.actions:
@@ -292,5 +296,6 @@ class PipelineEngine:
             peak_live_activations=peak_live,
             peak_activation_bytes=peak_bytes,
             num_microbatches=m,
+            comm_time=comm_time,
             timeline=timeline,
         )

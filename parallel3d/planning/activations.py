@@ -28,12 +28,25 @@ from parallel3d.planning.params import padded_vocab
 
 @dataclass(frozen=True)
 class ActivationAssumptions:
-    """What a layer stores for backward, beyond the matmul inputs."""
+    """What a layer stores for backward, beyond the matmul inputs.
+
+    The defaults are Korthikanti et al.'s GPT setting; ``for_model`` describes
+    parallel3d's own layers (checked against bytes measured by the pipeline
+    engine in tests/test_planning_measured.py).
+    """
 
     element_bytes: int = 2  # activation dtype size (2 for bf16/fp16, 4 for fp32)
     hidden_dropout: bool = True  # 1-byte masks after attention, after the MLP and after the embedding
     attention_dropout: bool = True  # dropout on attention probabilities (mask + output)
-    fused_attention: bool = False  # flash-style attention: scores are never stored
+    fused_attention: bool = False  # flash-style attention: keeps its output and log-sum-exp, no s x s scores
+    # parallel3d's attention: q, k, v are views of one fused QKV buffer (a kept view keeps all
+    # of it alive); rotary embeddings and GQA expansion (keys/values repeated to every query
+    # head before attention) make new tensors. False: Korthikanti's separate Q, K, V.
+    fused_qkv_views: bool = False
+    chunk_output_kept: bool = False  # a pipeline chunk keeps its output until its backward
+    norm_saves_output: bool = False  # a norm that keeps its normalised output as well as its input
+    swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
+    small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
 
     @classmethod
@@ -42,13 +55,24 @@ class ActivationAssumptions:
         return cls()
 
     @classmethod
-    def for_model(cls, config: ModelConfig, precision: str = "bf16") -> "ActivationAssumptions":
-        """parallel3d's own models: dropout only on hidden states, none on attention probabilities."""
+    def for_model(cls, config: ModelConfig, precision: str = "bf16", kernels: str = "fused") -> "ActivationAssumptions":
+        """parallel3d's layers: dropout only on hidden states, ``scaled_dot_product_attention``,
+        GQA keys/values expanded before attention. ``kernels="torch"`` is the CPU reference
+        path (RMSNorm keeps its output, SwiGLU keeps silu(gate)); ``"fused"`` the Triton kernels.
+        """
+        if kernels not in ("fused", "torch"):
+            raise ValueError(f"kernels={kernels!r} is not one of ('fused', 'torch')")
+        reference = kernels == "torch"
         return cls(
             element_bytes=4 if precision == "fp32" else 2,
             hidden_dropout=config.dropout > 0,
             attention_dropout=False,
-            fused_attention=True,  # F.scaled_dot_product_attention keeps no s x s scores
+            fused_attention=True,
+            fused_qkv_views=True,
+            chunk_output_kept=True,
+            norm_saves_output=reference and config.arch == "llama",
+            swiglu_tensors=4 if reference else 3,
+            small_stats=True,
         )
 
 
@@ -65,12 +89,24 @@ class LayerActivationTerms:
         return self.replicated + self.sharded + self.scores
 
 
+def _qkv_elements_per_token(config: ModelConfig, recompute: str, assumptions: ActivationAssumptions) -> int:
+    """Elements per token (all tp ranks) kept for the attention core's inputs q, k, v."""
+    h, kv = config.hidden_size, config.kv_heads * config.head_dim
+    if not assumptions.fused_qkv_views:
+        return h + 2 * kv
+    rotary = config.arch == "llama"
+    # With selective recompute the checkpoint keeps the core's inputs before GQA expansion.
+    expanded = kv < h and recompute != "selective"
+    copies = (h if rotary else 0) + (2 * h if expanded else (kv if rotary else 0))
+    views_kept = not rotary or not expanded  # q (no rotary) or v (not expanded) is still a view
+    return copies + (h + 2 * kv if views_kept else 0)
+
+
 def layer_activation_terms(
     config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
 ) -> LayerActivationTerms:
     s, b, h, t = layout.seq_len, layout.micro_batch_size, config.hidden_size, layout.tp
     a, f, e = config.num_heads, config.ffn_size, assumptions.element_bytes
-    kv = config.kv_heads * config.head_dim
     sbh = s * b * h
     if layout.recompute == "full":
         # Only the layer input is checkpointed; everything else is rebuilt in backward.
@@ -78,16 +114,22 @@ def layer_activation_terms(
         return LayerActivationTerms(stored / t if layout.sequence_parallel else stored, 0.0, 0.0)
     # Two norm inputs, the QKV input and the MLP input (the norms' outputs).
     replicated = 4 * e * sbh
+    if assumptions.norm_saves_output:
+        replicated += 2 * e * sbh
+    if assumptions.small_stats:
+        replicated += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
     if assumptions.hidden_dropout:
         replicated += 2 * sbh  # masks of the attention and MLP residual dropouts
     if layout.sequence_parallel:
         replicated /= t
-    # Q, K, V (GQA: K and V are kv_heads wide) and the attention projection input.
-    sharded = e * s * b * (h + 2 * kv) + e * sbh
+    # q, k, v and the attention projection input (the attention output).
+    sharded = e * s * b * _qkv_elements_per_token(config, layout.recompute, assumptions) + e * sbh
+    if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
+        sharded += 4 * a * s * b  # log-sum-exp per head and token
     if config.arch == "gpt":
         sharded += 2 * e * s * b * f  # GeLU input and output (the second matmul's input)
     else:
-        sharded += 4 * e * s * b * f  # SwiGLU: gate, up, silu(gate), silu(gate)*up
+        sharded += assumptions.swiglu_tensors * e * s * b * f
     sharded /= t
     scores = 0.0
     if layout.recompute == "none" and not assumptions.fused_attention:
@@ -114,11 +156,19 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
     s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
-    norm_and_head_inputs = 2 * assumptions.element_bytes * s * b * h
+    norm_and_head_inputs = (3 if assumptions.norm_saves_output else 2) * assumptions.element_bytes * s * b * h
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
     logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp
     return norm_and_head_inputs + logits
+
+
+def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """A non-final chunk's output, when the engine keeps it until the chunk's backward."""
+    if not assumptions.chunk_output_kept:
+        return 0.0
+    out = assumptions.element_bytes * layout.seq_len * layout.micro_batch_size * config.hidden_size
+    return out / layout.tp if layout.sequence_parallel else float(out)
 
 
 def inflight_chunks(layout: Layout, stage: int) -> int:

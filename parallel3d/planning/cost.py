@@ -128,9 +128,15 @@ class CommModel:
         self._spans: dict[str, tuple[int, int, int]] = {}
 
     def _span(self, kind: str) -> tuple[int, int, int]:
-        """(group size, nodes it spans, members per node) of rank 0's group of ``kind``."""
+        """(group size, nodes it spans, members per node) of rank 0's group of ``kind``.
+
+        Every group of a kind has the same shape, so rank 0's stands for all. Its
+        members are asked of the topology coordinate by coordinate, which is cheap
+        even at thousands of ranks (``Topology.groups`` would build every group).
+        """
         if kind not in self._spans:
-            ranks = self.topology.group_of(kind, 0)
+            topo = self.topology
+            ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
             nodes, per_node = self.cluster.nodes_spanned(ranks)
             self._spans[kind] = (len(ranks), nodes, per_node)
         return self._spans[kind]

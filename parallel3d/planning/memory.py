@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from models.config import ModelConfig
 from parallel3d.planning.activations import (
     ActivationAssumptions,
+    chunk_output_bytes,
     embedding_activation_bytes,
     head_activation_bytes,
     inflight_chunks,
@@ -131,6 +132,11 @@ def stage_activation_bytes(
     inflight = inflight_chunks(layout, stage)
     chunk_layers = layers / layout.virtual_stages
     total = inflight * chunk_layers * layer_activation_bytes(config, layout, assumptions)
+    # Every in-flight chunk but the model's last keeps its output (the last returns a loss).
+    outputs = inflight - (1 if stage == layout.pp - 1 and layout.schedule != "gpipe" else 0)
+    if stage == layout.pp - 1 and layout.schedule == "gpipe":
+        outputs = inflight - layout.num_microbatches
+    total += max(outputs, 0) * chunk_output_bytes(config, layout, assumptions)
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
