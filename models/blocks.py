@@ -132,7 +132,7 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.kv_local, self.q_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, self.kv_local * self.q_per_kv, self.head_dim)
-        k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
+        k, v = qkv[:, :, :, self.q_per_kv].contiguous(), qkv[:, :, :, self.q_per_kv + 1]
         if run.rope is not None:
             q, k = dispatch.apply_rope(q, k, run.rope[0], run.rope[1], backend=self.backend)
         if self.selective and torch.is_grad_enabled():

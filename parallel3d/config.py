@@ -399,13 +399,23 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     return ResolvedJob(job=job, model=model, topology=topo, world_size=world, grad_accum=accum, device=device)
 
 
-def job_from_dict(values: dict | None = None) -> JobConfig:
-    """A ``JobConfig`` from nested plain values (for tests and scripts), type-checked like Hydra does."""
+def job_from_dict(values: dict | None = None, *, model: str | None = None) -> JobConfig:
+    """A ``JobConfig`` from nested plain values (for tests and scripts), type-checked like Hydra does.
+
+    ``model`` names a registry config (``models.get_config``) for the model section;
+    ``values["model"]`` then overrides single keys of it.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    values = dict(values or {})
+    if model is not None:
+        from models import get_config
+
+        named = {f.name: getattr(get_config(model), f.name) for f in dataclasses.fields(ModelSchema)}
+        values["model"] = {**named, **values.get("model", {})}
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(values or {}))
+        cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(values))
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(one_line_omegaconf_error(exc)) from None
@@ -446,12 +456,12 @@ def _allowed_keys(full_key: str) -> str:
     return f"{where} accepts: {', '.join(f.name for f in dataclasses.fields(node))}"
 
 
-def check_no_extra_keys(cfg: Any) -> None:
+def check_no_extra_keys(cfg: Any, schema: type = JobConfig, prefix: str = "") -> None:
     """Reject keys a ``+key=value`` override added outside the schema (Hydra allows it)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        OmegaConf.merge(OmegaConf.structured(JobConfig), cfg)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(one_line_omegaconf_error(exc)) from None
+    hints = typing.get_type_hints(schema)
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"{full}: unknown key; {_allowed_keys(full)}")
+        if dataclasses.is_dataclass(hints[key]) and hasattr(cfg[key], "keys"):
+            check_no_extra_keys(cfg[key], hints[key], f"{full}.")

@@ -45,20 +45,14 @@ def _rank() -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors span lines and chain causes; keep the lines a user needs."""
-    parts: list[str] = []
-    seen: set[int] = set()
+    """Hydra/OmegaConf errors span lines and chain causes; keep the one that names the key."""
+    chain: list[BaseException] = []
     e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if not str(e).startswith("Value '$VALUE'"):  # OmegaConf's unformatted copy of a message
-            text = one_line_omegaconf_error(e)
-            if text and not any(text in p for p in parts):
-                parts.append(text)
-        if isinstance(e, ValueError) and not parts:
-            break
+    while e is not None and e not in chain:
+        chain.append(e)
         e = e.__cause__ or e.__context__
-    return " | ".join(parts) or type(exc).__name__
+    keyed = [e for e in chain if getattr(e, "full_key", None)]
+    return one_line_omegaconf_error(keyed[0] if keyed else exc) or type(exc).__name__
 
 
 def compose_job(overrides: list[str]) -> tuple[JobConfig, dict[str, Any]]:

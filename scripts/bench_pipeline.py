@@ -94,7 +94,7 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
     microbatches, inputs, labels = _batch(args, m)
     ours_chunks = _build_chunks(args, pstate, v)
     engine = PipelineEngine(ours_chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
-                            seq_len=args.seq, hidden_size=args.hidden)
+                            seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
     theirs_chunks = _build_chunks(args, pstate, v)
     stages = [PipelineStage(_TorchStage(c), s + k * p, p * v, torch.device("cpu"), group=pstate.pp_group)
               for k, c in enumerate(theirs_chunks)]
@@ -205,6 +205,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, default=2, help="receives our engine posts ahead of need")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()
     rows = []

@@ -101,3 +101,27 @@ def test_adamw_errors() -> None:
         adamw_step(p, g, m, v, lr=1e-3, step=1, backend="triton")
     with pytest.raises(ValueError, match="kernels.backend='cuda' is not one of auto, triton, apex, torch"):
         adamw_step(p, g, m, v, lr=1e-3, step=1, backend="cuda")
+
+
+def _flat_update_pair(backend: str) -> float:
+    from kernels.adamw import adamw_flat_
+    from parallel3d.zero.adamw import adamw_flat_ as zero_reference
+
+    g = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(300, generator=g) for _ in range(3)]
+    mine = [t.clone() for t in tensors] + [torch.zeros(300)]
+    ref = [t.clone() for t in tensors] + [torch.zeros(300)]
+    mine[2].zero_()
+    ref[2].zero_()
+    for step in (1, 2, 3):
+        grad = torch.randn(300, generator=g)
+        kwargs = dict(step=step, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+        adamw_flat_(mine[0], grad, mine[2], mine[3], backend=backend, **kwargs)
+        zero_reference(ref[0], grad, ref[2], ref[3], **kwargs)
+    return max((a - b).abs().max().item() for a, b in zip(mine, ref))
+
+
+def test_adamw_flat_hook_for_zero_matches_its_torch_update() -> None:
+    """``parallel3d.zero.adamw`` calls ``kernels.adamw.adamw_flat_`` (no weight decay) when present."""
+    assert _flat_update_pair("torch") < 1e-6
+    assert run_interpreted(_flat_update_pair, "triton") < 1e-6

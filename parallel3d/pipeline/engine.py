@@ -132,6 +132,7 @@ class PipelineEngine:
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         grad_sync: GradSync | None = None,
+        prefetch_recvs: int = 0,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")
@@ -155,6 +156,11 @@ class PipelineEngine:
         )
         self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages)
         self._last_virtual = p * self.num_virtual_stages - 1
+        if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
+            raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
+        self.prefetch_recvs = prefetch_recvs
+        self._recv_order = [a for a in self.actions if a.kind in ("RECV_ACT", "RECV_GRAD")]
+        self._recv_index = {a: i for i, a in enumerate(self._recv_order)}
         # The backward that completes each chunk's gradient accumulation.
         last_b: dict[int, Action] = {}
         for a in self.actions:
@@ -205,6 +211,7 @@ class PipelineEngine:
         pending: list[Action] = []
         peak_live = peak_bytes = 0
         busy = comm_time = 0.0
+        posted_upto = consumed = 0  # receives self._recv_order[:posted_upto] are posted, [:consumed] used
         t0 = time.perf_counter()
 
         def flush() -> None:
@@ -217,8 +224,14 @@ class PipelineEngine:
                     sends.append((a, grads_out.pop(key)))
                 else:
                     recvs.append(a)
+            nonlocal posted_upto, consumed, comm_time
+            # Post every receive up to K past the ones needed now, in schedule order.
+            consumed = max([self._recv_index[a] + 1 for a in recvs], default=consumed)
+            horizon = max(posted_upto, consumed + self.prefetch_recvs)
+            prefetch = self._recv_order[posted_upto:horizon]
+            posted_upto = horizon
             start = time.perf_counter()
-            got = self.p2p.exchange(sends, recvs)
+            got = self.p2p.exchange(sends, recvs, prefetch)
             for a, tensor in got.items():
                 key = (a.microbatch, a.chunk)
                 if a.kind == "RECV_ACT":
@@ -226,7 +239,6 @@ class PipelineEngine:
                 else:
                     grads_in[key] = tensor
             end = time.perf_counter()
-            nonlocal comm_time
             comm_time += end - start
             for a in pending:
                 timeline.append((a, start - t0, end - t0))

@@ -8,8 +8,9 @@ the TP rank with the same coordinate in the neighbouring stage (hidden states
 are replicated over TP, or each rank holds its own sequence shard).
 
 All sends and receives that the schedule lists back to back go out as one
-``batch_isend_irecv`` (gloo and NCCL); receives are waited for before the
-caller uses them, sends are waited for at the end of the step
+``batch_isend_irecv`` (gloo and NCCL), together with the next few receives of
+the schedule (prefetch: their transfer overlaps this rank's compute). Receives
+are waited for before the caller uses them, sends at the end of the step
 (``wait_sends``), so a send never blocks the sender's next computation.
 """
 
@@ -65,6 +66,7 @@ class PipelineP2P:
         self.spec = spec
         self.num_virtual_stages = num_virtual_stages
         self._pending_sends: list = []
+        self._posted: dict[Action, tuple] = {}  # receives posted ahead of need: (work, buffer)
 
     def peer(self, action: Action) -> int:
         """Global rank on the other end of a communication action."""
@@ -77,9 +79,19 @@ class PipelineP2P:
         return self.pstate.topology.stage_rank(self.pstate.rank, stage)
 
     def exchange(
-        self, sends: list[tuple[Action, torch.Tensor]], recvs: list[Action]
+        self,
+        sends: list[tuple[Action, torch.Tensor]],
+        recvs: list[Action],
+        prefetch: list[Action] = (),
     ) -> dict[Action, torch.Tensor]:
-        """Post all ``sends`` and ``recvs`` as one batch; return the received tensors once they arrived."""
+        """Post ``sends`` and the receives not yet posted as one batch; return ``recvs`` once arrived.
+
+        Receives are posted in the order ``prefetch`` then ``recvs``, skipping those
+        already posted; ``prefetch`` receives are waited for by a later call that names
+        them in ``recvs``, so their data moves while this rank computes. The caller
+        posts receives in schedule order, so each peer's messages match first in,
+        first out.
+        """
         ops: list[dist.P2POp] = []
         group = self.pstate.group("pp")
         for action, tensor in sends:
@@ -91,18 +103,21 @@ class PipelineP2P:
             tensor = tensor.detach().contiguous()
             ops.append(dist.P2POp(dist.isend, tensor, self.peer(action), group=group))
             self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
-        received: dict[Action, torch.Tensor] = {}
-        for action in recvs:
+        new_recvs = list(dict.fromkeys(a for a in [*prefetch, *recvs] if a not in self._posted))
+        for action in new_recvs:
             buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.pstate.device)
             ops.append(dist.P2POp(dist.irecv, buf, self.peer(action), group=group))
-            received[action] = buf
-        if not ops:
-            return received
+        received: dict[Action, torch.Tensor] = {}
         try:
-            works = dist.batch_isend_irecv(ops)
-            self._pending_sends.extend(works[: len(sends)])
-            for work in works[len(sends):]:
+            if ops:
+                works = dist.batch_isend_irecv(ops)
+                self._pending_sends.extend(works[: len(sends)])
+                for action, work, op in zip(new_recvs, works[len(sends):], ops[len(sends):]):
+                    self._posted[action] = (work, op.tensor)
+            for action in recvs:
+                work, buf = self._posted.pop(action)
                 work.wait()
+                received[action] = buf
         except RuntimeError as exc:
             what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
             raise RuntimeError(
@@ -111,7 +126,9 @@ class PipelineP2P:
         return received
 
     def wait_sends(self) -> None:
-        """Block until every send posted so far has left this rank."""
+        """Block until every send posted so far has left this rank (all prefetched receives must be used)."""
+        if self._posted:
+            raise RuntimeError(f"rank {self.pstate.rank}: receives posted but never used: {list(self._posted)}")
         for work in self._pending_sends:
             work.wait()
         self._pending_sends.clear()

@@ -44,7 +44,10 @@ class ActivationAssumptions:
     # head before attention) make new tensors. False: Korthikanti's separate Q, K, V.
     fused_qkv_views: bool = False
     chunk_output_kept: bool = False  # a pipeline chunk keeps its output until its backward
-    norm_saves_output: bool = False  # a norm that keeps its normalised output as well as its input
+    # Bytes per hidden element one norm keeps for backward; None: one activation-dtype copy
+    # of its input (fused kernels). The torch RMSNorm reference keeps fp32 copies of its
+    # input and of its normalised output: 8.
+    norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
     small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
@@ -70,7 +73,7 @@ class ActivationAssumptions:
             fused_attention=True,
             fused_qkv_views=True,
             chunk_output_kept=True,
-            norm_saves_output=reference and config.arch == "llama",
+            norm_kept_bytes=8.0 if reference and config.arch == "llama" else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
         )
@@ -87,6 +90,11 @@ class LayerActivationTerms:
     @property
     def total(self) -> float:
         return self.replicated + self.sharded + self.scores
+
+
+def _norm_bytes(assumptions: ActivationAssumptions) -> float:
+    kept = assumptions.norm_kept_bytes
+    return float(assumptions.element_bytes) if kept is None else float(kept)
 
 
 def _qkv_elements_per_token(config: ModelConfig, recompute: str, assumptions: ActivationAssumptions) -> int:
@@ -112,10 +120,8 @@ def layer_activation_terms(
         # Only the layer input is checkpointed; everything else is rebuilt in backward.
         stored = e * sbh
         return LayerActivationTerms(stored / t if layout.sequence_parallel else stored, 0.0, 0.0)
-    # Two norm inputs, the QKV input and the MLP input (the norms' outputs).
-    replicated = 4 * e * sbh
-    if assumptions.norm_saves_output:
-        replicated += 2 * e * sbh
+    # Two norms' saved inputs, the QKV input and the MLP input (the norms' outputs).
+    replicated = 2 * _norm_bytes(assumptions) * sbh + 2 * e * sbh
     if assumptions.small_stats:
         replicated += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
     if assumptions.hidden_dropout:
@@ -156,7 +162,7 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
     s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
-    norm_and_head_inputs = (3 if assumptions.norm_saves_output else 2) * assumptions.element_bytes * s * b * h
+    norm_and_head_inputs = (_norm_bytes(assumptions) + assumptions.element_bytes) * s * b * h
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
     logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp

@@ -2,8 +2,9 @@
 
 Invariant: the mask of batch row ``i`` at ``(seed, step, sample_ids[i], layer, site)`` is the
 same whatever the tp / pp / dp layout or micro-batch size. Each row's full-sequence mask
-``[s, h]`` is drawn from a CPU generator seeded by a stable hash of those values; with
-sequence parallel a rank keeps the rows of its sequence chunk. Costs one generator per
+``[s, h]`` is drawn from a generator on the activations' device seeded by a stable hash of
+those values (so masks agree between layouts on the same device type); with sequence
+parallel a rank keeps the rows of its sequence chunk. Costs one generator per
 row and call, which is why everything is skipped when ``p == 0``.
 """
 
@@ -40,8 +41,8 @@ def layout_independent_dropout(
     chunk = comm.group_rank(pstate, "tp") if sequence_parallel else 0
     masks = []
     for sample in sample_ids.tolist():
-        gen = torch.Generator().manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))
-        keep = torch.rand(s_local * n, h, generator=gen) >= p
+        gen = torch.Generator(device=x.device).manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))
+        keep = torch.rand(s_local * n, h, generator=gen, device=x.device) >= p
         masks.append(keep[chunk * s_local : (chunk + 1) * s_local])
-    mask = torch.stack(masks).to(device=x.device)
+    mask = torch.stack(masks)
     return x * mask.to(x.dtype) * (1.0 / (1.0 - p))

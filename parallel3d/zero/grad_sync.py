@@ -2,9 +2,10 @@
 
 Contract with the pipeline engine (or a plain training loop): call
 ``prepare(is_last_microbatch)`` before each backward and ``finish()`` after the
-step's last backward (``ZeroOptimizer.step`` calls ``finish`` if nobody did).
-Gradients are reduced once per step with SUM over the ``dp`` group; the
-optimizer divides by ``dp`` (and the loss scale) afterwards.
+step's last backward; ``ZeroOptimizer.step`` then calls ``complete()`` (which
+finishes if nobody did, handles tied embeddings and waits for every
+collective). Gradients are reduced once per step with SUM over the ``dp``
+group; the optimizer divides by ``dp`` (and the loss scale) afterwards.
 
 - Stage 0 / 1: every parameter's ``.grad`` is a view into a flat gradient
   buffer (autograd accumulates into it in place). ``finish`` all-reduces each
@@ -15,9 +16,10 @@ optimizer divides by ``dp`` (and the loss scale) afterwards.
   staging buffer and drops ``.grad``; when a bucket is complete its
   reduce-scatter starts asynchronously into the rank's gradient shard, so it
   overlaps with the backward of earlier layers. Staging buffers are recycled
-  once their collective completes, so at most a few bucket-sized buffers exist.
-- Tied-embedding copies sit in their own buckets, outside the hooks: ``finish``
-  first sums their gradient over the ``embedding`` group, then reduces them.
+  once their collective completes: normally two bucket-sized buffers exist.
+- Tied-embedding copies sit in their own buckets, outside the hooks:
+  ``complete`` first sums their gradient over the ``embedding`` group (a
+  cross-stage collective, so not in ``finish``), then reduces them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, FlatBuffer, ParamSlot, shard_slice
+
+MAX_STAGING_BUFFERS = 2
 
 
 def _sync_tied(modules: list[torch.nn.Module], tied: list[torch.nn.Parameter], pstate: ParallelState) -> None:
@@ -65,6 +69,7 @@ class GradSync:
         self.stage = zero_stage
         self._is_last = True
         self._finished = False
+        self._completed = False
         self._pending: deque[tuple[object, Callable[[], None]]] = deque()
         self.grad_bufs: list[FlatBuffer] = []
         self.grad_shards: list[torch.Tensor] = []
@@ -94,26 +99,52 @@ class GradSync:
         self._is_last = bool(is_last_microbatch)
 
     def finish(self) -> None:
-        """Complete the step's reduction (idempotent until the next ``reset``)."""
+        """Start the reduction of every bucket not started yet, except tied-embedding ones.
+
+        It only launches collectives on this rank's ``dp`` group (whose members run the
+        same schedule), never on a group that spans pipeline stages: the engine calls
+        it before its last sends, so a cross-stage collective here could deadlock.
+        """
         if self._finished:
             return
-        _sync_tied(self.modules, self._tied, self.pstate)
         if self.stage == 2:
             for g, pb in enumerate(self.params_bufs):
                 for b in pb.layout.buckets:
-                    if not self._launched[(g, b.index)]:
+                    if not b.tied and not self._launched[(g, b.index)]:
                         self._launch_stage2(g, b, fill_missing=True)
         else:
             self._attach_grad_views()
             for gb in self.grad_bufs:
                 for b in gb.layout.buckets:
-                    self._launch_stage01(gb, b)
-        self._drain()
+                    if not b.tied:
+                        self._launch_stage01(gb, b)
         self._finished = True
+
+    def complete(self) -> None:
+        """``finish``, then sum tied embeddings over the embedding group, reduce them, and wait for all.
+
+        Called by ``ZeroOptimizer.step`` after the pipeline step has returned.
+        """
+        if self._completed:
+            return
+        self.finish()
+        _sync_tied(self.modules, self._tied, self.pstate)
+        if self.stage == 2:
+            for g, pb in enumerate(self.params_bufs):
+                for b in pb.layout.buckets:
+                    if b.tied:
+                        self._launch_stage2(g, b, fill_missing=True)
+        else:
+            for gb in self.grad_bufs:
+                for b in gb.layout.buckets:
+                    if b.tied:
+                        self._launch_stage01(gb, b)
+        self._drain()
+        self._completed = True
 
     # ---- what the optimizer reads ------------------------------------------------------
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
-        """The DP-summed gradient of the piece of ``bucket`` this rank owns (after ``finish``)."""
+        """The DP-summed gradient of the piece of ``bucket`` this rank owns (after ``complete``)."""
         if self.stage == 2:
             return shard_slice(self.grad_shards[group], bucket)
         return self.grad_bufs[group].piece_view(bucket)
@@ -121,6 +152,7 @@ class GradSync:
     def reset(self) -> None:
         """Start a new step (the previous step's reduced gradients are consumed)."""
         self._finished = False
+        self._completed = False
         self._is_last = True
         if self.stage == 2:
             self._reset_stage2()
@@ -201,8 +233,10 @@ class GradSync:
         key = (g, b.index)
         if key not in self._staging:
             self._reap(block=False)
-            if not self._staging_free and self._pending:
-                self._reap(block=True)  # recycle the oldest in-flight buffer rather than allocate
+            # Double buffering: fill one bucket while the previous one is reduced; beyond two
+            # buffers, wait for the oldest collective rather than allocate (unless none is in flight).
+            if not self._staging_free and self._pending and len(self._staging_all) >= MAX_STAGING_BUFFERS:
+                self._reap(block=True)
             dtype = self.params_bufs[g].data.dtype
             free = [t for t in self._staging_free if t.dtype == dtype]
             if free:

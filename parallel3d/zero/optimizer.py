@@ -22,6 +22,7 @@ bucket by bucket. Communication equals DDP's: reduce-scatter + all-gather.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -177,17 +178,22 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepInfo:
-        self.grad_sync.finish()
+        self.grad_sync.complete()
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / (self.dp * used_scale)
         local_sq = torch.zeros((), dtype=torch.float32)
         for g, pb in enumerate(self.param_bufs):
             for b in pb.layout.buckets:
-                local_sq += clip.piece_sq_sum(self.grad_sync.grad_piece(g, b), b, inv)
+                piece = self.grad_sync.grad_piece(g, b)
+                local_sq += clip.piece_sq_sum(piece, b, inv)
+                if not bool(torch.isfinite(piece).all()):
+                    # Also in elements another rank counts in the norm (e.g. TP replicas):
+                    # an inf in the sum makes every rank of the job see the overflow.
+                    local_sq += math.inf
         norm = clip.reduce_norm(local_sq, self.pstate, sharded_over_dp=self.zero_stage > 0)
         self.iteration += 1
-        if not torch.isfinite(torch.tensor(norm)):
+        if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             self.grad_sync.reset()
             log.warning("non-finite gradient norm %s: step skipped on all ranks (loss scale -> %s)",

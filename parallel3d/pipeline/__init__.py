@@ -1,0 +1,31 @@
+"""Pipeline parallelism: layer partitioning, schedules as data, P2P and the executor.
+
+- ``partition``: which global layers each model chunk holds (``partition_layers``).
+- ``schedules``: ``build_schedule`` (gpipe, 1f1b, interleaved_1f1b) as per-stage
+  action lists, ``validate_schedule``, ``simulate`` -> ``Timeline``, printable views.
+- ``p2p``: batched isend/irecv of activations and gradients with config-fixed shapes.
+- ``engine``: ``PipelineEngine.run_step`` runs one stage's action list for one step.
+- ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical.
+"""
+
+from parallel3d.pipeline.engine import PipelineEngine, StepResult, split_batch
+from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
+from parallel3d.pipeline.partition import chunk_costs, partition_layers, stage_layer_ranges
+from parallel3d.pipeline.schedules import (
+    Action,
+    ScheduleError,
+    Timeline,
+    build_schedule,
+    format_schedule,
+    format_timeline,
+    peak_in_flight,
+    simulate,
+    validate_schedule,
+)
+from parallel3d.pipeline.tied import sync_tied_embedding_grads
+
+__all__ = [
+    "Action", "MessageSpec", "PipelineEngine", "PipelineP2P", "ScheduleError", "StepResult", "Timeline",
+    "build_schedule", "chunk_costs", "format_schedule", "format_timeline", "partition_layers", "peak_in_flight",
+    "simulate", "split_batch", "stage_layer_ranges", "sync_tied_embedding_grads", "validate_schedule",
+]

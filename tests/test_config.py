@@ -1,0 +1,185 @@
+"""The Hydra config: composition, YAML vs models registry, documentation, validation messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+
+import functools
+
+import pytest
+from omegaconf import OmegaConf
+
+from models import config_names, get_config
+from models.config import ModelConfig
+from parallel3d.config import (
+    ConfigError,
+    JobConfig,
+    ModelSchema,
+    build_model_config,
+    job_from_dict,
+    resolve,
+)
+from parallel3d.train import CONF_DIR, compose_job, to_job
+
+
+def _resolve(overrides: list[str], world_size: int = 1):
+    job, _ = compose_job(overrides)
+    return resolve(job, world_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_cfg():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config")
+
+
+def _resolve_fast(overrides: list[str], world_size: int = 1):
+    """Plain ``key=value`` overrides merged onto the composed default (Hydra composes in ~1 s)."""
+    cfg = OmegaConf.merge(_default_cfg(), OmegaConf.from_dotlist(overrides))
+    job, _ = to_job(cfg)
+    return resolve(job, world_size)
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_model_yaml_agrees_with_registry(name):
+    yaml_values = OmegaConf.load(os.path.join(CONF_DIR, "model", f"{name}.yaml"))
+    schema = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelSchema), yaml_values))
+    values = {f.name: getattr(schema, f.name) for f in dataclasses.fields(ModelSchema)}
+    assert ModelConfig(**values) == get_config(name)
+
+
+def test_every_registry_model_has_a_yaml_and_back():
+    yamls = {f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "model")) if f.endswith(".yaml")}
+    assert yamls == set(config_names())
+
+
+def test_model_schema_mirrors_model_config():
+    fields = {f.name for f in dataclasses.fields(ModelSchema)}
+    assert fields | {"kernel_backend"} == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _leaf_keys(schema: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(schema)
+    out = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def test_every_key_is_documented_in_conf():
+    """Each non-model key appears with a comment in its group's default YAML (model keys: models/config.py)."""
+    defaults = {"parallel": "default", "train": "default", "optimizer": "adamw", "data": "default",
+                "logging": "default", "kernels": "auto"}
+    undocumented = []
+    for key in _leaf_keys(JobConfig):
+        group, *rest = key.split(".")
+        if group == "model":
+            continue
+        text = open(os.path.join(CONF_DIR, group, defaults[group] + ".yaml")).read()
+        leaf = rest[-1]
+        if not re.search(rf"^\s*{leaf}:.*#", text, re.M) and not re.search(rf"^\s*#.*\b{leaf}\b", text, re.M):
+            undocumented.append(key)
+    # beta1/beta2/eps are self-explanatory AdamW constants; everything else needs a comment.
+    assert [k for k in undocumented if k.rsplit(".", 1)[-1] not in ("beta1", "beta2", "eps", "entity", "project")] == []
+
+
+def test_default_job_resolves():
+    rj = _resolve([])
+    assert rj.model.name == "gpt_tiny"
+    t = rj.job.train
+    assert rj.grad_accum * t.micro_batch_size * rj.topology.dp == t.global_batch_size
+    assert rj.job.train.out_dir == "runs/gpt_tiny"  # interpolated, same on every rank
+
+
+def test_dp_auto_and_grad_accum():
+    rj = _resolve_fast(["parallel.tp=2", "parallel.pp=2", "train.global_batch_size=16", "train.micro_batch_size=2"], 8)
+    assert (rj.topology.tp, rj.topology.pp, rj.topology.dp) == (2, 2, 2)
+    assert rj.grad_accum == 4
+
+
+def test_overrides_reach_the_model_and_kernels():
+    rj = _resolve(["model=llama_tiny", "model.num_layers=6", "model.dropout=0.1", "kernels.backend=torch"])
+    assert rj.model.arch == "llama" and rj.model.num_layers == 6 and rj.model.dropout == 0.1
+    assert rj.model.kernel_backend == "torch"
+
+
+BAD = [
+    (["train.global_batch_size=10"], 1, r"train\.global_batch_size=10 is not divisible by .*8\*1 = 8"),
+    (["parallel.tp=3"], 1, r"parallel\.dp=auto: world_size=1 is not divisible by .*3"),
+    (["parallel.tp=2", "parallel.dp=2"], 8, r"tp\*pp\*dp = 2\*1\*2 = 4 .* world_size=8"),
+    (["parallel.dp=x"], 1, r"parallel\.dp='x': must be an integer >= 1 or 'auto'"),
+    (["parallel.zero_stage=3"], 1, r"parallel\.zero_stage=3: must be one of 0, 1, 2"),
+    (["parallel.schedule=zb"], 1, r"parallel\.schedule='zb': must be one of 1f1b, gpipe, interleaved_1f1b"),
+    (["parallel.virtual_stages=2"], 1, r"parallel\.virtual_stages=2: only parallel\.schedule=interleaved_1f1b"),
+    (["parallel.sequence_parallel=true"], 1, r"parallel\.sequence_parallel=true: needs parallel\.tp > 1"),
+    (["parallel.order=tp-pp"], 1, r"parallel\.order='tp-pp'"),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, r"parallel\.pp_layers=\[1, 2\]: sums to 3"),
+    (["parallel.pp=8"], 8, r"num_layers=4 is fewer than pipeline chunks"),
+    (["model=llama_tiny", "parallel.tp=4"], 4, r"num_kv_heads=2 is not divisible by tp=4"),
+    (["parallel.bucket_size_mb=0"], 1, r"parallel\.bucket_size_mb=0"),
+    (["train.steps=0"], 1, r"train\.steps=0: must be an integer >= 1"),
+    (["train.seq_len=65"], 1, r"train\.seq_len=65: must be <= model\.max_seq_len=64"),
+    (["train.precision=fp8"], 1, r"train\.precision='fp8': must be one of fp32, bf16, fp16"),
+    (["train.recompute=some"], 1, r"train\.recompute='some': must be one of none, selective, full"),
+    (["train.resume=/no/such/dir"], 1, r"train\.resume='/no/such/dir'"),
+    (["train.device=tpu"], 1, r"train\.device='tpu': must be one of auto, cpu, cuda"),
+    (["train.timeout_s=0"], 1, r"train\.timeout_s=0"),
+    (["train.keep_last=0"], 1, r"train\.keep_last=0: must be an integer >= 1"),
+    (["optimizer.lr=0"], 1, r"optimizer\.lr=0"),
+    (["optimizer.min_lr=1.0"], 1, r"optimizer\.min_lr=1\.0: must be a number >= 0\.0 and <= 0\.003"),
+    (["optimizer.warmup_steps=1000"], 1, r"optimizer\.warmup_steps=1000: must be <= train\.steps=200"),
+    (["optimizer.beta2=1.0"], 1, r"optimizer\.beta2=1\.0: must be in \[0, 1\)"),
+    (["model.dropout=1.5"], 1, r"model\.dropout=1\.5"),
+    (["model.num_heads=3"], 1, r"hidden_size=64 is not divisible by model\.num_heads=3"),
+    (["data.source=web"], 1, r"data\.source='web': must be one of default, indexed"),
+    (["data=indexed"], 1, r"data\.paths=\[\]: data\.source=indexed needs at least one"),
+    (["data.source=indexed", "data.paths=[/nope/x]"], 1, r"data\.paths entry '/nope/x': file /nope/x\.bin"),
+    (["data.tokenizer=gpt9"], 1, r"data\.tokenizer='gpt9': must be one of bpe, byte"),
+    (["logging.log_every=0"], 1, r"logging\.log_every=0"),
+    (["logging.wandb.mode=maybe"], 1, r"logging\.wandb\.mode='maybe': must be one of online, offline, disabled"),
+    (["kernels.backend=cuda"], 1, r"kernels\.backend='cuda': must be one of auto, triton, apex, torch"),
+    (["model.num_layerz=3"], 1, r"model\.num_layerz: unknown key; model accepts: arch, num_layers"),
+    (["+train.foo=1"], 1, r"train\.foo: unknown key; train accepts: steps"),
+    (["model.num_layers=abc"], 1, r"model\.num_layers: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["model=nope"], 1, r"Could not find 'model/nope' Available options in 'model': .*gpt_tiny"),
+]
+
+
+HYDRA_SPECIFIC = ("data=", "model=", "+", "model.num_layerz", "model.num_layers=abc")
+
+
+@pytest.mark.parametrize("overrides,world,pattern", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_values_give_one_clear_line(overrides, world, pattern):
+    # Group choices, '+' additions and type errors go through Hydra's own composition.
+    hydra_path = any(o.startswith(HYDRA_SPECIFIC) for o in overrides)
+    with pytest.raises(ConfigError) as info:
+        (_resolve if hydra_path else _resolve_fast)(overrides, world)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.search(pattern, message), message
+
+
+def test_world_size_comes_from_the_launcher(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    job, _ = to_job(OmegaConf.merge(_default_cfg(), OmegaConf.from_dotlist(["parallel.pp=2"])))
+    assert resolve(job).topology.dp == 2
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='four'"):
+        resolve(job)
+
+
+def test_job_from_dict_matches_compose():
+    model = {k: v for k, v in dataclasses.asdict(get_config("gpt_tiny")).items() if k != "kernel_backend"}
+    job = job_from_dict({"model": model, "train": {"seq_len": 32}})
+    assert build_model_config(job) == get_config("gpt_tiny")
+    assert job.train.seq_len == 32
+    with pytest.raises(ConfigError, match="train.stepz"):
+        job_from_dict({"train": {"stepz": 3}})

@@ -1,0 +1,147 @@
+"""Memory estimator against published arithmetic and its own invariants.
+
+Published references:
+- ZeRO (Rajbhandari et al., SC20, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models"), Figure 1: a 7.5B-parameter model, Nd = 64 data-parallel ranks,
+  mixed-precision Adam (K = 12): baseline 120 GB, P_os (stage 1) 31.4 GB, P_os+g
+  (stage 2) 16.6 GB per device.
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Table 2: activation bytes per layer
+  s*b*h*(34 + 5as/h) (no parallelism), s*b*h*(10 + 24/t + 5as/(ht)) (tensor parallel),
+  s*b*h/t*(34 + 5as/h) (tensor + sequence parallel), the 5as/h term dropped by selective
+  recompute; and, for the first stage of an interleaved pipeline, L layers times
+  (1 + (p - 1)/(p*v)).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from models import ModelConfig, get_config
+from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
+from parallel3d.planning.activations import (
+    ActivationAssumptions,
+    inflight_chunks,
+    layer_activation_bytes,
+)
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.memory import estimate_memory, model_state_bytes
+from parallel3d.topology import LayoutError
+
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    "zero_stage, published_gb",
+    [(0, 120.0), (1, 31.4), (2, 16.6)],
+)
+def test_zero_paper_figure1_per_device_model_states(zero_stage, published_gb):
+    states = model_state_bytes(int(7.5e9), dp=64, zero_stage=zero_stage, precision="bf16")
+    total_gb = sum(states.values()) / GB
+    assert total_gb == pytest.approx(published_gb, abs=0.05)
+
+
+def test_zero_paper_16_bytes_per_parameter_breakdown():
+    states = model_state_bytes(1000, dp=1, zero_stage=0, precision="fp16")
+    assert states == {"weights": 2000.0, "gradients": 2000.0, "master_weights": 4000.0, "optimizer_moments": 8000.0}
+
+
+def _gpt(h: int = 12288, a: int = 96, s: int = 2048) -> ModelConfig:
+    return ModelConfig(arch="gpt", num_layers=96, hidden_size=h, num_heads=a, vocab_size=51200, max_seq_len=s)
+
+
+def _korthikanti(s, b, h, a, t, *, sp, selective):
+    """The paper's closed forms, written out independently of the estimator."""
+    score = 0.0 if selective else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + score)
+    return s * b * h * (10 + 24 / t + score / t)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("selective", [False, True])
+@pytest.mark.parametrize("b", [1, 4])
+def test_layer_activations_match_korthikanti_table2(t, sp, selective, b):
+    config = _gpt()
+    layout = Layout(tp=t, sequence_parallel=sp and t > 1, micro_batch_size=b, seq_len=2048,
+                    recompute="selective" if selective else "none")
+    got = layer_activation_bytes(config, layout, ActivationAssumptions.korthikanti())
+    assert got == pytest.approx(_korthikanti(2048, b, 12288, 96, t, sp=sp and t > 1, selective=selective), rel=1e-12)
+
+
+def test_korthikanti_175b_numbers_in_gigabytes():
+    # The paper's GPT-3 175B example (s=2048, b=1, t=8, sequence parallel, selective):
+    # 34*s*b*h/t bytes per layer = 34 * 2048 * 12288 / 8 = 107 MB.
+    layout = Layout(tp=8, sequence_parallel=True, micro_batch_size=1, seq_len=2048, recompute="selective")
+    per_layer = layer_activation_bytes(_gpt(), layout, ActivationAssumptions.korthikanti())
+    assert per_layer == pytest.approx(34 * 2048 * 12288 / 8)
+    full = layout.replace(recompute="full")
+    assert layer_activation_bytes(_gpt(), full, ActivationAssumptions.korthikanti()) == pytest.approx(2 * 2048 * 12288 / 8)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [
+    ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
+    ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 3), ("interleaved_1f1b", 4, 4, 2),
+])
+def test_inflight_counts_equal_the_built_schedule(schedule, p, m, v):
+    peaks = peak_in_flight(build_schedule(schedule, p, m, v))
+    layout = Layout(pp=p, schedule=schedule, virtual_stages=v, global_batch_size=m)
+    assert [inflight_chunks(layout, stage) for stage in range(p)] == [peaks[s] for s in range(p)]
+
+
+@pytest.mark.parametrize("p, v", [(4, 2), (8, 3), (16, 4)])
+def test_interleaved_first_stage_matches_korthikanti_factor(p, v):
+    config = ModelConfig(arch="gpt", num_layers=p * v * 2, hidden_size=1024, num_heads=16, vocab_size=512,
+                         max_seq_len=512)
+    layout = Layout(tp=2, pp=p, schedule="interleaved_1f1b", virtual_stages=v, global_batch_size=4 * p,
+                    seq_len=512, recompute="selective", sequence_parallel=True)
+    korth = ActivationAssumptions(hidden_dropout=False)  # no embedding-dropout term on the first stage
+    estimate = estimate_memory(config, layout, korth)
+    per_layer = layer_activation_bytes(config, layout, korth)
+    expected = config.num_layers * per_layer * (1 + (p - 1) / (p * v))
+    assert estimate.stages[0].activations == pytest.approx(expected, rel=1e-9)
+
+
+def test_one_f_one_b_first_stage_holds_all_layers_worth():
+    config = get_config("gpt3_175b")
+    layout = Layout(tp=8, pp=16, dp=8, sequence_parallel=True, recompute="selective", global_batch_size=1536,
+                    seq_len=2048)
+    estimate = estimate_memory(config, layout, ActivationAssumptions.korthikanti())
+    # 16 microbatches in flight x 6 layers = all 96 layers' worth, plus the embedding dropout
+    # mask of each in-flight microbatch (s*b*h*p/t bytes, the paper's section 4.3).
+    sbh_t = 2048 * 12288 / 8
+    assert estimate.stages[0].activations == pytest.approx(96 * 34 * sbh_t + 16 * sbh_t)
+    assert estimate.worst.stage == 0
+
+
+def test_zero_stages_shrink_states_and_stage2_keeps_accumulation_grads():
+    config = get_config("llama3_8b")
+    base = Layout(tp=2, pp=2, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8)
+    s0, s1, s2 = (estimate_memory(config, base.replace(zero_stage=z)).stages[0] for z in (0, 1, 2))
+    assert s1.optimizer_moments == pytest.approx(s0.optimizer_moments / 8, rel=1e-6)
+    assert s2.gradients == pytest.approx(s0.gradients / 8, rel=1e-6)  # one microbatch per step
+    accumulating = estimate_memory(config, base.replace(zero_stage=2, global_batch_size=32)).stages[0]
+    assert accumulating.gradients == pytest.approx(s0.gradients * (1 + 1 / 8), rel=1e-6)
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(tp=0), "parallel.tp"),
+    (dict(zero_stage=3), "parallel.zero_stage"),
+    (dict(recompute="some"), "train.recompute"),
+    (dict(precision="fp8"), "train.precision"),
+    (dict(schedule="zb"), "parallel.schedule"),
+    (dict(virtual_stages=2), "parallel.virtual_stages"),
+    (dict(dp=2, micro_batch_size=2, global_batch_size=6), "train.global_batch_size"),
+    (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=3), "interleaved_1f1b"),
+])
+def test_bad_layout_values_name_the_key(changes, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        Layout(**changes)
+
+
+def test_layout_that_does_not_fit_the_model_is_a_layout_error():
+    with pytest.raises(LayoutError, match="num_heads"):
+        estimate_memory(get_config("gpt_tiny"), Layout(tp=8, seq_len=32))
+    with pytest.raises(LayoutError, match="max_seq_len"):
+        estimate_memory(get_config("gpt_tiny"), Layout(seq_len=4096))
