@@ -14,10 +14,10 @@ Two kernels, each streaming the logits once in ``BLOCK_V`` chunks, fp32 math:
 - ``cross_entropy_grad``: ``grad = row_scale * (exp(x - lse) - (1 - eps) * onehot - eps / V)``,
   written in the logits dtype; it is the only full-size tensor the op allocates.
 
-Combining shards (what ``parallel3d.tensor_parallel``'s vocab-parallel CE does over the tp
-group): ``M = allreduce_max(m)``, ``S = allreduce_sum(sum_exp * exp(m - M))``,
-``lse = M + log(S)``, ``target = allreduce_sum(target_logit)``,
-``sum_all = allreduce_sum(sum_logits)``; then per row
+Combining shards over the tp group (the reductions ``parallel3d.tensor_parallel``'s
+vocab-parallel CE also performs, plus one for label smoothing): ``M = allreduce_max(m)``,
+``S = allreduce_sum(sum_exp * exp(m - M))``, ``lse = M + log(S)``,
+``target = allreduce_sum(target_logit)``, ``sum_all = allreduce_sum(sum_logits)``; then per row
 ``loss = (1 - eps) * (lse - target) + eps * (lse - sum_all / vocab_size)``.
 :func:`vocab_sharded_cross_entropy` does exactly that given the two all-reduce callables
 (at tp = 1 they are identities and it is the plain fused cross-entropy).

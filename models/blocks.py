@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.utils.checkpoint import checkpoint
 
 from kernels import dispatch
@@ -29,6 +30,8 @@ from parallel3d.tensor_parallel.dropout import layout_independent_dropout
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
+
+_SDPA_HAS_GQA = TorchVersion(torch.__version__) >= "2.5"  # enable_gqa= arrived in torch 2.5
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,13 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     b, s, hq, d = q.shape
     repeat = hq // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if repeat > 1:  # grouped-query attention: query head j reads key/value head j // repeat
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Grouped-query attention: query head j reads key/value head j // repeat.
+    if repeat > 1 and _SDPA_HAS_GQA:  # flash/efficient kernels read the shared kv heads directly
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(b, s, hq * d)
 
 

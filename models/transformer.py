@@ -27,11 +27,11 @@ from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
 from models.config import ModelConfig
 from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
-from parallel3d import comm
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
 from parallel3d.tensor_parallel.layers import padded_vocab_size
+from parallel3d.tensor_parallel.mappings import tp_group_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -74,7 +74,7 @@ class TransformerLM(nn.Module):
 
     # ---- helpers ---------------------------------------------------------------------
     def _tp(self) -> int:
-        return comm.group_size(self.pstate, "tp")
+        return tp_group_size(self.pstate)
 
     def _check_tokens(self, x: torch.Tensor) -> tuple[int, int]:
         if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
@@ -120,6 +120,9 @@ class TransformerLM(nn.Module):
         training = self.training and c.dropout > 0
         if training and sample_ids is None:
             sample_ids = torch.arange(b)
+        if training and tuple(sample_ids.shape) != (b,):
+            raise ValueError(f"sample_ids must have shape [{b}] (one global sample index per row), "
+                             f"got {tuple(sample_ids.shape)}")
         rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.arch == "llama" else None
         run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training)
         if self.pre_process and training:

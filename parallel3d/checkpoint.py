@@ -96,6 +96,14 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _relative_files(directory: str) -> list[str]:
+    """Every file under ``directory`` (relative paths), the list ``meta.json`` records."""
+    out = []
+    for parent, _, names in os.walk(directory):
+        out += [os.path.relpath(os.path.join(parent, n), directory) for n in names if n != META]
+    return sorted(out)
+
+
 def read_meta(directory: str) -> dict[str, Any]:
     with open(os.path.join(directory, META)) as fh:
         return json.load(fh)
@@ -162,7 +170,7 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: str, final: str, meta: dict[str, Any]) -> bool:
         try:
-            files = sorted(f for f in os.listdir(tmp) if not f.endswith(".part"))
+            files = _relative_files(tmp)
             body = dict(meta, step=step, files=files, world_size=self.pstate.world_size)
             atomic_write_bytes(os.path.join(tmp, META), lambda fh: fh.write(json.dumps(body, indent=1).encode()))
             _fsync_dir(tmp)

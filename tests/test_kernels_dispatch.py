@@ -43,6 +43,15 @@ def test_interpreter_env_set_after_triton_import_is_named(monkeypatch: pytest.Mo
         resolve_backend("auto", "swiglu", torch.zeros(2))
 
 
+def _raise_in_worker() -> None:
+    raise ValueError("raised inside the interpreter worker")
+
+
+def test_worker_errors_keep_their_type() -> None:
+    with pytest.raises(ValueError, match="raised inside the interpreter worker"):
+        run_interpreted(_raise_in_worker)
+
+
 def _run_all_ops(backend: str, seed: int) -> dict[str, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 24, generator=g, requires_grad=True)

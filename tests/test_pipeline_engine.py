@@ -10,7 +10,7 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine, split_batch
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.tied import sync_tied_embedding_grads
-from parallel3d.topology import LayoutError, Topology
+from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
 from tests.pipeline_toy import HIDDEN, ToyModel, toy_batch
 

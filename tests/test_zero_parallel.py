@@ -98,8 +98,3 @@ def _run(tp: int, pp: int, dp: int, stages: tuple[int, ...], steps: int, label: 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_zero_with_tp_or_pp_matches_single_process(tp, pp):
     _run(tp, pp, 2, (0, 1, 2), 10, f"tp={tp} pp={pp} dp=2")
-
-
-@pytest.mark.slow
-def test_zero2_on_tp2_pp2_dp2():
-    _run(2, 2, 2, (2,), 6, "tp=2 pp=2 dp=2")

@@ -12,6 +12,10 @@ Loss scale invariant: each microbatch's loss is multiplied by
 those of ``loss_scale`` times the mean loss over the step's microbatches,
 whatever pp and m are (DP averaging is the optimizer's job).
 
+Receives are posted ``prefetch_recvs`` actions ahead of need (in schedule
+order) so their transfer overlaps compute. ``grad_sync.finish()`` runs after the
+step's last backward and is not counted as busy time.
+
 Tied embeddings: with ``grad_sync=None`` the engine sums tied-embedding grads
 over the ``embedding`` group at the end of ``run_step``; with a ``grad_sync``
 (ZeRO) it does not, and the optimizer calls ``sync_tied_embedding_grads``.
@@ -132,7 +136,7 @@ class PipelineEngine:
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         grad_sync: GradSync | None = None,
-        prefetch_recvs: int = 0,
+        prefetch_recvs: int = 2,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")
@@ -168,9 +172,6 @@ class PipelineEngine:
                 last_b[a.chunk] = a
         self._completing_backwards = set(last_b.values())
         self._final_backward = [a for a in self.actions if a.kind == "B"][-1]
-        self._param_storages = {
-            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters() if p.device.type != "meta"
-        }
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -200,114 +201,142 @@ class PipelineEngine:
     ) -> StepResult:
         """Forward and backward every microbatch once; grads accumulate into ``.grad``."""
         self._check_microbatches(microbatches)
-        m = self.num_microbatches
-        inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (require grad)
-        outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs (scaled loss on the last chunk)
-        stored_bytes: dict[tuple[int, int], int] = {}
-        grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        grads_out: dict[tuple[int, int], torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-        timeline: list[tuple[Action, float, float]] = []
-        pending: list[Action] = []
-        peak_live = peak_bytes = 0
-        busy = comm_time = 0.0
-        posted_upto = consumed = 0  # receives self._recv_order[:posted_upto] are posted, [:consumed] used
-        t0 = time.perf_counter()
-
-        def flush() -> None:
-            sends, recvs = [], []
-            for a in pending:
-                key = (a.microbatch, a.chunk)
-                if a.kind == "SEND_ACT":
-                    sends.append((a, outputs[key]))
-                elif a.kind == "SEND_GRAD":
-                    sends.append((a, grads_out.pop(key)))
-                else:
-                    recvs.append(a)
-            nonlocal posted_upto, consumed, comm_time
-            # Post every receive up to K past the ones needed now, in schedule order.
-            consumed = max([self._recv_index[a] + 1 for a in recvs], default=consumed)
-            horizon = max(posted_upto, consumed + self.prefetch_recvs)
-            prefetch = self._recv_order[posted_upto:horizon]
-            posted_upto = horizon
-            start = time.perf_counter()
-            got = self.p2p.exchange(sends, recvs, prefetch)
-            for a, tensor in got.items():
-                key = (a.microbatch, a.chunk)
-                if a.kind == "RECV_ACT":
-                    inputs[key] = tensor.requires_grad_(True)
-                else:
-                    grads_in[key] = tensor
-            end = time.perf_counter()
-            comm_time += end - start
-            for a in pending:
-                timeline.append((a, start - t0, end - t0))
-            pending.clear()
-
+        # Parameters may have been moved into flat buffers (ZeRO) since construction.
+        param_storages = {
+            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters() if p.device.type != "meta"
+        }
+        run = _StepRun(self, microbatches, loss_scale, step, param_storages)
         for action in self.actions:
             if not action.is_compute:
-                pending.append(action)
+                run.pending.append(action)
                 continue
-            if pending:
-                flush()
-            key = (action.microbatch, action.chunk)
-            vs = self._virtual(action.chunk)
+            run.flush()
             start = time.perf_counter()
             if action.kind == "F":
-                mb = microbatches[action.microbatch]
-                is_last = vs == self._last_virtual
-                x = mb["input_ids"] if vs == 0 else inputs[key]
-                saved = _SavedBytes(self._param_storages)
-                with saved.recording():
-                    out = self.chunks[action.chunk](
-                        x, mb["labels"] if is_last else None, sample_ids=mb["sample_ids"], step=step
-                    )
-                if is_last:
-                    losses.append(out.detach())
-                    out = out * (loss_scale / m)
-                else:
-                    saved.add(out)
-                if vs > 0:
-                    saved.add(inputs[key])
-                outputs[key] = out
-                stored_bytes[key] = saved.total
-                peak_live = max(peak_live, len(outputs))
-                peak_bytes = max(peak_bytes, sum(stored_bytes.values()))
+                run.forward(action)
             else:
-                if self.grad_sync is not None:
-                    self.grad_sync.prepare(action in self._completing_backwards)
-                out = outputs.pop(key)
-                grad = None if vs == self._last_virtual else grads_in.pop(key)
-                torch.autograd.backward(out, grad_tensors=grad)
-                del out, grad
-                stored_bytes.pop(key)
-                inp = inputs.pop(key, None)
-                if vs > 0:
-                    if inp.grad is None:
-                        raise RuntimeError(
-                            f"rank {self.pstate.rank}: chunk {action.chunk}'s output does not depend on its input"
-                        )
-                    grads_out[key] = inp.grad
-                if self.grad_sync is not None and action == self._final_backward:
-                    self.grad_sync.finish()
+                run.backward(action)
             end = time.perf_counter()
-            busy += end - start
-            timeline.append((action, start - t0, end - t0))
-        if pending:
-            flush()
+            run.busy += end - start
+            run.timeline.append((action, start - run.t0, end - run.t0))
+            if self.grad_sync is not None and action == self._final_backward:
+                self.grad_sync.finish()
+        run.flush()
         self.p2p.wait_sends()
-        if outputs or inputs or grads_in or grads_out:
+        if run.outputs or run.inputs or run.grads_in or run.grads_out:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
         if self.grad_sync is None:
             sync_tied_embedding_grads(self.chunks, self.pstate)
-        loss = torch.stack(losses).float().mean().item() if losses else None
+        loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         return StepResult(
             loss=loss,
-            step_time=time.perf_counter() - t0,
-            busy_time=busy,
-            peak_live_activations=peak_live,
-            peak_activation_bytes=peak_bytes,
-            num_microbatches=m,
-            comm_time=comm_time,
-            timeline=timeline,
+            step_time=time.perf_counter() - run.t0,
+            busy_time=run.busy,
+            peak_live_activations=run.peak_live,
+            peak_activation_bytes=run.peak_bytes,
+            num_microbatches=self.num_microbatches,
+            comm_time=run.comm_time,
+            timeline=run.timeline,
         )
+
+
+class _StepRun:
+    """The mutable state of one ``run_step``: what is stored, received, pending and measured.
+
+    Keys are ``(microbatch, chunk)``. A microbatch-chunk's input and output are stored
+    from its ``F`` to its ``B``; received gradients from their receive to the ``B``;
+    input gradients from the ``B`` to their send.
+    """
+
+    def __init__(self, engine: PipelineEngine, microbatches, loss_scale: float, step: int,
+                 param_storages: set[int]) -> None:
+        self.engine = engine
+        self.microbatches = microbatches
+        self.loss_factor = loss_scale / engine.num_microbatches
+        self.step = step
+        self.param_storages = param_storages
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (require grad)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs; scaled loss on the last chunk
+        self.stored_bytes: dict[tuple[int, int], int] = {}
+        self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: list[torch.Tensor] = []
+        self.timeline: list[tuple[Action, float, float]] = []
+        self.pending: list[Action] = []  # communication actions not yet posted
+        self.peak_live = self.peak_bytes = 0
+        self.busy = self.comm_time = 0.0
+        self.posted_upto = self.consumed = 0  # receives engine._recv_order[:posted_upto] posted, [:consumed] used
+        self.t0 = time.perf_counter()
+
+    def flush(self) -> None:
+        """Post the pending sends/receives (plus a few receives ahead) and wait for the receives."""
+        if not self.pending:
+            return
+        e = self.engine
+        sends, recvs = [], []
+        for a in self.pending:
+            key = (a.microbatch, a.chunk)
+            if a.kind == "SEND_ACT":
+                sends.append((a, self.outputs[key]))
+            elif a.kind == "SEND_GRAD":
+                sends.append((a, self.grads_out.pop(key)))
+            else:
+                recvs.append(a)
+        # Receives are posted in schedule order, up to prefetch_recvs past those needed now.
+        self.consumed = max([e._recv_index[a] + 1 for a in recvs], default=self.consumed)
+        horizon = max(self.posted_upto, self.consumed + e.prefetch_recvs)
+        prefetch = e._recv_order[self.posted_upto:horizon]
+        self.posted_upto = horizon
+        start = time.perf_counter()
+        for a, tensor in e.p2p.exchange(sends, recvs, prefetch).items():
+            key = (a.microbatch, a.chunk)
+            if a.kind == "RECV_ACT":
+                self.inputs[key] = tensor.requires_grad_(True)
+            else:
+                self.grads_in[key] = tensor
+        end = time.perf_counter()
+        self.comm_time += end - start
+        self.timeline.extend((a, start - self.t0, end - self.t0) for a in self.pending)
+        self.pending.clear()
+
+    def forward(self, action: Action) -> None:
+        e = self.engine
+        key = (action.microbatch, action.chunk)
+        vs = e._virtual(action.chunk)
+        is_last = vs == e._last_virtual
+        mb = self.microbatches[action.microbatch]
+        x = mb["input_ids"] if vs == 0 else self.inputs[key]
+        saved = _SavedBytes(self.param_storages)
+        with saved.recording():
+            out = e.chunks[action.chunk](x, mb["labels"] if is_last else None, sample_ids=mb["sample_ids"],
+                                         step=self.step)
+        if is_last:
+            self.losses.append(out.detach())
+            out = out * self.loss_factor
+        else:
+            saved.add(out)
+        if vs > 0:
+            saved.add(x)
+        self.outputs[key] = out
+        self.stored_bytes[key] = saved.total
+        self.peak_live = max(self.peak_live, len(self.outputs))
+        self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
+
+    def backward(self, action: Action) -> None:
+        e = self.engine
+        key = (action.microbatch, action.chunk)
+        vs = e._virtual(action.chunk)
+        if e.grad_sync is not None:
+            e.grad_sync.prepare(action in e._completing_backwards)
+        out = self.outputs.pop(key)
+        grad = None if vs == e._last_virtual else self.grads_in.pop(key)
+        torch.autograd.backward(out, grad_tensors=grad)
+        del out, grad  # the graph and its saved activations go now
+        self.stored_bytes.pop(key)
+        inp = self.inputs.pop(key, None)
+        if vs > 0:
+            if inp.grad is None:
+                raise RuntimeError(
+                    f"rank {e.pstate.rank}: chunk {action.chunk}'s output does not depend on its input"
+                )
+            self.grads_out[key] = inp.grad

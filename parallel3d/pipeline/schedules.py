@@ -25,65 +25,22 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Union
+from dataclasses import dataclass
+from typing import Callable
 
-COMPUTE_KINDS = ("F", "B")
-COMM_KINDS = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
-ACTION_KINDS = COMPUTE_KINDS + COMM_KINDS
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-Schedule = dict[int, list["Action"]]
-CostFn = Union[float, int, Callable[[int, int], float]]
-
-
-class ScheduleError(ValueError):
-    """A schedule that breaks the contract in the module docstring."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one stage: ``kind`` on ``microbatch`` for model chunk ``chunk``."""
-
-    kind: str
-    microbatch: int
-    chunk: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ACTION_KINDS:
-            raise ScheduleError(f"Action.kind={self.kind!r} is not one of {ACTION_KINDS}")
-        if self.microbatch < 0 or self.chunk < 0:
-            raise ScheduleError(f"{self!r}: microbatch and chunk must be >= 0")
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
-
-    def label(self, show_chunk: bool = False) -> str:
-        short = {"SEND_ACT": "sa", "RECV_ACT": "ra", "SEND_GRAD": "sg", "RECV_GRAD": "rg"}.get(self.kind, self.kind)
-        return f"{short}{self.microbatch}" + (f"c{self.chunk}" if show_chunk else "")
-
-
-# ---- virtual-stage layout ------------------------------------------------------------
-def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
-    """Position of (stage, chunk) along the model: chunk c of stage s is model chunk s + c*p."""
-    return chunk * num_stages + stage
-
-
-def stage_and_chunk(virtual: int, num_stages: int) -> tuple[int, int]:
-    return virtual % num_stages, virtual // num_stages
-
-
-def schedule_shape(schedule: Schedule) -> tuple[int, int, int]:
-    """(num_stages, num_microbatches, num_virtual_stages) read off a schedule."""
-    if not schedule:
-        raise ScheduleError("empty schedule")
-    actions = [a for acts in schedule.values() for a in acts]
-    if not actions:
-        raise ScheduleError("schedule has no actions")
-    return len(schedule), 1 + max(a.microbatch for a in actions), 1 + max(a.chunk for a in actions)
-
+from parallel3d.pipeline.actions import (  # noqa: F401  (re-exported: the schedule vocabulary)
+    ACTION_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    SCHEDULE_NAMES,
+    Action,
+    Schedule,
+    ScheduleError,
+    schedule_shape,
+    stage_and_chunk,
+    virtual_stage,
+)
+from parallel3d.pipeline.simulate import TimedAction, Timeline, format_timeline, simulate  # noqa: F401
 
 # ---- building ----------------------------------------------------------------------
 def _check_args(name: str, p: int, m: int, v: int) -> None:
@@ -194,11 +151,23 @@ def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     return peaks
 
 
+@dataclass(frozen=True)
+class _Where:
+    """Names an action's place in error messages (formatted only when an error is raised)."""
+
+    stage: int
+    pos: int
+    action: Action
+
+    def __str__(self) -> str:
+        return f"stage {self.stage}, position {self.pos} ({self.action})"
+
+
 def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> None:
     seen: dict[tuple[str, int, int], int] = {}
     last = p * v - 1
     for pos, a in enumerate(actions):
-        where = f"stage {stage}, position {pos} ({a})"
+        where = _Where(stage, pos, a)
         if a.chunk >= v or a.microbatch >= m:
             raise ScheduleError(f"{where}: chunk must be < {v} and microbatch < {m}")
         key = (a.kind, a.microbatch, a.chunk)
@@ -255,115 +224,6 @@ def validate_schedule(
                 )
 
 
-# ---- simulation ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class TimedAction:
-    stage: int
-    action: Action
-    start: float
-    end: float
-
-
-@dataclass
-class Timeline:
-    """When each action of a simulated (or measured) step started and ended."""
-
-    num_stages: int
-    actions: list[TimedAction]
-    busy: list[float]  # per stage: time spent in F and B
-    makespan: float
-    by_action: dict[tuple[int, Action], TimedAction] = field(default_factory=dict, repr=False)
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the step, averaged over stages."""
-        if self.makespan <= 0:
-            return 0.0
-        return sum(1.0 - b / self.makespan for b in self.busy) / self.num_stages
-
-    def start(self, stage: int, action: Action) -> float:
-        return self.by_action[(stage, action)].start
-
-    def end(self, stage: int, action: Action) -> float:
-        return self.by_action[(stage, action)].end
-
-
-def _as_cost(cost: CostFn, name: str) -> Callable[[int, int], float]:
-    if callable(cost):
-        return cost
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
-        raise ValueError(f"{name}={cost!r} must be a number >= 0 or a callable (stage, chunk) -> float")
-    return lambda stage, chunk: float(cost)
-
-
-def _message(kind: str, microbatch: int, from_virtual: int) -> tuple[str, int, int]:
-    return ("act" if kind.endswith("ACT") else "grad", microbatch, from_virtual)
-
-
-def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0) -> Timeline:
-    """Run the schedule on an idealised machine: stages in parallel, actions of a stage in order.
-
-    A computation takes ``fwd_time(stage, chunk)`` / ``bwd_time(stage, chunk)``; a send
-    costs its stage nothing and its message arrives ``p2p_time`` later; a receive waits
-    for its message. Raises ``ScheduleError`` on a deadlock or a receive that does not
-    match the oldest pending send between the two stages.
-    """
-    fwd, bwd, lat = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time"), _as_cost(p2p_time, "p2p_time")
-    p, _, v = schedule_shape(schedule)
-    clock = [0.0] * p
-    busy = [0.0] * p
-    pos = [0] * p
-    channels: dict[tuple[int, int], deque] = {}
-    timed: list[TimedAction] = []
-    while True:
-        progressed = False
-        for s in range(p):
-            actions = schedule[s]
-            while pos[s] < len(actions):
-                a = actions[pos[s]]
-                vs = virtual_stage(s, a.chunk, p)
-                start = clock[s]
-                if a.is_compute:
-                    cost = (fwd if a.kind == "F" else bwd)(s, a.chunk)
-                    clock[s] += cost
-                    busy[s] += cost
-                elif a.kind.startswith("SEND"):
-                    peer, _ = stage_and_chunk(vs + 1 if a.kind == "SEND_ACT" else vs - 1, p)
-                    channels.setdefault((s, peer), deque()).append(
-                        (_message(a.kind, a.microbatch, vs), clock[s] + lat(s, a.chunk))
-                    )
-                else:
-                    src_vs = vs - 1 if a.kind == "RECV_ACT" else vs + 1
-                    peer, _ = stage_and_chunk(src_vs, p)
-                    queue = channels.get((peer, s))
-                    if not queue:
-                        break  # blocked until the peer sends
-                    message, arrival = queue[0]
-                    expected = _message(a.kind, a.microbatch, src_vs)
-                    if message != expected:
-                        raise ScheduleError(
-                            f"stage {s} posts {a} expecting {expected} from stage {peer}, "
-                            f"but the oldest pending message on that channel is {message}"
-                        )
-                    queue.popleft()
-                    clock[s] = max(clock[s], arrival)
-                timed.append(TimedAction(s, a, start, clock[s]))
-                pos[s] += 1
-                progressed = True
-        if all(pos[s] == len(schedule[s]) for s in range(p)):
-            break
-        if not progressed:
-            stuck = {s: str(schedule[s][pos[s]]) for s in range(p) if pos[s] < len(schedule[s])}
-            raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
-    leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
-    if leftover:
-        raise ScheduleError(f"sends never received (channel (from, to) -> messages): {leftover}")
-    makespan = max(clock) if clock else 0.0
-    timeline = Timeline(p, timed, busy, makespan)
-    timeline.by_action = {(t.stage, t.action): t for t in timed}
-    return timeline
-
-
 # ---- printable views ------------------------------------------------------------------
 def format_schedule(schedule: Schedule, *, show_comms: bool = False) -> str:
     """One row per stage, e.g. ``stage 1: F0 F1 B0 F2 B1 B2`` (chunk shown as ``c1`` if v > 1)."""
@@ -373,17 +233,3 @@ def format_schedule(schedule: Schedule, *, show_comms: bool = False) -> str:
         labels = [a.label(v > 1) for a in schedule[stage] if show_comms or a.is_compute]
         rows.append(f"stage {stage}: " + " ".join(labels))
     return "\n".join(rows)
-
-
-def format_timeline(timeline: Timeline, *, columns: int = 80) -> str:
-    """A Gantt chart: one row per stage, ``F``/``B`` where it computes, ``.`` where it idles."""
-    scale = columns / timeline.makespan if timeline.makespan > 0 else 1.0
-    rows = [["."] * columns for _ in range(timeline.num_stages)]
-    for t in timeline.actions:
-        if not t.action.is_compute:
-            continue
-        for col in range(int(round(t.start * scale)), min(columns, int(round(t.end * scale)))):
-            rows[t.stage][col] = t.action.kind if t.action.kind == "B" else "F"
-    lines = [f"stage {s}: " + "".join(r) for s, r in enumerate(rows)]
-    lines.append(f"makespan={timeline.makespan:g} bubble={timeline.bubble_fraction:.3f}")
-    return "\n".join(lines)

@@ -39,11 +39,14 @@ class ActivationAssumptions:
     hidden_dropout: bool = True  # 1-byte masks after attention, after the MLP and after the embedding
     attention_dropout: bool = True  # dropout on attention probabilities (mask + output)
     fused_attention: bool = False  # flash-style attention: keeps its output and log-sum-exp, no s x s scores
-    # parallel3d's attention: q, k, v are views of one fused QKV buffer (a kept view keeps all
-    # of it alive); rotary embeddings and GQA expansion (keys/values repeated to every query
-    # head before attention) make new tensors. False: Korthikanti's separate Q, K, V.
+    # parallel3d's attention: q and v are views of one fused QKV buffer (a kept view keeps all
+    # of it alive); k, rotary outputs and GQA expansion (keys/values repeated to every query
+    # head before attention) are new tensors. False: Korthikanti's separate Q, K, V.
     fused_qkv_views: bool = False
     chunk_output_kept: bool = False  # a pipeline chunk keeps its output until its backward
+    # With sequence parallel, column-parallel matmuls keep their all-gathered (full-sequence)
+    # input; Korthikanti's Megatron keeps the 1/t shard and gathers it again in backward.
+    sp_keeps_gathered_inputs: bool = False
     # Bytes per hidden element one norm keeps for backward; None: one activation-dtype copy
     # of its input (fused kernels). The torch RMSNorm reference keeps fp32 copies of its
     # input and of its normalised output: 8.
@@ -73,6 +76,7 @@ class ActivationAssumptions:
             fused_attention=True,
             fused_qkv_views=True,
             chunk_output_kept=True,
+            sp_keeps_gathered_inputs=True,
             norm_kept_bytes=8.0 if reference and config.arch == "llama" else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
@@ -105,7 +109,8 @@ def _qkv_elements_per_token(config: ModelConfig, recompute: str, assumptions: Ac
     rotary = config.arch == "llama"
     # With selective recompute the checkpoint keeps the core's inputs before GQA expansion.
     expanded = kv < h and recompute != "selective"
-    copies = (h if rotary else 0) + (2 * h if expanded else (kv if rotary else 0))
+    # k is always its own tensor (rotary output, or made contiguous); q only with rotary.
+    copies = (h if rotary else 0) + (2 * h if expanded else kv)
     views_kept = not rotary or not expanded  # q (no rotary) or v (not expanded) is still a view
     return copies + (h + 2 * kv if views_kept else 0)
 
@@ -120,14 +125,18 @@ def layer_activation_terms(
         # Only the layer input is checkpointed; everything else is rebuilt in backward.
         stored = e * sbh
         return LayerActivationTerms(stored / t if layout.sequence_parallel else stored, 0.0, 0.0)
-    # Two norms' saved inputs, the QKV input and the MLP input (the norms' outputs).
-    replicated = 2 * _norm_bytes(assumptions) * sbh + 2 * e * sbh
+    # Two norms' saved inputs, and the QKV input and MLP input (the norms' outputs).
+    norms = 2 * _norm_bytes(assumptions) * sbh
+    matmul_inputs = 2 * e * sbh
     if assumptions.small_stats:
-        replicated += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
+        norms += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
     if assumptions.hidden_dropout:
-        replicated += 2 * sbh  # masks of the attention and MLP residual dropouts
+        norms += 2 * sbh  # masks of the attention and MLP residual dropouts
     if layout.sequence_parallel:
-        replicated /= t
+        norms /= t
+        if not assumptions.sp_keeps_gathered_inputs:
+            matmul_inputs /= t
+    replicated = norms + matmul_inputs
     # q, k, v and the attention projection input (the attention output).
     sharded = e * s * b * _qkv_elements_per_token(config, layout.recompute, assumptions) + e * sbh
     if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
@@ -162,9 +171,13 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
     s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
-    norm_and_head_inputs = (_norm_bytes(assumptions) + assumptions.element_bytes) * s * b * h
+    norm_input = _norm_bytes(assumptions) * s * b * h
+    head_input = float(assumptions.element_bytes * s * b * h)
     if layout.sequence_parallel:
-        norm_and_head_inputs /= layout.tp
+        norm_input /= layout.tp
+        if not assumptions.sp_keeps_gathered_inputs:
+            head_input /= layout.tp
+    norm_and_head_inputs = norm_input + head_input
     logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp
     return norm_and_head_inputs + logits
 

@@ -194,17 +194,19 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipeline
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
 
-    Once every stage is in its steady state (m >= p), each further group of p
-    microbatches adds the same time to every stage, so finish times are linear
-    in m: simulate m = p and m = 2p and extend the line (exact for these
-    schedules; tests compare it with a full simulation). Keeps 1T-scale
-    layouts (p = 64, m = 512) to seconds.
+    Once every stage is in its steady state (m >= p), each further microbatch
+    (each further group of p for interleaved 1F1B, whose microbatch count must
+    stay a multiple of p) adds the same time to every stage, so finish times are
+    linear in m: simulate m = p and the next allowed count and extend the line
+    (exact for these schedules; tests compare it with a full simulation). Keeps
+    1T-scale layouts (p = 64, m = 512) to seconds.
     """
-    if m <= 2 * p:
+    step = p if name == "interleaved_1f1b" else 1
+    if m <= p + step:
         return _simulate_once(name, p, m, v, fwd, bwd, p2p)
     a = _simulate_once(name, p, p, v, fwd, bwd, p2p)
-    b = _simulate_once(name, p, 2 * p, v, fwd, bwd, p2p)
-    k = (m - p) / p
+    b = _simulate_once(name, p, p + step, v, fwd, bwd, p2p)
+    k = (m - p) / step
 
     def line(x: float, y: float) -> float:
         return x + (y - x) * k

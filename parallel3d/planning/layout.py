@@ -105,8 +105,11 @@ class Layout:
 
     def overrides(self) -> str:
         """The layout as Hydra overrides for scripts/train.py, estimate_memory.py and plan.py."""
-        parts = [f"parallel.{k}={getattr(self, k)}" for k in PARALLEL_KEYS]
-        parts += [f"train.{k}={getattr(self, k)}" for k in TRAIN_KEYS]
+        def text(value: Any) -> str:
+            return str(value).lower() if isinstance(value, bool) else str(value)
+
+        parts = [f"parallel.{k}={text(getattr(self, k))}" for k in PARALLEL_KEYS]
+        parts += [f"train.{k}={text(getattr(self, k))}" for k in TRAIN_KEYS]
         return " ".join(parts)
 
     def short(self) -> str:

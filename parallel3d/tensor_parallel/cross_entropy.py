@@ -56,11 +56,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
         softmax, local_t, hit, valid = ctx.saved_tensors
-        grad = softmax
+        scale = grad_loss * valid  # ignored tokens get no gradient
+        grad = softmax * scale.unsqueeze(-1)  # a new tensor: the saved softmax stays intact
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.nonzero(hit.reshape(-1)).squeeze(-1)
-        flat[rows, local_t.reshape(-1)[rows]] -= 1.0
-        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        flat[rows, local_t.reshape(-1)[rows]] -= scale.reshape(-1)[rows].to(flat.dtype)
         return grad.to(ctx.in_dtype), None, None, None, None
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parallel3d import comm
 from parallel3d.tensor_parallel.init import stable_seed
+from parallel3d.tensor_parallel.mappings import sequence_chunk_start, tp_group_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -37,12 +37,12 @@ def layout_independent_dropout(
     if p == 0.0:
         return x
     b, s_local, h = x.shape
-    n = comm.group_size(pstate, "tp") if sequence_parallel else 1
-    chunk = comm.group_rank(pstate, "tp") if sequence_parallel else 0
+    n = tp_group_size(pstate) if sequence_parallel else 1
+    start = sequence_chunk_start(s_local, pstate) if sequence_parallel else 0
     masks = []
     for sample in sample_ids.tolist():
         gen = torch.Generator(device=x.device).manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))
         keep = torch.rand(s_local * n, h, generator=gen, device=x.device) >= p
-        masks.append(keep[chunk * s_local : (chunk + 1) * s_local])
+        masks.append(keep[start : start + s_local])
     mask = torch.stack(masks)
     return x * mask.to(x.dtype) * (1.0 / (1.0 - p))

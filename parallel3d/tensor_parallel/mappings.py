@@ -189,6 +189,6 @@ def split_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     return _Split.apply(x, SEQ_DIM, pstate)
 
 
-def gather_seq_replicated_grad(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
-    """All-gather along the sequence when the consumer's gradient is replicated (backward just splits)."""
-    return _Gather.apply(x, SEQ_DIM, pstate)
+def sequence_chunk_start(s_local: int, pstate: "ParallelState") -> int:
+    """First global sequence position of this rank's chunk under sequence parallelism."""
+    return comm.group_rank(pstate, KIND) * s_local

@@ -17,15 +17,18 @@ The master weights are the model's weights (fp32) or their fp32 source
 (bf16/fp16), so loading also restores the parameters.
 
 Atomicity: ranks write into ``<path>.partial``, each file via a temporary name,
-fsync and rename; once every rank has succeeded, rank 0 writes metadata.json
-and renames the directory to ``<path>`` (replacing an older checkpoint). A
-crash at any point leaves either the old checkpoint or a ``.partial`` directory
-that ``load_sharded`` refuses.
+fsync and rename; once every rank has succeeded, rank 0 moves an older
+checkpoint at ``<path>`` aside to ``<path>.old``, renames the partial directory
+to ``<path>`` and only then writes metadata.json into it (temporary name, fsync,
+rename). A crash at any point leaves directories without metadata.json, which
+``load_sharded`` refuses, and the previous checkpoint complete (at ``<path>``,
+or at ``<path>.old``, which ``load_sharded(<path>)`` then falls back to).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from typing import TYPE_CHECKING
@@ -37,6 +40,8 @@ from parallel3d.zero.buffers import shard_slice
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.zero.optimizer import ZeroOptimizer
+
+log = logging.getLogger(__name__)
 
 FORMAT = "parallel3d-zero-v1"
 METADATA = "metadata.json"
@@ -72,7 +77,7 @@ def _agree_failed(opt: "ZeroOptimizer", failed: bool) -> bool:
 
 
 def _param_list(opt: "ZeroOptimizer") -> list[tuple[str, tuple[int, ...]]]:
-    return [(s.name, tuple(s.param.shape)) for layout in opt.layouts for s in layout.slots]
+    return [(name, tuple(p.shape)) for name, p in opt.named_params]
 
 
 def _my_pieces(opt: "ZeroOptimizer") -> dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
@@ -125,7 +130,6 @@ def save_sharded(opt: "ZeroOptimizer", path: str) -> None:
             topo = ps.topology
             meta = {"format": FORMAT, "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
                     "zero_stage": opt.zero_stage, "precision": opt.precision, "complete": True}
-            _write_atomic(os.path.join(partial, METADATA), lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_dir(partial)
             old = path + ".old"
             if os.path.exists(path):
@@ -133,6 +137,9 @@ def save_sharded(opt: "ZeroOptimizer", path: str) -> None:
                 os.replace(path, old)
             os.replace(partial, path)
             _fsync_dir(os.path.dirname(path))
+            # The completion marker goes in last, into the final directory only.
+            _write_atomic(os.path.join(path, METADATA), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            _fsync_dir(path)
             shutil.rmtree(old, ignore_errors=True)
         except BaseException as exc:  # noqa: BLE001
             failure = exc
@@ -174,6 +181,9 @@ def load_sharded(opt: "ZeroOptimizer", path: str) -> None:
     """Restore ``opt`` (and the parameters) from ``path``; every rank calls it. dp may differ from the save."""
     ps = opt.pstate
     path = os.path.abspath(path)
+    if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
+        log.warning("%s is incomplete (a save was interrupted while replacing it); loading %s.old", path, path)
+        path = path + ".old"
     meta = _read_metadata(path)
     saved_topo = meta["topology"]
     if (saved_topo["tp"], saved_topo["pp"]) != (ps.tp_size, ps.pp_size):

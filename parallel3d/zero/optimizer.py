@@ -109,6 +109,7 @@ class ZeroOptimizer:
             if p.dtype != dtype:
                 raise ValueError(f"train.precision={precision!r} needs {dtype} parameters, but {name} is {p.dtype}")
         self.modules = modules
+        self.named_params = named  # registration order (checkpoints report mismatches in this order)
         self.pstate = pstate
         self.zero_stage = zero_stage
         self.precision = precision

@@ -1,0 +1,216 @@
+"""Hydra entry points of scripts/plan.py and scripts/estimate_memory.py.
+
+Both compose the training job's config groups (same keys: ``model=...``,
+``parallel.*``, ``train.*``) against ``PlanningJob``, which is the training schema
+``parallel3d.config.JobConfig`` plus ``cluster.*`` and ``plan.*``; validation of
+the shared keys is the training job's own (``parallel3d.config.resolve`` with the
+cluster's GPU count as the world size). Output is plain text tables.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from models.config import ModelConfig
+from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
+from parallel3d.planning.activations import ActivationAssumptions
+from parallel3d.planning.cluster import GiB, ClusterSpec
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.memory import CATEGORIES, MemoryEstimate, estimate_memory
+from parallel3d.planning.params import stage_layer_counts
+from parallel3d.planning.planner import Plan, PlanRequest, plan
+from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+
+
+@dataclass
+class ClusterConfig:
+    gpus: int = 1024
+    gpus_per_node: int = 8
+    device: str = "a100_80gb"
+    device_mem: Optional[str] = None
+    peak_tflops: Optional[float] = None
+    intra_node_gbps: Optional[float] = None
+    inter_node_gbps: Optional[float] = None
+
+
+@dataclass
+class PlanOptions:
+    top_k: int = 10
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    max_virtual_stages: int = 4
+    zero_stages: list[int] = field(default_factory=lambda: [1, 2])
+    memory_fraction: float = 0.9
+    simulate_top: int = 24
+    json: Optional[str] = None
+    kernels: str = "fused"
+
+
+@dataclass
+class PlanningJob(JobConfig):
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanOptions = field(default_factory=PlanOptions)
+
+
+def register_planning_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    register_schema()
+    ConfigStore.instance().store(name="planning_schema", node=PlanningJob)
+
+
+def split_device_mem_flag(argv: list[str]) -> list[str]:
+    """Turn ``--device-mem 80GB`` / ``--device-mem=80GB`` into the override ``cluster.device_mem=80GB``."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--device-mem":
+            if i + 1 >= len(argv):
+                raise SystemExit("--device-mem needs a value, e.g. --device-mem 80GB")
+            out.append(f"cluster.device_mem={argv[i + 1]}")
+            i += 2
+            continue
+        if arg.startswith("--device-mem="):
+            out.append(f"cluster.device_mem={arg.split('=', 1)[1]}")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def cluster_from(cfg: ClusterConfig) -> ClusterSpec:
+    return ClusterSpec.build(
+        cfg.gpus, cfg.gpus_per_node, cfg.device, device_mem=cfg.device_mem, peak_tflops=cfg.peak_tflops,
+        intra_node_gbps=cfg.intra_node_gbps, inter_node_gbps=cfg.inter_node_gbps,
+    )
+
+
+def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, Layout, list[int]]:
+    """The model, the layout and the layers per stage that training would use on ``cluster``."""
+    resolved = resolve(job, world_size=cluster.gpus)
+    p, t, topo = job.parallel, job.train, resolved.topology
+    layout = Layout(
+        tp=topo.tp, pp=topo.pp, dp=topo.dp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
+        schedule=p.schedule, virtual_stages=p.virtual_stages, micro_batch_size=t.micro_batch_size,
+        seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
+    )
+    model = resolved.model
+    ranges = partition_layers(model, topo.pp, p.virtual_stages, p.pp_layers)
+    stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, topo.pp, s)) for s in range(topo.pp)]
+    return model, layout, stage_layers
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def format_memory(estimate: MemoryEstimate, device_bytes: float) -> str:
+    worst = estimate.worst
+    lay = estimate.layout
+    lines = [
+        f"model {estimate.config.name or estimate.config.arch}: {lay.short()} schedule={lay.schedule} "
+        f"seq={lay.seq_len} gbs={lay.global_batch_size} precision={lay.precision}",
+        f"worst rank: pipeline stage {worst.stage} ({worst.params:,} parameters, "
+        f"{worst.inflight} microbatch-chunks in flight)",
+        "",
+        f"{'category':<20}{'GiB':>8}",
+    ]
+    for category, value in worst.by_category().items():
+        lines.append(f"{category:<20}{_gib(value)}")
+    lines.append(f"{'total':<20}{_gib(worst.total)}")
+    lines += ["", f"{'stage':>5} {'params':>15} {'in-flight':>9} {'states GiB':>10} {'activ. GiB':>10} {'total GiB':>9}"]
+    for s in estimate.stages:
+        states = s.total - s.activations
+        lines.append(f"{s.stage:>5} {s.params:>15,} {s.inflight:>9} {_gib(states):>10} {_gib(s.activations):>10} "
+                     f"{_gib(s.total):>9}")
+    verdict = "FITS" if worst.total <= device_bytes else "DOES NOT FIT"
+    lines += ["", f"{verdict}: peak {worst.total / GiB:.2f} GiB of {device_bytes / GiB:.2f} GiB device memory "
+                  f"({100 * worst.total / device_bytes:.0f}%; CUDA context, NCCL buffers and fragmentation "
+                  f"need a few GiB more)"]
+    return "\n".join(lines)
+
+
+PLAN_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mbs':>3} {'zero':>4} {'recompute':>9} "
+               f"{'mem GiB':>8} {'step s':>8} {'bubble':>6} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")
+
+
+def format_candidate_row(index: str, c) -> str:
+    lay, st = c.layout, c.step
+    return (f"{index:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.virtual_stages:>2} {lay.micro_batch_size:>3} "
+            f"{lay.zero_stage:>4} {lay.recompute:>9} {c.peak_bytes / GiB:>8.1f} {st.step_time_s:>8.2f} "
+            f"{100 * st.bubble_fraction:>5.1f}% {st.tflops_per_gpu:>8.1f} {100 * st.mfu:>5.1f}% "
+            f"{st.tokens_per_s():>11,.0f}")
+
+
+def format_plan(result: Plan, top_k: int) -> str:
+    c, r = result.cluster, result.request
+    lines = [
+        f"model {result.config.name or result.config.arch} on {c.gpus} x {c.device.name} "
+        f"({c.gpus_per_node}/node, {c.device.memory_bytes / GiB:.0f} GiB, {c.device.peak_flops / 1e12:.0f} TFLOP/s peak); "
+        f"global batch {r.global_batch_size} x {r.seq_len} tokens, {r.precision}",
+        f"{result.considered} layouts enumerated, {result.fitting} fit in {100 * r.memory_fraction:.0f}% of device "
+        f"memory; top {min(top_k, len(result.ranked))} by simulated step time "
+        f"(TFLOP/s counts recomputation, MFU does not):",
+        "",
+        PLAN_HEADER,
+    ]
+    for i, cand in enumerate(result.ranked[:top_k], 1):
+        lines.append(format_candidate_row(str(i), cand))
+    if result.ranked:
+        lines += ["", "best as overrides: " + result.ranked[0].layout.overrides()]
+    else:
+        lines += ["", "no layout fits: try more GPUs, a larger device, or another global batch size"]
+    return "\n".join(lines)
+
+
+def plan_json(result: Plan, top_k: int) -> list[dict]:
+    return [
+        {**c.layout.to_dict(), "peak_bytes": c.peak_bytes, "step_time_s": c.step.step_time_s,
+         "bubble_fraction": c.step.bubble_fraction, "tflops_per_gpu": c.step.tflops_per_gpu, "mfu": c.step.mfu}
+        for c in result.ranked[:top_k]
+    ]
+
+
+def run_estimate(job: PlanningJob) -> str:
+    cluster = cluster_from(job.cluster)
+    model, layout, stage_layers = layout_from_job(job, cluster)
+    assumptions = ActivationAssumptions.for_model(model, layout.precision, kernels=job.plan.kernels)
+    estimate = estimate_memory(model, layout, assumptions, stage_layers=stage_layers)
+    return format_memory(estimate, cluster.device.memory_bytes)
+
+
+def run_plan(job: PlanningJob) -> str:
+    cluster = cluster_from(job.cluster)
+    model = resolve_model_only(job)
+    o = job.plan
+    request = PlanRequest(
+        global_batch_size=job.train.global_batch_size, seq_len=job.train.seq_len, precision=job.train.precision,
+        micro_batch_sizes=tuple(o.micro_batch_sizes), max_virtual_stages=o.max_virtual_stages,
+        zero_stages=tuple(o.zero_stages), memory_fraction=o.memory_fraction, top_k=o.top_k,
+        simulate_top=max(o.simulate_top, o.top_k),
+    )
+    result = plan(model, cluster, request)
+    if o.json:
+        with open(o.json, "w") as f:
+            json.dump({"model": model.name, "gpus": cluster.gpus, "device": cluster.device.name,
+                       "layouts": plan_json(result, o.top_k)}, f, indent=2)
+    return format_plan(result, o.top_k)
+
+
+def resolve_model_only(job: JobConfig) -> ModelConfig:
+    from parallel3d.config import build_model_config
+
+    model = build_model_config(job)
+    if job.train.seq_len > model.max_seq_len:
+        raise ConfigError(f"train.seq_len={job.train.seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
+    return model
+
+
+def stage_layers_for(model: ModelConfig, layout: Layout) -> list[int]:
+    return stage_layer_counts(model, layout.pp, layout.virtual_stages)
+
+
+__all__ = ["CATEGORIES", "ClusterConfig", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
+           "format_plan", "layout_from_job", "register_planning_schema", "run_estimate", "run_plan",
+           "split_device_mem_flag"]

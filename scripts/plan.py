@@ -1,0 +1,38 @@
+"""Rank parallel layouts of a model on a cluster by predicted step time.
+
+    python scripts/plan.py model=gpt3_175b
+    python scripts/plan.py model=llama3_70b cluster.gpus=256 cluster.device=h100_80gb train.seq_len=4096
+    python scripts/plan.py model=llama31_405b cluster=dgx_h200 cluster.gpus=2048 plan.json=plan.json
+
+Keys are the training job's (conf/config.yaml) plus cluster.* (conf/cluster/) and plan.*
+(conf/plan.yaml). Prints the top layouts with predicted step time, TFLOP/s and MFU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from parallel3d.config import ConfigError  # noqa: E402
+from parallel3d.planning.cli import register_planning_schema, run_plan  # noqa: E402
+from parallel3d.topology import LayoutError  # noqa: E402
+
+register_planning_schema()
+
+
+@hydra.main(version_base=None, config_path=str(Path("..") / "conf"), config_name="plan")
+def main(cfg: DictConfig) -> None:
+    try:
+        print(run_plan(OmegaConf.to_object(cfg)))
+    except (ConfigError, LayoutError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

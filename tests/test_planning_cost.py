@@ -1,0 +1,120 @@
+"""Cost model pieces against closed forms and full simulation; planner search and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import ModelConfig, get_config
+from parallel3d.planning.cluster import ClusterSpec, parse_bytes
+from parallel3d.planning.cost import CommModel, _simulate_once, estimate_step, simulate_pipeline, step_flops
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.planner import PlanRequest, enumerate_layouts, plan
+from parallel3d.topology import Topology
+
+
+@pytest.mark.parametrize("name, p, m, v", [
+    ("1f1b", 8, 100, 1), ("1f1b", 5, 37, 1), ("gpipe", 4, 30, 1),
+    ("interleaved_1f1b", 4, 40, 2), ("interleaved_1f1b", 4, 40, 3),
+])
+def test_extrapolated_pipeline_equals_full_simulation(name, p, m, v):
+    def fwd(stage, chunk):  # uneven on purpose: embedding on the first chunk, slower late stages
+        return 1.0 + 0.3 * (stage == 0 and chunk == 0) + 0.1 * stage
+
+    def bwd(stage, chunk):
+        return 2.0 + 0.7 * (stage == p - 1 and chunk == v - 1)
+
+    fast, full = simulate_pipeline(name, p, m, v, fwd, bwd, 0.05), _simulate_once(name, p, m, v, fwd, bwd, 0.05)
+    assert fast.makespan == pytest.approx(full.makespan, rel=1e-12)
+    assert fast.stage_end == pytest.approx(full.stage_end, rel=1e-12)
+    assert fast.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9)
+
+
+@pytest.mark.parametrize("p, m", [(4, 16), (8, 64)])
+def test_uniform_1f1b_bubble_is_the_textbook_fraction(p, m):
+    times = simulate_pipeline("1f1b", p, m, 1, 1.0, 2.0, 0.0)
+    assert times.makespan == pytest.approx((m + p - 1) * 3.0)
+    assert times.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_ring_collectives_match_closed_forms():
+    cluster = ClusterSpec.build(64, 8, "a100_80gb")
+    intra = cluster.device.intra_node_bytes_per_s * cluster.device.link_efficiency
+    inter = cluster.device.inter_node_bytes_per_s * cluster.device.link_efficiency
+    n = 1e9
+    # tp=8 inside a node: ring all-reduce 2(n-1)/n * N / B_nvlink.
+    comm = CommModel(cluster, Topology(8, 1, 8))
+    assert comm.all_reduce(n, "tp") == pytest.approx(2 * 7 / 8 * n / intra)
+    # dp=8, one member per node: every byte crosses the member's own NIC.
+    assert comm.all_reduce(n, "dp") == pytest.approx(2 * 7 / 8 * n / inter)
+    # dp=64 with tp=1: 8 members per node share 8 NICs; inside-node ring plus 1/8 across.
+    comm = CommModel(cluster, Topology(1, 1, 64))
+    assert comm.reduce_scatter(n, "dp") == pytest.approx(7 / 8 * n / intra + 7 / 8 * n / 8 / inter)
+    assert CommModel(cluster, Topology(1, 1, 64)).all_reduce(n, "tp") == 0.0
+
+
+def test_megatron_flops_formula():
+    # Narayanan et al. eq. 3: 96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) with full recompute.
+    config = ModelConfig(arch="gpt", num_layers=24, hidden_size=2304, num_heads=24, vocab_size=51200,
+                         max_seq_len=2048, use_bias=False)
+    layout = Layout(dp=4, global_batch_size=64, seq_len=2048, recompute="full")
+    model, hardware = step_flops(config, layout)
+    b, s, l, h, v = 64, 2048, 24, 2304, 51200
+    assert hardware == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
+    assert model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), rel=1e-12)
+
+
+def test_more_recompute_costs_time_and_interleaving_shrinks_the_bubble():
+    config = get_config("llama3_8b")
+    cluster = ClusterSpec.build(64)
+    base = Layout(tp=8, pp=4, dp=2, micro_batch_size=1, seq_len=4096, global_batch_size=64,
+                  sequence_parallel=True)
+    times = [estimate_step(config, base.replace(recompute=r), cluster).step_time_s
+             for r in ("none", "selective", "full")]
+    assert times[0] < times[1] < times[2]
+    plain = estimate_step(config, base, cluster)
+    interleaved = estimate_step(config, base.replace(schedule="interleaved_1f1b", virtual_stages=2), cluster)
+    assert interleaved.bubble_fraction < plain.bubble_fraction
+
+
+def test_enumerated_layouts_use_every_gpu_and_keep_tp_in_a_node():
+    config = get_config("llama3_70b")
+    cluster = ClusterSpec.build(256, 8)
+    layouts = enumerate_layouts(config, cluster, PlanRequest(global_batch_size=512, seq_len=4096))
+    assert layouts
+    for layout in layouts:
+        assert layout.world_size == 256 and layout.tp <= 8 and config.num_layers % layout.pp == 0
+        assert 512 % (layout.dp * layout.micro_batch_size) == 0
+
+
+def test_plan_drops_layouts_that_do_not_fit():
+    config = get_config("llama3_70b")
+    small = ClusterSpec.build(64, 8, "a100_80gb", device_mem="40GB")
+    result = plan(config, small, PlanRequest(global_batch_size=128, seq_len=4096, top_k=5))
+    assert result.fitting < result.considered
+    for candidate in result.ranked:
+        assert candidate.peak_bytes <= 0.9 * 40e9
+
+
+def test_plan_with_no_fitting_layout_says_why():
+    result = plan(get_config("llama31_405b"), ClusterSpec.build(8), PlanRequest(global_batch_size=8, seq_len=4096))
+    with pytest.raises(ValueError, match="no layout"):
+        result.best
+
+
+@pytest.mark.parametrize("text, value", [("80GB", 80e9), ("80GiB", 80 * 2**30), ("1.5TB", 1.5e12), (1e9, 1e9)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad, key", [
+    (lambda: parse_bytes("eighty"), "device_mem"),
+    (lambda: ClusterSpec.build(device="tpu_v9"), "cluster.device"),
+    (lambda: ClusterSpec.build(gpus=12, gpus_per_node=8), "cluster.gpus"),
+    (lambda: ClusterSpec.build(peak_tflops=-1), "cluster.peak_tflops"),
+    (lambda: PlanRequest(global_batch_size=0, seq_len=8), "plan.global_batch_size"),
+    (lambda: PlanRequest(global_batch_size=8, seq_len=8, zero_stages=(3,)), "plan.zero_stages"),
+    (lambda: estimate_step(get_config("gpt_tiny"), Layout(tp=2, seq_len=32), ClusterSpec.build(4)), "cluster.gpus"),
+])
+def test_bad_inputs_name_the_key(bad, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        bad()

@@ -1,0 +1,121 @@
+"""CheckpointManager: atomic directories, keep-last-K, resume=auto, failed saves (real EFBIG on 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+
+import pytest
+import torch
+
+from parallel3d.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    atomic_torch_save,
+    complete_checkpoints,
+    step_dir,
+)
+from parallel3d.parallel_state import ParallelState
+from parallel3d.topology import Topology
+from tests.harness import run_on_ranks
+
+
+def _writer(payload: dict, rank: int = 0):
+    def write(directory: str) -> None:
+        os.makedirs(os.path.join(directory, "sub"), exist_ok=True)
+        name = "state.pt" if rank == 0 else f"state_{rank}.pt"
+        atomic_torch_save(payload, os.path.join(directory, "sub", name))
+
+    return write
+
+
+def test_keep_last_and_latest(tmp_path):
+    root = str(tmp_path / "ckpt")
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=2)
+    for step in range(1, 5):
+        assert mgr.save(step, _writer({"step": step}), {"layout": {"tp": 1}})
+    assert [s for s, _ in complete_checkpoints(root)] == [3, 4]
+    assert mgr.latest() == step_dir(root, 4)
+    meta = json.load(open(os.path.join(step_dir(root, 4), "meta.json")))
+    assert meta["step"] == 4 and meta["files"] == ["sub/state.pt"]
+    assert torch.load(os.path.join(mgr.latest(), "sub", "state.pt")) == {"step": 4}
+    assert not [n for n in os.listdir(root) if n.endswith((".tmp", ".old"))]
+
+
+def test_half_written_checkpoints_are_never_resumed(tmp_path):
+    root = str(tmp_path / "ckpt")
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
+    mgr.save(2, _writer({"step": 2}), {})
+    mgr.save(3, _writer({"step": 3}), {})
+    # A save killed before the rename: only the .tmp directory exists.
+    os.makedirs(step_dir(root, 9) + ".tmp")
+    # A directory with the final name but no meta.json (not written by us).
+    os.makedirs(step_dir(root, 8))
+    # A complete-looking checkpoint that lost a listed file (e.g. killed mid-prune).
+    os.remove(os.path.join(step_dir(root, 3), "sub", "state.pt"))
+    assert mgr.latest() == step_dir(root, 2)
+    assert mgr.find("auto") == step_dir(root, 2)
+    assert mgr.find("none") is None
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        mgr.find(step_dir(root, 9) + ".tmp")
+    # A new manager (a restarted job) clears leftover partial saves.
+    CheckpointManager(root, ParallelState.single_process())
+    assert not os.path.exists(step_dir(root, 9) + ".tmp")
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpt")
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)
+    assert mgr.save(1, _writer({"step": 1}), {})
+
+    def permission_denied(directory: str) -> None:
+        os.chmod(directory, 0o500)
+        try:
+            if os.getuid() == 0:  # root ignores permissions: fail the way the OS would
+                raise PermissionError(13, "Permission denied", directory)
+            _writer({"step": 2})(directory)
+        finally:
+            os.chmod(directory, 0o700)
+
+    with pytest.warns(UserWarning, match="checkpoint at step 2 failed"):
+        assert not mgr.save(2, permission_denied, {})
+    assert [s for s, _ in complete_checkpoints(root)] == [1]
+    assert mgr.latest() == step_dir(root, 1)
+    assert not os.path.exists(step_dir(root, 2) + ".tmp")
+
+
+def test_layout_mismatch_is_refused(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), ParallelState.single_process())
+    mgr.save(1, _writer({}), {"layout": {"tp": 2, "pp": 1}})
+    with pytest.raises(CheckpointError, match=r"saved with layout \{'tp': 2, 'pp': 1\}"):
+        mgr.check_layout(mgr.latest(), {"tp": 1, "pp": 1})
+
+
+def _disk_full_on_rank_1(rank: int, world: int, root: str) -> tuple:
+    pstate = ParallelState(Topology(1, 1, world))
+    mgr = CheckpointManager(root, pstate, keep_last=2)
+    big = {"w": torch.zeros(256 * 1024)}  # 1 MiB
+    first = mgr.save(1, _writer(big, rank), {})
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if rank == 1:  # writes past 64 KiB now fail with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        second = mgr.save(2, _writer(big, rank), {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    third = mgr.save(3, _writer(big, rank), {})
+    return first, second, third, mgr.find("auto")
+
+
+@pytest.mark.slow
+def test_disk_full_on_one_rank_fails_the_save_everywhere_and_training_goes_on(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_on_ranks(_disk_full_on_rank_1, 2, root, timeout=120)
+    for first, second, third, found in results:
+        assert (first, second, third) == (True, False, True)
+        assert found == step_dir(root, 3)
+    assert [s for s, _ in complete_checkpoints(root)] == [1, 3]
