@@ -14,7 +14,7 @@ from torch import nn
 from models.blocks import BuildContext
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import VocabParallelEmbedding, copy_to_tp_region
-from parallel3d.tensor_parallel.mappings import sequence_chunk_start
+from parallel3d.tensor_parallel.mappings import tp_chunk_start
 from parallel3d.tensor_parallel.init import normal_shard
 
 
@@ -63,7 +63,7 @@ class Embedding(nn.Module):
         if self.position is None:
             return out
         s_local = out.shape[1]
-        start = sequence_chunk_start(s_local, self.pstate) if self.sequence_parallel else 0
+        start = tp_chunk_start(s_local, self.pstate) if self.sequence_parallel else 0
         positions = torch.arange(start, start + s_local, device=input_ids.device)
         table = self.position.weight
         if self.sequence_parallel:

@@ -19,6 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -27,11 +28,12 @@ from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
 from models.config import ModelConfig
 from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
+from parallel3d import comm
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
 from parallel3d.tensor_parallel.layers import padded_vocab_size
-from parallel3d.tensor_parallel.mappings import tp_group_size
+from parallel3d.tensor_parallel.mappings import tp_chunk_start, tp_group_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -96,10 +98,28 @@ class TransformerLM(nn.Module):
                                       sequence_parallel=self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over tokens whose label is not -100."""
-        if self._tp() == 1 and logits.shape[-1] == self.config.vocab_size:
-            return dispatch.cross_entropy(logits, labels, backend=self.config.backend)
-        return vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=self.config.vocab_size)
+        """Mean cross entropy over tokens whose label is not -100 (vocabulary-parallel when tp > 1)."""
+        vocab, backend = self.config.vocab_size, self.config.backend
+        if self._tp() == 1 and logits.shape[-1] == vocab:
+            return dispatch.cross_entropy(logits, labels, backend=backend)
+        local = logits.shape[-1]
+        last_shard_start = self.padded_vocab_size - local  # the same on every tp rank
+        if backend == "torch" or last_shard_start >= vocab:  # plain torch ops (also: a shard of padding only)
+            return vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=vocab)
+        start = tp_chunk_start(local, self.pstate)
+        # The kernels' sharded cross entropy (fused Triton on GPU) saves the logits, not an fp32 softmax.
+        rows = dispatch.vocab_sharded_cross_entropy(
+            logits.reshape(-1, local), labels.reshape(-1), vocab_start=start, vocab_size=vocab,
+            all_reduce_max=self._all_reduce_max, all_reduce_sum=self._all_reduce_sum, backend=backend)
+        return rows.sum() / (labels != -100).sum()
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, self.pstate, "tp", op=dist.ReduceOp.MAX)
+        return t
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, self.pstate, "tp")
+        return t
 
     # ---- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from parallel3d.config import (
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG, EXIT_FAILED = 2, 1
+CONFIG_EXIT_DELAY_S = 2.0
 
 register_schema()
 
@@ -53,6 +55,16 @@ def _one_line(exc: BaseException) -> str:
         e = e.__cause__ or e.__context__
     keyed = [e for e in chain if getattr(e, "full_key", None)]
     return one_line_omegaconf_error(keyed[0] if keyed else exc) or type(exc).__name__
+
+
+def _config_exit(exc: ConfigError) -> None:
+    """Rank 0 prints the one line; the others exit a moment later, so torchrun (which
+    stops the job at the first failed rank) does not kill rank 0 before it prints."""
+    if _rank() == 0:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(CONFIG_EXIT_DELAY_S)
+    sys.exit(EXIT_CONFIG)
 
 
 def compose_job(overrides: list[str]) -> tuple[JobConfig, dict[str, Any]]:
@@ -99,9 +111,7 @@ def hydra_app(cfg: DictConfig) -> None:
         job, plain = to_job(cfg)
         rj = resolve(job)
     except ConfigError as exc:
-        if rank == 0:
-            print(f"config error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG)
+        _config_exit(exc)
     from parallel3d.trainer import make_parallel_state, train
 
     _configure_threads(rj.device)
@@ -127,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             resolve(compose_job(args)[0])
         except ConfigError as exc:
-            if _rank() == 0:
-                print(f"config error: {exc}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_CONFIG)
+            _config_exit(exc)
     if _rank() != 0:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]

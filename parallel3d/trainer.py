@@ -296,5 +296,6 @@ def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dic
     if rj.device == "cpu":
         torch.set_flush_denormal(True)  # denormals slow CPU matmuls 100x (ENVIRONMENT.md)
     with warnings.catch_warnings():
-        warnings.simplefilter("once")
+        # torch.distributed deprecation notices would repeat on every rank every step.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         return Trainer(rj, pstate, full_config).train()

@@ -75,6 +75,10 @@ TP2_CASES = [
     ("gpt_tiny", 2, False, {"vocab_size": 509}),  # padded vocabulary
     ("gpt_tiny", 2, True, {"dropout": 0.1}),  # dropout masks are layout independent (train mode)
     ("llama_tiny", 2, False, {"dropout": 0.1}),
+    # fused_kernels=False: the loss goes through parallel3d's own vocab_parallel_cross_entropy
+    # (otherwise through kernels.dispatch.vocab_sharded_cross_entropy).
+    ("gpt_tiny", 2, True, {"fused_kernels": False, "vocab_size": 509}),
+    ("llama_tiny", 2, False, {"fused_kernels": False}),
 ]
 
 TP4_CASES = [
@@ -82,6 +86,7 @@ TP4_CASES = [
     ("gpt_tiny", 4, True, {"vocab_size": 510}),
     ("llama_tiny", 4, True, {"num_kv_heads": 4}),
     ("llama_tiny", 2, True, {"dropout": 0.1}),  # tp=2 x dp=2 on four ranks
+    ("gpt_tiny", 4, False, {"vocab_size": 3}),  # the last rank's vocabulary shard is all padding
 ]
 
 

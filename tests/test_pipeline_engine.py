@@ -55,6 +55,8 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied)
         "bytes": result.peak_activation_bytes,
         "stage": pstate.pp_rank,
         "pp_bytes": pstate.comm_stats.total("pp"),
+        "timed_actions": sorted(str(a) for a, _, _ in result.timeline) == sorted(str(a) for a in engine.actions),
+        "times_ok": 0 < result.busy_time <= result.step_time and 0 <= result.bubble_fraction < 1,
     }
 
 
@@ -89,6 +91,7 @@ def test_pipeline_grads_match_single_process(world):
             if limit is not None:
                 assert r["peak"] <= limit, f"{case} stage {r['stage']}: {r['peak']} live activations > {limit}"
             assert r["bytes"] > 0
+            assert r["timed_actions"] and r["times_ok"]
             if pp > 1:
                 assert r["pp_bytes"] > 0
 

@@ -53,10 +53,15 @@ def test_estimate_output_is_the_estimators_worst_rank():
     assert ("DOES NOT FIT" in text) == (expected.total > 40e9)
 
 
-def test_estimate_rejects_a_layout_the_model_cannot_use():
-    job = _job("estimate", ["parallel.tp=5"])
-    with pytest.raises(ConfigError, match="num_heads"):
-        run_estimate(job)
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=5"], "parallel.tp"),
+    (["model=llama3_70b", "parallel.tp=16", "parallel.pp=1"], "num_kv_heads"),
+    (["train.seq_len=4096"], "max_seq_len"),
+    (["train.global_batch_size=100"], "train.global_batch_size"),
+])
+def test_estimate_rejects_bad_values_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run_estimate(_job("estimate", overrides))
 
 
 def test_unknown_cluster_key_is_rejected_while_composing():

@@ -118,3 +118,12 @@ def test_parse_bytes(text, value):
 def test_bad_inputs_name_the_key(bad, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         bad()
+
+
+def test_pipeline_sizes_divide_layers_unless_uneven_stages_are_allowed():
+    from parallel3d.planning.planner import pipeline_sizes
+
+    assert pipeline_sizes(96) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    uneven = pipeline_sizes(126, uneven=True)
+    assert 16 in uneven and 16 not in pipeline_sizes(126)  # 8 or 7 layers per stage
+    assert 100 not in uneven  # 2 or 1 layers: stages 60% apart

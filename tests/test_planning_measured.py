@@ -20,7 +20,6 @@ from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory
-from parallel3d.topology import Topology
 from parallel3d.zero.optimizer import ZeroOptimizer
 from tests.harness import run_on_ranks
 

@@ -49,3 +49,12 @@ def test_meta_shards_of_a_1024_rank_layout_sum_to_the_full_model(name):
     padding_rows = padded_vocab(config, TP) - config.vocab_size
     embeddings = 1 if config.tie_embeddings else 2
     assert total == count_parameters(config, verbose=False) + padding_rows * config.hidden_size * embeddings
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt2_124m", "llama2_7b", "llama3_8b", "gpt3_175b",
+                                  "llama3_70b", "llama31_405b"])
+def test_analytic_parameter_count_equals_the_built_model(name):
+    from parallel3d.planning.params import total_params
+
+    config = get_config(name)
+    assert total_params(config) == count_parameters(config, verbose=False)

@@ -57,27 +57,52 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("corpus_cache"))
 
 
-LAYOUTS = [
-    ("gpt_tiny", {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 2}),
-    ("llama_tiny", {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1}),
-]
+GPT_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 2}
+# Llama with GQA, also through sequence parallelism and the interleaved schedule.
+LLAMA_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1, "sequence_parallel": True,
+                "schedule": "interleaved_1f1b", "virtual_stages": 2}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model,parallel", LAYOUTS, ids=[m for m, _ in LAYOUTS])
-def test_8_ranks_match_1_rank(tmp_path, cache_dir, model, parallel):
-    ref = train_single(model, job_values(str(tmp_path / "ref"), cache_dir))
-    out = str(tmp_path / "par")
-    results = run_on_ranks(train_on_rank, 8, model, job_values(out, cache_dir, parallel=parallel), timeout=240)
-    got = losses_of(out)
+def assert_close(got: dict[int, float], ref: dict[int, float]) -> None:
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:
         assert abs(got[step] - ref[step]) / abs(ref[step]) < 1e-4, (step, got[step], ref[step])
-    # Only the logging rank (last stage, tp=0, dp=0) recorded anything.
-    topo = Topology(2, 2, 2)
-    logging_rank = topo.rank_of(tp=0, dp=0, pp=1)
-    assert [bool(r) for r in results] == [rank == logging_rank for rank in range(8)]
     assert ref[STEPS] < ref[1]  # it learns
+
+
+@pytest.fixture(scope="module")
+def gpt_8_ranks(tmp_path_factory, cache_dir) -> tuple[str, list]:
+    out = str(tmp_path_factory.mktemp("gpt8") / "run")
+    results = run_on_ranks(train_on_rank, 8, "gpt_tiny", job_values(out, cache_dir, parallel=GPT_LAYOUT), timeout=240)
+    return out, results
+
+
+@pytest.mark.slow
+def test_gpt_8_ranks_match_1_rank(tmp_path, cache_dir, gpt_8_ranks):
+    ref = train_single("gpt_tiny", job_values(str(tmp_path / "ref"), cache_dir))
+    out, results = gpt_8_ranks
+    assert_close(losses_of(out), ref)
+    # Only the logging rank (last stage, tp=0, dp=0) recorded anything.
+    logging_rank = Topology(2, 2, 2).rank_of(tp=0, dp=0, pp=1)
+    assert [bool(r) for r in results] == [rank == logging_rank for rank in range(8)]
+
+
+@pytest.mark.slow
+def test_llama_gqa_8_ranks_match_1_rank(tmp_path, cache_dir):
+    ref = train_single("llama_tiny", job_values(str(tmp_path / "ref"), cache_dir))
+    out = str(tmp_path / "par")
+    run_on_ranks(train_on_rank, 8, "llama_tiny", job_values(out, cache_dir, parallel=LLAMA_LAYOUT), timeout=240)
+    assert_close(losses_of(out), ref)
+
+
+@pytest.mark.slow
+def test_resume_on_8_ranks_is_bit_identical(tmp_path, cache_dir, gpt_8_ranks):
+    out = str(tmp_path / "stopped")
+    values = job_values(out, cache_dir, parallel=GPT_LAYOUT)
+    run_on_ranks(train_on_rank, 8, "gpt_tiny", dict(values, train={**values["train"], "stop_after": 2}), timeout=240)
+    assert sorted(losses_of(out)) == [1, 2]
+    run_on_ranks(train_on_rank, 8, "gpt_tiny", values, timeout=240)
+    assert losses_of(out) == losses_of(gpt_8_ranks[0])
 
 
 def test_resume_is_bit_identical(tmp_path, cache_dir):

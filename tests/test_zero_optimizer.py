@@ -91,11 +91,13 @@ def test_zero_stages_match_torch_adamw(dp):
     assert sum(bucket_sizes) > 131 or 131 % dp == 0  # padding was needed for an odd parameter count
 
 
-def test_single_process_matches_torch_adamw_without_clipping():
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # auto: kernels.adamw.adamw_flat_ when present
+def test_single_process_matches_torch_adamw_without_clipping(backend):
     ps = ParallelState.single_process()
     ref, _ = train_reference(5, None)
     model = make_mlp()
-    opt = ZeroOptimizer(model, ps, zero_stage=2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = ZeroOptimizer(model, ps, zero_stage=2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                        fused_adamw_backend=backend)
     for step in range(5):
         x, y = global_batch(step)
         F.cross_entropy(model(x), y).backward()

@@ -21,7 +21,7 @@ CostFn = Union[float, int, Callable[[int, int], float]]
 
 
 class ScheduleError(ValueError):
-    """A schedule that breaks the contract in the module docstring."""
+    """A schedule that breaks the contract stated in ``parallel3d.pipeline.schedules``."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from parallel3d.pipeline.actions import (  # noqa: F401  (re-exported: the schedule vocabulary)
+from parallel3d.pipeline.actions import (
     ACTION_KINDS,
     COMM_KINDS,
     COMPUTE_KINDS,
@@ -40,7 +40,14 @@ from parallel3d.pipeline.actions import (  # noqa: F401  (re-exported: the sched
     stage_and_chunk,
     virtual_stage,
 )
-from parallel3d.pipeline.simulate import TimedAction, Timeline, format_timeline, simulate  # noqa: F401
+from parallel3d.pipeline.simulate import TimedAction, Timeline, format_timeline, simulate
+
+# The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
+__all__ = [
+    "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError",
+    "TimedAction", "Timeline", "build_schedule", "format_schedule", "format_timeline", "peak_in_flight",
+    "schedule_shape", "simulate", "stage_and_chunk", "validate_schedule", "virtual_stage",
+]
 
 # ---- building ----------------------------------------------------------------------
 def _check_args(name: str, p: int, m: int, v: int) -> None:

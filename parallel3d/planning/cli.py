@@ -18,8 +18,7 @@ from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.memory import CATEGORIES, MemoryEstimate, estimate_memory
-from parallel3d.planning.params import stage_layer_counts
+from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.planner import Plan, PlanRequest, plan
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 
@@ -45,6 +44,7 @@ class PlanOptions:
     simulate_top: int = 24
     json: Optional[str] = None
     kernels: str = "fused"
+    uneven_stages: bool = False
 
 
 @dataclass
@@ -188,7 +188,7 @@ def run_plan(job: PlanningJob) -> str:
         global_batch_size=job.train.global_batch_size, seq_len=job.train.seq_len, precision=job.train.precision,
         micro_batch_sizes=tuple(o.micro_batch_sizes), max_virtual_stages=o.max_virtual_stages,
         zero_stages=tuple(o.zero_stages), memory_fraction=o.memory_fraction, top_k=o.top_k,
-        simulate_top=max(o.simulate_top, o.top_k),
+        simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages,
     )
     result = plan(model, cluster, request)
     if o.json:
@@ -207,10 +207,6 @@ def resolve_model_only(job: JobConfig) -> ModelConfig:
     return model
 
 
-def stage_layers_for(model: ModelConfig, layout: Layout) -> list[int]:
-    return stage_layer_counts(model, layout.pp, layout.virtual_stages)
-
-
-__all__ = ["CATEGORIES", "ClusterConfig", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
+__all__ = ["ClusterConfig", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
            "format_plan", "layout_from_job", "register_planning_schema", "run_estimate", "run_plan",
            "split_device_mem_flag"]

@@ -251,8 +251,8 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     return LayerTimes(fwd, bwd)
 
 
-def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel, config: ModelConfig,
-               options: CostOptions) -> tuple[float, float, float, float]:
+def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
+               config: ModelConfig) -> tuple[float, float, float, float]:
     """(embedding fwd, embedding bwd, head fwd, head bwd) extra time on the first / last chunk."""
     dev, t = cluster.device, layout.tp
     e = 4 if layout.precision == "fp32" else 2
@@ -284,7 +284,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     topo = Topology(layout.tp, p, layout.dp)
     comm = CommModel(cluster, topo)
     lt = layer_times(config, layout, cluster, comm, options)
-    emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config, options)
+    emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config)
 
     def chunk_layers(stage: int) -> float:
         return stage_layers[stage] / v

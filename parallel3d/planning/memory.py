@@ -132,10 +132,11 @@ def stage_activation_bytes(
     inflight = inflight_chunks(layout, stage)
     chunk_layers = layers / layout.virtual_stages
     total = inflight * chunk_layers * layer_activation_bytes(config, layout, assumptions)
-    # Every in-flight chunk but the model's last keeps its output (the last returns a loss).
-    outputs = inflight - (1 if stage == layout.pp - 1 and layout.schedule != "gpipe" else 0)
-    if stage == layout.pp - 1 and layout.schedule == "gpipe":
-        outputs = inflight - layout.num_microbatches
+    # Every in-flight chunk keeps its output except the model's last chunk (it returns a
+    # loss); the last stage holds one such microbatch at a time (all m under GPipe).
+    outputs = inflight
+    if stage == layout.pp - 1:
+        outputs -= layout.num_microbatches if layout.schedule == "gpipe" else 1
     total += max(outputs, 0) * chunk_output_bytes(config, layout, assumptions)
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:

@@ -3,7 +3,8 @@
 Search space (for a fixed model, cluster, global batch, sequence and precision):
 tp a power of two up to ``gpus_per_node`` that divides the heads, the KV
 heads and the FFN width (tensor parallelism stays inside a node's NVLink);
-pp a divisor of ``num_layers`` whose tp*pp divides the GPUs; dp the rest;
+pp a divisor of ``num_layers`` (or, with ``uneven_stages``, any depth whose
+balanced stages differ by at most ~10%) whose tp*pp divides the GPUs; dp the rest;
 micro-batch sizes that divide the per-replica batch; 1F1B, and interleaved
 1F1B with v chunks per stage when v*pp divides the layers. Sequence
 parallelism is on whenever tp > 1 (same communication volume, less memory).
@@ -43,6 +44,9 @@ class PlanRequest:
     memory_fraction: float = 0.9
     top_k: int = 10
     simulate_top: int = 24
+    # Also try pipeline depths that do not divide num_layers (the engine's balanced split,
+    # stages at most ~10% apart), e.g. pp=16 for Llama 3.1 405B's 126 layers.
+    uneven_stages: bool = False
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top"):
@@ -108,12 +112,22 @@ def tensor_parallel_sizes(config: ModelConfig, gpus_per_node: int) -> list[int]:
             if config.num_heads % t == 0 and config.kv_heads % t == 0 and config.ffn_size % t == 0]
 
 
+def pipeline_sizes(num_layers: int, uneven: bool = False) -> list[int]:
+    """Divisors of ``num_layers``; with ``uneven``, also depths whose stages differ by <= ~10%."""
+    sizes = []
+    for p in range(1, num_layers + 1):
+        lo, hi = num_layers // p, -(-num_layers // p)
+        if num_layers % p == 0 or (uneven and lo >= 1 and hi / (num_layers / p) <= 1.1):
+            sizes.append(p)
+    return sizes
+
+
 def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest) -> list[Layout]:
     """Every layout in the search space (module docstring), before any memory check."""
     layouts = []
     gbs = request.global_batch_size
     for tp in tensor_parallel_sizes(config, cluster.gpus_per_node):
-        for pp in (p for p in range(1, config.num_layers + 1) if config.num_layers % p == 0):
+        for pp in pipeline_sizes(config.num_layers, request.uneven_stages):
             if cluster.gpus % (tp * pp):
                 continue
             dp = cluster.gpus // (tp * pp)
@@ -195,4 +209,4 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
 
 
 __all__ = ["Candidate", "Plan", "PlanRequest", "analytic_pipeline", "enumerate_layouts",
-           "evaluate", "plan", "tensor_parallel_sizes"]
+           "evaluate", "pipeline_sizes", "plan", "tensor_parallel_sizes"]

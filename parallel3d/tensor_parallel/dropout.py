@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel3d.tensor_parallel.init import stable_seed
-from parallel3d.tensor_parallel.mappings import sequence_chunk_start, tp_group_size
+from parallel3d.tensor_parallel.mappings import tp_chunk_start, tp_group_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -38,7 +38,7 @@ def layout_independent_dropout(
         return x
     b, s_local, h = x.shape
     n = tp_group_size(pstate) if sequence_parallel else 1
-    start = sequence_chunk_start(s_local, pstate) if sequence_parallel else 0
+    start = tp_chunk_start(s_local, pstate) if sequence_parallel else 0
     masks = []
     for sample in sample_ids.tolist():
         gen = torch.Generator(device=x.device).manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))

@@ -189,6 +189,7 @@ def split_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     return _Split.apply(x, SEQ_DIM, pstate)
 
 
-def sequence_chunk_start(s_local: int, pstate: "ParallelState") -> int:
-    """First global sequence position of this rank's chunk under sequence parallelism."""
-    return comm.group_rank(pstate, KIND) * s_local
+def tp_chunk_start(chunk: int, pstate: "ParallelState") -> int:
+    """Global start index of this rank's ``chunk``-sized piece of a dim split over tp
+    (a sequence chunk under sequence parallelism, a vocabulary shard)."""
+    return comm.group_rank(pstate, KIND) * chunk

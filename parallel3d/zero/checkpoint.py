@@ -70,7 +70,7 @@ def _write_atomic(path: str, write) -> None:
 
 def _agree_failed(opt: "ZeroOptimizer", failed: bool) -> bool:
     """Barrier over the whole job that also tells every rank whether any rank failed."""
-    flag = torch.tensor([1.0 if failed else 0.0])
+    flag = torch.tensor([1.0 if failed else 0.0], device=opt.param_bufs[0].data.device)  # NCCL needs device tensors
     comm.all_reduce(flag, opt.pstate, "dp")
     comm.all_reduce(flag, opt.pstate, "model")
     return bool(flag.item() > 0)
@@ -218,7 +218,7 @@ def load_sharded(opt: "ZeroOptimizer", path: str) -> None:
                 lo = seg.shard_start - b.shard_offset
                 src = slice(seg.param_start, seg.param_start + seg.length)
                 for target, buf in zip(targets, full[seg.slot.name]):
-                    target[lo : lo + seg.length].copy_(buf[src])
+                    target[lo : lo + seg.length].copy_(buf[src])  # copy_ moves CPU -> device
             if opt.masters[g] is not None:
                 opt.param_bufs[g].piece_view(b).copy_(master)
     opt.gather_params()

@@ -31,6 +31,9 @@ def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
 def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torch.Tensor:
     """Sum of squares (fp32) of ``scale * grad`` over the counted segments of this rank's piece."""
     total = torch.zeros((), dtype=torch.float32, device=grad_piece.device)
+    if bucket.segments and all(seg.slot.norm_counted for seg in bucket.segments):
+        g = grad_piece.float() * scale  # padding is zero, so the whole piece can be summed at once
+        return total + torch.dot(g, g)
     for seg in bucket.segments:
         if seg.slot.norm_counted:
             lo = seg.shard_start - bucket.shard_offset
@@ -53,3 +56,13 @@ def clip_coefficient(norm: float, max_norm: float | None) -> float:
     if max_norm is None:
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
+
+
+def uncounted_all_finite(grad_piece: torch.Tensor, bucket: Bucket) -> bool:
+    """Whether the elements this rank does not count in the norm are finite (counted ones show in the norm)."""
+    for seg in bucket.segments:
+        if not seg.slot.norm_counted:
+            lo = seg.shard_start - bucket.shard_offset
+            if not bool(torch.isfinite(grad_piece[lo : lo + seg.length]).all()):
+                return False
+    return True

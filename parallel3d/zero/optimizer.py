@@ -183,12 +183,12 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / (self.dp * used_scale)
-        local_sq = torch.zeros((), dtype=torch.float32)
+        local_sq = torch.zeros((), dtype=torch.float32, device=self.param_bufs[0].data.device)
         for g, pb in enumerate(self.param_bufs):
             for b in pb.layout.buckets:
                 piece = self.grad_sync.grad_piece(g, b)
                 local_sq += clip.piece_sq_sum(piece, b, inv)
-                if not bool(torch.isfinite(piece).all()):
+                if not clip.uncounted_all_finite(piece, b):
                     # Also in elements another rank counts in the norm (e.g. TP replicas):
                     # an inf in the sum makes every rank of the job see the overflow.
                     local_sq += math.inf

@@ -1,0 +1,156 @@
+"""FLOPs/MFU convention against torch's FLOP counter and the real models; JSONL and W&B sinks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import build_model, get_config
+from parallel3d.metrics import (
+    JsonlSink,
+    ThroughputModel,
+    WandbSink,
+    detect_peak_tflops,
+    format_console,
+    hardware_flops_per_token,
+    matmul_params,
+    model_flops_per_token,
+    resolve_peak_tflops,
+    wandb_key,
+)
+from parallel3d.parallel_state import ParallelState
+from parallel3d.wandb_reader import find_offline_runs, iter_record_bytes, read_run
+
+
+def _non_embedding_plus_head(model: torch.nn.Module, cfg) -> int:
+    """N of the convention, counted on the built model: all but embedding tables, plus h*V."""
+    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embedding."))
+    head_in_model = any(name.startswith("head.") for name, _ in model.named_parameters())
+    return n + (0 if head_in_model else cfg.hidden_size * cfg.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt2_124m", "llama3_8b"])
+def test_matmul_params_counts_the_built_model(name):
+    cfg = get_config(name)
+    model = build_model(cfg, ParallelState.single_process(), device="meta")
+    assert matmul_params(cfg) == _non_embedding_plus_head(model, cfg)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
+def test_6n_term_matches_torch_flop_counter(name):
+    """torch counts the weight matmuls (forward + backward) of a real training step."""
+    cfg = get_config(name, kernel_backend="torch")
+    model = build_model(cfg, ParallelState.single_process())
+    b, s = 2, 16
+    x = torch.randint(0, cfg.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(x, x).backward()
+    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    weight_matmuls = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+    # The convention's N also holds norm weights and biases (no matmul): take them out here.
+    vectors = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1)
+    assert weight_matmuls == 6 * (matmul_params(cfg) - vectors) * b * s
+
+
+def test_attention_term_is_causal_half_of_torch_count():
+    """12*L*s*h per token for full attention (QK^T and PV, forward + backward), halved for causal."""
+    cfg = get_config("gpt_tiny")
+    s, h, nh = 16, cfg.hidden_size, cfg.num_heads
+    q, k, v = (torch.randn(1, nh, s, h // nh, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        out = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        out.sum().backward()
+    per_layer_per_token = counter.get_total_flops() / s
+    attention_term = model_flops_per_token(cfg, s) - 6 * matmul_params(cfg)
+    assert attention_term == pytest.approx(cfg.num_layers * per_layer_per_token / 2)
+
+
+def test_hfu_counts_recompute():
+    cfg = get_config("gpt_tiny")
+    base = model_flops_per_token(cfg, 64)
+    assert hardware_flops_per_token(cfg, 64, "none") == base
+    assert hardware_flops_per_token(cfg, 64, "full") == pytest.approx(base * 8 / 6)
+    attn = base - 6 * matmul_params(cfg)
+    assert hardware_flops_per_token(cfg, 64, "selective") == pytest.approx(base + attn / 3)
+
+
+def test_throughput_and_mfu_arithmetic():
+    cfg = get_config("gpt_tiny")
+    tm = ThroughputModel.build(cfg, seq_len=64, global_batch_size=8, world_size=4, recompute="full", peak_tflops=2.0)
+    m = tm.step_metrics(0.5)
+    assert m["tokens_per_sec"] == 8 * 64 / 0.5 and m["samples_per_sec"] == 16
+    flops = model_flops_per_token(cfg, 64) * 8 * 64
+    assert m["tflops_per_device"] == pytest.approx(flops / 0.5 / 4 / 1e12)
+    assert m["mfu"] == pytest.approx(m["tflops_per_device"] / 2.0)
+    assert m["hfu"] == pytest.approx(m["mfu"] * hardware_flops_per_token(cfg, 64, "full") / model_flops_per_token(cfg, 64))
+    none = ThroughputModel.build(cfg, seq_len=64, global_batch_size=8, world_size=4, recompute="none", peak_tflops=None)
+    assert none.step_metrics(0.5)["mfu"] is None
+
+
+def test_unknown_device_gives_no_mfu_and_one_warning():
+    assert detect_peak_tflops(torch.device("cpu"), "bf16") is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_peak_tflops(None, torch.device("cpu"), "bf16") is None
+        assert resolve_peak_tflops(312.0, torch.device("cpu"), "bf16") == 312.0
+    assert len(caught) == 1 and "no peak TFLOP/s known" in str(caught[0].message)
+
+
+def test_jsonl_sink_fresh_and_resumed(tmp_path):
+    path = str(tmp_path / "run" / "metrics.jsonl")
+    sink = JsonlSink(path)
+    for step in (1, 2, 3, 4):
+        sink.log({"step": step, "loss": 1.0 / step})
+    # A resumed run from the step-2 checkpoint drops the interrupted run's steps 3 and 4.
+    JsonlSink(path, keep_through_step=2).log({"step": 3, "loss": 0.3})
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["loss"] == 0.3
+    JsonlSink(path)  # a fresh run starts over
+    assert not os.path.exists(path)
+
+
+RECORD = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "loss_scale": 1.0, "tokens_per_sec": 1000.0,
+          "samples_per_sec": 10.0, "step_time": 0.5, "tflops_per_device": 0.01, "mfu": None, "hfu": None,
+          "bubble_fraction": 0.25, "comm_bytes": 123, "mem_peak_bytes_max": 2**20, "mem_peak_bytes_min": 2**19}
+
+
+def test_console_line():
+    line = format_console(RECORD, 10)
+    assert "step     3/10" in line and "loss 2.5000" in line and "MFU" not in line and "bubble 25%" in line
+
+
+def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    big_config = {"model": {"name": "gpt_tiny"}, "notes": "x" * 40000}  # spans two 32 KiB blocks
+    sink = WandbSink(mode="offline", project="p3d-test", entity=None, name="t", run_dir=str(tmp_path),
+                     config=big_config)
+    assert sink.run is not None
+    for step in (1, 2):
+        sink.log(dict(RECORD, step=step, loss=3.0 - step))
+    sink.finish({"final_loss": 1.0})
+    files = find_offline_runs(str(tmp_path))
+    assert len(files) == 1
+    run = read_run(files[0])
+    rows = [r for r in run["history"] if "train/loss" in r]
+    assert [r["_step"] for r in rows] == [1, 2] and [r["train/loss"] for r in rows] == [2.0, 1.0]
+    expected = {wandb_key(k) for k, v in RECORD.items() if k != "step" and v is not None}
+    assert expected <= set(rows[0])
+    assert {"train/loss", "throughput/tokens_per_sec", "memory/mem_peak_bytes_max", "parallel/bubble_fraction"} <= expected
+    assert run["config"]["notes"] == "x" * 40000 and run["config"]["model"] == {"name": "gpt_tiny"}
+    assert run["summary"]["final_loss"] == 1.0
+    assert max(len(r) for r in iter_record_bytes(files[0])) > 32 * 1024
+
+
+def test_missing_wandb_warns_once_and_does_not_raise(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the package were not installed
+    with pytest.warns(UserWarning, match="W&B disabled"):
+        sink = WandbSink(mode="offline", project="p", entity=None, name=None, run_dir=str(tmp_path), config={})
+    sink.log(RECORD)
+    sink.finish({})
+    assert sink.run is None

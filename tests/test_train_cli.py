@@ -1,0 +1,84 @@
+"""The real command line: torchrun + ``python -m parallel3d.train``, and bad values before any process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel3d.wandb_reader import find_offline_runs, read_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.mark.slow
+def test_bad_value_exits_nonzero_on_every_rank_before_any_process_group():
+    """Two "ranks" of an 8-rank job with no rendezvous at all: a config error must not try to connect."""
+    cmd = [sys.executable, "-m", "parallel3d.train", "train.global_batch_size=12", "train.micro_batch_size=4"]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=_env(RANK=str(r), WORLD_SIZE="8", LOCAL_RANK=str(r)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 3)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    (out0, err0), (out3, err3) = outs
+    assert err0.strip().splitlines() == [
+        "config error: train.global_batch_size=12 is not divisible by train.micro_batch_size*dp = 4*8 = 32; "
+        "global_batch = micro_batch * grad_accum * dp needs an integer grad_accum"
+    ]
+    assert out0 == out3 == err3 == ""  # one line from rank 0, silence elsewhere, no traceback
+
+
+@pytest.mark.slow
+def test_torchrun_config_error_prints_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "parallel3d.train", "train.steps=3"]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("config error:")]
+    assert ours == ["config error: optimizer.warmup_steps=20: must be <= train.steps=3"]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "parallel3d.train",
+        "parallel.pp=2", "train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
+        f"train.out_dir={out}", "logging.log_every=1", "logging.wandb.mode=offline",
+        "optimizer.warmup_steps=1", f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device", "mfu", "mem_peak_bytes_max",
+                "mem_peak_bytes_min", "bubble_fraction", "comm_bytes", "loss_scale", "samples_per_sec", "step_time"):
+        assert key in records[0], key
+    assert records[0]["mem_peak_bytes_max"] >= records[0]["mem_peak_bytes_min"] > 0
+    assert records[0]["comm_bytes"] > 0  # pipeline sends between the two stages
+    # One console line per logged step, from the logging rank only.
+    assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3
+    # Hydra's files: one .hydra/ in the shared run dir, no outputs/ dirs, cwd unchanged.
+    assert (out / ".hydra" / "config.yaml").is_file()
+    assert not (tmp_path / "outputs").exists()
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000003"]
+    # W&B offline: one run, the logged keys read back from its .wandb file.
+    runs = find_offline_runs(str(out))
+    assert len(runs) == 1
+    run = read_run(runs[0])
+    losses = [r["train/loss"] for r in run["history"] if "train/loss" in r]
+    assert losses == pytest.approx([r["loss"] for r in records])
+    assert run["config"]["parallel"]["pp"] == 2 and run["config"]["train"]["steps"] == 3
