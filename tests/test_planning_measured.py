@@ -87,19 +87,19 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 CASES = [
     # ZeRO-1 over dp=2 with a 2-stage 1F1B pipeline, fp32 (weights are their own master).
-    dict(model="gpt_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=1, micro_batch_size=2, seq_len=32,
-                                       global_batch_size=16, precision="fp32")),
+    dict(model="gpt_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=1, micro_batch_size=2, seq_len=16,
+                                       global_batch_size=12, precision="fp32")),
     # bf16 mixed precision with ZeRO-2 (shard + accumulation .grad), Llama with GQA, interleaved.
-    dict(model="llama_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=2, micro_batch_size=1, seq_len=32,
+    dict(model="llama_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=2, micro_batch_size=1, seq_len=16,
                                          global_batch_size=8, precision="bf16", schedule="interleaved_1f1b",
                                          virtual_stages=2)),
     # Tensor parallel with sequence parallel and selective recompute.
-    dict(model="gpt_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=0, micro_batch_size=2, seq_len=32,
-                                       global_batch_size=8, precision="fp32", sequence_parallel=True,
+    dict(model="gpt_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=0, micro_batch_size=2, seq_len=16,
+                                       global_batch_size=6, precision="fp32", sequence_parallel=True,
                                        recompute="selective")),
     # GPipe, full recompute, Llama.
-    dict(model="llama_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=1, micro_batch_size=2, seq_len=32,
-                                         global_batch_size=6, precision="fp32", schedule="gpipe",
+    dict(model="llama_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=1, micro_batch_size=2, seq_len=16,
+                                         global_batch_size=4, precision="fp32", schedule="gpipe",
                                          recompute="full")),
 ]
 
