@@ -112,7 +112,7 @@ def test_overrides_reach_the_model_and_kernels():
 
 
 BAD = [
-    (["train.global_batch_size=10"], 1, r"train\.global_batch_size=10 is not divisible by .*8\*1 = 8"),
+    (["train.global_batch_size=10"], 1, r"train\.global_batch_size=10 is not divisible by .*16\*1 = 16"),
     (["parallel.tp=3"], 1, r"parallel\.dp=auto: world_size=1 is not divisible by .*3"),
     (["parallel.tp=2", "parallel.dp=2"], 8, r"tp\*pp\*dp = 2\*1\*2 = 4 .* world_size=8"),
     (["parallel.dp=x"], 1, r"parallel\.dp='x': must be an integer >= 1 or 'auto'"),
@@ -135,7 +135,7 @@ BAD = [
     (["train.keep_last=0"], 1, r"train\.keep_last=0: must be an integer >= 1"),
     (["optimizer.lr=0"], 1, r"optimizer\.lr=0"),
     (["optimizer.min_lr=1.0"], 1, r"optimizer\.min_lr=1\.0: must be a number >= 0\.0 and <= 0\.003"),
-    (["optimizer.warmup_steps=1000"], 1, r"optimizer\.warmup_steps=1000: must be <= train\.steps=200"),
+    (["optimizer.warmup_steps=1000"], 1, r"optimizer\.warmup_steps=1000: must be <= train\.steps=300"),
     (["optimizer.beta2=1.0"], 1, r"optimizer\.beta2=1\.0: must be in \[0, 1\)"),
     (["model.dropout=1.5"], 1, r"model\.dropout=1\.5"),
     (["model.num_heads=3"], 1, r"hidden_size=64 is not divisible by model\.num_heads=3"),

@@ -47,7 +47,7 @@ def test_torchrun_config_error_prints_one_line(tmp_path):
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("config error:")]
-    assert ours == ["config error: optimizer.warmup_steps=20: must be <= train.steps=3"]
+    assert ours == ["config error: optimizer.warmup_steps=30: must be <= train.steps=3"]
 
 
 @pytest.mark.slow
