@@ -304,6 +304,15 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
         raise ConfigError(f"train.out_dir={t.out_dir!r}: must be a non-empty path")
     if t.resume not in ("auto", "none") and not os.path.isdir(t.resume):
         raise ConfigError(f"train.resume={t.resume!r}: must be auto, none or an existing checkpoint directory")
+    if t.resume == "none":
+        from parallel3d.checkpoint import complete_checkpoints
+
+        old = [step for step, _ in complete_checkpoints(os.path.join(t.out_dir, "checkpoints"))]
+        if old:
+            raise ConfigError(
+                f"train.resume=none but train.out_dir={t.out_dir!r} holds checkpoints of steps {old}; "
+                f"use another train.out_dir, delete them, or train.resume=auto"
+            )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
     if t.peak_tflops is not None:
         _check_range("train.peak_tflops", t.peak_tflops, 0.0, lo_open=True)

@@ -297,7 +297,7 @@ def format_console(record: dict[str, Any], total_steps: int) -> str:
     parts = [f"step {record['step']:>5d}/{total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
-    if record.get("loss_scale") is not None:
+    if record.get("loss_scale") not in (None, 1.0):  # dynamic loss scaling (fp16) only
         parts.append(f"scale {record['loss_scale']:.0f}")
     parts.append(f"{record['tokens_per_sec']:,.0f} tok/s")
     parts.append(f"{record['step_time'] * 1e3:.0f} ms")

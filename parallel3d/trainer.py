@@ -287,6 +287,9 @@ class Trainer:
             + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else "fresh start"),
             flush=True,
         )
+        if self.step >= t.steps:
+            print(f"already trained to train.steps={t.steps}: nothing to do (train.resume=none starts over, "
+                  f"or raise train.steps)", flush=True)
 
 
 def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dict[str, Any] | None = None) -> TrainResult:

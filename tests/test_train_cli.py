@@ -82,3 +82,15 @@ def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
     losses = [r["train/loss"] for r in run["history"] if "train/loss" in r]
     assert losses == pytest.approx([r["loss"] for r in records])
     assert run["config"]["parallel"]["pp"] == 2 and run["config"]["train"]["steps"] == 3
+
+
+@pytest.mark.slow
+def test_a_failing_rank_prints_its_cause_and_exits_nonzero(tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("the corpus cache cannot live under a file")
+    cmd = [sys.executable, "-m", "parallel3d.train", f"train.out_dir={tmp_path / 'run'}", f"data.cache_dir={blocker}"]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("[rank 0] failed:")]
+    assert len(failed) == 1 and "not_a_directory" in failed[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
