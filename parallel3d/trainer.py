@@ -115,7 +115,7 @@ class Trainer:
     def __init__(self, rj: ResolvedJob, pstate: ParallelState, full_config: dict[str, Any] | None = None) -> None:
         self.rj, self.pstate = rj, pstate
         self.full_config = full_config or {}
-        job, t, o, p = rj.job, rj.job.train, rj.job.optimizer, rj.job.parallel
+        t, o, p = rj.job.train, rj.job.optimizer, rj.job.parallel
         self.chunks = build_chunks(rj, pstate)
         self.optimizer = ZeroOptimizer(
             self.chunks, pstate, zero_stage=p.zero_stage, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -140,7 +140,6 @@ class Trainer:
         )
         self.step = 0
         self.wandb_id: str | None = None
-        del job
 
     # ---- checkpoints -------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -233,7 +232,7 @@ class Trainer:
 
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:
-        rj, t, lg = self.rj, self.rj.job.train, self.rj.job.logging
+        t, lg = self.rj.job.train, self.rj.job.logging
         t0 = time.perf_counter()
         resume_dir = self.ckpt.find(t.resume)
         if resume_dir is not None:

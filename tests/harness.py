@@ -7,6 +7,7 @@ gloo group is initialised (one torch thread per rank, flush-denormal on);
 ``results[r]`` is rank r's return value (it must pickle). ``fn`` must be a
 module-level function of an importable module (spawn pickles it by name).
 
+Start-up of the rank processes is not counted in ``timeout``.
 If any rank raises, the test fails with that rank's traceback (the first
 failing rank, by arrival). If the ranks do not all finish within ``timeout``
 seconds, every rank is killed and the test fails naming the ranks that had not
@@ -32,6 +33,7 @@ import traceback
 from typing import Any, Callable
 
 COLLECTIVE_TIMEOUT_S = 90.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -64,6 +66,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "
         return
     from torch.distributed import distributed_c10d as c10d
 
+    results.put((-2, rank, "ready", None))
     while True:
         task = tasks.get()
         if task is None:
@@ -108,6 +111,25 @@ class RankPool:
         for p in self.procs:
             p.start()
         self._ids = itertools.count()
+        self._wait_ready(STARTUP_TIMEOUT_S)
+
+    def _wait_ready(self, timeout: float) -> None:
+        # Start-up (spawn + import torch + init_process_group) is not charged to a test's timeout.
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close(kill=True)
+                raise TimeoutError(f"ranks {sorted(set(range(self.world_size)) - ready)} did not start in {timeout:.0f}s")
+            try:
+                tid, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if tid == -1:
+                self.close(kill=True)
+                raise RuntimeError(f"rank {rank} failed to start:\n{payload}")
+            ready.add(rank)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -176,8 +198,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180
         pool.close(kill=True)
         pool = None
     if pool is None:
-        # Other pools hold CPU-idle processes only; keep at most two world sizes warm.
-        if len(_POOLS) >= 2 and not fresh:
+        # Idle pools cost memory, not CPU; keep at most three world sizes (e.g. 2, 4, 8) warm.
+        if len(_POOLS) >= 3 and not fresh:
             oldest = next(iter(_POOLS))
             _POOLS.pop(oldest).close()
         pool = RankPool(world_size)

@@ -87,8 +87,7 @@ def test_every_key_is_documented_in_conf():
         leaf = rest[-1]
         if not re.search(rf"^\s*{leaf}:.*#", text, re.M) and not re.search(rf"^\s*#.*\b{leaf}\b", text, re.M):
             undocumented.append(key)
-    # beta1/beta2/eps are self-explanatory AdamW constants; everything else needs a comment.
-    assert [k for k in undocumented if k.rsplit(".", 1)[-1] not in ("beta1", "beta2", "eps", "entity", "project")] == []
+    assert undocumented == []
 
 
 def test_default_job_resolves():
