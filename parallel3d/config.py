@@ -122,6 +122,7 @@ class WandbConfig:
     project: str = "parallel3d"
     entity: str | None = None
     name: str | None = None  # run name; null = W&B picks one
+    init_timeout_s: float = 60.0  # give up on an unreachable server after this (training goes on)
 
 
 @dataclass
@@ -374,6 +375,7 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
 def _check_logging(lg: LoggingConfig) -> None:
     _check_int("logging.log_every", lg.log_every, 1)
     _check_choice("logging.wandb.mode", lg.wandb.mode, WANDB_MODES)
+    _check_range("logging.wandb.init_timeout_s", lg.wandb.init_timeout_s, 0.0, lo_open=True)
     if not isinstance(lg.wandb.project, str) or not lg.wandb.project:
         raise ConfigError(f"logging.wandb.project={lg.wandb.project!r}: must be a non-empty string")
 

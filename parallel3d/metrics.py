@@ -248,7 +248,7 @@ class WandbSink:
 
     def __init__(
         self, *, mode: str, project: str, entity: str | None, name: str | None, run_dir: str,
-        config: dict[str, Any], resume_id: str | None = None,
+        config: dict[str, Any], resume_id: str | None = None, init_timeout_s: float = 60.0,
     ) -> None:
         self.run = None
         self.run_id: str | None = None
@@ -261,14 +261,15 @@ class WandbSink:
             self.run = wandb.init(
                 mode=mode, project=project, entity=entity, name=name, dir=run_dir, config=config,
                 id=resume_id, resume="allow" if resume_id else None,
-                settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
+                settings=wandb.Settings(init_timeout=init_timeout_s, silent=True, console="off"),
             )
             self.run_id = self.run.id
         except Exception as exc:  # noqa: BLE001 - W&B must never kill training
             self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        warnings.warn(f"W&B disabled ({type(exc).__name__}: {exc}); metrics.jsonl continues", stacklevel=3)
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        warnings.warn(f"W&B disabled ({type(exc).__name__}: {first_line}); metrics.jsonl continues", stacklevel=3)
         self.run = None
 
     def log(self, record: dict[str, Any]) -> None:

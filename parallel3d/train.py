@@ -103,7 +103,7 @@ def _configure_threads(device: str) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-@hydra.main(version_base=None, config_path=str(Path("..") / "conf"), config_name="config")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def hydra_app(cfg: DictConfig) -> None:
     """The Hydra entry: validate again (cheap), then train this rank."""
     rank = _rank()

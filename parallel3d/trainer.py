@@ -243,7 +243,8 @@ class Trainer:
             jsonl = JsonlSink(os.path.join(t.out_dir, "metrics.jsonl"),
                               keep_through_step=self.step if resume_dir else None)
             wandb = WandbSink(mode=lg.wandb.mode, project=lg.wandb.project, entity=lg.wandb.entity,
-                              name=lg.wandb.name, run_dir=t.out_dir, config=self.full_config, resume_id=self.wandb_id)
+                              name=lg.wandb.name, run_dir=t.out_dir, config=self.full_config, resume_id=self.wandb_id,
+                              init_timeout_s=lg.wandb.init_timeout_s)
             self.wandb_id = wandb.run_id
             self._banner(resume_dir)
         end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)

@@ -134,7 +134,7 @@ BAD = [
     (["train.keep_last=0"], 1, r"train\.keep_last=0: must be an integer >= 1"),
     (["optimizer.lr=0"], 1, r"optimizer\.lr=0"),
     (["optimizer.min_lr=1.0"], 1, r"optimizer\.min_lr=1\.0: must be a number >= 0\.0 and <= 0\.003"),
-    (["optimizer.warmup_steps=1000"], 1, r"optimizer\.warmup_steps=1000: must be <= train\.steps=300"),
+    (["optimizer.warmup_steps=1000"], 1, r"optimizer\.warmup_steps=1000: must be <= train\.steps=500"),
     (["optimizer.beta2=1.0"], 1, r"optimizer\.beta2=1\.0: must be in \[0, 1\)"),
     (["model.dropout=1.5"], 1, r"model\.dropout=1\.5"),
     (["model.num_heads=3"], 1, r"hidden_size=64 is not divisible by model\.num_heads=3"),
@@ -182,3 +182,14 @@ def test_job_from_dict_matches_compose():
     assert job.train.seq_len == 32
     with pytest.raises(ConfigError, match="train.stepz"):
         job_from_dict({"train": {"stepz": 3}})
+
+
+def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
+    from parallel3d.checkpoint import CheckpointManager
+    from parallel3d.parallel_state import ParallelState
+
+    out = str(tmp_path / "run")
+    CheckpointManager(os.path.join(out, "checkpoints"), ParallelState.single_process()).save(5, lambda d: None, {})
+    with pytest.raises(ConfigError, match=r"train\.resume=none but train\.out_dir=.* holds checkpoints of steps \[5\]"):
+        _resolve_fast([f"train.out_dir={out}", "train.resume=none"])
+    assert _resolve_fast([f"train.out_dir={out}", "train.resume=auto"]).job.train.resume == "auto"

@@ -19,6 +19,7 @@ from parallel3d.trainer import train
 from tests.harness import run_on_ranks
 
 STEPS = 4
+pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")  # CPU: no MFU, by design
 
 
 def job_values(out_dir: str, cache_dir: str, **sections) -> dict:
@@ -58,9 +59,9 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 GPT_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 2}
-# Llama with GQA, also through sequence parallelism and the interleaved schedule.
+# Llama with GQA, also through sequence parallelism, the interleaved schedule and another rank order.
 LLAMA_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 1, "sequence_parallel": True,
-                "schedule": "interleaved_1f1b", "virtual_stages": 2}
+                "schedule": "interleaved_1f1b", "virtual_stages": 2, "order": "dp-pp-tp"}
 
 
 def assert_close(got: dict[int, float], ref: dict[int, float]) -> None:
@@ -114,3 +115,17 @@ def test_resume_is_bit_identical(tmp_path, cache_dir):
     assert sorted(resumed) == [3, 4]
     assert {s: resumed[s] for s in (3, 4)} == {s: full[s] for s in (3, 4)}
     assert losses_of(out) == full  # metrics.jsonl of the resumed run reads like the uninterrupted one
+
+
+def test_unreachable_wandb_server_warns_and_training_goes_on(tmp_path, cache_dir, monkeypatch):
+    from tests.harness import free_port
+
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = str(tmp_path / "run")
+    values = job_values(out, cache_dir, logging={"wandb": {"mode": "online", "init_timeout_s": 2}})
+    with pytest.warns(UserWarning, match="W&B disabled") as caught:
+        losses = train_single("gpt_tiny", values)
+    assert sum("W&B disabled" in str(w.message) for w in caught) == 1
+    assert sorted(losses) == sorted(losses_of(out)) == list(range(1, STEPS + 1))
