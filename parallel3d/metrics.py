@@ -81,15 +81,19 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> 
     return n_term + attn_term
 
 
-def detect_peak_tflops(device: torch.device, precision: str) -> float | None:
-    """The per-device dense peak for ``precision`` on a known GPU, else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+def peak_tflops_for(device_name: str, precision: str) -> float | None:
+    """The dense peak for ``precision`` of a GPU named like ``torch.cuda.get_device_name``, else None."""
     for pattern, half, fp32 in PEAK_TFLOPS:
-        if pattern in name:
+        if pattern in device_name:
             return fp32 if precision == "fp32" else half
     return None
+
+
+def detect_peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The per-device dense peak for ``precision`` on a known GPU, else None (CPUs included)."""
+    if device.type != "cuda":
+        return None
+    return peak_tflops_for(torch.cuda.get_device_name(device), precision)
 
 
 # ---- memory -----------------------------------------------------------------------------

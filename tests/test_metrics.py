@@ -17,6 +17,7 @@ from parallel3d.metrics import (
     ThroughputModel,
     WandbSink,
     detect_peak_tflops,
+    peak_tflops_for,
     format_console,
     hardware_flops_per_token,
     matmul_params,
@@ -91,6 +92,14 @@ def test_throughput_and_mfu_arithmetic():
     assert m["hfu"] == pytest.approx(m["mfu"] * hardware_flops_per_token(cfg, 64, "full") / model_flops_per_token(cfg, 64))
     none = ThroughputModel.build(cfg, seq_len=64, global_batch_size=8, world_size=4, recompute="none", peak_tflops=None)
     assert none.step_metrics(0.5)["mfu"] is None
+
+
+@pytest.mark.parametrize("name,precision,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H200", "fp16", 989.0),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100-SXM4-40GB", "fp32", 19.5), ("NVIDIA GeForce GTX 1080", "bf16", None),
+])
+def test_known_gpu_peaks_are_dense_and_per_dtype(name, precision, peak):
+    assert peak_tflops_for(name, precision) == peak
 
 
 def test_unknown_device_gives_no_mfu_and_one_warning():

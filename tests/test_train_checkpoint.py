@@ -79,8 +79,11 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
         finally:
             os.chmod(directory, 0o700)
 
-    with pytest.warns(UserWarning, match="checkpoint at step 2 failed"):
+    with pytest.warns(UserWarning) as caught:
         assert not mgr.save(2, permission_denied, {})
+    messages = [str(w.message) for w in caught]
+    assert any("checkpoint at step 2 failed: [Errno 13] Permission denied" in m for m in messages)
+    assert any("keeping the previous ones ([1])" in m for m in messages)
     assert [s for s, _ in complete_checkpoints(root)] == [1]
     assert mgr.latest() == step_dir(root, 1)
     assert not os.path.exists(step_dir(root, 2) + ".tmp")
