@@ -37,7 +37,7 @@ from parallel3d.config import (
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG, EXIT_FAILED = 2, 1
-CONFIG_EXIT_DELAY_S = 2.0
+CONFIG_EXIT_DELAY_S = 5.0
 
 register_schema()
 
@@ -62,7 +62,7 @@ def _config_exit(exc: ConfigError) -> None:
     stops the job at the first failed rank) does not kill rank 0 before it prints."""
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-    else:
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun
         time.sleep(CONFIG_EXIT_DELAY_S)
     sys.exit(EXIT_CONFIG)
 

@@ -7,9 +7,15 @@ same batch, same microbatch count, gloo on this machine's CPUs, one thread per r
 - ``interleaved_1f1b`` (v virtual stages): ours vs ``ScheduleInterleaved1F1B``.
 
 Per case it prints the median step time (slowest rank, after a barrier), the ratio
-ours/theirs, the bubble measured from our per-stage busy time, the bubble
-``simulate`` predicts from our measured per-chunk F/B times, and the theoretical
-one ((p-1)/(m+p-1), or (p-1)/(vm+p-1) interleaved), and writes JSON to ``--out``.
+ours/theirs, the bubble measured from our per-stage busy time, and the bubbles
+``simulate`` predicts from our measured per-chunk F/B times: ``sim`` with
+``p2p_time`` = the measured time of one activation-sized send/recv (the number
+compared with the measurement, since the measured step pays that latency too) and
+``sim0`` with zero message latency; plus the theoretical one ((p-1)/(m+p-1), or
+(p-1)/(vm+p-1) interleaved). The per-message time comes from the same processes,
+group and message shape, measured between the timed steps (every rank sends one
+activation to the next stage and receives one from the previous, as in the
+steady state). Writes JSON to ``--out``.
 
     .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --out bench_results/pipeline.json
 
@@ -84,6 +90,22 @@ def _timed(fn) -> float:
     return elapsed.item()
 
 
+def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
+    """Mean seconds of one activation-sized send/recv between neighbouring stages (pp ring)."""
+    p, s = pstate.pp_size, pstate.pp_rank
+    nxt = pstate.topology.stage_rank(pstate.rank, (s + 1) % p)
+    prev = pstate.topology.stage_rank(pstate.rank, (s - 1) % p)
+    out, buf = torch.randn(shape), torch.empty(shape)
+    group = pstate.pp_group
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group=group),
+                                            dist.P2POp(dist.irecv, buf, prev, group=group)]):
+            work.wait()
+    return (time.perf_counter() - start) / reps
+
+
 def _case(args, pstate, schedule: str, v: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -118,7 +140,7 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
     def run_ours() -> None:
         results.append(engine.run_step(microbatches))
 
-    ours_t, theirs_t, bubbles, comm = [], [], [], []
+    ours_t, theirs_t, bubbles, comm, msg_t = [], [], [], [], []
     for i in range(args.warmup + args.steps):
         for c in ours_chunks + theirs_chunks:
             c.zero_grad(set_to_none=True)
@@ -129,6 +151,7 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
             theirs_t.append(t_theirs)
             bubbles.append(max(0.0, 1.0 - results[-1].busy_time / t_ours))
             comm.append(results[-1].comm_time / t_ours)
+            msg_t.append(_message_time(pstate, engine.spec.shape, args.p2p_reps))
     # Per (stage, chunk) median F/B times from our measured steps, for the simulation.
     own: dict[tuple[str, int], list[float]] = {}
     for res in results[args.warmup:]:
@@ -137,10 +160,13 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
                 own.setdefault((action.kind, action.chunk), []).append(end - start)
     own_med = {k: statistics.median(vals) for k, vals in own.items()}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (s, own_med, statistics.median(bubbles), statistics.median(comm)))
-    times = {(st, kind, c): t for st, med, _, _ in gathered for (kind, c), t in med.items()}
-    sim = simulate(build_schedule(schedule, p, m, v),
-                   lambda st, c: times[(st, "F", c)], lambda st, c: times[(st, "B", c)])
+    dist.all_gather_object(gathered, (s, own_med, statistics.median(bubbles), statistics.median(comm),
+                                      statistics.mean(msg_t)))
+    times = {(st, kind, c): t for st, med, _, _, _ in gathered for (kind, c), t in med.items()}
+    message_time = statistics.mean(g[4] for g in gathered)
+    fwd, bwd = (lambda st, c: times[(st, "F", c)]), (lambda st, c: times[(st, "B", c)])
+    sim = simulate(build_schedule(schedule, p, m, v), fwd, bwd, p2p_time=message_time)
+    sim0 = simulate(build_schedule(schedule, p, m, v), fwd, bwd)
     measured_bubble = statistics.mean(g[2] for g in gathered)
     theory = (p - 1) / (v * m + p - 1)
     ours_med, theirs_med = statistics.median(ours_t), statistics.median(theirs_t)
@@ -148,7 +174,9 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
         "stages": p, "schedule": schedule, "virtual_stages": v, "microbatches": m,
         "ours_median_s": ours_med, "theirs_median_s": theirs_med, "ratio": ours_med / theirs_med,
         "ours_steps_s": ours_t, "theirs_steps_s": theirs_t,
-        "bubble_measured": measured_bubble, "bubble_simulated": sim.bubble_fraction, "bubble_theory": theory,
+        "bubble_measured": measured_bubble, "bubble_simulated": sim.bubble_fraction,
+        "bubble_simulated_zero_latency": sim0.bubble_fraction, "bubble_theory": theory,
+        "p2p_message_s": message_time, "bubble_simulated_uses": "p2p_time=p2p_message_s",
         "p2p_wait_share": statistics.mean(g[3] for g in gathered),
         "bubble_rel_diff": abs(measured_bubble - sim.bubble_fraction) / max(sim.bubble_fraction, 1e-12),
     }
@@ -206,20 +234,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prefetch", type=int, default=2, help="receives our engine posts ahead of need")
+    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after each step")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()
     rows = []
     for p in args.stages:
         rows += run(args, p)
     header = (f"{'p':>2} {'schedule':<17} {'v':>2} {'m':>3} {'ours s':>8} {'torch s':>8} {'ratio':>6} "
-              f"{'bubble meas':>11} {'sim':>6} {'theory':>6} {'rel diff':>8}")
+              f"{'msg ms':>6} {'bubble meas':>11} {'sim':>6} {'sim0':>6} {'theory':>6} {'rel diff':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['stages']:>2} {r['schedule']:<17} {r['virtual_stages']:>2} {r['microbatches']:>3} "
               f"{r['ours_median_s']:>8.4f} {r['theirs_median_s']:>8.4f} {r['ratio']:>6.2f} "
-              f"{r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} {r['bubble_theory']:>6.3f} "
-              f"{r['bubble_rel_diff']:>8.1%}")
+              f"{r['p2p_message_s'] * 1e3:>6.2f} {r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} "
+              f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_theory']:>6.3f} {r['bubble_rel_diff']:>8.1%}")
+    print("sim: simulate(p2p_time=msg ms, the measured mean time of one activation send/recv); "
+          "sim0: zero latency; rel diff: |meas - sim| / sim")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out"}

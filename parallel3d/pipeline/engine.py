@@ -12,6 +12,16 @@ Loss scale invariant: each microbatch's loss is multiplied by
 those of ``loss_scale`` times the mean loss over the step's microbatches,
 whatever pp and m are (DP averaging is the optimizer's job).
 
+Sent activations (Megatron's trick): once a chunk's output has been sent
+downstream, only its autograd graph is needed for the backward, not its values,
+unless autograd saved the output tensor itself. With ``free_sent_activations``
+the engine then swaps the output's data for a one-element placeholder (expanded
+to the same shape, so ``backward`` still type-checks); the storage goes when the
+send has completed (``PipelineP2P.release_sent``), and from then on it is no
+longer counted in ``peak_activation_bytes``. This is where 1F1B's saving over
+GPipe is realised for the outputs: a stage holds its in-flight microbatches'
+saved tensors, not their outputs.
+
 Receives are posted ``prefetch_recvs`` actions ahead of need (in schedule
 order) so their transfer overlaps compute. ``grad_sync.finish()`` runs after the
 step's last backward and is not counted as busy time.
@@ -55,7 +65,8 @@ class StepResult:
     ``bubble_fraction = 1 - busy_time / step_time``. ``peak_live_activations`` is
     the most (microbatch, chunk) pairs stored at once; ``peak_activation_bytes``
     the most bytes they held (tensors autograd saved for backward plus the stage's
-    stored input and output, each storage counted once, parameters excluded).
+    stored input and output, each storage counted once, parameters excluded; a sent
+    output freed by ``free_sent_activations`` counts until its send completes).
     """
 
     loss: float | None
@@ -137,6 +148,7 @@ class PipelineEngine:
         sequence_parallel: bool = False,
         grad_sync: GradSync | None = None,
         prefetch_recvs: int = 2,
+        free_sent_activations: bool = True,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")
@@ -163,6 +175,7 @@ class PipelineEngine:
         if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
             raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
         self.prefetch_recvs = prefetch_recvs
+        self.free_sent_activations = bool(free_sent_activations)
         self._recv_order = [a for a in self.actions if a.kind in ("RECV_ACT", "RECV_GRAD")]
         self._recv_index = {a: i for i, a in enumerate(self._recv_order)}
         # The backward that completes each chunk's gradient accumulation.
@@ -211,6 +224,7 @@ class PipelineEngine:
                 run.pending.append(action)
                 continue
             run.flush()
+            run.release_sent()
             start = time.perf_counter()
             if action.kind == "F":
                 run.forward(action)
@@ -258,6 +272,8 @@ class _StepRun:
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (require grad)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs; scaled loss on the last chunk
         self.stored_bytes: dict[tuple[int, int], int] = {}
+        # Outputs that may lose their storage once sent (autograd did not save them): their bytes.
+        self.freeable_bytes: dict[tuple[int, int], int] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
@@ -294,10 +310,23 @@ class _StepRun:
                 self.inputs[key] = tensor.requires_grad_(True)
             else:
                 self.grads_in[key] = tensor
+        for a, tensor in sends:
+            key = (a.microbatch, a.chunk)
+            if a.kind == "SEND_ACT" and key in self.freeable_bytes:
+                # The p2p layer's reference keeps the storage alive until the send is done.
+                tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
         end = time.perf_counter()
         self.comm_time += end - start
         self.timeline.extend((a, start - self.t0, end - self.t0) for a in self.pending)
         self.pending.clear()
+
+    def release_sent(self) -> None:
+        """Stop counting the sent outputs whose sends completed (their storage is gone now)."""
+        for a in self.engine.p2p.release_sent():
+            key = (a.microbatch, a.chunk)
+            freed = self.freeable_bytes.pop(key, 0) if a.kind == "SEND_ACT" else 0
+            if key in self.stored_bytes:
+                self.stored_bytes[key] -= freed
 
     def forward(self, action: Action) -> None:
         e = self.engine
@@ -310,15 +339,19 @@ class _StepRun:
         with saved.recording():
             out = e.chunks[action.chunk](x, mb["labels"] if is_last else None, sample_ids=mb["sample_ids"],
                                          step=self.step)
+        if vs > 0:
+            saved.add(x)
         if is_last:
             self.losses.append(out.detach())
             out = out * self.loss_factor
         else:
+            storage = out.untyped_storage()
+            if e.free_sent_activations and out.grad_fn is not None and storage.data_ptr() not in saved.storages:
+                self.freeable_bytes[key] = storage.nbytes()
             saved.add(out)
-        if vs > 0:
-            saved.add(x)
         self.outputs[key] = out
         self.stored_bytes[key] = saved.total
+        self.release_sent()  # sends that finished during this forward no longer hold memory
         self.peak_live = max(self.peak_live, len(self.outputs))
         self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
 
@@ -333,6 +366,7 @@ class _StepRun:
         torch.autograd.backward(out, grad_tensors=grad)
         del out, grad  # the graph and its saved activations go now
         self.stored_bytes.pop(key)
+        self.freeable_bytes.pop(key, None)
         inp = self.inputs.pop(key, None)
         if vs > 0:
             if inp.grad is None:

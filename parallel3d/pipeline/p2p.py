@@ -11,7 +11,9 @@ All sends and receives that the schedule lists back to back go out as one
 ``batch_isend_irecv`` (gloo and NCCL), together with the next few receives of
 the schedule (prefetch: their transfer overlaps this rank's compute). Receives
 are waited for before the caller uses them, sends at the end of the step
-(``wait_sends``), so a send never blocks the sender's next computation.
+(``wait_sends``), so a send never blocks the sender's next computation. A send's
+tensor stays referenced until the send is known to be done: ``release_sent``
+drops the finished ones (without blocking) so their storage can be freed early.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class PipelineP2P:
         self.pstate = pstate
         self.spec = spec
         self.num_virtual_stages = num_virtual_stages
-        self._pending_sends: list = []
+        self._pending_sends: list[tuple[Action, dist.Work]] = []  # in posting order
         self._posted: dict[Action, tuple] = {}  # receives posted ahead of need: (work, buffer)
 
     def peer(self, action: Action) -> int:
@@ -111,7 +113,7 @@ class PipelineP2P:
         try:
             if ops:
                 works = dist.batch_isend_irecv(ops)
-                self._pending_sends.extend(works[: len(sends)])
+                self._pending_sends.extend(zip((a for a, _ in sends), works[: len(sends)]))
                 for action, work, op in zip(new_recvs, works[len(sends):], ops[len(sends):]):
                     self._posted[action] = (work, op.tensor)
             for action in recvs:
@@ -129,6 +131,21 @@ class PipelineP2P:
         """Block until every send posted so far has left this rank (all prefetched receives must be used)."""
         if self._posted:
             raise RuntimeError(f"rank {self.pstate.rank}: receives posted but never used: {list(self._posted)}")
-        for work in self._pending_sends:
+        for _, work in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
+
+    def release_sent(self) -> list[Action]:
+        """Forget the sends that have completed (never blocks); return their actions.
+
+        Dropping a finished send's work releases this layer's reference to the sent tensor.
+        """
+        done, still_pending = [], []
+        for action, work in self._pending_sends:
+            if work.is_completed():
+                work.wait()  # already complete: surfaces a failed send now
+                done.append(action)
+            else:
+                still_pending.append((action, work))
+        self._pending_sends = still_pending
+        return done
