@@ -48,10 +48,12 @@ def _check(param, grad, exp_avg, exp_avg_sq, model_param_out, step: int) -> None
 def adamw_step_reference(
     param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, model_param_out=None
 ) -> None:
-    """The same update with torch ops, in place (fp32 math)."""
+    """The same update with torch ops, in place (fp32 math), in ``torch.optim.AdamW``'s order of
+    operations (``lerp`` for the first moment), so it matches torch element for element."""
     g = grad.float()
-    param.mul_(1.0 - lr * weight_decay)
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    if weight_decay:
+        param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr / (1.0 - beta1**step))

@@ -118,6 +118,18 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return out.transpose(1, 2).reshape(b, s, hq * d)
 
 
+def _views_copied_out_if_mixed(parts: tuple[torch.Tensor, ...], buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``parts`` as they are when all (or none) are views of ``buffer``; otherwise the views are
+    copied out. Attention keeps q, k, v for backward: if all are views, the buffer *is* q, k, v;
+    if some are new tensors (rotary outputs, regrouped q), one kept view would keep the whole
+    fused buffer alive next to them."""
+    ptr = buffer.untyped_storage().data_ptr()
+    is_view = [t.untyped_storage().data_ptr() == ptr for t in parts]
+    if all(is_view):
+        return parts
+    return tuple(t.clone(memory_format=torch.contiguous_format) if view else t for t, view in zip(parts, is_view))
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query causal self-attention, heads split over tp."""
 
@@ -137,10 +149,12 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.kv_local, self.q_per_kv + 2, self.head_dim)
+        # q is a view of the fused buffer when this rank holds one kv group (or q_per_kv == 1), else a copy.
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, self.kv_local * self.q_per_kv, self.head_dim)
-        k, v = qkv[:, :, :, self.q_per_kv].contiguous(), qkv[:, :, :, self.q_per_kv + 1]
+        k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
         if run.rope is not None:
             q, k = dispatch.apply_rope(q, k, run.rope[0], run.rope[1], backend=self.backend)
+        q, k, v = _views_copied_out_if_mixed((q, k, v), qkv)
         if self.selective and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v; recompute the O(s^2) core in backward.
             out = checkpoint(attention_core, q, k, v, use_reentrant=False)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels import dispatch
 from models.blocks import BuildContext
-from parallel3d.tensor_parallel import copy_to_tp_region, gather_seq
+from parallel3d.tensor_parallel import column_parallel_linears
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +36,6 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up read the same input: make it whole once (one all-gather / one f), not twice.
-        g = self.gate
-        x = gather_seq(x, g.pstate) if g.sequence_parallel else copy_to_tp_region(x, g.pstate)
-        gate = F.linear(x, g.weight, g.bias)
-        up = F.linear(x, self.up.weight, self.up.bias)
+        gate, up = column_parallel_linears(x, [(self.gate.weight, self.gate.bias), (self.up.weight, self.up.bias)],
+                                           self.gate.pstate, sequence_parallel=self.gate.sequence_parallel)
         return self.down(dispatch.swiglu(gate, up, backend=self.backend))

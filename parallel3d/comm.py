@@ -67,6 +67,12 @@ def _named_failure(pstate: "ParallelState", kind: str, op: str) -> Iterator[None
         ) from exc
 
 
+# torch >= 2.13 renamed the tensor collectives (the old names warn on every call);
+# GPU users may bring an older torch, so take whichever this torch has.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -97,7 +103,7 @@ def all_gather_into_tensor(
         return None
     pstate.comm_stats.add(kind, "all_gather", _nbytes(output) * (n - 1) / n)
     with _named_failure(pstate, kind, "all_gather"):
-        return dist.all_gather_into_tensor(output, shard.contiguous(), group=pstate.group(kind), async_op=async_op)
+        return _all_gather_single(output, shard.contiguous(), group=pstate.group(kind), async_op=async_op)
 
 
 def reduce_scatter_tensor(
@@ -115,7 +121,9 @@ def reduce_scatter_tensor(
         return None
     pstate.comm_stats.add(kind, "reduce_scatter", _nbytes(full) * (n - 1) / n)
     with _named_failure(pstate, kind, "reduce_scatter"):
-        return dist.reduce_scatter_tensor(output, full.contiguous(), op=op, group=pstate.group(kind), async_op=async_op)
+        return _reduce_scatter_single(
+            output, full.contiguous(), op=op, group=pstate.group(kind), async_op=async_op
+        )
 
 
 def broadcast(tensor: torch.Tensor, pstate: "ParallelState", kind: str, src_global_rank: int):

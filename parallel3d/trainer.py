@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,7 +297,4 @@ def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dic
         pstate = make_parallel_state(rj)
     if rj.device == "cpu":
         torch.set_flush_denormal(True)  # denormals slow CPU matmuls 100x (ENVIRONMENT.md)
-    with warnings.catch_warnings():
-        # torch.distributed deprecation notices would repeat on every rank every step.
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        return Trainer(rj, pstate, full_config).train()
+    return Trainer(rj, pstate, full_config).train()

@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import struct
+import time
 import zlib
 from typing import Any, Iterator
 
@@ -87,14 +88,36 @@ def _item_key(item: Any) -> str:
     return item.key if item.key else "/".join(item.nested_key)
 
 
-def read_run(path: str) -> dict[str, Any]:
-    """``{"history": [row, ...], "config": {...}, "summary": {...}}`` of one .wandb file."""
+def read_run(path: str, wait_s: float = 0.0) -> dict[str, Any]:
+    """``{"history": [row, ...], "config": {...}, "summary": {...}, "complete": bool}`` of one .wandb file.
+
+    W&B's writer is a separate service process that may still be flushing after
+    ``run.finish()`` returns; ``wait_s`` > 0 re-reads until the run's exit record is
+    in the file (``complete``) or that many seconds have passed.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            run = _read_once(path)
+        except Exception:  # a record still being written; give up only at the deadline
+            if time.monotonic() >= deadline:
+                raise
+        else:
+            if run["complete"] or time.monotonic() >= deadline:
+                return run
+        time.sleep(0.2)
+
+
+def _read_once(path: str) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     config: dict[str, Any] = {}
     summary: dict[str, Any] = {}
+    complete = False
     for record in iter_records(path):
         kind = record.WhichOneof("record_type")
-        if kind == "history":
+        if kind == "exit":
+            complete = True
+        elif kind == "history":
             history.append({_item_key(i): json.loads(i.value_json) for i in record.history.item})
         elif kind == "config":
             for item in record.config.update:
@@ -105,7 +128,7 @@ def read_run(path: str) -> dict[str, Any]:
         elif kind == "run":
             for item in record.run.config.update:
                 config[_item_key(item)] = json.loads(item.value_json)
-    return {"history": history, "config": config, "summary": summary}
+    return {"history": history, "config": config, "summary": summary, "complete": complete}
 
 
 def find_offline_runs(root: str) -> list[str]:

@@ -92,12 +92,12 @@ def op_cases(tokens: int, hidden: int, vocab: int | None, dtype: torch.dtype, de
                           bytes_fwd=2 * n * es, bytes_fwdbwd=5 * n * es,
                           eager=lambda x, w, b: rms_norm_reference(x, w, 1e-6),
                           fused=lambda x, w, b: _fused("rmsnorm").rms_norm(x, w, 1e-6),
-                          liger=_liger_rms_norm(hidden, dtype, device)))
+                          liger=_liger_norm("LigerRMSNorm", hidden, 1e-6, dtype, device)))
         cases.append(dict(name="layer_norm", shape=f"{tokens}x{hidden}", make=norm_inputs,
                           bytes_fwd=2 * n * es, bytes_fwdbwd=5 * n * es,
                           eager=lambda x, w, b: layer_norm_reference(x, w, b, 1e-5),
                           fused=lambda x, w, b: _fused("layernorm").layer_norm(x, w, b, 1e-5),
-                          liger=_liger_layer_norm(hidden, dtype, device)))
+                          liger=_liger_norm("LigerLayerNorm", hidden, 1e-5, dtype, device)))
 
         def swiglu_inputs():
             a = torch.randn(tokens, 3 * hidden, dtype=dtype, device=device, requires_grad=True)
@@ -162,19 +162,12 @@ def _liger(path: str, name: str):
         return None
 
 
-def _liger_rms_norm(hidden, dtype, device):
-    cls = _liger("liger_kernel.transformers", "LigerRMSNorm")
+def _liger_norm(class_name: str, hidden, eps: float, dtype, device):
+    """liger's norm module ``class_name`` as ``f(x, w, b)`` (its own weights), or None."""
+    cls = _liger("liger_kernel.transformers", class_name)
     if cls is None:
         return None
-    mod = cls(hidden, eps=1e-6).to(device=device, dtype=dtype)
-    return lambda x, w, b: mod(x)
-
-
-def _liger_layer_norm(hidden, dtype, device):
-    cls = _liger("liger_kernel.transformers", "LigerLayerNorm")
-    if cls is None:
-        return None
-    mod = cls(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    mod = cls(hidden, eps=eps).to(device=device, dtype=dtype)
     return lambda x, w, b: mod(x)
 
 

@@ -15,24 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from parallel3d.config import ConfigError  # noqa: E402
-from parallel3d.planning.cli import register_planning_schema, run_plan  # noqa: E402
-from parallel3d.topology import LayoutError  # noqa: E402
-
-register_planning_schema()
-
-
-@hydra.main(version_base=None, config_path=str(Path("..") / "conf"), config_name="plan")
-def main(cfg: DictConfig) -> None:
-    try:
-        print(run_plan(OmegaConf.to_object(cfg)))
-    except (ConfigError, LayoutError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-
+from parallel3d.planning.cli import run_app, run_plan  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    run_app("plan", run_plan)

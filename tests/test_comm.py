@@ -1,6 +1,5 @@
 """The comm layer: size-1 no-ops, ring byte accounting, and errors that name rank and op."""
 
-import pytest
 import torch
 
 from parallel3d import comm

@@ -145,7 +145,8 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     sink.finish({"final_loss": 1.0})
     files = find_offline_runs(str(tmp_path))
     assert len(files) == 1
-    run = read_run(files[0])
+    run = read_run(files[0], wait_s=60)
+    assert run["complete"], "the offline run has no exit record"
     rows = [r for r in run["history"] if "train/loss" in r]
     assert [r["_step"] for r in rows] == [1, 2] and [r["train/loss"] for r in rows] == [2.0, 1.0]
     expected = {wandb_key(k) for k, v in RECORD.items() if k != "step" and v is not None}

@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from models import build_model, config_names, count_parameters, get_config
+from models.blocks import ForwardContext
+from models.llama import rotary_tables
 from models.state import full_grads, full_state_dict
 from parallel3d.param_meta import is_tied_embedding, no_weight_decay, tp_split_dim
 from parallel3d.parallel_state import ParallelState
 from parallel3d.tensor_parallel import gather_last_dim
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
+from tests.saved_bytes import saved_bytes
 
 B, S = 2, 8
 
@@ -283,3 +286,25 @@ def _sp_odd_sequence(rank: int, world: int) -> str:
 def test_sequence_parallel_needs_divisible_sequence():
     for message in run_on_ranks(_sp_odd_sequence, 2, timeout=120):
         assert "sequence length 7 is not divisible by tp=2" in message
+
+
+# ---- activation memory ------------------------------------------------------------------
+@pytest.mark.parametrize("name, overrides", [("gpt_tiny", {}), ("gpt_tiny", {"num_kv_heads": 2}),
+                                             ("llama_tiny", {})])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_attention_keeps_q_k_v_at_their_own_size(name, overrides, recompute):
+    """Attention keeps its input, q, k, v (GQA keys/values not expanded to every query head, no
+    fused-QKV buffer kept alive by a view next to copies of it), its output and the log-sum-exp."""
+    cfg = get_config(name, **overrides)
+    model = build_model(cfg, ParallelState.single_process(), seed=1, recompute=recompute)
+    s, hq, kv, d = 16, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    x = torch.randn(B, s, cfg.hidden_size, requires_grad=True)
+    rope = rotary_tables(s, d, cfg.rope_base, x.device) if cfg.arch == "llama" else None
+    run = ForwardContext(rope=rope, sample_ids=None, step=0, training=False)
+    attn = model.layers["0"].attn
+    got, out = saved_bytes(lambda: attn(x, run), exclude=[*model.parameters(), *(rope or ())])
+    out.sum().backward()
+    element = x.element_size()
+    expected = element * B * s * (cfg.hidden_size + (hq + 2 * kv) * d + hq * d)  # input, q k v, output
+    expected += 4 * B * s * hq  # log-sum-exp (fp32), kept unless the core is recomputed
+    assert got <= expected, (got, expected)

@@ -162,3 +162,30 @@ def test_grad_sync_hook_calls_and_tied_sync_left_to_optimizer():
         assert [bw for bw, flag in zip(backwards, flags) if flag] == [(3, 1), (3, 0)]
         assert len(before) == 1 and before[0] > 1e-3  # not synced inside run_step when grad_sync is given
         assert after[0] < 1e-5
+
+
+def _free_sent_case(rank, world, free):
+    pstate = ParallelState(Topology(1, world, 1))
+    num_layers, m = 4, 6
+    cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
+    (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.pp_rank)
+    chunk = ToyModel(num_layers, r)
+    engine = PipelineEngine([chunk], pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=MBS,
+                            seq_len=SEQ, hidden_size=HIDDEN, free_sent_activations=free)
+    result = engine.run_step(toy_batch(m, MBS, SEQ))
+    return {"stage": pstate.pp_rank, "bytes": result.peak_activation_bytes,
+            "grads": {n: p.grad.clone() for n, p in chunk.named_parameters()}}
+
+
+def test_free_sent_activations_drops_peak_bytes_keeps_grads():
+    """Megatron's trick: same gradients, and the peak loses exactly the outputs already sent."""
+    world = 4
+    output_bytes = MBS * SEQ * HIDDEN * 4
+    kept = run_on_ranks(_free_sent_case, world, False)
+    freed = run_on_ranks(_free_sent_case, world, True)
+    for k, f in zip(kept, freed):
+        for name, grad in k["grads"].items():
+            assert torch.equal(f["grads"][name], grad), f"stage {k['stage']}: {name} differs when freeing"
+        # 1F1B: stage s holds p - s outputs at its peak; freeing keeps only the newest (unsent) one.
+        must_free = (world - k["stage"] - 1) * output_bytes
+        assert k["bytes"] - f["bytes"] == must_free, f"stage {k['stage']}: {k['bytes']} -> {f['bytes']}"

@@ -22,6 +22,7 @@ from parallel3d.tensor_parallel import (
 from parallel3d.tensor_parallel.sharding import gather_full
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
+from tests.saved_bytes import saved_bytes
 
 B, S, IN, OUT, VOCAB = 2, 8, 12, 16, 10  # VOCAB=10 is padded to 12 at tp=4
 F64 = torch.float64
@@ -138,8 +139,21 @@ def all_checks(pstate: ParallelState) -> dict[str, float]:
     return out
 
 
-def _on_ranks(rank: int, world: int, tp: int) -> dict[str, float]:
-    return all_checks(ParallelState(Topology(tp, 1, world // tp)))
+def column_saved_bytes(pstate: ParallelState) -> dict[bool, int]:
+    """Activation bytes one column-parallel layer keeps for backward, without / with sequence parallel."""
+    out = {}
+    for sp in (False, True):
+        layer = ColumnParallelLinear(IN, OUT, pstate, global_name="col", seed=3, sequence_parallel=sp, dtype=F64)
+        x_full = _rand(B, S, IN, seed=1)
+        x = _leaf(_chunk(x_full, 1, pstate) if sp else x_full)
+        out[sp], y = saved_bytes(lambda: layer(x), exclude=layer.parameters())
+        y.sum().backward()  # the saved tensors must serve a backward (and free the graph)
+    return out
+
+
+def _on_ranks(rank: int, world: int, tp: int) -> tuple[dict[str, float], dict[bool, int]]:
+    pstate = ParallelState(Topology(tp, 1, world // tp))
+    return all_checks(pstate), column_saved_bytes(pstate)
 
 
 def _assert_small(errors: dict[str, float], tp: int) -> None:
@@ -155,8 +169,12 @@ def test_layers_tp1():
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_tp(tp):
-    for errors in run_on_ranks(_on_ranks, tp, tp, timeout=180):
+    for errors, saved in run_on_ranks(_on_ranks, tp, tp, timeout=180):
         _assert_small(errors, tp)
+        # Korthikanti et al.: with sequence parallel the layer keeps its 1/tp input shard and
+        # all-gathers it again in backward, instead of keeping the gathered input.
+        assert saved[False] == B * S * IN * 8, saved
+        assert saved[True] * tp == saved[False], saved
 
 
 def test_uneven_split_is_a_clear_error():

@@ -78,7 +78,8 @@ def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
     # W&B offline: one run, the logged keys read back from its .wandb file.
     runs = find_offline_runs(str(out))
     assert len(runs) == 1
-    run = read_run(runs[0])
+    run = read_run(runs[0], wait_s=60)
+    assert run["complete"], "the offline run has no exit record"
     losses = [r["train/loss"] for r in run["history"] if "train/loss" in r]
     assert losses == pytest.approx([r["loss"] for r in records])
     assert run["config"]["parallel"]["pp"] == 2 and run["config"]["train"]["steps"] == 3

@@ -8,24 +8,14 @@
 - ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical.
 """
 
+from parallel3d.pipeline import schedules as _schedules
 from parallel3d.pipeline.engine import PipelineEngine, StepResult, split_batch
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.partition import chunk_costs, partition_layers, stage_layer_ranges
-from parallel3d.pipeline.schedules import (
-    Action,
-    ScheduleError,
-    Timeline,
-    build_schedule,
-    format_schedule,
-    format_timeline,
-    peak_in_flight,
-    simulate,
-    validate_schedule,
-)
+from parallel3d.pipeline.schedules import *  # noqa: F401,F403  the schedule vocabulary, as schedules.__all__
 from parallel3d.pipeline.tied import sync_tied_embedding_grads
 
 __all__ = [
-    "Action", "MessageSpec", "PipelineEngine", "PipelineP2P", "ScheduleError", "StepResult", "Timeline",
-    "build_schedule", "chunk_costs", "format_schedule", "format_timeline", "partition_layers", "peak_in_flight",
-    "simulate", "split_batch", "stage_layer_ranges", "sync_tied_embedding_grads", "validate_schedule",
+    "MessageSpec", "PipelineEngine", "PipelineP2P", "StepResult", "chunk_costs", "partition_layers",
+    "split_batch", "stage_layer_ranges", "sync_tied_embedding_grads", *_schedules.__all__,
 ]

@@ -18,9 +18,16 @@ unless autograd saved the output tensor itself. With ``free_sent_activations``
 the engine then swaps the output's data for a one-element placeholder (expanded
 to the same shape, so ``backward`` still type-checks); the storage goes when the
 send has completed (``PipelineP2P.release_sent``), and from then on it is no
-longer counted in ``peak_activation_bytes``. This is where 1F1B's saving over
-GPipe is realised for the outputs: a stage holds its in-flight microbatches'
-saved tensors, not their outputs.
+longer counted in ``peak_activation_bytes``. A stage then holds its in-flight
+microbatches' saved tensors plus at most the newest output, not every output.
+gloo sends finish only when the receiver has posted its receive and say so only
+from a blocking ``wait``, so after each forward the engine waits for its earlier
+activation sends (receivers post their receives ``prefetch_recvs`` ahead, so this
+rarely blocks). It does so only for single-chunk schedules (1f1b, gpipe): there
+everything a receiver needs before posting the receive of microbatch k's
+activation comes from microbatches < k, already sent, so the wait cannot
+deadlock; interleaved schedules free a sent output only when the backend reports
+the send complete on its own.
 
 Receives are posted ``prefetch_recvs`` actions ahead of need (in schedule
 order) so their transfer overlaps compute. ``grad_sync.finish()`` runs after the
@@ -176,6 +183,7 @@ class PipelineEngine:
             raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
         self.prefetch_recvs = prefetch_recvs
         self.free_sent_activations = bool(free_sent_activations)
+        self._wait_for_sent_activations = self.free_sent_activations and self.num_virtual_stages == 1
         self._recv_order = [a for a in self.actions if a.kind in ("RECV_ACT", "RECV_GRAD")]
         self._recv_index = {a: i for i, a in enumerate(self._recv_order)}
         # The backward that completes each chunk's gradient accumulation.
@@ -224,7 +232,6 @@ class PipelineEngine:
                 run.pending.append(action)
                 continue
             run.flush()
-            run.release_sent()
             start = time.perf_counter()
             if action.kind == "F":
                 run.forward(action)
@@ -233,6 +240,9 @@ class PipelineEngine:
             end = time.perf_counter()
             run.busy += end - start
             run.timeline.append((action, start - run.t0, end - run.t0))
+            if action.kind == "F":
+                run.release_sent(block=self._wait_for_sent_activations)
+                run.record_peak()
             if self.grad_sync is not None and action == self._final_backward:
                 self.grad_sync.finish()
         run.flush()
@@ -320,9 +330,12 @@ class _StepRun:
         self.timeline.extend((a, start - self.t0, end - self.t0) for a in self.pending)
         self.pending.clear()
 
-    def release_sent(self) -> None:
+    def release_sent(self, block: bool) -> None:
         """Stop counting the sent outputs whose sends completed (their storage is gone now)."""
-        for a in self.engine.p2p.release_sent():
+        start = time.perf_counter()
+        released = self.engine.p2p.release_sent(wait_for_activations=block)
+        self.comm_time += time.perf_counter() - start
+        for a in released:
             key = (a.microbatch, a.chunk)
             freed = self.freeable_bytes.pop(key, 0) if a.kind == "SEND_ACT" else 0
             if key in self.stored_bytes:
@@ -351,7 +364,9 @@ class _StepRun:
             saved.add(out)
         self.outputs[key] = out
         self.stored_bytes[key] = saved.total
-        self.release_sent()  # sends that finished during this forward no longer hold memory
+
+    def record_peak(self) -> None:
+        """Activations peak right after a forward (before its output is sent)."""
         self.peak_live = max(self.peak_live, len(self.outputs))
         self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
 

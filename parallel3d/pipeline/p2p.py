@@ -135,15 +135,19 @@ class PipelineP2P:
             work.wait()
         self._pending_sends.clear()
 
-    def release_sent(self) -> list[Action]:
-        """Forget the sends that have completed (never blocks); return their actions.
+    def release_sent(self, wait_for_activations: bool = False) -> list[Action]:
+        """Forget the sends known to be complete; return their actions.
 
-        Dropping a finished send's work releases this layer's reference to the sent tensor.
+        A send counts as complete when the backend says so (asynchronous backends) or,
+        with ``wait_for_activations``, after blocking on the activation sends. gloo's
+        sends are rendezvous (done only once the peer has posted its receive) and report
+        completion only from ``wait()``, so on gloo only the blocking form frees anything.
+        Dropping a finished send's work releases this layer's reference to its tensor.
         """
         done, still_pending = [], []
         for action, work in self._pending_sends:
-            if work.is_completed():
-                work.wait()  # already complete: surfaces a failed send now
+            if work.is_completed() or (wait_for_activations and action.kind == "SEND_ACT"):
+                work.wait()  # surfaces a failed send now
                 done.append(action)
             else:
                 still_pending.append((action, work))

@@ -39,14 +39,10 @@ class ActivationAssumptions:
     hidden_dropout: bool = True  # 1-byte masks after attention, after the MLP and after the embedding
     attention_dropout: bool = True  # dropout on attention probabilities (mask + output)
     fused_attention: bool = False  # flash-style attention: keeps its output and log-sum-exp, no s x s scores
-    # parallel3d's attention: q and v are views of one fused QKV buffer (a kept view keeps all
-    # of it alive); k, rotary outputs and GQA expansion (keys/values repeated to every query
-    # head before attention) are new tensors. False: Korthikanti's separate Q, K, V.
-    fused_qkv_views: bool = False
     chunk_output_kept: bool = False  # a pipeline chunk keeps its output until its backward
-    # With sequence parallel, column-parallel matmuls keep their all-gathered (full-sequence)
-    # input; Korthikanti's Megatron keeps the 1/t shard and gathers it again in backward.
-    sp_keeps_gathered_inputs: bool = False
+    # The engine frees a sent output's storage (Megatron's trick; single-chunk schedules on
+    # gloo): a stage then keeps only its newest, not yet sent, output.
+    sent_outputs_freed: bool = False
     # Bytes per hidden element one norm keeps for backward; None: one activation-dtype copy
     # of its input (fused kernels). The torch RMSNorm reference keeps fp32 copies of its
     # input and of its normalised output: 8.
@@ -62,8 +58,10 @@ class ActivationAssumptions:
 
     @classmethod
     def for_model(cls, config: ModelConfig, precision: str = "bf16", kernels: str = "fused") -> "ActivationAssumptions":
-        """parallel3d's layers: dropout only on hidden states, ``scaled_dot_product_attention``,
-        GQA keys/values expanded before attention. ``kernels="torch"`` is the CPU reference
+        """parallel3d's layers: dropout only on hidden states, ``scaled_dot_product_attention``
+        (grouped-query heads read without expansion; q, k, v kept at their own size, as in the
+        paper), and with sequence parallel only the 1/t input shard of column-parallel matmuls
+        kept (the paper's SP formula). ``kernels="torch"`` is the CPU reference
         path (RMSNorm keeps its output, SwiGLU keeps silu(gate)); ``"fused"`` the Triton kernels.
         """
         if kernels not in ("fused", "torch"):
@@ -74,9 +72,8 @@ class ActivationAssumptions:
             hidden_dropout=config.dropout > 0,
             attention_dropout=False,
             fused_attention=True,
-            fused_qkv_views=True,
             chunk_output_kept=True,
-            sp_keeps_gathered_inputs=True,
+            sent_outputs_freed=True,
             norm_kept_bytes=8.0 if reference and config.arch == "llama" else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
@@ -101,20 +98,6 @@ def _norm_bytes(assumptions: ActivationAssumptions) -> float:
     return float(assumptions.element_bytes) if kept is None else float(kept)
 
 
-def _qkv_elements_per_token(config: ModelConfig, recompute: str, assumptions: ActivationAssumptions) -> int:
-    """Elements per token (all tp ranks) kept for the attention core's inputs q, k, v."""
-    h, kv = config.hidden_size, config.kv_heads * config.head_dim
-    if not assumptions.fused_qkv_views:
-        return h + 2 * kv
-    rotary = config.arch == "llama"
-    # With selective recompute the checkpoint keeps the core's inputs before GQA expansion.
-    expanded = kv < h and recompute != "selective"
-    # k is always its own tensor (rotary output, or made contiguous); q only with rotary.
-    copies = (h if rotary else 0) + (2 * h if expanded else kv)
-    views_kept = not rotary or not expanded  # q (no rotary) or v (not expanded) is still a view
-    return copies + (h + 2 * kv if views_kept else 0)
-
-
 def layer_activation_terms(
     config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
 ) -> LayerActivationTerms:
@@ -132,13 +115,12 @@ def layer_activation_terms(
         norms += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
     if assumptions.hidden_dropout:
         norms += 2 * sbh  # masks of the attention and MLP residual dropouts
-    if layout.sequence_parallel:
-        norms /= t
-        if not assumptions.sp_keeps_gathered_inputs:
-            matmul_inputs /= t
     replicated = norms + matmul_inputs
+    if layout.sequence_parallel:
+        replicated /= t
     # q, k, v and the attention projection input (the attention output).
-    sharded = e * s * b * _qkv_elements_per_token(config, layout.recompute, assumptions) + e * sbh
+    q_k_v = config.hidden_size + 2 * config.kv_heads * config.head_dim
+    sharded = e * s * b * q_k_v + e * sbh
     if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
         sharded += 4 * a * s * b  # log-sum-exp per head and token
     if config.arch == "gpt":
@@ -173,13 +155,28 @@ def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Acti
     s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
     head_input = float(assumptions.element_bytes * s * b * h)
-    if layout.sequence_parallel:
-        norm_input /= layout.tp
-        if not assumptions.sp_keeps_gathered_inputs:
-            head_input /= layout.tp
     norm_and_head_inputs = norm_input + head_input
+    if layout.sequence_parallel:
+        norm_and_head_inputs /= layout.tp
     logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp
     return norm_and_head_inputs + logits
+
+
+def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: ActivationAssumptions) -> int:
+    """How many non-final chunk outputs ``stage`` holds at its peak, with ``inflight`` chunks in flight.
+
+    Every in-flight chunk keeps its output except the model's last chunk (it returns a
+    loss); the last stage holds one such microbatch at a time (all m under GPipe). When
+    the engine frees sent outputs, it waits for the sends after each forward for
+    single-chunk schedules only (interleaved ones free when the backend reports a send
+    done, which gloo does only at the end of the step), so there at most one is kept.
+    """
+    outputs = inflight
+    if stage == layout.pp - 1:
+        outputs -= layout.num_microbatches if layout.schedule == "gpipe" else 1
+    if assumptions.sent_outputs_freed and layout.virtual_stages == 1:
+        outputs = min(outputs, 1)
+    return max(outputs, 0)
 
 
 def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:

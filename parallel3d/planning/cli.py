@@ -10,8 +10,10 @@ cluster's GPU count as the world size). Output is plain text tables.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 from models.config import ModelConfig
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
@@ -21,6 +23,9 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.planner import Plan, PlanRequest, plan
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.topology import LayoutError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass
@@ -58,6 +63,25 @@ def register_planning_schema() -> None:
 
     register_schema()
     ConfigStore.instance().store(name="planning_schema", node=PlanningJob)
+
+
+def run_app(config_name: str, run: Callable[["PlanningJob"], str]) -> None:
+    """The scripts' shared Hydra entry: compose ``conf/<config_name>.yaml`` with the command
+    line's overrides, print ``run(job)``; a bad key or layout prints ``error: ...`` and exits 2."""
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    register_planning_schema()
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
+    def main(cfg: DictConfig) -> None:
+        try:
+            print(run(OmegaConf.to_object(cfg)))
+        except (ConfigError, LayoutError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+
+    main()
 
 
 def split_device_mem_flag(argv: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from parallel3d.planning.activations import (
     embedding_activation_bytes,
     head_activation_bytes,
     inflight_chunks,
+    kept_chunk_outputs,
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
@@ -132,12 +133,7 @@ def stage_activation_bytes(
     inflight = inflight_chunks(layout, stage)
     chunk_layers = layers / layout.virtual_stages
     total = inflight * chunk_layers * layer_activation_bytes(config, layout, assumptions)
-    # Every in-flight chunk keeps its output except the model's last chunk (it returns a
-    # loss); the last stage holds one such microbatch at a time (all m under GPipe).
-    outputs = inflight
-    if stage == layout.pp - 1:
-        outputs -= layout.num_microbatches if layout.schedule == "gpipe" else 1
-    total += max(outputs, 0) * chunk_output_bytes(config, layout, assumptions)
+    total += kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)

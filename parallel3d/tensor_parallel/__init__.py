@@ -8,6 +8,7 @@ from parallel3d.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
+    column_parallel_linears,
     padded_vocab_size,
     vocab_parallel_embedding,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "column_parallel_linear",
+    "column_parallel_linears",
     "copy_to_tp_region",
     "gather_last_dim",
     "gather_seq",

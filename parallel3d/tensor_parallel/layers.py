@@ -4,7 +4,9 @@ Shapes (``n`` = tp size, activations batch-first ``[b, s, h]``; with sequence
 parallel the input/output of the replicated regions is ``[b, s/n, h]``):
 
 - ``ColumnParallelLinear(in, out)``: weight shard ``[out/n, in]`` (``tp_split_dim=0``),
-  output ``[b, s, out/n]`` (or ``[b, s, out]`` with ``gather_output``).
+  output ``[b, s, out/n]`` (or ``[b, s, out]`` with ``gather_output``). With sequence parallel
+  its input ``[b, s/n, in]`` is all-gathered in forward and again in backward, so only the
+  shard is kept for backward (``gathered_linear``).
 - ``RowParallelLinear(in, out)``: weight shard ``[out, in/n]`` (``tp_split_dim=1``), input
   ``[b, s, in/n]``, output summed over tp (all-reduce, or reduce-scatter along the sequence
   with sequence parallel); its bias is replicated.
@@ -20,7 +22,7 @@ Vocabulary padding rows are zero and carry ``unpadded_rows`` (the real vocabular
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ from torch import nn
 
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import mappings
+from parallel3d.tensor_parallel.gathered_linear import WeightAndBias, seq_gathered_linears
 from parallel3d.tensor_parallel.init import normal_shard
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +64,22 @@ def _zero_bias(out: int, *, split: bool, name: str, dtype, device) -> nn.Paramet
     return set_meta(bias, tp_split_dim=0 if split else None, global_name=name, no_weight_decay=True)
 
 
+def column_parallel_linears(
+    x: torch.Tensor,
+    weights_and_biases: Sequence[WeightAndBias],
+    pstate: "ParallelState",
+    *,
+    sequence_parallel: bool = False,
+) -> list[torch.Tensor]:
+    """``[x @ w_shard.T (+ b_shard) for (w, b)]`` with the shared input made whole on every tp rank
+    once (all-gathered along the sequence with sequence parallel, which keeps only the shard
+    for backward)."""
+    if sequence_parallel:
+        return seq_gathered_linears(x, weights_and_biases, pstate)
+    x = mappings.copy_to_tp_region(x, pstate)
+    return [F.linear(x, w, b) for w, b in weights_and_biases]
+
+
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -71,12 +90,36 @@ def column_parallel_linear(
     gather_output: bool = False,
 ) -> torch.Tensor:
     """``x @ weight_shard.T (+ bias_shard)`` with the input made whole on every tp rank first."""
-    x = mappings.gather_seq(x, pstate) if sequence_parallel else mappings.copy_to_tp_region(x, pstate)
-    y = F.linear(x, weight, bias)
+    (y,) = column_parallel_linears(x, [(weight, bias)], pstate, sequence_parallel=sequence_parallel)
     return mappings.gather_last_dim(y, pstate) if gather_output else y
 
 
-class ColumnParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """The weight of a tp-sharded linear: ``[out, in]`` split over tp along ``split_dim``
+    (0: output rows, column parallel; 1: input columns, row parallel), initialised from
+    ``(seed, global_name)``. A bias is split with the output rows, else replicated."""
+
+    def __init__(self, in_features: int, out_features: int, pstate: "ParallelState", *, split_dim: int,
+                 global_name: str, seed: int, init_std: float, bias: bool, sequence_parallel: bool,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        tp = pstate.tp_size
+        self.pstate, self.sequence_parallel = pstate, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        shape = [out_features, in_features]
+        what = "output" if split_dim == 0 else "input"
+        shape[split_dim] = _divide(shape[split_dim], tp, f"{global_name}: {what} features")
+        dev = _device(pstate, device)
+        self.weight = _parameter(tuple(shape), dtype, dev)
+        normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std,
+                     split_dim=split_dim, tp_rank=pstate.tp_rank, tp_size=tp)
+        set_meta(self.weight, tp_split_dim=split_dim, global_name=f"{global_name}.weight")
+        self.bias = None
+        if bias:
+            self.bias = _zero_bias(shape[0], split=split_dim == 0, name=f"{global_name}.bias", dtype=dtype, device=dev)
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with W's output rows split over tp; see the module docstring."""
 
     def __init__(
@@ -94,24 +137,17 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        tp = pstate.tp_size
-        self.pstate, self.gather_output, self.sequence_parallel = pstate, gather_output, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local_out = _divide(out_features, tp, f"{global_name}: output features")
-        dev = _device(pstate, device)
-        self.weight = _parameter((local_out, in_features), dtype, dev)
-        normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std,
-                     split_dim=0, tp_rank=pstate.tp_rank, tp_size=tp)
-        set_meta(self.weight, tp_split_dim=0, global_name=f"{global_name}.weight")
-        self.bias = _zero_bias(local_out, split=True, name=f"{global_name}.bias", dtype=dtype, device=dev) if bias else None
+        super().__init__(in_features, out_features, pstate, split_dim=0, global_name=global_name, seed=seed,
+                         init_std=init_std, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype,
+                         device=device)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.pstate,
                                       sequence_parallel=self.sequence_parallel, gather_output=self.gather_output)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with W's input columns split over tp; the partial products are summed over tp."""
 
     def __init__(
@@ -129,17 +165,10 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        tp = pstate.tp_size
-        self.pstate, self.input_is_parallel, self.sequence_parallel = pstate, input_is_parallel, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local_in = _divide(in_features, tp, f"{global_name}: input features")
-        dev = _device(pstate, device)
-        self.weight = _parameter((out_features, local_in), dtype, dev)
-        normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std,
-                     split_dim=1, tp_rank=pstate.tp_rank, tp_size=tp)
-        set_meta(self.weight, tp_split_dim=1, global_name=f"{global_name}.weight")
-        self.bias = _zero_bias(out_features, split=False, name=f"{global_name}.bias", dtype=dtype, device=dev) if bias else None
+        super().__init__(in_features, out_features, pstate, split_dim=1, global_name=global_name, seed=seed,
+                         init_std=init_std, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype,
+                         device=device)
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -23,7 +23,8 @@ Chunks are in tp-rank order, the same order as parameter shards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -47,6 +48,10 @@ def _all_reduce(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     return out
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
     n = tp_group_size(pstate)
     if n == 1:
@@ -58,7 +63,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> 
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
     n = tp_group_size(pstate)
     if n == 1:
         return x
@@ -82,73 +87,24 @@ def _split(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
     return x.chunk(n, dim=dim)[index].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pstate):  # type: ignore[override]
-        ctx.pstate = pstate
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _all_reduce(grad, ctx.pstate), None
+Op = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _OpAndTranspose(torch.autograd.Function):
+    """``forward_op`` on the input, ``backward_op`` (its transpose) on the gradient: a row of the table."""
+
     @staticmethod
-    def forward(ctx, x, pstate):  # type: ignore[override]
-        return _all_reduce(x, pstate)
+    def forward(ctx, x, forward_op: Op, backward_op: Op):  # type: ignore[override]
+        ctx.backward_op = backward_op
+        return forward_op(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+        return ctx.backward_op(grad), None, None
 
 
-class _Gather(torch.autograd.Function):
-    """All-gather along ``dim``; backward keeps this rank's chunk (the transpose of a gather)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, pstate):  # type: ignore[override]
-        ctx.dim, ctx.pstate = dim, pstate
-        return all_gather_along_dim(x, dim, pstate)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _split(grad, ctx.dim, ctx.pstate), None, None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, pstate):  # type: ignore[override]
-        ctx.dim, ctx.pstate = dim, pstate
-        return _split(x, dim, pstate)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_gather_along_dim(grad, ctx.dim, ctx.pstate), None, None
-
-
-class _GatherReduceScatterBackward(torch.autograd.Function):
-    """All-gather along ``dim``; backward reduce-scatters (each rank's copy fed a different branch)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, pstate):  # type: ignore[override]
-        ctx.dim, ctx.pstate = dim, pstate
-        return all_gather_along_dim(x, dim, pstate)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _reduce_scatter(grad, ctx.dim, ctx.pstate), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, pstate):  # type: ignore[override]
-        ctx.dim, ctx.pstate = dim, pstate
-        return _reduce_scatter(x, dim, pstate)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return all_gather_along_dim(grad, ctx.dim, ctx.pstate), None, None
+def _along(op: Callable[..., torch.Tensor], dim: int, pstate: "ParallelState") -> Op:
+    return partial(op, dim=dim, pstate=pstate)
 
 
 SEQ_DIM = 1  # activations are batch-first [b, s, h]
@@ -156,37 +112,43 @@ SEQ_DIM = 1  # activations are batch-first [b, s, h]
 
 def copy_to_tp_region(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient over tp."""
-    return _CopyToRegion.apply(x, pstate)
+    return _OpAndTranspose.apply(x, _identity, partial(_all_reduce, pstate=pstate))
 
 
 def reduce_from_tp_region(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """g: all-reduce (sum of partial results) forward, identity backward."""
-    return _ReduceFromRegion.apply(x, pstate)
+    return _OpAndTranspose.apply(x, partial(_all_reduce, pstate=pstate), _identity)
 
 
 def gather_last_dim(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """Concatenate every tp rank's last-dim chunk; backward keeps this rank's chunk."""
-    return _Gather.apply(x, x.dim() - 1, pstate)
+    dim = x.dim() - 1
+    return _OpAndTranspose.apply(x, _along(all_gather_along_dim, dim, pstate), _along(_split, dim, pstate))
 
 
 def split_last_dim(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """Keep this rank's chunk of the last dim; backward all-gathers the gradient."""
-    return _Split.apply(x, x.dim() - 1, pstate)
+    dim = x.dim() - 1
+    return _OpAndTranspose.apply(x, _along(_split, dim, pstate), _along(all_gather_along_dim, dim, pstate))
 
 
 def gather_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
-    """SP entry to a column-parallel layer: [b, s/tp, h] -> [b, s, h]; backward reduce-scatters."""
-    return _GatherReduceScatterBackward.apply(x, SEQ_DIM, pstate)
+    """SP entry to a column-parallel layer: [b, s/tp, h] -> [b, s, h]; backward reduce-scatters
+    (each rank's copy fed a different branch). Column-parallel layers use
+    ``gathered_linear.seq_gathered_linears`` instead, which does not keep the gathered copy."""
+    return _OpAndTranspose.apply(x, _along(all_gather_along_dim, SEQ_DIM, pstate),
+                                 _along(reduce_scatter_along_dim, SEQ_DIM, pstate))
 
 
 def reduce_scatter_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """SP exit of a row-parallel layer: partial [b, s, h] -> summed [b, s/tp, h]; backward all-gathers."""
-    return _ReduceScatter.apply(x, SEQ_DIM, pstate)
+    return _OpAndTranspose.apply(x, _along(reduce_scatter_along_dim, SEQ_DIM, pstate),
+                                 _along(all_gather_along_dim, SEQ_DIM, pstate))
 
 
 def split_seq(x: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """Keep this rank's sequence chunk of a replicated [b, s, h]; backward all-gathers."""
-    return _Split.apply(x, SEQ_DIM, pstate)
+    return _OpAndTranspose.apply(x, _along(_split, SEQ_DIM, pstate), _along(all_gather_along_dim, SEQ_DIM, pstate))
 
 
 def tp_chunk_start(chunk: int, pstate: "ParallelState") -> int:

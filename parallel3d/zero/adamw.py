@@ -7,13 +7,13 @@ Matches ``torch.optim.AdamW`` (non-amsgrad, non-capturable) element for element:
     v <- beta2 * v + (1 - beta2) * g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-``backend="auto"`` uses ``kernels.adamw`` when that module provides a fused
-flat update and otherwise this torch implementation.
+``backend="auto"`` uses ``kernels.adamw``'s fused flat update when that module
+provides one, and otherwise (``"torch"``) its torch reference
+(``kernels.adamw.adamw_step_reference``): one implementation of the formula serves both.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -34,11 +34,10 @@ def adamw_flat_(
     eps: float,
 ) -> None:
     """One Adam update of the flat fp32 tensors in place (weight decay applied by the caller)."""
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    from kernels.adamw import adamw_step_reference
+
+    adamw_step_reference(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=0.0, step=step)
 
 
 def resolve_backend(name: str) -> Callable[..., None]:
