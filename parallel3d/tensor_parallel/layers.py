@@ -22,7 +22,7 @@ Vocabulary padding rows are zero and carry ``unpadded_rows`` (the real vocabular
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +99,21 @@ class _ShardedLinear(nn.Module):
     (0: output rows, column parallel; 1: input columns, row parallel), initialised from
     ``(seed, global_name)``. A bias is split with the output rows, else replicated."""
 
-    def __init__(self, in_features: int, out_features: int, pstate: "ParallelState", *, split_dim: int,
-                 global_name: str, seed: int, init_std: float, bias: bool, sequence_parallel: bool,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        pstate: "ParallelState",
+        *,
+        split_dim: int,
+        global_name: str,
+        seed: int = 0,
+        init_std: float = 0.02,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         tp = pstate.tp_size
         self.pstate, self.sequence_parallel = pstate, sequence_parallel
@@ -120,26 +132,15 @@ class _ShardedLinear(nn.Module):
 
 
 class ColumnParallelLinear(_ShardedLinear):
-    """``y = x W^T + b`` with W's output rows split over tp; see the module docstring."""
+    """``y = x W^T + b`` with W's output rows split over tp; see the module docstring.
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        pstate: "ParallelState",
-        *,
-        global_name: str,
-        seed: int = 0,
-        init_std: float = 0.02,
-        bias: bool = True,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__(in_features, out_features, pstate, split_dim=0, global_name=global_name, seed=seed,
-                         init_std=init_std, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype,
-                         device=device)
+    ``options``: ``global_name`` (required), ``seed``, ``init_std``, ``bias``, ``sequence_parallel``,
+    ``dtype``, ``device`` (see ``_ShardedLinear``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, pstate: "ParallelState", *,
+                 gather_output: bool = False, **options: Any) -> None:
+        super().__init__(in_features, out_features, pstate, split_dim=0, **options)
         self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,26 +149,14 @@ class ColumnParallelLinear(_ShardedLinear):
 
 
 class RowParallelLinear(_ShardedLinear):
-    """``y = x W^T + b`` with W's input columns split over tp; the partial products are summed over tp."""
+    """``y = x W^T + b`` with W's input columns split over tp; the partial products are summed over tp.
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        pstate: "ParallelState",
-        *,
-        global_name: str,
-        seed: int = 0,
-        init_std: float = 0.02,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__(in_features, out_features, pstate, split_dim=1, global_name=global_name, seed=seed,
-                         init_std=init_std, bias=bias, sequence_parallel=sequence_parallel, dtype=dtype,
-                         device=device)
+    ``options`` as for ``ColumnParallelLinear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, pstate: "ParallelState", *,
+                 input_is_parallel: bool = True, **options: Any) -> None:
+        super().__init__(in_features, out_features, pstate, split_dim=1, **options)
         self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -52,15 +52,19 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective, pstate: "ParallelState") -> torch.Tensor:
+    # comm's gathers and scatters work along dim 0; move the wanted dim to the front and back again.
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((out_size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    collective(out, front, pstate, KIND)
+    return out.movedim(0, dim).contiguous()
+
+
 def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
     n = tp_group_size(pstate)
     if n == 1:
         return x
-    # comm gathers along dim 0; move the wanted dim to the front and back again.
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((n * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather_into_tensor(out, front, pstate, KIND)
-    return out.movedim(0, dim).contiguous()
+    return _collective_along_dim(x, dim, n * x.shape[dim], comm.all_gather_into_tensor, pstate)
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
@@ -71,10 +75,7 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState")
         raise ValueError(
             f"sequence parallel: dimension {dim} of size {x.shape[dim]} is not divisible by tp={n}"
         )
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((front.shape[0] // n, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_tensor(out, front, pstate, KIND)
-    return out.movedim(0, dim).contiguous()
+    return _collective_along_dim(x, dim, x.shape[dim] // n, comm.reduce_scatter_tensor, pstate)
 
 
 def _split(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
