@@ -13,8 +13,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.rmsnorm import as_rows, check_norm_args
-from kernels.runtime import num_warps_for, reduction_programs, row_block
+from kernels.norm_rows import (
+    backward_buffers,
+    check_norm_args,
+    forward_buffers,
+    forward_row,
+    load_f32,
+    program_rows,
+)
+from kernels.runtime import num_warps_for
 
 
 def layer_norm_reference(
@@ -25,45 +32,46 @@ def layer_norm_reference(
 
 
 @triton.jit
+def _affine(xhat, W, B, cols, mask, HAS_BIAS: tl.constexpr):
+    y = xhat * load_f32(W, cols, mask)
+    if HAS_BIAS:
+        y += load_f32(B, cols, mask)
+    return y
+
+
+@triton.jit
 def _layer_norm_fwd(
     X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps,
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    y_row = Y + row * stride_y
+    row, x_row, y_row = forward_row(X, Y, stride_x, stride_y)
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = load_f32(x_row, cols, mask)
         mean = tl.sum(x, axis=0) / N
         xc = tl.where(mask, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-        y = xc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _affine(xc * rstd, W, B, cols, mask, HAS_BIAS)
         tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
     else:
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            total += tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+            total += load_f32(x_row, cols, cols < N)
         mean = tl.sum(total, axis=0) / N
         # Second pass over centred values: the one-pass E[x^2] - mean^2 loses digits.
         sq = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            xc = tl.where(mask, tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+            xc = tl.where(mask, load_f32(x_row, cols, mask) - mean, 0.0)
             sq += xc * xc
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean) * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            y = _affine((load_f32(x_row, cols, mask) - mean) * rstd, W, B, cols, mask, HAS_BIAS)
             tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
@@ -75,27 +83,24 @@ def _layer_norm_bwd(
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     # dx = rstd * (w*dy - mean(w*dy) - xhat * mean(xhat * w*dy)); dw = sum dy*xhat; db = sum dy
-    pid = tl.program_id(0)
-    row_start = pid * rows_per_program
-    n_rows = tl.minimum(row_start + rows_per_program, M) - row_start
-    first_row = row_start.to(tl.int64)
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
-    db_row = DB_PARTIAL + pid.to(tl.int64) * N
+    first_row, n_rows = program_rows(rows_per_program, M)
+    dw_row = DW_PARTIAL + tl.program_id(0).to(tl.int64) * N
+    db_row = DB_PARTIAL + tl.program_id(0).to(tl.int64) * N
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = load_f32(W, cols, mask)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(0, n_rows):
             row64 = first_row + i
-            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            xhat = tl.where(mask, (x - tl.load(MEAN + row64)) * tl.load(RSTD + row64), 0.0)
+            rstd = tl.load(RSTD + row64)
+            xhat = tl.where(mask, (load_f32(X + row64 * stride_x, cols, mask) - tl.load(MEAN + row64)) * rstd, 0.0)
+            dy = load_f32(DY + row64 * stride_dy, cols, mask)
             wdy = w * dy
             c1 = tl.sum(xhat * wdy, axis=0) / N
             c2 = tl.sum(wdy, axis=0) / N
-            dx = (wdy - c2 - xhat * c1) * tl.load(RSTD + row64)
+            dx = (wdy - c2 - xhat * c1) * rstd
             tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw += dy * xhat
             db += dy
@@ -112,35 +117,27 @@ def _layer_norm_bwd(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-                wdy = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) * dy
-                acc1 += tl.where(mask, (x - mean) * rstd, 0.0) * wdy
+                wdy = load_f32(W, cols, mask) * load_f32(DY + row64 * stride_dy, cols, mask)
+                acc1 += tl.where(mask, (load_f32(X + row64 * stride_x, cols, mask) - mean) * rstd, 0.0) * wdy
                 acc2 += wdy
             c1 = tl.sum(acc1, axis=0) / N
             c2 = tl.sum(acc2, axis=0) / N
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-                dx = (w * dy - c2 - xhat * c1) * rstd
+                dy = load_f32(DY + row64 * stride_dy, cols, mask)
+                xhat = tl.where(mask, (load_f32(X + row64 * stride_x, cols, mask) - mean) * rstd, 0.0)
+                dx = (load_f32(W, cols, mask) * dy - c2 - xhat * c1) * rstd
                 tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-                tl.store(dw_row + cols, tl.load(dw_row + cols, mask=mask, other=0.0) + dy * xhat, mask=mask)
-                tl.store(db_row + cols, tl.load(db_row + cols, mask=mask, other=0.0) + dy, mask=mask)
+                tl.store(dw_row + cols, load_f32(dw_row, cols, mask) + dy * xhat, mask=mask)
+                tl.store(db_row + cols, load_f32(db_row, cols, mask) + dy, mask=mask)
 
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, block_size: int | None) -> torch.Tensor:
-        x2 = as_rows(x)
+        x2, y, block, (mean, rstd) = forward_buffers(x, block_size, num_stats=2)
         m, n = x2.shape
-        block = row_block(n, block_size)
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         w = weight.contiguous()
         b = bias.contiguous() if bias is not None else w  # placeholder pointer, never read
         if m > 0:
@@ -158,11 +155,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, w, mean, rstd = ctx.saved_tensors
         m, n = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        programs = reduction_programs(m, x2.device)
-        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
-        db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        dy2, dx, programs, (dw_partial, db_partial) = backward_buffers(x2, dy, num_partials=2)
         if m > 0:
             _layer_norm_bwd[(programs,)](
                 dy2, x2, w, mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0), dx.stride(0),

@@ -13,7 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import num_warps_for, reduction_programs, row_block
+from kernels.norm_rows import (
+    as_rows,
+    backward_buffers,
+    check_norm_args,
+    forward_buffers,
+    forward_row,
+    load_f32,
+    program_rows,
+)
+from kernels.runtime import num_warps_for
+
+__all__ = ["RMSNormFunction", "as_rows", "check_norm_args", "rms_norm", "rms_norm_reference"]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -25,29 +36,25 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6)
 
 @triton.jit
 def _rms_norm_fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    y_row = Y + row * stride_y
+    row, x_row, y_row = forward_row(X, Y, stride_x, stride_y)
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = load_f32(x_row, cols, mask)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+        tl.store(y_row + cols, (x * rstd * load_f32(W, cols, mask)).to(Y.dtype.element_ty), mask=mask)
     else:
         sq = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+            x = load_f32(x_row, cols, cols < N)
             sq += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / N + eps)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+            y = load_f32(x_row, cols, mask) * rstd * load_f32(W, cols, mask)
+            tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row, rstd)
 
 
@@ -57,26 +64,21 @@ def _rms_norm_bwd(
     BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
 ):
     # dx = rstd * (w*dy - xhat * mean(xhat * w*dy)),  dw = sum_rows dy * xhat
-    pid = tl.program_id(0)
-    row_start = pid * rows_per_program
-    n_rows = tl.minimum(row_start + rows_per_program, M) - row_start
-    first_row = row_start.to(tl.int64)
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
+    first_row, n_rows = program_rows(rows_per_program, M)
+    dw_row = DW_PARTIAL + tl.program_id(0).to(tl.int64) * N
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_N)
         mask = cols < N
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = load_f32(W, cols, mask)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         for i in range(0, n_rows):
             row64 = first_row + i
-            x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + row64)
-            xhat = x * rstd
+            xhat = load_f32(X + row64 * stride_x, cols, mask) * rstd
+            dy = load_f32(DY + row64 * stride_dy, cols, mask)
             wdy = w * dy
             c = tl.sum(xhat * wdy, axis=0) / N
-            dx = (wdy - xhat * c) * rstd
-            tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + row64 * stride_dx + cols, ((wdy - xhat * c) * rstd).to(DX.dtype.element_ty), mask=mask)
             dw += dy * xhat
         tl.store(dw_row + cols, dw, mask=mask)
     else:
@@ -88,48 +90,24 @@ def _rms_norm_bwd(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += x * rstd * w * dy
+                xhat = load_f32(X + row64 * stride_x, cols, mask) * rstd
+                acc += xhat * load_f32(W, cols, mask) * load_f32(DY + row64 * stride_dy, cols, mask)
             c = tl.sum(acc, axis=0) / N
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                x = tl.load(X + row64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + row64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-                xhat = x * rstd
-                dx = (w * dy - xhat * c) * rstd
+                xhat = load_f32(X + row64 * stride_x, cols, mask) * rstd
+                dy = load_f32(DY + row64 * stride_dy, cols, mask)
+                dx = (load_f32(W, cols, mask) * dy - xhat * c) * rstd
                 tl.store(DX + row64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-                dw = tl.load(dw_row + cols, mask=mask, other=0.0)
-                tl.store(dw_row + cols, dw + dy * xhat, mask=mask)
-
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a 2-D ``[rows, N]`` view whose last dim is contiguous (copying only if needed)."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def check_norm_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{name}: x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    for key, t in (("weight", weight), ("bias", bias)):
-        if t is not None and tuple(t.shape) != (x.shape[-1],):
-            raise ValueError(f"{name}: {key} shape {tuple(t.shape)} must be ({x.shape[-1]},) = x.shape[-1:]")
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name}: {key} is on {t.device} but x is on {x.device}")
+                tl.store(dw_row + cols, load_f32(dw_row, cols, mask) + dy * xhat, mask=mask)
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, block_size: int | None) -> torch.Tensor:
-        x2 = as_rows(x)
+        x2, y, block, (rstd,) = forward_buffers(x, block_size, num_stats=1)
         m, n = x2.shape
-        block = row_block(n, block_size)
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         w = weight.contiguous()
         if m > 0:
             _rms_norm_fwd[(m,)](
@@ -145,10 +123,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, w, rstd = ctx.saved_tensors
         m, n = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
-        programs = reduction_programs(m, x2.device)
-        dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x2.device)
+        dy2, dx, programs, (dw_partial,) = backward_buffers(x2, dy, num_partials=1)
         if m > 0:
             _rms_norm_bwd[(programs,)](
                 dy2, x2, w, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,

@@ -47,22 +47,21 @@ def _rope_kernel(
     if INVERSE:
         s = -s
     # q heads, then k heads: one launch for both keeps cos/sin loaded once per token.
-    heads = tl.arange(0, BLOCK_HQ)[:, None]
-    mask = (heads < HQ) & (dims < HALF)
-    src = Q + b * q_sb + t * q_ss + heads * q_sh + dims
-    dst = QO + b * qo_sb + t * qo_ss + heads * qo_sh + dims
+    _rotate_heads(Q + b * q_sb + t * q_ss, QO + b * qo_sb + t * qo_ss, q_sh, qo_sh, HQ, HALF, c, s, dims, BLOCK_HQ)
+    _rotate_heads(K + b * k_sb + t * k_ss, KO + b * ko_sb + t * ko_ss, k_sh, ko_sh, HK, HALF, c, s, dims, BLOCK_HK)
+
+
+@triton.jit
+def _rotate_heads(SRC, DST, src_sh, dst_sh, H, HALF, c, s, dims, BLOCK_H: tl.constexpr):
+    """Rotate the ``H`` heads of one token: ``SRC``/``DST`` point at its first head."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    mask = (heads < H) & (dims < HALF)
+    src = SRC + heads * src_sh + dims
+    dst = DST + heads * dst_sh + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * c - x2 * s).to(QO.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(QO.dtype.element_ty), mask=mask)
-    heads = tl.arange(0, BLOCK_HK)[:, None]
-    mask = (heads < HK) & (dims < HALF)
-    src = K + b * k_sb + t * k_ss + heads * k_sh + dims
-    dst = KO + b * ko_sb + t * ko_ss + heads * ko_sh + dims
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * c - x2 * s).to(KO.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(KO.dtype.element_ty), mask=mask)
+    tl.store(dst, (x1 * c - x2 * s).to(DST.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(DST.dtype.element_ty), mask=mask)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
     def run_ours() -> None:
         results.append(engine.run_step(microbatches))
 
-    ours_t, theirs_t, bubbles, comm, msg_t = [], [], [], [], []
+    ours_t, theirs_t, bubbles, comm, msg_t, tails = [], [], [], [], [], []
     for i in range(args.warmup + args.steps):
         for c in ours_chunks + theirs_chunks:
             c.zero_grad(set_to_none=True)
@@ -151,6 +151,8 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
             theirs_t.append(t_theirs)
             bubbles.append(max(0.0, 1.0 - results[-1].busy_time / t_ours))
             comm.append(results[-1].comm_time / t_ours)
+            # Outside the schedule: end-of-step send waits and the tied-embedding all-reduce.
+            tails.append((results[-1].step_time - max(end for _, _, end in results[-1].timeline)) / t_ours)
             msg_t.append(_message_time(pstate, engine.spec.shape, args.p2p_reps))
     # Per (stage, chunk) median F/B times from our measured steps, for the simulation.
     own: dict[tuple[str, int], list[float]] = {}
@@ -161,8 +163,8 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
     own_med = {k: statistics.median(vals) for k, vals in own.items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (s, own_med, statistics.median(bubbles), statistics.median(comm),
-                                      statistics.mean(msg_t)))
-    times = {(st, kind, c): t for st, med, _, _, _ in gathered for (kind, c), t in med.items()}
+                                      statistics.mean(msg_t), statistics.median(tails)))
+    times = {(st, kind, c): t for st, med, *_ in gathered for (kind, c), t in med.items()}
     message_time = statistics.mean(g[4] for g in gathered)
     fwd, bwd = (lambda st, c: times[(st, "F", c)]), (lambda st, c: times[(st, "B", c)])
     sim = simulate(build_schedule(schedule, p, m, v), fwd, bwd, p2p_time=message_time)
@@ -178,6 +180,7 @@ def _case(args, pstate, schedule: str, v: int) -> dict:
         "bubble_simulated_zero_latency": sim0.bubble_fraction, "bubble_theory": theory,
         "p2p_message_s": message_time, "bubble_simulated_uses": "p2p_time=p2p_message_s",
         "p2p_wait_share": statistics.mean(g[3] for g in gathered),
+        "after_schedule_share": statistics.mean(g[5] for g in gathered),
         "bubble_rel_diff": abs(measured_bubble - sim.bubble_fraction) / max(sim.bubble_fraction, 1e-12),
     }
 
@@ -241,16 +244,18 @@ def main() -> None:
     for p in args.stages:
         rows += run(args, p)
     header = (f"{'p':>2} {'schedule':<17} {'v':>2} {'m':>3} {'ours s':>8} {'torch s':>8} {'ratio':>6} "
-              f"{'msg ms':>6} {'bubble meas':>11} {'sim':>6} {'sim0':>6} {'theory':>6} {'rel diff':>8}")
+              f"{'msg ms':>6} {'bubble meas':>11} {'sim':>6} {'sim0':>6} {'theory':>6} {'rel diff':>8} {'tail':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['stages']:>2} {r['schedule']:<17} {r['virtual_stages']:>2} {r['microbatches']:>3} "
               f"{r['ours_median_s']:>8.4f} {r['theirs_median_s']:>8.4f} {r['ratio']:>6.2f} "
               f"{r['p2p_message_s'] * 1e3:>6.2f} {r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} "
-              f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_theory']:>6.3f} {r['bubble_rel_diff']:>8.1%}")
+              f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_theory']:>6.3f} {r['bubble_rel_diff']:>8.1%} "
+              f"{r['after_schedule_share']:>5.1%}")
     print("sim: simulate(p2p_time=msg ms, the measured mean time of one activation send/recv); "
-          "sim0: zero latency; rel diff: |meas - sim| / sim")
+          "sim0: zero latency; rel diff: |meas - sim| / sim; tail: share of the measured step after "
+          "the schedule's last action (send waits, tied-embedding all-reduce), idle in 'meas', absent from 'sim'")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "out"}

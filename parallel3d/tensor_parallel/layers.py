@@ -179,10 +179,11 @@ class _VocabShard(nn.Module):
     """A ``[V_pad/n, h]`` vocabulary-row shard with layout-independent init (padding rows zero)."""
 
     def __init__(self, vocab_size: int, hidden: int, pstate: "ParallelState", *, global_name: str,
-                 seed: int, init_std: float, dtype: torch.dtype, device) -> None:
+                 seed: int = 0, init_std: float = 0.02, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
         tp = pstate.tp_size
-        self.pstate = pstate
+        self.pstate, self.sequence_parallel = pstate, sequence_parallel
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab_size, tp)
         self.local_vocab = self.padded_vocab_size // tp
@@ -196,13 +197,6 @@ class _VocabShard(nn.Module):
 
 class VocabParallelEmbedding(_VocabShard):
     """Token ids ``[b, s]`` -> ``[b, s, h]`` (``[b, s/n, h]`` with sequence parallel)."""
-
-    def __init__(self, vocab_size: int, hidden: int, pstate: "ParallelState", *, global_name: str,
-                 seed: int = 0, init_std: float = 0.02, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__(vocab_size, hidden, pstate, global_name=global_name, seed=seed, init_std=init_std,
-                         dtype=dtype, device=device)
-        self.sequence_parallel = sequence_parallel
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(input_ids, self.weight, self.pstate, vocab_start=self.vocab_start,
@@ -233,12 +227,8 @@ def vocab_parallel_embedding(
 class ParallelLMHead(_VocabShard):
     """Hidden ``[b, s(/n), h]`` -> logits of this rank's padded-vocab shard ``[b, s, V_pad/n]``."""
 
-    def __init__(self, hidden: int, vocab_size: int, pstate: "ParallelState", *, global_name: str,
-                 seed: int = 0, init_std: float = 0.02, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        super().__init__(vocab_size, hidden, pstate, global_name=global_name, seed=seed, init_std=init_std,
-                         dtype=dtype, device=device)
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, hidden: int, vocab_size: int, pstate: "ParallelState", **options: Any) -> None:
+        super().__init__(vocab_size, hidden, pstate, **options)  # options: as for VocabParallelEmbedding
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(hidden, self.weight, None, self.pstate, sequence_parallel=self.sequence_parallel)

@@ -52,7 +52,8 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective, pstate: "ParallelState") -> torch.Tensor:
+def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective: Callable[..., object],
+                          pstate: "ParallelState") -> torch.Tensor:
     # comm's gathers and scatters work along dim 0; move the wanted dim to the front and back again.
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((out_size, *front.shape[1:]), dtype=x.dtype, device=x.device)
@@ -61,6 +62,7 @@ def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective, 
 
 
 def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+    """Concatenate the tp ranks' ``x`` along ``dim`` (tp-rank order); no autograd."""
     n = tp_group_size(pstate)
     if n == 1:
         return x
@@ -68,6 +70,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> 
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
+    """Sum ``x`` over tp and keep this rank's chunk of ``dim``; no autograd."""
     n = tp_group_size(pstate)
     if n == 1:
         return x

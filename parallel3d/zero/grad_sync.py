@@ -17,6 +17,13 @@ group; the optimizer divides by ``dp`` (and the loss scale) afterwards.
   reduce-scatter starts asynchronously into the rank's gradient shard, so it
   overlaps with the backward of earlier layers. Staging buffers are recycled
   once their collective completes: normally two bucket-sized buffers exist.
+- gloo only (``reduce_scatter="auto"``): a bucket's reduce-scatter is done as an
+  in-place all-reduce of the full bucket, after which this rank keeps its piece.
+  gloo's ring all-reduce is ~2-3x faster than its reduce-scatter at bucket sizes
+  (2 ranks, 1 MiB: ~1.1 ms vs ~2-3 ms), although it moves twice the bytes; the
+  byte counters record the all-reduce that is actually sent. Same sums, same
+  result (the reduction order is the backend's either way). NCCL keeps the
+  reduce-scatter (where it is the cheaper collective).
 - Tied-embedding copies sit in their own buckets, outside the hooks:
   ``complete`` first sums their gradient over the ``embedding`` group (a
   cross-stage collective, so not in ``finish``), then reduces them.
@@ -28,12 +35,14 @@ from collections import deque
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, FlatBuffer, ParamSlot, shard_slice
 
 MAX_STAGING_BUFFERS = 2
+REDUCE_SCATTER_MODES = ("auto", "reduce_scatter", "all_reduce")
 
 
 def _sync_tied(modules: list[torch.nn.Module], tied: list[torch.nn.Parameter], pstate: ParallelState) -> None:
@@ -62,11 +71,19 @@ class GradSync:
         params_bufs: list[FlatBuffer],
         pstate: ParallelState,
         zero_stage: int,
+        reduce_scatter: str = "auto",
     ) -> None:
+        if reduce_scatter not in REDUCE_SCATTER_MODES:
+            raise ValueError(f"reduce_scatter={reduce_scatter!r} is not one of {REDUCE_SCATTER_MODES}")
         self.modules = modules
         self.params_bufs = params_bufs
         self.pstate = pstate
         self.stage = zero_stage
+        self._rs_as_all_reduce = reduce_scatter == "all_reduce" or (
+            reduce_scatter == "auto" and comm.group_size(pstate, "dp") > 1
+            and dist.get_backend(pstate.group("dp")) == "gloo"
+        )
+        self._dp_rank = comm.group_rank(pstate, "dp")
         self._is_last = True
         self._finished = False
         self._completed = False
@@ -197,6 +214,10 @@ class GradSync:
             work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
             self._pending.append((work, lambda: None))
             return
+        if self._rs_as_all_reduce:  # the piece this rank owns lies inside `full`: nothing to copy
+            work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
+            self._pending.append((work, lambda: None))
+            return
         # gloo's reduce-scatter must not write into its own input: land in a temporary, then copy.
         out = torch.empty(b.piece_size, dtype=full.dtype, device=full.device)
         work = comm.reduce_scatter_tensor(out, full, self.pstate, "dp", async_op=True)
@@ -267,8 +288,18 @@ class GradSync:
                     self._filled.add(id(s.param))
         self._launched[(g, b.index)] = True
         out = shard_slice(self.grad_shards[g], b)
-        work = comm.reduce_scatter_tensor(out, stage, self.pstate, "dp", async_op=True)
         _, base = self._staging.pop((g, b.index))
+        if self._rs_as_all_reduce:
+            work = comm.all_reduce(stage, self.pstate, "dp", async_op=True)
+            mine = stage[self._dp_rank * b.piece_size : (self._dp_rank + 1) * b.piece_size]
+
+            def done() -> None:
+                out.copy_(mine)
+                self._staging_free.append(base)
+
+            self._pending.append((work, done))
+            return
+        work = comm.reduce_scatter_tensor(out, stage, self.pstate, "dp", async_op=True)
         self._pending.append((work, lambda: self._staging_free.append(base)))
 
     # ---- completion ------------------------------------------------------------------

@@ -89,6 +89,7 @@ class ZeroOptimizer:
         loss_scale_backoff_factor: float = 0.5,
         loss_scale_min: float = 1.0,
         fused_adamw_backend: str = "auto",
+        reduce_scatter: str = "auto",
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
@@ -137,7 +138,7 @@ class ZeroOptimizer:
         device = named[0][1].device
         self.param_bufs = [FlatBuffer(layout, dtype, device)]
         self.param_bufs[0].adopt_params()
-        self.grad_sync = GradSync(modules, self.param_bufs, pstate, zero_stage)
+        self.grad_sync = GradSync(modules, self.param_bufs, pstate, zero_stage, reduce_scatter=reduce_scatter)
         # fp32 master weights of the owned shard (the parameters themselves when training in fp32).
         self.masters: list[torch.Tensor | None] = []
         self.exp_avgs: list[torch.Tensor] = []
