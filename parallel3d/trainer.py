@@ -248,6 +248,9 @@ class Trainer:
             self._banner(resume_dir)
         end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
         timer = StepTimer(self.pstate.device)
+        # Throughput is averaged over the whole log interval (data, step, logging and
+        # checkpoints included), as Megatron reports it, not taken from one step.
+        interval_start, interval_steps = time.perf_counter(), 0
         while self.step < end:
             timer.start()
             before = self.pstate.comm_stats.by_kind()
@@ -255,16 +258,19 @@ class Trainer:
             self.optimizer.zero_grad()
             step_result = self.engine.run_step(microbatches, loss_scale=self.optimizer.loss_scale, step=self.step)
             info = self.optimizer.step()
-            step_time = timer.stop()
+            timer.stop()  # synchronises the device so the interval below is honest
             comm_bytes = self._comm_delta(before)
             self.step += 1
+            interval_steps += 1
             if self.step % lg.log_every == 0 or self.step == end:
+                step_time = (time.perf_counter() - interval_start) / interval_steps
                 record = self._record(step_time, step_result, info, comm_bytes)
                 if record is not None:
                     result.records.append(record)
                     jsonl.log(record)
                     wandb.log(record)
                     print(format_console(record, t.steps), flush=True)
+                interval_start, interval_steps = time.perf_counter(), 0
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
                 if self.save_checkpoint():
                     result.checkpoints.append(self.step)

@@ -34,7 +34,9 @@ from parallel3d.zero.grad_sync import MAX_STAGING_BUFFERS  # noqa: E402
 
 WIDTH, DEPTH, BATCH, LR = 512, 8, 32, 1e-3
 BUCKET_MB = 1.0
-METHODS = ("ddp", "fsdp2", "zero0", "zero1", "zero2")
+# zeroN: ZeroOptimizer defaults (on gloo a bucket's reduce-scatter runs as an all-reduce);
+# zeroN_rs: the same with gloo's reduce_scatter forced, to compare the two in one run.
+METHODS = ("ddp", "fsdp2", "zero0", "zero1", "zero1_rs", "zero2", "zero2_rs")
 
 
 def make_model() -> nn.Module:
@@ -66,7 +68,9 @@ def formula_bytes(method: str, psi: int, n: int) -> int:
         "ddp": 4 * psi + 8 * psi,
         "zero0": 4 * psi + 8 * psi,
         "zero1": 4 * psi + 8 * psi // n,
+        "zero1_rs": 4 * psi + 8 * psi // n,
         "zero2": 4 * psi // n + 8 * psi // n + MAX_STAGING_BUFFERS * bucket,
+        "zero2_rs": 4 * psi // n + 8 * psi // n + MAX_STAGING_BUFFERS * bucket,
         "fsdp2": 4 * psi // n + 8 * psi // n,
     }[method]
 
@@ -89,7 +93,9 @@ def _run_method(method: str, rank: int, n: int, steps: int) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
     else:
         ps = ParallelState(Topology(1, 1, n))
-        zero = ZeroOptimizer([model], ps, zero_stage=int(method[-1]), lr=LR, bucket_size_mb=BUCKET_MB)
+        stage, _, forced = method.removeprefix("zero").partition("_")
+        zero = ZeroOptimizer([model], ps, zero_stage=int(stage), lr=LR, bucket_size_mb=BUCKET_MB,
+                             reduce_scatter="reduce_scatter" if forced == "rs" else "auto")
         opt = zero
     times, mem = [], 0
     for step in range(steps + 3):
@@ -156,11 +162,11 @@ def main() -> None:
             r = result[method]
             rows.append({"dp": n, "method": method, **r, "ratio_to_ddp": r["median_step_s"] / ddp,
                          "bytes_vs_formula": r["bytes"] / r["formula_bytes"]})
-    header = f"{'dp':>3} {'method':<7} {'median step ms':>15} {'x DDP':>6} {'grad+optim MiB':>15} {'formula MiB':>12} {'meas/formula':>13}"
+    header = f"{'dp':>3} {'method':<8} {'median step ms':>15} {'x DDP':>6} {'grad+optim MiB':>15} {'formula MiB':>12} {'meas/formula':>13}"
     print(f"params: {rows[0]['params']:,} (fp32), batch {BATCH}/rank, bucket {BUCKET_MB} MiB, gloo/CPU, 1 thread/rank")
     print(header)
     for r in rows:
-        print(f"{r['dp']:>3} {r['method']:<7} {1000 * r['median_step_s']:>15.1f} {r['ratio_to_ddp']:>6.2f} "
+        print(f"{r['dp']:>3} {r['method']:<8} {1000 * r['median_step_s']:>15.1f} {r['ratio_to_ddp']:>6.2f} "
               f"{r['bytes'] / 2**20:>15.2f} {r['formula_bytes'] / 2**20:>12.2f} {r['bytes_vs_formula']:>13.3f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
