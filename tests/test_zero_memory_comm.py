@@ -38,7 +38,7 @@ def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: i
     }
 
 
-def _measure(rank, world_size, precision):
+def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter"):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     ps = ParallelState(Topology(1, 1, world_size))
     out = {}
@@ -46,12 +46,12 @@ def _measure(rank, world_size, precision):
         model = make_model(dtype)
         esize = torch.finfo(dtype).bits // 8
         opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=1e-3, precision=precision,
-                            bucket_size_mb=BUCKET_ELEMS * esize / 2**20)
+                            bucket_size_mb=BUCKET_ELEMS * esize / 2**20, reduce_scatter=reduce_scatter)
         for step in range(2):
             ps.comm_stats.reset()
             x = torch.randn(4, 61, dtype=dtype)
             model(x).float().pow(2).mean().backward()
-            calls_during_backward = ps.comm_stats.calls.get(("dp", "reduce_scatter"), 0)
+            calls_during_backward = sum(ps.comm_stats.calls.get(("dp", op), 0) for op in ("reduce_scatter", "all_reduce"))
             live_grads = sum(p.grad is not None for p in model.parameters())
             mem_after_backward = opt.memory_bytes()
             opt.step()
@@ -97,3 +97,24 @@ def test_communication_bytes_equal_ddp(dp):
             # Everything else on the dp group is the grad-norm scalar.
             rest = sum(v for (kind, op), v in comm.items() if kind == "dp" and op == "all_reduce")
             assert rest <= 8
+
+
+def test_gloo_reduce_scatter_as_all_reduce_counts_what_it_sends():
+    """The gloo mode ("auto" on gloo) replaces each bucket's reduce-scatter by an all-reduce
+    (twice the bytes, counted as such), still launched inside stage 2's backward."""
+    dp = 2
+    modes = run_on_ranks(_measure_both_modes, dp, timeout=120)
+    for rs_mode, ar_mode in modes:
+        ddp = rs_mode[0]["comm"][("dp", "all_reduce")]
+        for stage in (1, 2):
+            rs, ar = rs_mode[stage]["comm"], ar_mode[stage]["comm"]
+            assert ("dp", "reduce_scatter") not in ar
+            assert ar[("dp", "all_gather")] == rs[("dp", "all_gather")]
+            norm_bytes = rs[("dp", "all_reduce")]  # the grad-norm scalar: the only all-reduce of rs mode
+            assert ar[("dp", "all_reduce")] - norm_bytes == ddp  # every bucket all-reduced once, as in stage 0
+        assert ar_mode[2]["rs_in_backward"] == ar_mode[2]["buckets"] > 1
+        assert ar_mode[2]["live_grads"] == 0
+
+
+def _measure_both_modes(rank, world_size):
+    return _measure(rank, world_size, "fp32", "reduce_scatter"), _measure(rank, world_size, "fp32", "all_reduce")

@@ -106,13 +106,13 @@ def test_single_process_matches_torch_adamw_without_clipping(backend):
     assert max_rel_error(model, ref) < 1e-6
 
 
-def _accumulate(rank, world_size, stage):
+def _accumulate(rank, world_size, stage, reduce_scatter="reduce_scatter"):
     """Two microbatches per step through grad_sync.prepare/finish, as the pipeline engine drives it."""
     ps = ParallelState(Topology(1, 1, world_size))
     ref, _ = train_reference(4, 0.05)
     model = make_mlp()
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                        clip_grad=0.05, bucket_size_mb=TINY_BUCKET_MB)
+                        clip_grad=0.05, bucket_size_mb=TINY_BUCKET_MB, reduce_scatter=reduce_scatter)
     for step in range(4):
         x, y = global_batch(step)
         x, y = x[rank::world_size], y[rank::world_size]
@@ -125,12 +125,18 @@ def _accumulate(rank, world_size, stage):
     return max_rel_error(model, ref), dict(ps.comm_stats.calls)
 
 
+def _accumulate_both_modes(rank, world_size, stage):
+    return _accumulate(rank, world_size, stage), _accumulate(rank, world_size, stage, "all_reduce")
+
+
 def test_gradient_accumulation_reduces_once_per_step():
-    results = run_on_ranks(_accumulate, 2, 2, timeout=120)
-    for err, calls in results:
-        assert err < 1e-5
+    results = run_on_ranks(_accumulate_both_modes, 2, 2, timeout=120)
+    for (err, calls), (err_ar, calls_ar) in results:
+        assert err < 1e-5 and err_ar < 1e-5
         buckets = calls[("dp", "all_gather")] // 4
         assert calls[("dp", "reduce_scatter")] == 4 * buckets  # once per bucket per step, not per microbatch
+        # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
+        assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets
 
 
 def test_stage2_second_backward_without_prepare_fails_loudly():
@@ -153,6 +159,7 @@ def test_stage2_second_backward_without_prepare_fails_loudly():
         (dict(zero_stage=1, precision="bf16"), r"needs torch.bfloat16 parameters, but 0.weight is torch.float32"),
         (dict(zero_stage=1, clip_grad=0.0), r"optim.clip_grad=0.0 must be > 0"),
         (dict(zero_stage=1, fused_adamw_backend="cuda"), r"fused_adamw_backend='cuda' is not one of"),
+        (dict(zero_stage=2, reduce_scatter="ring"), r"reduce_scatter='ring' is not one of \('auto', "),
     ],
 )
 def test_bad_settings_fail_fast(kwargs, match):

@@ -67,6 +67,8 @@ class ZeroOptimizer:
     Invariants: every trainable parameter is a view into ``self.param_bufs``;
     after ``step`` all DP ranks hold identical parameters; master weights and
     moments cover exactly this rank's shard (``layout.shard_numel`` elements).
+    ``reduce_scatter``: how stages 1-2 reduce a bucket ("auto": an all-reduce on gloo,
+    where it is the faster collective, else a reduce-scatter; see ``grad_sync``).
     """
 
     def __init__(
