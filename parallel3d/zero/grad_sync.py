@@ -17,7 +17,8 @@ group; the optimizer divides by ``dp`` (and the loss scale) afterwards.
   reduce-scatter starts asynchronously into the rank's gradient shard, so it
   overlaps with the backward of earlier layers. Staging buffers are recycled
   once their collective completes: normally two bucket-sized buffers exist.
-- gloo only (``reduce_scatter="auto"``): a bucket's reduce-scatter is done as an
+- opt-in, gloo only (``reduce_scatter="auto"``; the default is a true reduce-scatter
+  so stage 1/2 send exactly DDP's bytes): a bucket's reduce-scatter is done as an
   in-place all-reduce of the full bucket, after which this rank keeps its piece.
   gloo's ring all-reduce is ~2-3x faster than its reduce-scatter at bucket sizes
   (2 ranks, 1 MiB: ~1.1 ms vs ~2-3 ms), although it moves twice the bytes; the
@@ -71,7 +72,7 @@ class GradSync:
         params_bufs: list[FlatBuffer],
         pstate: ParallelState,
         zero_stage: int,
-        reduce_scatter: str = "auto",
+        reduce_scatter: str = "reduce_scatter",
     ) -> None:
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"reduce_scatter={reduce_scatter!r} is not one of {REDUCE_SCATTER_MODES}")

@@ -67,8 +67,9 @@ class ZeroOptimizer:
     Invariants: every trainable parameter is a view into ``self.param_bufs``;
     after ``step`` all DP ranks hold identical parameters; master weights and
     moments cover exactly this rank's shard (``layout.shard_numel`` elements).
-    ``reduce_scatter``: how stages 1-2 reduce a bucket ("auto": an all-reduce on gloo,
-    where it is the faster collective, else a reduce-scatter; see ``grad_sync``).
+    ``reduce_scatter``: how stages 1-2 reduce a bucket: "reduce_scatter" (default; ZeRO's
+    volume, equal to DDP's), or "auto" (opt-in: an all-reduce on gloo, where it is the
+    faster collective though it sends more bytes, else a reduce-scatter; see ``grad_sync``).
     """
 
     def __init__(
@@ -91,7 +92,7 @@ class ZeroOptimizer:
         loss_scale_backoff_factor: float = 0.5,
         loss_scale_min: float = 1.0,
         fused_adamw_backend: str = "auto",
-        reduce_scatter: str = "auto",
+        reduce_scatter: str = "reduce_scatter",
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
