@@ -8,7 +8,6 @@ with ``arch="llama"``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import comm
+from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -47,28 +48,6 @@ class CheckpointError(RuntimeError):
 
 def rank_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank_{rank:05d}.pt")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
-    """Call ``write(file)`` on ``path + '.part'``, fsync it, then rename it to ``path``."""
-    part = path + ".part"
-    with open(part, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(part, path)
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    atomic_write_bytes(path, lambda fh: torch.save(obj, fh))
 
 
 def _world_all_true(flag: bool, pstate: "ParallelState") -> bool:
@@ -173,11 +152,11 @@ class CheckpointManager:
             files = _relative_files(tmp)
             body = dict(meta, step=step, files=files, world_size=self.pstate.world_size)
             atomic_write_bytes(os.path.join(tmp, META), lambda fh: fh.write(json.dumps(body, indent=1).encode()))
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap it out
                 os.replace(final, final + ".old")
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             shutil.rmtree(final + ".old", ignore_errors=True)
             return True
         except Exception as exc:  # noqa: BLE001

@@ -26,7 +26,8 @@ import torch
 
 from models import build_model
 from parallel3d import comm, data
-from parallel3d.checkpoint import CheckpointManager, atomic_torch_save
+from parallel3d.atomic_io import atomic_torch_save
+from parallel3d.checkpoint import CheckpointManager
 from parallel3d.config import ResolvedJob
 from parallel3d.metrics import (
     JsonlSink,

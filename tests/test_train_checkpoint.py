@@ -10,10 +10,10 @@ import signal
 import pytest
 import torch
 
+from parallel3d.atomic_io import atomic_torch_save
 from parallel3d.checkpoint import (
     CheckpointError,
     CheckpointManager,
-    atomic_torch_save,
     complete_checkpoints,
     step_dir,
 )

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel3d import comm
+from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
 from parallel3d.zero.buffers import shard_slice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,23 +50,6 @@ METADATA = "metadata.json"
 
 def _rank_file(tp: int, pp: int, dp: int) -> str:
     return f"tp{tp}_pp{pp}_dp{dp}.pt"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, write) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _agree_failed(opt: "ZeroOptimizer", failed: bool) -> bool:
@@ -118,7 +102,7 @@ def save_sharded(opt: "ZeroOptimizer", path: str) -> None:
         "scalars": {"adam_step": opt.adam_step, "iteration": opt.iteration, "loss_scaler": opt.scaler.state_dict()},
     }
     try:
-        _write_atomic(os.path.join(partial, _rank_file(ps.tp_rank, ps.pp_rank, ps.dp_rank)),
+        atomic_write_bytes(os.path.join(partial, _rank_file(ps.tp_rank, ps.pp_rank, ps.dp_rank)),
                       lambda f: torch.save(payload, f))
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
         failure = exc
@@ -130,16 +114,16 @@ def save_sharded(opt: "ZeroOptimizer", path: str) -> None:
             topo = ps.topology
             meta = {"format": FORMAT, "topology": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
                     "zero_stage": opt.zero_stage, "precision": opt.precision, "complete": True}
-            _fsync_dir(partial)
+            fsync_dir(partial)
             old = path + ".old"
             if os.path.exists(path):
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(path, old)
             os.replace(partial, path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
             # The completion marker goes in last, into the final directory only.
-            _write_atomic(os.path.join(path, METADATA), lambda f: f.write(json.dumps(meta, indent=1).encode()))
-            _fsync_dir(path)
+            atomic_write_bytes(os.path.join(path, METADATA), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            fsync_dir(path)
             shutil.rmtree(old, ignore_errors=True)
         except BaseException as exc:  # noqa: BLE001
             failure = exc
