@@ -139,12 +139,19 @@ def test_gradient_accumulation_reduces_once_per_step():
         assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets
 
 
-def test_stage2_second_backward_without_prepare_fails_loudly():
+@pytest.mark.parametrize(
+    "stage,match",
+    [(2, "arrived twice in one step"), (1, "arrived after its bucket's reduction started"),
+     (0, "arrived after its bucket's reduction started")],
+)
+def test_second_backward_without_prepare_fails_loudly(stage, match):
+    # Reductions start inside the last backward (bucket by bucket), so an unannounced
+    # second backward would accumulate into buffers already being reduced.
     model = make_mlp()
-    opt = ZeroOptimizer([model], ParallelState.single_process(), zero_stage=2, lr=LR)
+    opt = ZeroOptimizer([model], ParallelState.single_process(), zero_stage=stage, lr=LR)
     x, y = global_batch(0)
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match=r"arrived twice in one step(.|\n)*prepare\(is_last_microbatch=False\)"):
+    with pytest.raises(RuntimeError, match=match + r"(.|\n)*prepare\(is_last_microbatch=False\)"):
         F.cross_entropy(model(x), y).backward()
     assert opt.grad_sync is not None
 

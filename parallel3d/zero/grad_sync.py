@@ -8,9 +8,12 @@ collective). Gradients are reduced once per step with SUM over the ``dp``
 group; the optimizer divides by ``dp`` (and the loss scale) afterwards.
 
 - Stage 0 / 1: every parameter's ``.grad`` is a view into a flat gradient
-  buffer (autograd accumulates into it in place). ``finish`` all-reduces each
-  bucket (stage 0) or reduce-scatters it (stage 1; each rank's piece of the
-  buffer then holds the reduced gradient it owns).
+  buffer (autograd accumulates into it in place). During the last microbatch's
+  backward a post-accumulate-grad hook counts each bucket's ready gradients and
+  starts its all-reduce (stage 0) or reduce-scatter (stage 1; each rank's piece
+  of the buffer then holds the reduced gradient it owns) asynchronously as soon
+  as the bucket is complete, overlapping with the rest of backward as DDP does;
+  ``finish`` launches whatever is left (e.g. buckets of unused parameters).
 - Stage 2: there is no full gradient buffer. During the last microbatch's
   backward a post-accumulate-grad hook copies each gradient into its bucket's
   staging buffer and drops ``.grad``; when a bucket is complete its
@@ -96,10 +99,17 @@ class GradSync:
         self._hooks = []
         self._tied = [s.param for pb in params_bufs for s in pb.layout.slots if s.tied]
         if zero_stage in (0, 1):
+            self._where01: dict[int, tuple[FlatBuffer, Bucket, ParamSlot]] = {}
             for pb in params_bufs:
                 gb = FlatBuffer(pb.layout, pb.data.dtype, pb.data.device)
                 self.grad_bufs.append(gb)
+                for b in gb.layout.buckets:
+                    for s in b.slots:
+                        self._where01[id(s.param)] = (gb, b, s)
+                        if not s.tied:
+                            self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready01))
             self._attach_grad_views()
+            self._reset_stage01()
         else:
             self._where: dict[int, tuple[int, Bucket, ParamSlot]] = {}
             for g, pb in enumerate(params_bufs):
@@ -134,7 +144,7 @@ class GradSync:
             self._attach_grad_views()
             for gb in self.grad_bufs:
                 for b in gb.layout.buckets:
-                    if not b.tied:
+                    if not b.tied and (id(gb), b.index) not in self._launched01:
                         self._launch_stage01(gb, b)
         self._finished = True
 
@@ -174,6 +184,8 @@ class GradSync:
         self._is_last = True
         if self.stage == 2:
             self._reset_stage2()
+        else:
+            self._reset_stage01()
 
     def zero_grad(self) -> None:
         self.reset()
@@ -209,7 +221,37 @@ class GradSync:
                             view.copy_(g)
                         s.param.grad = view
 
+    def _reset_stage01(self) -> None:
+        self._ready01: dict[tuple[int, int], int] = {}
+        self._launched01: set[tuple[int, int]] = set()
+
+    def _on_grad_ready01(self, param: torch.nn.Parameter) -> None:
+        """In the last microbatch's backward, reduce a bucket as soon as all its gradients are in.
+
+        This is what overlaps the DP reduction of bucket k with the backward of the
+        layers before it (buckets are laid out in backward order).
+        """
+        if not self._is_last or self._finished:
+            return
+        gb, b, s = self._where01[id(param)]
+        key = (id(gb), b.index)
+        if key in self._launched01:
+            raise RuntimeError(
+                f"ZeRO stage {self.stage}: gradient of {s.name} arrived after its bucket's reduction started; "
+                f"with gradient accumulation call grad_sync.prepare(is_last_microbatch=False) before all but "
+                f"the last backward"
+            )
+        view = gb.view_of(s)
+        if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():  # autograd replaced the buffer view: put the sum back into it
+                view.copy_(param.grad)
+            param.grad = view
+        self._ready01[key] = self._ready01.get(key, 0) + 1
+        if self._ready01[key] == len(b.slots):
+            self._launch_stage01(gb, b)
+
     def _launch_stage01(self, gb: FlatBuffer, b: Bucket) -> None:
+        self._launched01.add((id(gb), b.index))
         full = gb.bucket_view(b)
         if self.stage == 0:
             work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
