@@ -98,27 +98,21 @@ class GradSync:
         self._staging_all: list[torch.Tensor] = []
         self._hooks = []
         self._tied = [s.param for pb in params_bufs for s in pb.layout.slots if s.tied]
+        self._where: dict[int, tuple[int, Bucket, ParamSlot]] = {}
+        for g, pb in enumerate(params_bufs):
+            if zero_stage in (0, 1):
+                self.grad_bufs.append(FlatBuffer(pb.layout, pb.data.dtype, pb.data.device))
+            else:
+                self.grad_shards.append(torch.zeros(pb.layout.shard_numel, dtype=pb.data.dtype, device=pb.data.device))
+            for b in pb.layout.buckets:
+                for s in b.slots:
+                    self._where[id(s.param)] = (g, b, s)
+                    if not s.tied:
+                        self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         if zero_stage in (0, 1):
-            self._where01: dict[int, tuple[FlatBuffer, Bucket, ParamSlot]] = {}
-            for pb in params_bufs:
-                gb = FlatBuffer(pb.layout, pb.data.dtype, pb.data.device)
-                self.grad_bufs.append(gb)
-                for b in gb.layout.buckets:
-                    for s in b.slots:
-                        self._where01[id(s.param)] = (gb, b, s)
-                        if not s.tied:
-                            self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready01))
             self._attach_grad_views()
             self._reset_stage01()
         else:
-            self._where: dict[int, tuple[int, Bucket, ParamSlot]] = {}
-            for g, pb in enumerate(params_bufs):
-                self.grad_shards.append(torch.zeros(pb.layout.shard_numel, dtype=pb.data.dtype, device=pb.data.device))
-                for b in pb.layout.buckets:
-                    for s in b.slots:
-                        self._where[id(s.param)] = (g, b, s)
-                        if not s.tied:
-                            self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
             self._reset_stage2()
 
     # ---- engine-facing API ---------------------------------------------------------
@@ -233,7 +227,8 @@ class GradSync:
         """
         if not self._is_last or self._finished:
             return
-        gb, b, s = self._where01[id(param)]
+        g, b, s = self._where[id(param)]
+        gb = self.grad_bufs[g]
         key = (id(gb), b.index)
         if key in self._launched01:
             raise RuntimeError(
@@ -275,6 +270,9 @@ class GradSync:
         self._launched = {(g, b.index): False for g, pb in enumerate(self.params_bufs) for b in pb.layout.buckets}
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if self.stage != 2:
+            self._on_grad_ready01(param)
+            return
         if not self._is_last:
             return
         g, b, s = self._where[id(param)]
