@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import apply_rope_reference, layer_norm_reference, rms_norm_reference, swiglu_reference
 from kernels.runtime import BackendUnavailableError, resolve_backend
 
 __all__ = [
@@ -41,9 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: 
         from apex.normalization.fused_layer_norm import fused_rms_norm_affine
 
         return fused_rms_norm_affine(x, weight, (x.shape[-1],), eps)
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return rms_norm_reference(x, weight, eps)
 
 
 def layer_norm(
@@ -60,7 +59,7 @@ def layer_norm(
         # apex's affine LayerNorm always adds a bias: a constant zero one stands in for None.
         b = torch.zeros_like(weight) if bias is None else bias
         return fused_layer_norm_affine(x, weight, b, (x.shape[-1],), eps)
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps)
 
 
 def apply_rope(
@@ -71,14 +70,7 @@ def apply_rope(
 
         return triton_apply_rope(q, k, cos, sin)
 
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        c = cos[None, :, None, :].to(x.dtype)
-        s = sin[None, :, None, :].to(x.dtype)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-    return rot(q), rot(k)
+    return apply_rope_reference(q, k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -86,7 +78,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
         from kernels.swiglu import swiglu as triton_swiglu
 
         return triton_swiglu(gate, up)
-    return torch.nn.functional.silu(gate) * up
+    return swiglu_reference(gate, up)
 
 
 def cross_entropy(

@@ -9,10 +9,10 @@ deterministic stages (per-program fp32 partial rows, then a host sum), as in rms
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.reference import layer_norm_reference  # noqa: F401 (re-exported)
 from kernels.norm_rows import (
     backward_buffers,
     check_norm_args,
@@ -22,13 +22,6 @@ from kernels.norm_rows import (
     program_rows,
 )
 from kernels.runtime import num_warps_for
-
-
-def layer_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5
-) -> torch.Tensor:
-    """torch's own LayerNorm (fp32 statistics on every device)."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 @triton.jit

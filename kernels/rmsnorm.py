@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import rms_norm_reference  # noqa: F401 (re-exported)
 from kernels.norm_rows import (
     as_rows,
     backward_buffers,
@@ -25,13 +26,6 @@ from kernels.norm_rows import (
 from kernels.runtime import num_warps_for
 
 __all__ = ["RMSNormFunction", "as_rows", "check_norm_args", "rms_norm", "rms_norm_reference"]
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Plain torch RMSNorm with fp32 statistics (the CPU path and the test oracle)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
 
 
 @triton.jit

@@ -14,22 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import apply_rope_reference  # noqa: F401 (re-exported)
 from kernels.runtime import next_power_of_2
-
-
-def apply_rope_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager rotate-half RoPE (cos/sin cast to the input dtype, as HF does)."""
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        c = cos[None, :, None, :].to(x.dtype)
-        s = sin[None, :, None, :].to(x.dtype)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-    return rotate(q), rotate(k)
 
 
 @triton.jit

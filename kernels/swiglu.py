@@ -9,15 +9,12 @@ tensor): backward recomputes the sigmoid while reading them,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.reference import swiglu_reference  # noqa: F401 (re-exported)
+
 ELEMENTWISE_BLOCK = 2048
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 @triton.jit
