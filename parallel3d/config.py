@@ -72,6 +72,9 @@ class ParallelConfig:
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
     order: str = "tp-dp-pp"  # rank order, fastest-varying first
     bucket_size_mb: float = 25.0  # gradient bucket size for DP/ZeRO reduction
+    # dtype gradients are accumulated over microbatches and reduced over DP in: fp32 (main
+    # grads, the default) or the model's own bf16/fp16 (half the reduction bytes).
+    grad_reduce_dtype: str = "fp32"
     pp_layers: list[int] | None = None  # layers per pipeline chunk; null = balanced split
 
 
@@ -245,6 +248,7 @@ def _check_parallel(p: ParallelConfig, model: ModelConfig, topo: Topology) -> No
     if p.sequence_parallel and topo.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true: needs parallel.tp > 1 (with tp=1 it would do nothing)")
     _check_range("parallel.bucket_size_mb", p.bucket_size_mb, 0.0, lo_open=True)
+    _check_choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, PRECISIONS)
     if model.ffn_size % topo.tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_size}: must be divisible by parallel.tp={topo.tp}")
     try:
@@ -296,6 +300,11 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
         )
     _check_int("train.seed", t.seed, 0)
     _check_choice("train.precision", t.precision, PRECISIONS)
+    if p.grad_reduce_dtype not in ("fp32", t.precision):
+        raise ConfigError(
+            f"parallel.grad_reduce_dtype={p.grad_reduce_dtype!r}: must be fp32 or the training precision "
+            f"(train.precision={t.precision!r})"
+        )
     _check_choice("train.recompute", t.recompute, RECOMPUTE)
     _check_int("train.save_every", t.save_every, 0)
     _check_int("train.keep_last", t.keep_last, 1)

@@ -120,7 +120,9 @@ class Trainer:
         self.optimizer = ZeroOptimizer(
             self.chunks, pstate, zero_stage=p.zero_stage, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, bucket_size_mb=p.bucket_size_mb,
-            precision=t.precision,
+            precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype,
+            # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
+            fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
             lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),
         )
         self.engine = PipelineEngine(
@@ -149,7 +151,7 @@ class Trainer:
             "data": self.batches.state_dict(),
             "iteration": opt.iteration,
             "adam_step": opt.adam_step,
-            "scaler": dict(vars(opt.scaler)),
+            "scaler": opt.scaler.state_dict(),  # state only: the scaler's settings come from this run
             "wandb_id": self.wandb_id,
         }
 
@@ -178,8 +180,7 @@ class Trainer:
         self.batches.load_state_dict(state["data"])
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
-        for key, value in state["scaler"].items():
-            setattr(self.optimizer.scaler, key, value)
+        self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
         rng_path = os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt")
         if os.path.exists(rng_path):  # absent when resuming with another dp size

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 from parallel3d.data import DataError, DistributedBatchIterator, GPTDataset, write_indexed_dataset
+from parallel3d.pipeline.microbatch import stage_keys
 from tests.harness import run_on_ranks
 
 SEQ = 8
@@ -45,8 +48,13 @@ def test_microbatch_shapes_and_count(dataset):
         assert mb["input_ids"].shape == mb["labels"].shape == (2, SEQ)
         assert mb["input_ids"].dtype == mb["labels"].dtype == mb["sample_ids"].dtype == torch.int64
         assert mb["sample_ids"].tolist() == [8 + 2 * j, 9 + 2 * j]
-    no_tokens = next(DistributedBatchIterator(dataset, 16, 2, 1, 2, load_tokens=False))
-    assert [set(mb) for mb in no_tokens] == [{"sample_ids"}] * 4
+    for first, last in itertools.product((False, True), repeat=2):
+        keys = stage_keys(first, last)
+        step = next(DistributedBatchIterator(dataset, 16, 2, 1, 2, keys=keys))
+        assert [set(mb) for mb in step] == [set(keys)] * 4
+        if last:  # a last stage's labels are the same whether or not it also reads input_ids
+            assert all(torch.equal(a["labels"], b["labels"]) for a, b in zip(step, next(
+                DistributedBatchIterator(dataset, 16, 2, 1, 2))))
 
 
 def test_resume_continues_with_the_next_unseen_sample(dataset):
@@ -89,7 +97,7 @@ def test_errors(dataset, tmp_path):
         it.load_state_dict({})
 
 
-def test_for_rank_reads_tokens_only_on_end_stages(dataset):
+def test_for_rank_gives_each_stage_the_keys_the_engine_reads(dataset):
     from parallel3d.parallel_state import ParallelState
     from parallel3d.topology import Topology
 
@@ -97,8 +105,9 @@ def test_for_rank_reads_tokens_only_on_end_stages(dataset):
     for rank in range(topology.world_size):
         pstate = ParallelState.without_groups(topology, rank)
         step = next(DistributedBatchIterator.for_rank(dataset, pstate, 8, 2))
-        middle = not (pstate.is_first_stage or pstate.is_last_stage)
-        assert all(("input_ids" in mb) != middle for mb in step)
+        want = {"sample_ids"} | ({"input_ids"} if pstate.pp_rank == 0 else set()) | (
+            {"labels"} if pstate.pp_rank == 2 else set())
+        assert [set(mb) for mb in step] == [want] * 2
         first = 4 * pstate.dp_rank
         assert torch.cat([mb["sample_ids"] for mb in step]).tolist() == list(range(first, first + 4))
 

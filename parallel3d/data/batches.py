@@ -5,9 +5,9 @@ sample ids ``[start + t*G, start + (t+1)*G)``. DP rank ``r`` of ``dp`` takes the
 contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of it, cut into microbatches of
 ``micro_batch_size`` in order. So the union over DP ranks of one step is the
 same global batch for any ``dp`` and any micro-batch size; TP ranks of one
-replica (same ``dp_rank``) get identical batches; pipeline stages that need no
-tokens (neither first nor last) can skip reading them (``load_tokens=False``)
-and still get ``sample_ids``, which seed dropout.
+replica (same ``dp_rank``) get identical batches. Each pipeline stage gets the
+keys ``parallel3d.pipeline.microbatch.stage_keys`` says it reads (middle stages:
+only ``sample_ids``, which seed dropout, and no token is read for them).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from parallel3d.data.errors import DataError
 from parallel3d.data.gpt_dataset import GPTDataset
+from parallel3d.pipeline.microbatch import ALL_KEYS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, stage_keys
 
 if TYPE_CHECKING:
     from parallel3d.parallel_state import ParallelState
@@ -30,8 +31,8 @@ class DistributedBatchIterator:
     """Yields, per optimizer step, this DP rank's list of microbatch dicts.
 
     Each microbatch is ``{"input_ids": int64 [mb, s], "labels": int64 [mb, s],
-    "sample_ids": int64 [mb]}`` (only ``sample_ids`` when ``load_tokens`` is
-    False). The iterator never ends: the dataset repeats with a fresh shuffle per
+    "sample_ids": int64 [mb]}`` restricted to ``keys`` (``sample_ids`` is always
+    there; see ``pipeline.microbatch``). The iterator never ends: the dataset repeats with a fresh shuffle per
     epoch. ``state_dict()`` records the next unseen global sample.
     """
 
@@ -44,7 +45,7 @@ class DistributedBatchIterator:
         dp_size: int = 1,
         start_sample: int = 0,
         *,
-        load_tokens: bool = True,
+        keys: tuple[str, ...] = ALL_KEYS,
     ) -> None:
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                             ("dp_size", dp_size)):
@@ -59,12 +60,15 @@ class DistributedBatchIterator:
             )
         if not isinstance(start_sample, int) or start_sample < 0:
             raise DataError(f"start_sample={start_sample!r} must be a non-negative int")
+        unknown = [k for k in keys if k not in ALL_KEYS]
+        if unknown or SAMPLE_IDS not in keys:
+            raise DataError(f"keys={tuple(keys)}: must include {SAMPLE_IDS!r} and come from {ALL_KEYS}")
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.load_tokens = load_tokens
+        self.keys = tuple(k for k in ALL_KEYS if k in keys)
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
         self.next_sample = start_sample
 
@@ -77,10 +81,10 @@ class DistributedBatchIterator:
         micro_batch_size: int,
         start_sample: int = 0,
     ) -> "DistributedBatchIterator":
-        """The iterator of this process: its DP coordinate; tokens only on the first/last stage."""
+        """The iterator of this process: its DP coordinate and its pipeline stage's keys."""
         return cls(
             dataset, global_batch_size, micro_batch_size, pstate.dp_rank, pstate.dp_size, start_sample,
-            load_tokens=pstate.is_first_stage or pstate.is_last_stage,
+            keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage),
         )
 
     def local_sample_ids(self, step_start: int) -> np.ndarray:
@@ -94,15 +98,18 @@ class DistributedBatchIterator:
 
     def __next__(self) -> list[Microbatch]:
         ids = self.local_sample_ids(self.next_sample)
-        tokens = torch.from_numpy(self.dataset.get_samples(ids)) if self.load_tokens else None
+        needs_tokens = any(k in self.keys for k in TOKEN_KEYS)
+        tokens = torch.from_numpy(self.dataset.get_samples(ids)) if needs_tokens else None
         sample_ids = torch.from_numpy(ids)
         microbatches = []
         for j in range(self.num_microbatches):
             rows = slice(j * self.micro_batch_size, (j + 1) * self.micro_batch_size)
-            mb: Microbatch = {"sample_ids": sample_ids[rows].clone()}
-            if tokens is not None:
-                mb["input_ids"] = tokens[rows, :-1].contiguous()
-                mb["labels"] = tokens[rows, 1:].contiguous()
+            mb: Microbatch = {}
+            if INPUT_IDS in self.keys:
+                mb[INPUT_IDS] = tokens[rows, :-1].contiguous()
+            if LABELS in self.keys:
+                mb[LABELS] = tokens[rows, 1:].contiguous()
+            mb[SAMPLE_IDS] = sample_ids[rows].clone()
             microbatches.append(mb)
         self.next_sample += self.global_batch_size
         return microbatches

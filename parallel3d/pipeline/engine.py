@@ -47,15 +47,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 
+from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.schedules import Action, build_schedule, virtual_stage
 from parallel3d.pipeline.tied import sync_tied_embedding_grads
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
-
-MICROBATCH_KEYS = ("input_ids", "labels", "sample_ids")
-
 
 class GradSync(Protocol):
     def prepare(self, is_last_microbatch: bool) -> None: ...
@@ -178,6 +176,7 @@ class PipelineEngine:
             sequence_parallel=sequence_parallel,
         )
         self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages)
+        self.microbatch_keys = stage_keys(pstate.is_first_stage, pstate.is_last_stage)
         self._last_virtual = p * self.num_virtual_stages - 1
         if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
             raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
@@ -206,11 +205,14 @@ class PipelineEngine:
             )
         want = (self.micro_batch_size, self.seq_len)
         for i, mb in enumerate(microbatches):
-            missing = [k for k in MICROBATCH_KEYS if k not in mb]
+            missing = [k for k in self.microbatch_keys if k not in mb]
             if missing:
-                raise ValueError(f"microbatch {i} lacks keys {missing}; expected {MICROBATCH_KEYS}")
-            for key in ("input_ids", "labels"):
-                if tuple(mb[key].shape) != want:
+                raise ValueError(
+                    f"rank {self.pstate.rank} (pipeline stage {self.pstate.pp_rank}): microbatch {i} lacks keys "
+                    f"{missing}; this stage reads {self.microbatch_keys} (pipeline.microbatch.stage_keys)"
+                )
+            for key in TOKEN_KEYS:
+                if key in self.microbatch_keys and tuple(mb[key].shape) != want:
                     raise ValueError(
                         f"microbatch {i}: {key} has shape {tuple(mb[key].shape)}, expected "
                         f"[micro_batch_size, seq_len]={list(want)}"

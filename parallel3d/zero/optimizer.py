@@ -93,6 +93,7 @@ class ZeroOptimizer:
         loss_scale_min: float = 1.0,
         fused_adamw_backend: str = "auto",
         reduce_scatter: str = "reduce_scatter",
+        grad_reduce_dtype: str = "fp32",
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
@@ -117,6 +118,7 @@ class ZeroOptimizer:
         self.pstate = pstate
         self.zero_stage = zero_stage
         self.precision = precision
+        self.grad_reduce_dtype = grad_reduce_dtype
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule

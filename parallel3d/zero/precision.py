@@ -64,8 +64,13 @@ class LossScaler:
             self.good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        """The scaler's state (never its settings, which belong to the run that loads it)."""
+        return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue a saved scale; a state saved without scaling (bf16/fp32), or loaded into a run
+        without it, leaves this scaler as configured."""
+        if not self.enabled or not state.get("enabled", True):
+            return
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])

@@ -1,0 +1,35 @@
+"""Which keys of a microbatch each pipeline stage reads: the one contract between the
+batch iterator (``parallel3d.data.batches``) and the engine (``pipeline.engine``).
+
+A microbatch is a dict of int64 tensors:
+
+- ``sample_ids`` ``[mb]``: global sample index of each row. Every stage needs it:
+  dropout masks are seeded by (seed, step, sample id, layer), whatever the layout.
+- ``input_ids`` ``[mb, s]``: only the stage holding the first model chunk (the
+  embedding), i.e. pipeline stage 0.
+- ``labels`` ``[mb, s]``: only the stage holding the last model chunk (head and
+  loss), i.e. pipeline stage ``pp - 1`` (with interleaving too: its last chunk is the
+  model's last).
+
+With ``pp == 1`` one stage is both and reads all three. Middle stages read only
+``sample_ids`` and never touch the token stream.
+"""
+
+from __future__ import annotations
+
+SAMPLE_IDS = "sample_ids"
+INPUT_IDS = "input_ids"
+LABELS = "labels"
+ALL_KEYS = (INPUT_IDS, LABELS, SAMPLE_IDS)
+TOKEN_KEYS = (INPUT_IDS, LABELS)
+
+
+def stage_keys(is_first_stage: bool, is_last_stage: bool) -> tuple[str, ...]:
+    """The keys a stage reads, in ``ALL_KEYS`` order."""
+    keys = []
+    if is_first_stage:
+        keys.append(INPUT_IDS)
+    if is_last_stage:
+        keys.append(LABELS)
+    keys.append(SAMPLE_IDS)
+    return tuple(keys)
