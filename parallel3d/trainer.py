@@ -195,7 +195,10 @@ class Trainer:
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         if self.pstate.device.type == "cpu":
             return microbatches
-        return [{k: v.to(self.pstate.device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
+        # A non_blocking copy from pageable host memory is synchronous on CUDA: pin first, so the
+        # step's token copies overlap the previous step's tail instead of stalling the host.
+        return [{k: v.pin_memory().to(self.pstate.device, non_blocking=True) for k, v in mb.items()}
+                for mb in microbatches]
 
     def _dp_mean_loss(self, loss: float | None) -> float | None:
         """Mean loss of the global batch (last stage only; other stages have none)."""

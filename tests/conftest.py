@@ -14,3 +14,10 @@ def _one_thread():
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     yield
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--layout-matrix", choices=("ci", "all"), default="ci",
+        help="layout-equivalence cases to run: the CI sample (default) or the whole generated matrix",
+    )

@@ -1,0 +1,281 @@
+"""The generated layout-equivalence matrix: any layout trains the same model as one process.
+
+``generate_case(case_id)`` draws one layout from a seeded RNG keyed by the id alone, so
+a failing case is reproduced by its id (``scripts/check_layouts.py --case ID`` or
+``pytest tests/test_layout_matrix.py -k case17``). The dimensions come from the
+config schema's own choices (``config.SCHEDULES``, ``ZERO_STAGES``, ``RECOMPUTE``,
+the rank-order permutations, ...), so a new schedule or stage is drawn without editing
+this file. A draw is kept only if ``config.resolve`` accepts it: validity is the
+validator's business, not a second list of rules here. The one rule of our own is a
+budget: at most ``MAX_WORLD`` ranks (this machine has 2 cores).
+
+Each case trains ``STEPS`` optimizer steps through the real ``Trainer`` (fp32, dropout on;
+masks are layout-independent) and its per-step loss and grad norm must match the
+single-process run of the same model, data and global batch within ``RTOL``.
+
+- ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
+  ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
+  ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
+  pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3.
+- ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from parallel3d import config as cfg
+from parallel3d.config import ConfigError, job_from_dict, resolve
+from parallel3d.topology import DIMENSIONS
+
+MATRIX_SEED = 20261203
+MAX_WORLD = 8
+STEPS = 3
+SEQ_LEN = 32
+RTOL = 1e-5
+ALL_CASES = 64
+CI_HEAD = 6
+DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}
+GLOBAL_BATCHES = (8, 12, 24)
+MICRO_BATCHES = (1, 2, 4)
+MAX_DRAWS = 1000
+
+# Two small models with every feature the layouts interact with: tied embeddings and
+# learned positions (gpt); GQA, rotary, untied head and a vocabulary that does not divide
+# by tp (llama: 510 = 2 * 255, padded for tp=4). 8 layers allow pp * virtual_stages = 8.
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": dict(name="matrix_gpt", arch="gpt", num_layers=8, hidden_size=64, num_heads=4, num_kv_heads=None,
+                ffn_hidden_size=None, vocab_size=512, max_seq_len=SEQ_LEN, tie_embeddings=True, use_bias=True,
+                dropout=0.1),
+    "llama": dict(name="matrix_llama", arch="llama", num_layers=8, hidden_size=64, num_heads=8, num_kv_heads=4,
+                  ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
+                  dropout=0.1),
+}
+
+
+@dataclass(frozen=True)
+class LayoutCase:
+    """One drawn layout: ``values`` are the job's config sections (``job_from_dict`` input)."""
+
+    case_id: int
+    model: str
+    parallel: dict[str, Any]
+    train: dict[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p["tp"] * p["pp"] * p["dp"]
+
+    @property
+    def name(self) -> str:
+        p, t = self.parallel, self.train
+        bits = [f"case{self.case_id}", self.model, f"tp{p['tp']}pp{p['pp']}dp{p['dp']}", f"z{p['zero_stage']}",
+                p["schedule"] + (f"v{p['virtual_stages']}" if p["virtual_stages"] > 1 else ""),
+                f"mb{t['micro_batch_size']}x{t['global_batch_size'] // (t['micro_batch_size'] * p['dp'])}"]
+        if p["sequence_parallel"]:
+            bits.append("sp")
+        if t["recompute"] != "none":
+            bits.append(f"rc-{t['recompute']}")
+        if p["pp_layers"] is not None:
+            bits.append("L" + ".".join(map(str, p["pp_layers"])))
+        if p["order"] != "tp-dp-pp":
+            bits.append(p["order"])
+        return "-".join(bits)
+
+    def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
+        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir)
+
+    def reference_key(self) -> tuple:
+        """Cases with the same key share one single-process reference run."""
+        return self.model, self.train["global_batch_size"]
+
+
+def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str) -> dict[str, Any]:
+    return {
+        "model": dict(MODELS[model]),
+        "parallel": dict(parallel),
+        "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
+                  "device": "cpu", "resume": "none", "precision": "fp32", **train},
+        "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1},
+        "data": {"cache_dir": cache_dir},
+        "logging": {"log_every": 1},
+    }
+
+
+def reference_values(case: LayoutCase, out_dir: str, cache_dir: str) -> dict[str, Any]:
+    """The single-process job of ``case``: same model, data, global batch; one microbatch."""
+    g = case.train["global_batch_size"]
+    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": g}, out_dir, cache_dir)
+
+
+def _orders() -> list[str]:
+    return ["-".join(p) for p in itertools.permutations(DIMENSIONS)]
+
+
+def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
+    """A random split of ``total`` layers into ``parts`` positive counts."""
+    cuts = sorted(rng.sample(range(1, total), parts - 1))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+def _draw(rng: random.Random, case_id: int) -> LayoutCase:
+    tp, pp, dp = (rng.choice(DEGREES[d]) for d in ("tp", "pp", "dp"))
+    schedule = rng.choice(cfg.SCHEDULES)
+    v = rng.choice((2, 3, 4)) if schedule == "interleaved_1f1b" else 1
+    layers = MODELS["gpt"]["num_layers"]
+    pp_layers = _composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
+    g = rng.choice(GLOBAL_BATCHES)
+    mbs = rng.choice(MICRO_BATCHES)
+    parallel = {"tp": tp, "pp": pp, "dp": dp, "zero_stage": rng.choice(cfg.ZERO_STAGES), "schedule": schedule,
+                "virtual_stages": v, "sequence_parallel": tp > 1 and rng.random() < 0.5,
+                "order": rng.choice(_orders()), "pp_layers": pp_layers,
+                "bucket_size_mb": rng.choice((0.01, 25.0))}  # tiny buckets: many reductions overlap backward
+    train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
+    return LayoutCase(case_id, rng.choice(sorted(MODELS)), parallel, train)
+
+
+def is_valid(case: LayoutCase) -> bool:
+    """Whether the config validator accepts ``case`` (the one source of validity)."""
+    try:
+        resolve(job_from_dict(case.values("unused-out-dir", "unused-cache")), case.world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def generate_case(case_id: int, where: Callable[[LayoutCase], bool] = lambda c: True) -> LayoutCase:
+    """The layout of ``case_id``: the first draw of its own RNG within budget, valid and ``where``."""
+    rng = random.Random(f"{MATRIX_SEED}:{case_id}")
+    for _ in range(MAX_DRAWS):
+        case = _draw(rng, case_id)
+        if case.world_size <= MAX_WORLD and where(case) and is_valid(case):
+            return case
+    raise RuntimeError(f"case {case_id}: no valid layout in {MAX_DRAWS} draws")
+
+
+# Properties CI must always cover (the gaps that once hid every pp >= 3 failure).
+CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
+    "pp3_dp>1_zero2": lambda c: c.parallel["pp"] == 3 and c.parallel["dp"] > 1 and c.parallel["zero_stage"] == 2,
+    "pp4_dp>1_zero2": lambda c: c.parallel["pp"] == 4 and c.parallel["dp"] > 1 and c.parallel["zero_stage"] == 2,
+    "1f1b_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "1f1b" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
+    "interleaved_pp>=3": lambda c: c.parallel["schedule"] == "interleaved_1f1b" and c.parallel["pp"] >= 3,
+    "tp4_sequence_parallel": lambda c: c.parallel["tp"] == 4 and c.parallel["sequence_parallel"],
+    "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
+}
+
+
+COVER_BASE = 10_000  # id COVER_BASE + k: a layout drawn under property k of CI_MUST_COVER
+
+
+def case_by_id(case_id: int) -> LayoutCase:
+    """The case of any id, coverage ids included."""
+    if case_id >= COVER_BASE:
+        return generate_case(case_id, list(CI_MUST_COVER.values())[case_id - COVER_BASE])
+    return generate_case(case_id)
+
+
+def ci_sample() -> list[LayoutCase]:
+    cases = [generate_case(i) for i in range(CI_HEAD)]
+    for k, where in enumerate(CI_MUST_COVER.values()):
+        if not any(where(c) for c in cases):
+            cases.append(case_by_id(COVER_BASE + k))
+    return cases
+
+
+def all_cases() -> list[LayoutCase]:
+    cases = {c.case_id: c for c in [*(generate_case(i) for i in range(ALL_CASES)), *ci_sample()]}
+    return [cases[i] for i in sorted(cases)]
+
+
+# ---- running and comparing ---------------------------------------------------------------
+
+
+@dataclass
+class CaseResult:
+    case: LayoutCase
+    curve: list[tuple[int, float, float]]  # (step, loss, grad_norm)
+    reference: list[tuple[int, float, float]]
+    seconds: float = 0.0
+    error: str | None = None
+    worst: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.problems()
+
+    def problems(self) -> list[str]:
+        if self.error is not None:
+            return [self.error]
+        if [s for s, _, _ in self.curve] != [s for s, _, _ in self.reference]:
+            return [f"steps {[s for s, _, _ in self.curve]} != reference {[s for s, _, _ in self.reference]}"]
+        out = []
+        for (step, loss, gnorm), (_, rloss, rgnorm) in zip(self.curve, self.reference):
+            for what, got, ref in (("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)):
+                rel = abs(got - ref) / abs(ref) if ref else abs(got)
+                self.worst[what] = max(self.worst.get(what, 0.0), rel)
+                if not math.isfinite(got) or rel > RTOL:
+                    out.append(f"step {step} {what} {got!r} vs reference {ref!r} (rel {rel:.2e} > {RTOL:.0e})")
+        return out
+
+
+def curve_of(records: list[dict]) -> list[tuple[int, float, float]]:
+    return [(r["step"], float(r["loss"]), float(r["grad_norm"])) for r in records]
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool) -> Iterator[None]:
+    if not quiet:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+    """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.trainer import train
+
+    rj = resolve(job_from_dict(values), world)
+    with _silenced(quiet):
+        return curve_of(train(rj, ParallelState(rj.topology)).records)
+
+
+def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.trainer import train
+
+    rj = resolve(job_from_dict(values), 1)
+    with _silenced(quiet):
+        return curve_of(train(rj, ParallelState.single_process()).records)
+
+
+def run_case(case: LayoutCase, work_dir: str, cache_dir: str, references: dict, *, timeout: float = 300.0,
+             quiet: bool = False) -> CaseResult:
+    """Train ``case`` on its ranks and compare with its (cached) single-process reference.
+
+    ``work_dir`` must be fresh (runs start with ``train.resume=none``)."""
+    import time
+
+    from tests.harness import run_on_ranks
+
+    key = case.reference_key()
+    if key not in references:
+        ref_dir = os.path.join(work_dir, f"ref-{key[0]}-{key[1]}")
+        references[key] = train_reference(reference_values(case, ref_dir, cache_dir), quiet)
+    out = os.path.join(work_dir, case.name)
+    start = time.perf_counter()
+    try:
+        per_rank = run_on_ranks(train_case_on_rank, case.world_size, case.values(out, cache_dir), quiet,
+                                timeout=timeout)
+        curve = next(c for c in per_rank if c)
+        return CaseResult(case, curve, references[key], time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - reported per case, the matrix goes on
+        return CaseResult(case, [], references[key], time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
