@@ -1,4 +1,5 @@
-"""Bytes held and bytes sent per rank are measured and compared with the ZeRO paper's formulas."""
+"""Bytes held (after backward, and the peak during a step with accumulation) and bytes sent per
+rank are measured and compared with the ZeRO paper's formulas."""
 
 from __future__ import annotations
 
@@ -24,21 +25,26 @@ def param_count() -> int:
     return sum(p.numel() for p in make_model(torch.float32).parameters())
 
 
-def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: int) -> dict[str, float]:
-    """Bytes per rank from the ZeRO paper's accounting (fp32: parameters are the master weights)."""
+def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: int,
+                   grad_bytes: int | None = None) -> dict[str, float]:
+    """Bytes per rank from the ZeRO paper's accounting (fp32: parameters are the master weights).
+
+    ``grad_bytes`` per gradient element: 4 for fp32 main grads (the default), 2 when reduced in
+    bf16; ``bucket_bytes``: one staging buffer (stage 2 keeps MAX_STAGING_BUFFERS of them)."""
     w = 4 if precision == "fp32" else 2
+    g = grad_bytes or 4
     master = 0 if precision == "fp32" else 4
     shard = 1 if stage == 0 else n
     return {
         "model_weights": w * psi,
-        "gradients": w * psi / (n if stage == 2 else 1),
+        "gradients": g * psi / (n if stage == 2 else 1),
         "master_weights": master * psi / shard,
         "optimizer_moments": 8 * psi / shard,
         "buckets": MAX_STAGING_BUFFERS * bucket_bytes if stage == 2 else 0,
     }
 
 
-def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter"):
+def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter", grad_reduce_dtype="fp32"):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     ps = ParallelState(Topology(1, 1, world_size))
     out = {}
@@ -46,6 +52,7 @@ def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter"):
         model = make_model(dtype)
         esize = torch.finfo(dtype).bits // 8
         opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=1e-3, precision=precision,
+                            grad_reduce_dtype=grad_reduce_dtype,
                             bucket_size_mb=BUCKET_ELEMS * esize / 2**20, reduce_scatter=reduce_scatter)
         for step in range(2):
             ps.comm_stats.reset()
@@ -59,18 +66,21 @@ def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter"):
             opt.zero_grad()
         out[stage] = dict(mem=mem_after_backward, mem_after_step=opt.memory_bytes(), comm=stats,
                           rs_in_backward=calls_during_backward, buckets=len(opt.layouts[0].buckets),
-                          live_grads=live_grads, padded=opt.layouts[0].numel, esize=esize)
+                          live_grads=live_grads, padded=opt.layouts[0].numel, esize=esize,
+                          grad_esize=opt.grad_sync.grad_dtype.itemsize)
     return out
 
 
-@pytest.mark.parametrize("precision,dp", [("bf16", 4), ("fp32", 2)])
-def test_measured_memory_matches_formula(precision, dp):
+@pytest.mark.parametrize("precision,dp,grad_reduce_dtype", [("bf16", 4, "fp32"), ("bf16", 4, "bf16"),
+                                                             ("fp32", 2, "fp32")])
+def test_measured_memory_matches_formula(precision, dp, grad_reduce_dtype):
     psi = param_count()
-    results = run_on_ranks(_measure, dp, precision, timeout=120)
+    results = run_on_ranks(_measure, dp, precision, grad_reduce_dtype=grad_reduce_dtype, timeout=120)
     for rank, per_stage in enumerate(results):
         for stage, r in per_stage.items():
-            bucket_bytes = BUCKET_ELEMS * r["esize"]
-            want = expected_bytes(stage, precision, dp, psi, bucket_bytes)
+            assert r["grad_esize"] == (4 if grad_reduce_dtype == "fp32" else 2)
+            bucket_bytes = BUCKET_ELEMS * r["grad_esize"]  # staging buffers hold the gradient dtype
+            want = expected_bytes(stage, precision, dp, psi, bucket_bytes, r["grad_esize"])
             assert set(r["mem"]) == set(MEMORY_CATEGORIES)
             got_total, want_total = sum(r["mem"].values()), sum(want.values())
             assert abs(got_total - want_total) <= 0.05 * want_total, (stage, r["mem"], want)
@@ -118,3 +128,86 @@ def test_gloo_reduce_scatter_as_all_reduce_counts_what_it_sends():
 
 def _measure_both_modes(rank, world_size):
     return _measure(rank, world_size, "fp32", "reduce_scatter"), _measure(rank, world_size, "fp32", "all_reduce")
+
+
+# ---- peak memory during a step with gradient accumulation ---------------------------------------
+PEAK_DP, PEAK_ACC = 4, 4
+PEAK_WIDTH, PEAK_DEPTH = 48, 128  # ~301k parameters in 256 small tensors: one tensor is < 1% of Ψ
+PEAK_BUCKET_ELEMS = 8192
+
+
+def make_deep_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(PEAK_DEPTH):
+        layers += [nn.Linear(PEAK_WIDTH, PEAK_WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _peak(rank, world_size, cases):
+    """Per case (stage, grad_reduce_dtype): the optimizer's peak over a step with PEAK_ACC
+    microbatches, and, independently, ``memory_bytes()`` sampled after every backward."""
+    ps = ParallelState(Topology(1, 1, world_size))
+    out = {}
+    for stage, grad_reduce_dtype in cases:
+        model = make_deep_model()
+        opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=1e-3, precision="bf16",
+                            grad_reduce_dtype=grad_reduce_dtype, bucket_size_mb=PEAK_BUCKET_ELEMS * 2 / 2**20)
+        for step in range(2):  # the second step runs with recycled staging buffers
+            opt.reset_memory_peak()
+            sampled: dict[str, int] = {}
+            for mb in range(PEAK_ACC):
+                x = torch.randn(2, PEAK_WIDTH, generator=torch.Generator().manual_seed(100 * rank + mb))
+                opt.grad_sync.prepare(is_last_microbatch=mb == PEAK_ACC - 1)
+                (model(x.to(torch.bfloat16)).float().pow(2).mean() / PEAK_ACC).backward()
+                for key, value in opt.memory_bytes().items():
+                    sampled[key] = max(sampled.get(key, 0), value)
+            opt.grad_sync.finish()
+            assert not opt.step().skipped
+            opt.zero_grad()
+        layout = opt.layouts[0]
+        out[(stage, grad_reduce_dtype)] = dict(
+            peak=opt.memory_peak_bytes(), sampled=sampled, shard_numel=layout.shard_numel,
+            max_param_numel=max(s.numel for s in layout.slots), staging=len(opt.grad_sync.staging_buffers()),
+            max_bucket=layout.max_bucket_size, grad_esize=opt.grad_sync.grad_dtype.itemsize,
+        )
+    return out
+
+
+def test_stage2_peak_memory_with_accumulation_matches_formula():
+    """ZeRO-2 with accumulation 4 and dp 4 (bf16): during the step, not only after it, gradients
+    stay at g*Ψ/N (g = 4 for fp32 main grads, 2 when reduced in bf16) plus the one ``.grad`` a hook
+    is consuming; stage 1 holds full fp32 gradients, so the test tells the two apart."""
+    psi = sum(p.numel() for p in make_deep_model().parameters())
+    cases = [(2, "fp32"), (2, "bf16"), (1, "fp32")]
+    results = run_on_ranks(_peak, PEAK_DP, cases, timeout=180)
+    n = PEAK_DP
+    for rank, per_case in enumerate(results):
+        for (stage, grad_dtype), r in per_case.items():
+            g = r["grad_esize"]
+            assert g == (4 if grad_dtype == "fp32" else 2)
+            bucket_bytes = r["max_bucket"] * g
+            # Buckets: the staging buffers (at most MAX_STAGING_BUFFERS, as backward fills buckets in
+            # order) plus reduce-scatter outputs in flight (1/N of a bucket each, one per staging buffer).
+            bucket_bound = r["staging"] * bucket_bytes * (1 + 1 / n)
+            want = expected_bytes(stage, "bf16", n, psi, 0, g)
+            want["buckets"] = bucket_bound
+            peak, label = r["peak"], f"rank {rank} stage {stage} grads {grad_dtype}"
+            # The peak gradient is the shard/buffer plus the largest .grad a hook consumes (bf16).
+            held = r["shard_numel"] * g if stage == 2 else r["shard_numel"] * n * g
+            assert peak["gradients"] == held + 2 * r["max_param_numel"], (label, peak)
+            for key in ("model_weights", "gradients", "master_weights", "optimizer_moments"):
+                assert peak[key] == pytest.approx(want[key], rel=0.05), (label, key, peak[key], want[key])
+                # memory_bytes() sampled after each backward (no .grad is alive there) agrees.
+                assert r["sampled"][key] <= peak[key]
+                assert r["sampled"][key] == pytest.approx(want[key], rel=0.05), (label, key, r["sampled"])
+            if stage == 2:
+                assert sum(peak.values()) == pytest.approx(sum(want.values()), rel=0.05), label
+                assert 0 < r["staging"] <= MAX_STAGING_BUFFERS, label
+                assert r["staging"] * bucket_bytes <= peak["buckets"] <= bucket_bound, (label, peak["buckets"])
+            else:  # no staging; at most MAX_STAGING_BUFFERS reduce-scatter outputs (1/N bucket) in flight
+                assert r["staging"] == 0, label
+                assert 0 < peak["buckets"] <= MAX_STAGING_BUFFERS * bucket_bytes / n, (label, peak["buckets"])
+        stage2, stage1 = per_case[(2, "fp32")]["peak"], per_case[(1, "fp32")]["peak"]
+        assert stage1["gradients"] > 3 * stage2["gradients"]  # full fp32 gradients vs a quarter
+        assert per_case[(2, "bf16")]["peak"]["gradients"] < 0.55 * stage2["gradients"]

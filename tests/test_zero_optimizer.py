@@ -1,4 +1,5 @@
-"""ZeRO 0/1/2 on gloo ranks against single-process torch.optim.AdamW on the same global batch."""
+"""ZeRO 0/1/2 on gloo ranks against single-process torch.optim.AdamW on the same global batch
+(every stage x gradient dtype x accumulation x dp), and the gradient-accumulation contract."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def reference_adamw(model: nn.Module, lr, schedule=None) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS)
 
 
-def train_reference(steps: int, clip: float | None, schedule=None) -> tuple[nn.Module, list[float]]:
+def train_reference(steps: int, clip: float | None, schedule=None, batch: int = 8) -> tuple[nn.Module, list[float]]:
     model = make_mlp()
     opt = reference_adamw(model, LR)
     norms = []
@@ -44,7 +45,7 @@ def train_reference(steps: int, clip: float | None, schedule=None) -> tuple[nn.M
         if schedule is not None:
             for group in opt.param_groups:
                 group["lr"] = schedule(step)
-        x, y = global_batch(step)
+        x, y = global_batch(step, batch)
         F.cross_entropy(model(x), y).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)))
         opt.step()
@@ -91,6 +92,64 @@ def test_zero_stages_match_torch_adamw(dp):
     assert sum(bucket_sizes) > 131 or 131 % dp == 0  # padding was needed for an odd parameter count
 
 
+# ---- the matrix: every stage x gradient dtype x accumulation x dp against torch AdamW ------------
+MATRIX_STEPS, MATRIX_BATCH = 3, 16
+DTYPE_CASES = (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"))  # (precision, grad_reduce_dtype)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# bf16 weights round at 2^-9 relative; the fp32 reference is the same model without rounding
+# (measured: parameters <= 7.5e-3, grad norms <= 3.7e-3 relative).
+BF16_PARAM_TOLERANCE, BF16_NORM_TOLERANCE = 2e-2, 1e-2
+
+
+def matrix_cases() -> list[tuple[int, str, str, int]]:
+    return [(stage, precision, grad_dtype, acc)
+            for stage in (0, 1, 2) for precision, grad_dtype in DTYPE_CASES for acc in (1, 4)]
+
+
+def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str, int],
+                ref: nn.Module) -> tuple[float, list[float]]:
+    stage, precision, grad_dtype, acc = case
+    dtype = DTYPES[precision]
+    model = make_mlp(dtype=dtype)
+    opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, clip_grad=0.05,
+                        precision=precision, grad_reduce_dtype=grad_dtype, bucket_size_mb=TINY_BUCKET_MB)
+    norms = []
+    for step in range(MATRIX_STEPS):
+        x, y = global_batch(step, MATRIX_BATCH)
+        rows = MATRIX_BATCH // dp // acc
+        for mb in range(acc):
+            lo = (rank * acc + mb) * rows
+            opt.grad_sync.prepare(is_last_microbatch=mb == acc - 1)
+            (F.cross_entropy(model(x[lo : lo + rows].to(dtype)).float(), y[lo : lo + rows]) / acc).backward()
+        opt.grad_sync.finish()
+        info = opt.step()
+        assert not info.skipped
+        norms.append(info.grad_norm)
+        opt.zero_grad()
+    return max_rel_error(model, ref), norms
+
+
+def _matrix(rank, world_size, cases):
+    ps = ParallelState(Topology(1, 1, world_size)) if world_size > 1 else ParallelState.single_process()
+    ref, ref_norms = train_reference(MATRIX_STEPS, 0.05, batch=MATRIX_BATCH)
+    return {case: _train_case(ps, rank, world_size, case, ref) for case in cases}, ref_norms
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_every_stage_grad_dtype_and_accumulation_matches_torch_adamw(dp):
+    cases = matrix_cases()
+    results = [_matrix(0, 1, cases)] if dp == 1 else run_on_ranks(_matrix, dp, cases, timeout=180)
+    for rank, (per_case, ref_norms) in enumerate(results):
+        for (stage, precision, grad_dtype, acc), (err, norms) in per_case.items():
+            label = f"dp={dp} rank={rank} stage={stage} {precision}/grads {grad_dtype} acc={acc}"
+            if precision == "fp32":
+                assert err < 1e-5, f"{label}: rel. error {err:.2e}"
+                assert norms == pytest.approx(ref_norms, rel=1e-5), label
+            else:
+                assert err < BF16_PARAM_TOLERANCE, f"{label}: rel. error {err:.2e}"
+                assert norms == pytest.approx(ref_norms, rel=BF16_NORM_TOLERANCE), label
+
+
 @pytest.mark.parametrize("backend", ["torch", "auto"])  # auto: kernels.adamw.adamw_flat_ when present
 def test_single_process_matches_torch_adamw_without_clipping(backend):
     ps = ParallelState.single_process()
@@ -125,35 +184,39 @@ def _accumulate(rank, world_size, stage, reduce_scatter="reduce_scatter"):
     return max_rel_error(model, ref), dict(ps.comm_stats.calls)
 
 
-def _accumulate_both_modes(rank, world_size, stage):
-    return _accumulate(rank, world_size, stage), _accumulate(rank, world_size, stage, "all_reduce")
+def _accumulate_both_modes(rank, world_size, stages):
+    return {stage: (_accumulate(rank, world_size, stage), _accumulate(rank, world_size, stage, "all_reduce"))
+            for stage in stages}
 
 
-def test_gradient_accumulation_reduces_once_per_step():
-    results = run_on_ranks(_accumulate_both_modes, 2, 2, timeout=120)
-    for (err, calls), (err_ar, calls_ar) in results:
-        assert err < 1e-5 and err_ar < 1e-5
-        buckets = calls[("dp", "all_gather")] // 4
-        assert calls[("dp", "reduce_scatter")] == 4 * buckets  # once per bucket per step, not per microbatch
-        # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
-        assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets
+def test_gradient_accumulation_reduction_counts():
+    """Stage 1 reduces each bucket once per step (in the last backward); stage 2 once per
+    microbatch (its gradients never exist in full), as DeepSpeed's stage 2 does."""
+    results = run_on_ranks(_accumulate_both_modes, 2, (1, 2), timeout=120)
+    for per_stage in results:
+        for stage, ((err, calls), (err_ar, calls_ar)) in per_stage.items():
+            assert err < 1e-5 and err_ar < 1e-5, (stage, err, err_ar)
+            buckets = calls[("dp", "all_gather")] // 4
+            per_step = 1 if stage == 1 else 2
+            assert calls[("dp", "reduce_scatter")] == 4 * buckets * per_step, stage
+            # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
+            assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets * per_step
 
 
-@pytest.mark.parametrize(
-    "stage,match",
-    [(2, "arrived twice in one step"), (1, "arrived after its bucket's reduction started"),
-     (0, "arrived after its bucket's reduction started")],
-)
-def test_second_backward_without_prepare_fails_loudly(stage, match):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_second_backward_without_prepare_fails_loudly(stage):
     # Reductions start inside the last backward (bucket by bucket), so an unannounced
     # second backward would accumulate into buffers already being reduced.
     model = make_mlp()
     opt = ZeroOptimizer([model], ParallelState.single_process(), zero_stage=stage, lr=LR)
     x, y = global_batch(0)
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match=match + r"(.|\n)*prepare\(is_last_microbatch=False\)"):
+    match = r"arrived after its last microbatch's backward(.|\n)*prepare\(is_last_microbatch=False\)"
+    with pytest.raises(RuntimeError, match=match):
         F.cross_entropy(model(x), y).backward()
-    assert opt.grad_sync is not None
+    opt.grad_sync.finish()
+    with pytest.raises(RuntimeError, match=r"arrived after finish\(\)"):
+        F.cross_entropy(model(x), y).backward()
 
 
 @pytest.mark.parametrize(
@@ -167,6 +230,8 @@ def test_second_backward_without_prepare_fails_loudly(stage, match):
         (dict(zero_stage=1, clip_grad=0.0), r"optim.clip_grad=0.0 must be > 0"),
         (dict(zero_stage=1, fused_adamw_backend="cuda"), r"fused_adamw_backend='cuda' is not one of"),
         (dict(zero_stage=2, reduce_scatter="ring"), r"reduce_scatter='ring' is not one of \('auto', "),
+        (dict(zero_stage=2, grad_reduce_dtype="bf16"),
+         r"parallel.grad_reduce_dtype='bf16' must be 'fp32' or the training precision 'fp32'"),
     ],
 )
 def test_bad_settings_fail_fast(kwargs, match):

@@ -1,13 +1,16 @@
-"""Mixed precision: bf16 follows the fp32 loss curve; an fp16 overflow on one rank skips the step everywhere."""
+"""Mixed precision: bf16 follows the fp32 loss curve; an fp16 overflow on one rank skips the step everywhere;
+fp32 main grads beat bf16 accumulation; fp16 reductions at dp 8 average rather than overflow."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from models import build_model
 from models.config import ModelConfig
+from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
@@ -78,3 +81,124 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all_ranks():
         assert [i.loss_scale for i in infos] == [1024.0, 1024.0, 512.0, 512.0, 1024.0]
         assert not math.isfinite(infos[1].grad_norm)
     assert all(torch.equal(results[0][2], r[2]) for r in results), "ranks diverged"
+
+
+# ---- gradient numerics: fp32 main grads vs accumulating and reducing in bf16 ---------------------
+NUM_DP, NUM_ACC, NUM_BATCHES = 4, 8, 3
+GRAD_DTYPE_CASES = (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"))  # (precision, grad_reduce_dtype)
+
+
+def make_numerics_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 10)).to(dtype)
+
+
+def full_mean_grad(opt: ZeroOptimizer) -> torch.Tensor:
+    """The reduced (DP-mean) gradient of every parameter, in registration order, on every rank."""
+    layout = opt.layouts[0]
+    flat = torch.zeros(layout.numel)
+    for b in layout.buckets:
+        flat[b.piece_start : b.piece_start + b.piece_size] = opt.grad_sync.grad_piece(0, b).float()
+    comm.all_reduce(flat, opt.pstate, "dp")  # the pieces are disjoint (stage 2): the sum assembles them
+    by_name = {s.name: flat[s.start : s.end] for s in layout.slots}
+    return torch.cat([by_name[name] for name, _ in opt.named_params]) / opt.loss_scale
+
+
+def _reduced_grads(rank, world_size):
+    ps = ParallelState(Topology(1, 1, world_size))
+    out = {}
+    for precision, grad_dtype in GRAD_DTYPE_CASES:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+        model = make_numerics_model(dtype)
+        opt = ZeroOptimizer([model], ps, zero_stage=2, lr=1e-3, precision=precision, grad_reduce_dtype=grad_dtype,
+                            bucket_size_mb=2048 * dtype.itemsize / 2**20)
+        grads = []
+        for k in range(NUM_BATCHES):
+            for mb in range(NUM_ACC):
+                g = torch.Generator().manual_seed(10_000 * k + 100 * rank + mb)
+                x, y = torch.randn(4, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+                opt.grad_sync.prepare(is_last_microbatch=mb == NUM_ACC - 1)
+                (torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y) / NUM_ACC).backward()
+            opt.grad_sync.finish()
+            opt.grad_sync.complete()
+            grads.append(full_mean_grad(opt))
+            opt.zero_grad()
+        out[(precision, grad_dtype)] = grads
+    return out
+
+
+def test_bf16_fp32_main_grads_are_closer_to_fp32_than_bf16_accumulation():
+    """bf16 training, accumulation 8, dp 4: the reduced gradient with fp32 main grads (the default)
+    is closer to the fp32 run's than with accumulation and reduction in bf16."""
+    results = run_on_ranks(_reduced_grads, NUM_DP, timeout=120)
+    grads = results[0]
+    for r in results[1:]:  # every rank assembled the same full gradient
+        assert all(torch.equal(a, b) for key in grads for a, b in zip(grads[key], r[key]))
+    distances = {}
+    for key in GRAD_DTYPE_CASES[1:]:
+        distances[key[1]] = sum(float((g - ref).norm() / ref.norm())
+                                for g, ref in zip(grads[key], grads[("fp32", "fp32")])) / NUM_BATCHES
+    print(f"\nrelative L2 distance to the fp32 run's reduced gradient (bf16, acc {NUM_ACC}, dp {NUM_DP}): "
+          f"fp32 main grads {distances['fp32']:.3e}, bf16 accumulation {distances['bf16']:.3e}")
+    assert distances["fp32"] < distances["bf16"], distances
+
+
+# ---- fp16 at dp 8: the reduction divides before it sums ---------------------------------------------
+FP16_DP = 8
+FP16_MAX = 65504.0
+
+
+def _fp16_mean_not_sum(rank, world_size, cases):
+    """Per-rank gradients of ~2e4: their fp16 sum over 8 ranks (~1.6e5) overflows, their mean does not."""
+    ps = ParallelState(Topology(1, 1, world_size))
+    out = {}
+    for stage, grad_dtype in cases:
+        model = torch.nn.Linear(64, 1, bias=False).half()
+        torch.nn.init.zeros_(model.weight)  # the forward stays 0; dL/dW = x
+        opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=1e-3, precision="fp16", grad_reduce_dtype=grad_dtype,
+                            loss_scale_init=1.0)
+        x = torch.full((1, 64), 2e4 + 64 * rank, dtype=torch.float16)  # exact in fp16
+        model(x).float().sum().backward()
+        opt.grad_sync.complete()
+        values = torch.cat([opt.grad_sync.grad_piece(0, b).float()[: sum(s.length for s in b.segments)]
+                            for b in opt.layouts[0].buckets])
+        out[(stage, grad_dtype)] = (values, opt.step())
+    return out
+
+
+def test_fp16_reduction_at_dp8_averages_instead_of_overflowing():
+    cases = [(0, "fp16"), (1, "fp16"), (2, "fp16"), (2, "fp32")]
+    results = run_on_ranks(_fp16_mean_not_sum, FP16_DP, cases, timeout=120)
+    mean = sum(2e4 + 64 * r for r in range(FP16_DP)) / FP16_DP
+    assert FP16_DP * 2e4 > FP16_MAX > mean  # the test's premise
+    for per_case in results:
+        for case, (values, info) in per_case.items():
+            assert values.numel() > 0 and not info.skipped, case
+            assert torch.allclose(values, torch.full_like(values, mean), rtol=2e-3), (case, values)
+
+
+def _fp16_trains(rank, world_size, grad_dtype, steps):
+    ps = ParallelState(Topology(1, 1, world_size))
+    model = make_mlp(dtype=torch.float16)
+    opt = ZeroOptimizer([model], ps, zero_stage=2, lr=1e-2, precision="fp16", grad_reduce_dtype=grad_dtype,
+                        bucket_size_mb=40 * 2 / 2**20)  # default loss scale 2^16
+    infos = []
+    for step in range(steps):
+        x, y = global_batch(step, 2 * world_size)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        loss = torch.nn.functional.cross_entropy(model(x.half()).float(), y)
+        (loss * opt.loss_scale).backward()
+        infos.append(opt.step())
+        opt.zero_grad()
+    return infos, torch.cat([p.detach().flatten().float() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("grad_dtype", ["fp16", "fp32"])
+def test_fp16_loss_scaling_trains_at_dp8(grad_dtype):
+    results = run_on_ranks(_fp16_trains, FP16_DP, grad_dtype, 6, timeout=120)
+    infos = results[0][0]
+    applied = [not i.skipped for i in infos]
+    assert sum(applied) >= 3 and all(applied[-2:]), [(i.skipped, i.loss_scale) for i in infos]
+    assert all(math.isfinite(i.grad_norm) for i, ok in zip(infos, applied) if ok)
+    assert all(torch.equal(results[0][1], r[1]) for r in results), "ranks diverged"

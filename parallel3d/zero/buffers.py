@@ -12,13 +12,15 @@ Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
   contiguous piece ``[start + r*size/dp, start + (r+1)*size/dp)``. The rank's
   *shard* is the concatenation of its pieces over all buckets, in bucket order;
   fp32 master weights, Adam moments (and the stage-2 gradient shard) are flat
-  tensors in these shard coordinates.
+  tensors in these shard coordinates. Gradient buffers and staging buffers use
+  the same layout in the gradient dtype (fp32 main grads or the parameters').
 - With ``owner_count == 1`` (stage 0, plain data parallel) a rank owns every
   bucket whole; the layout, padding and collectives' sizes stay the same.
 
-Tied-embedding copies get buckets of their own: their gradient is summed over
-the ``embedding`` group before the DP reduction, so they cannot ride in a
-bucket that backward hooks reduce early.
+Tied-embedding copies get buckets of their own, after all others, so the first
+and last pipeline stage (same tp/dp coordinates) hold identical tied buckets and
+pieces: ``grad_sync`` sums their DP-reduced pieces element-wise over the
+``embedding`` group.
 """
 
 from __future__ import annotations

@@ -1,362 +1,213 @@
-"""Data-parallel gradient reduction for ZeRO stages 0, 1 and 2.
+"""The gradient-synchronisation interface shared by the ZeRO strategies.
 
 Contract with the pipeline engine (or a plain training loop): call
-``prepare(is_last_microbatch)`` before each backward and ``finish()`` after the
-step's last backward; ``ZeroOptimizer.step`` then calls ``complete()`` (which
-finishes if nobody did, handles tied embeddings and waits for every
-collective). Gradients are reduced once per step with SUM over the ``dp``
-group; the optimizer divides by ``dp`` (and the loss scale) afterwards.
+``prepare(is_last_microbatch)`` before each backward (True on the backward that
+completes a model chunk's accumulation: once per chunk with interleaved
+schedules; a plain loop without accumulation may skip it, True is the default)
+and ``finish()`` after the step's last backward. ``ZeroOptimizer.step`` then
+calls ``complete()`` (which finishes if nobody did, waits for every collective
+and sums tied embeddings), reads ``grad_piece`` and calls ``reset``.
 
-- Stage 0 / 1: every parameter's ``.grad`` is a view into a flat gradient
-  buffer (autograd accumulates into it in place). During the last microbatch's
-  backward a post-accumulate-grad hook counts each bucket's ready gradients and
-  starts its all-reduce (stage 0) or reduce-scatter (stage 1; each rank's piece
-  of the buffer then holds the reduced gradient it owns) asynchronously as soon
-  as the bucket is complete, overlapping with the rest of backward as DDP does;
-  ``finish`` launches whatever is left (e.g. buckets of unused parameters).
-- Stage 2: there is no full gradient buffer. During the last microbatch's
-  backward a post-accumulate-grad hook copies each gradient into its bucket's
-  staging buffer and drops ``.grad``; when a bucket is complete its
-  reduce-scatter starts asynchronously into the rank's gradient shard, so it
-  overlaps with the backward of earlier layers. Staging buffers are recycled
-  once their collective completes: normally two bucket-sized buffers exist.
-- opt-in, gloo only (``reduce_scatter="auto"``; the default is a true reduce-scatter
-  so stage 1/2 send exactly DDP's bytes): a bucket's reduce-scatter is done as an
-  in-place all-reduce of the full bucket, after which this rank keeps its piece.
-  gloo's ring all-reduce is ~2-3x faster than its reduce-scatter at bucket sizes
-  (2 ranks, 1 MiB: ~1.1 ms vs ~2-3 ms), although it moves twice the bytes; the
-  byte counters record the all-reduce that is actually sent. Same sums, same
-  result (the reduction order is the backend's either way). NCCL keeps the
-  reduce-scatter (where it is the cheaper collective).
-- Tied-embedding copies sit in their own buckets, outside the hooks:
-  ``complete`` first sums their gradient over the ``embedding`` group (a
-  cross-stage collective, so not in ``finish``), then reduces them.
+Invariants every strategy keeps:
+- After ``complete``, ``grad_piece(g, b)`` is the *DP mean* of this rank's
+  piece of bucket ``b`` (times the loss scale): ``reduction.BucketReducer``
+  divides by dp right before each collective; nobody else does.
+- Gradients live in the gradient dtype: fp32 ("main grads", the default with
+  bf16/fp16 parameters: every microbatch's half-precision ``.grad`` is added
+  into fp32 by a post-accumulate-grad hook and dropped) or the parameter dtype
+  (``grad_reduce_dtype`` equal to the precision: half the bytes; with fp32
+  training this is the zero-copy path where ``.grad`` is a buffer view).
+- Collectives are launched from gradient hooks in backward order and by
+  ``finish`` in bucket order; every DP rank runs the same model and schedule,
+  so it produces the same gradients in the same order (as DDP assumes) and the
+  collectives match. ``finish`` uses only the ``dp`` group; the one cross-stage
+  collective (the tied-embedding sum over ``embedding``) runs in ``complete``,
+  because the engine calls ``finish`` before its last pipeline sends.
+- A gradient that arrives after its parameter's last microbatch (a backward
+  without ``prepare(False)`` before it) raises instead of being lost.
+
+Strategies: ``ReplicatedGradSync`` (stages 0/1, ``grad_replicated``) and
+``ShardedGradSync`` (stage 2, ``grad_sharded``), sharing ``buffers``' layout.
+
+Tied embeddings (pp > 1): the first and last stage each hold a copy in buckets
+of their own; both strategies reduce them over dp like any other bucket, and
+``complete`` then all-reduces just this rank's reduced piece over the
+``embedding`` group (the sum is linear, so the order does not matter). Both
+ends have the same tp/dp coordinates and the same tied parameters, hence the
+same tied bucket sizes and pieces; ``complete`` checks that once.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable
+from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero.buffers import Bucket, FlatBuffer, ParamSlot, shard_slice
+from parallel3d.zero.buffers import Bucket, FlatBuffer
+from parallel3d.zero.memory import MemoryTracker
+from parallel3d.zero.reduction import BucketReducer, PendingCollectives
+from parallel3d.zero.staging import MAX_STAGING_BUFFERS
 
-MAX_STAGING_BUFFERS = 2
+__all__ = ["GradSync", "MAX_STAGING_BUFFERS", "REDUCE_SCATTER_MODES"]
+
+# "reduce_scatter" (default): a true reduce-scatter, so stages 1-2 send exactly DDP's bytes.
+# "auto" (opt-in, gloo only): an in-place all-reduce of the whole bucket, after which this rank
+# keeps its piece. gloo's ring all-reduce is ~2-3x faster than its reduce-scatter at bucket sizes
+# (2 ranks, 1 MiB: ~1.1 ms vs ~2-3 ms) though it moves twice the bytes (counted as sent). NCCL
+# keeps the reduce-scatter. "all_reduce" forces the all-reduce on any backend.
 REDUCE_SCATTER_MODES = ("auto", "reduce_scatter", "all_reduce")
 
 
-def _sync_tied(modules: list[torch.nn.Module], tied: list[torch.nn.Parameter], pstate: ParallelState) -> None:
-    """Sum tied-embedding gradients over the embedding group (pipeline's helper when it exists)."""
-    if not tied:
-        return
-    try:
-        from parallel3d.pipeline.tied import sync_tied_embedding_grads
-    except ImportError:
-        sync_tied_embedding_grads = None
-    if sync_tied_embedding_grads is not None:
-        sync_tied_embedding_grads(modules, pstate)
-        return
-    for p in tied:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        comm.all_reduce(p.grad, pstate, "embedding")
+class GradSync(ABC):
+    """Reduces the gradients of the parameters in ``params_bufs`` (one FlatBuffer per dtype) over dp.
 
+    ``grad_dtype``: dtype gradients are accumulated and reduced in. ``memory`` receives
+    this object's allocations (``gradients``, ``buckets``) and transient ``.grad`` bytes.
+    """
 
-class GradSync:
-    """Reduces gradients of the parameters in ``params_bufs`` (one FlatBuffer per dtype)."""
-
-    def __init__(
-        self,
-        modules: list[torch.nn.Module],
-        params_bufs: list[FlatBuffer],
-        pstate: ParallelState,
-        zero_stage: int,
-        reduce_scatter: str = "reduce_scatter",
-    ) -> None:
+    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
+                 grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"reduce_scatter={reduce_scatter!r} is not one of {REDUCE_SCATTER_MODES}")
         self.modules = modules
         self.params_bufs = params_bufs
         self.pstate = pstate
-        self.stage = zero_stage
-        self._rs_as_all_reduce = reduce_scatter == "all_reduce" or (
-            reduce_scatter == "auto" and comm.group_size(pstate, "dp") > 1
-            and dist.get_backend(pstate.group("dp")) == "gloo"
+        self.grad_dtype = grad_dtype
+        self.memory = memory
+        self.dp = comm.group_size(pstate, "dp")
+        as_all_reduce = reduce_scatter == "all_reduce" or (
+            reduce_scatter == "auto" and self.dp > 1 and dist.get_backend(pstate.group("dp")) == "gloo"
         )
-        self._dp_rank = comm.group_rank(pstate, "dp")
+        self.pending = PendingCollectives()
+        self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending, memory=memory,
+                                     max_temporaries=MAX_STAGING_BUFFERS)
+        self._where: dict[int, tuple[int, Bucket, int]] = {}  # id(param) -> (group, bucket, slot index)
+        self._tied: list[tuple[int, Bucket]] = []
+        self._tied_checked = False
+        self._hooks = []
+        for g, pb in enumerate(params_bufs):
+            for b in pb.layout.buckets:
+                if b.tied:
+                    self._tied.append((g, b))
+                for i, s in enumerate(b.slots):
+                    self._where[id(s.param)] = (g, b, i)
+                    self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook))
         self._is_last = True
         self._finished = False
         self._completed = False
-        self._pending: deque[tuple[object, Callable[[], None]]] = deque()
-        self.grad_bufs: list[FlatBuffer] = []
-        self.grad_shards: list[torch.Tensor] = []
-        self._staging_free: list[torch.Tensor] = []
-        self._staging_all: list[torch.Tensor] = []
-        self._hooks = []
-        self._tied = [s.param for pb in params_bufs for s in pb.layout.slots if s.tied]
-        self._where: dict[int, tuple[int, Bucket, ParamSlot]] = {}
-        for g, pb in enumerate(params_bufs):
-            if zero_stage in (0, 1):
-                self.grad_bufs.append(FlatBuffer(pb.layout, pb.data.dtype, pb.data.device))
-            else:
-                self.grad_shards.append(torch.zeros(pb.layout.shard_numel, dtype=pb.data.dtype, device=pb.data.device))
-            for b in pb.layout.buckets:
-                for s in b.slots:
-                    self._where[id(s.param)] = (g, b, s)
-                    if not s.tied:
-                        self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        if zero_stage in (0, 1):
-            self._attach_grad_views()
-            self._reset_stage01()
-        else:
-            self._reset_stage2()
+        self._closed: set[int] = set()  # params whose last microbatch's gradient has arrived this step
 
     # ---- engine-facing API ---------------------------------------------------------
     def prepare(self, is_last_microbatch: bool) -> None:
-        """Called before each backward; only the last microbatch's backward reduces (stage 2)."""
+        """Before each backward: whether it completes its chunk's gradient accumulation."""
         self._is_last = bool(is_last_microbatch)
 
     def finish(self) -> None:
-        """Start the reduction of every bucket not started yet, except tied-embedding ones.
-
-        It only launches collectives on this rank's ``dp`` group (whose members run the
-        same schedule), never on a group that spans pipeline stages: the engine calls
-        it before its last sends, so a cross-stage collective here could deadlock.
-        """
+        """Start the reduction of whatever is left (``dp`` group only; safe before pipeline sends)."""
         if self._finished:
             return
-        if self.stage == 2:
-            for g, pb in enumerate(self.params_bufs):
-                for b in pb.layout.buckets:
-                    if not b.tied and not self._launched[(g, b.index)]:
-                        self._launch_stage2(g, b, fill_missing=True)
-        else:
-            self._attach_grad_views()
-            for gb in self.grad_bufs:
-                for b in gb.layout.buckets:
-                    if not b.tied and (id(gb), b.index) not in self._launched01:
-                        self._launch_stage01(gb, b)
+        self._launch_leftovers()
         self._finished = True
 
     def complete(self) -> None:
-        """``finish``, then sum tied embeddings over the embedding group, reduce them, and wait for all.
-
-        Called by ``ZeroOptimizer.step`` after the pipeline step has returned.
-        """
+        """``finish``, wait for every collective, sum tied embeddings over ``embedding``. Idempotent per step."""
         if self._completed:
             return
         self.finish()
-        _sync_tied(self.modules, self._tied, self.pstate)
-        if self.stage == 2:
-            for g, pb in enumerate(self.params_bufs):
-                for b in pb.layout.buckets:
-                    if b.tied:
-                        self._launch_stage2(g, b, fill_missing=True)
-        else:
-            for gb in self.grad_bufs:
-                for b in gb.layout.buckets:
-                    if b.tied:
-                        self._launch_stage01(gb, b)
-        self._drain()
+        self.pending.drain()
+        self._sum_tied()
         self._completed = True
 
-    # ---- what the optimizer reads ------------------------------------------------------
-    def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
-        """The DP-summed gradient of the piece of ``bucket`` this rank owns (after ``complete``)."""
-        if self.stage == 2:
-            return shard_slice(self.grad_shards[group], bucket)
-        return self.grad_bufs[group].piece_view(bucket)
-
     def reset(self) -> None:
-        """Start a new step (the previous step's reduced gradients are consumed)."""
+        """Start a new step (the previous step's reduced gradients have been consumed)."""
+        self.pending.drain()  # nothing may still write into buffers the next step reuses
+        self._is_last = True
         self._finished = False
         self._completed = False
-        self._is_last = True
-        if self.stage == 2:
-            self._reset_stage2()
-        else:
-            self._reset_stage01()
+        self._closed = set()
+        self._reset_step()
 
     def zero_grad(self) -> None:
         self.reset()
-        if self.stage == 2:
-            for pb in self.params_bufs:
-                for s in pb.layout.slots:
-                    s.param.grad = None
-        else:
-            for gb in self.grad_bufs:
-                gb.data.zero_()
-            self._attach_grad_views()
-
-    def staging_buffers(self) -> list[torch.Tensor]:
-        return list(self._staging_all)
+        self._zero_grads()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
 
-    # ---- stages 0 and 1 --------------------------------------------------------------
-    def _attach_grad_views(self) -> None:
-        """Make each ``.grad`` the buffer view again (someone may have set it to None or replaced it)."""
-        with torch.no_grad():
-            for gb in self.grad_bufs:
-                for s in gb.layout.slots:
-                    view = gb.view_of(s)
-                    g = s.param.grad
-                    if g is None or g.data_ptr() != view.data_ptr():
-                        if g is None:
-                            view.zero_()
-                        else:
-                            view.copy_(g)
-                        s.param.grad = view
+    # ---- what the optimizer reads ------------------------------------------------------
+    @abstractmethod
+    def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
+        """The DP-mean gradient of the piece of ``bucket`` this rank owns (valid after ``complete``)."""
 
-    def _reset_stage01(self) -> None:
-        self._ready01: dict[tuple[int, int], int] = {}
-        self._launched01: set[tuple[int, int]] = set()
+    @abstractmethod
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The persistent gradient storage (buffers or shards), for ``memory_bytes``."""
 
-    def _on_grad_ready01(self, param: torch.nn.Parameter) -> None:
-        """In the last microbatch's backward, reduce a bucket as soon as all its gradients are in.
+    def staging_buffers(self) -> list[torch.Tensor]:
+        return []
 
-        This is what overlaps the DP reduction of bucket k with the backward of the
-        layers before it (buckets are laid out in backward order).
-        """
-        if not self._is_last or self._finished:
-            return
-        g, b, s = self._where[id(param)]
-        gb = self.grad_bufs[g]
-        key = (id(gb), b.index)
-        if key in self._launched01:
+    # ---- strategy hooks ----------------------------------------------------------------
+    @abstractmethod
+    def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
+        """``param.grad`` holds a new contribution (slot ``bucket.slots[index]``)."""
+
+    @abstractmethod
+    def _launch_leftovers(self) -> None:
+        """Called once by ``finish``: launch every reduction not started yet, in bucket order."""
+
+    @abstractmethod
+    def _reset_step(self) -> None: ...
+
+    @abstractmethod
+    def _zero_grads(self) -> None: ...
+
+    # ---- shared machinery -------------------------------------------------------------
+    def _hook(self, param: torch.nn.Parameter) -> None:
+        g, b, i = self._where[id(param)]
+        if self._finished or id(param) in self._closed:
+            when = "finish()" if self._finished else "its last microbatch's backward"
             raise RuntimeError(
-                f"ZeRO stage {self.stage}: gradient of {s.name} arrived after its bucket's reduction started; "
-                f"with gradient accumulation call grad_sync.prepare(is_last_microbatch=False) before all but "
-                f"the last backward"
+                f"ZeRO: gradient of {b.slots[i].name} arrived after {when} in this step (its bucket may "
+                f"already be reducing); with gradient accumulation call "
+                f"grad_sync.prepare(is_last_microbatch=False) before all but the last backward"
             )
-        view = gb.view_of(s)
-        if param.grad is not view and param.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():  # autograd replaced the buffer view: put the sum back into it
-                view.copy_(param.grad)
-            param.grad = view
-        self._ready01[key] = self._ready01.get(key, 0) + 1
-        if self._ready01[key] == len(b.slots):
-            self._launch_stage01(gb, b)
+        if self._is_last:
+            self._closed.add(id(param))
+        self._on_grad_ready(g, b, i, param)
 
-    def _launch_stage01(self, gb: FlatBuffer, b: Bucket) -> None:
-        self._launched01.add((id(gb), b.index))
-        full = gb.bucket_view(b)
-        if self.stage == 0:
-            work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
-            self._pending.append((work, lambda: None))
+    def _sum_tied(self) -> None:
+        """Sum the reduced tied-embedding pieces over the ``embedding`` group (first + last stage)."""
+        if not self.pstate.in_embedding_group or comm.group_size(self.pstate, "embedding") == 1:
             return
-        if self._rs_as_all_reduce:  # the piece this rank owns lies inside `full`: nothing to copy
-            work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
-            self._pending.append((work, lambda: None))
-            return
-        # gloo's reduce-scatter must not write into its own input: land in a temporary, then copy.
-        out = torch.empty(b.piece_size, dtype=full.dtype, device=full.device)
-        work = comm.reduce_scatter_tensor(out, full, self.pstate, "dp", async_op=True)
-        piece = gb.piece_view(b)
-        self._pending.append((work, lambda: piece.copy_(out)))
+        if not self._tied_checked:  # also when this end has no tied buckets: the other end must not either
+            self._check_tied_layout()
+            self._tied_checked = True
+        works = [comm.all_reduce(self.grad_piece(g, b), self.pstate, "embedding", async_op=True) for g, b in self._tied]
+        for w in works:
+            if w is not None:
+                w.wait()
 
-    # ---- stage 2 ---------------------------------------------------------------------
-    def _reset_stage2(self) -> None:
-        self._filled: set[int] = set()
-        self._count: dict[tuple[int, int], int] = {}
-        self._staging: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (bucket view, base)
-        self._launched = {(g, b.index): False for g, pb in enumerate(self.params_bufs) for b in pb.layout.buckets}
-
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if self.stage != 2:
-            self._on_grad_ready01(param)
-            return
-        if not self._is_last:
-            return
-        g, b, s = self._where[id(param)]
-        if id(param) in self._filled:
+    def _check_tied_layout(self) -> None:
+        """Both ends must hold identical tied buckets and pieces, or the element-wise sum is wrong."""
+        sig = [len(self._tied), 0, 0, 0, 0]
+        for k, (_, b) in enumerate(self._tied, start=1):
+            sig[1] += len(b.slots)
+            sig[2] += k * b.used
+            sig[3] += k * b.size
+            sig[4] += k * (b.piece_start - b.start)
+        device = self.params_bufs[0].data.device
+        hi = torch.tensor(sig, dtype=torch.int64, device=device)
+        lo = hi.clone()
+        comm.all_reduce(hi, self.pstate, "embedding", op=dist.ReduceOp.MAX)
+        comm.all_reduce(lo, self.pstate, "embedding", op=dist.ReduceOp.MIN)
+        if not torch.equal(hi, lo):
             raise RuntimeError(
-                f"ZeRO stage 2: gradient of {s.name} arrived twice in one step; with gradient accumulation "
-                f"call grad_sync.prepare(is_last_microbatch=False) before all but the last backward"
+                f"rank {self.pstate.rank}: the tied-embedding buckets differ between the first and last "
+                f"pipeline stage (signature min {lo.tolist()} vs max {hi.tolist()}); both ends must hold the "
+                f"same tied parameters"
             )
-        stage = self._staging_for(g, b)
-        with torch.no_grad():
-            stage[s.start - b.start : s.end - b.start].copy_(param.grad.reshape(-1))
-        param.grad = None  # the full gradient does not outlive its bucket
-        self._filled.add(id(param))
-        key = (g, b.index)
-        self._count[key] = self._count.get(key, 0) + 1
-        if self._count[key] == len(b.slots):
-            self._launch_stage2(g, b, fill_missing=False)
-
-    def _staging_for(self, g: int, b: Bucket) -> torch.Tensor:
-        key = (g, b.index)
-        if key not in self._staging:
-            self._reap(block=False)
-            # Double buffering: fill one bucket while the previous one is reduced; beyond two
-            # buffers, wait for the oldest collective rather than allocate (unless none is in flight).
-            if not self._staging_free and self._pending and len(self._staging_all) >= MAX_STAGING_BUFFERS:
-                self._reap(block=True)
-            dtype = self.params_bufs[g].data.dtype
-            free = [t for t in self._staging_free if t.dtype == dtype]
-            if free:
-                buf = free[0]
-                self._staging_free.remove(buf)
-            else:
-                buf = torch.empty(self.params_bufs[g].layout.max_bucket_size, dtype=dtype,
-                                  device=self.params_bufs[g].data.device)
-                self._staging_all.append(buf)
-            view = buf[: b.size]
-            view[b.used :].zero_()  # padding
-            self._staging[key] = (view, buf)
-        return self._staging[key][0]
-
-    def _launch_stage2(self, g: int, b: Bucket, fill_missing: bool) -> None:
-        stage = self._staging_for(g, b)
-        if fill_missing:
-            with torch.no_grad():
-                for s in b.slots:
-                    if id(s.param) in self._filled:
-                        continue
-                    dst = stage[s.start - b.start : s.end - b.start]
-                    if s.param.grad is None:
-                        dst.zero_()  # an unused parameter contributes nothing
-                    else:
-                        dst.copy_(s.param.grad.reshape(-1))
-                        s.param.grad = None
-                    self._filled.add(id(s.param))
-        self._launched[(g, b.index)] = True
-        out = shard_slice(self.grad_shards[g], b)
-        _, base = self._staging.pop((g, b.index))
-        if self._rs_as_all_reduce:
-            work = comm.all_reduce(stage, self.pstate, "dp", async_op=True)
-            mine = stage[self._dp_rank * b.piece_size : (self._dp_rank + 1) * b.piece_size]
-
-            def done() -> None:
-                out.copy_(mine)
-                self._staging_free.append(base)
-
-            self._pending.append((work, done))
-            return
-        work = comm.reduce_scatter_tensor(out, stage, self.pstate, "dp", async_op=True)
-        self._pending.append((work, lambda: self._staging_free.append(base)))
-
-    # ---- completion ------------------------------------------------------------------
-    def _reap(self, block: bool) -> None:
-        """Complete finished collectives (or the oldest one, if ``block``)."""
-        while self._pending:
-            work, done = self._pending[0]
-            if work is not None and not block and not work.is_completed():
-                return
-            if work is not None:
-                work.wait()
-            done()
-            self._pending.popleft()
-            if block:
-                return
-
-    def _drain(self) -> None:
-        while self._pending:
-            self._reap(block=True)

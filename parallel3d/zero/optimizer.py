@@ -1,22 +1,37 @@
 """``ZeroOptimizer``: AdamW over DP-sharded flat buffers (ZeRO stages 0, 1 and 2).
 
-Who holds what, per rank (Ψ = this model-parallel rank's parameter count, N = dp):
+Who holds what, per rank, at the peak of a step (Ψ = this model-parallel rank's
+parameter count, N = dp, g = bytes per gradient element: 4 for fp32 main grads,
+the default, or 2 with ``grad_reduce_dtype`` equal to bf16/fp16):
 
-| stage | model weights | gradients        | fp32 master + Adam moments |
-|-------|---------------|------------------|----------------------------|
-| 0     | Ψ (all)       | Ψ (flat buffer)  | Ψ (replicated)             |
-| 1     | Ψ (all)       | Ψ (flat buffer)  | Ψ/N (own shard)            |
-| 2     | Ψ (all)       | Ψ/N (own shard)  | Ψ/N (own shard)            |
+| stage | model weights | gradients (g bytes each)         | fp32 master + Adam moments |
+|-------|---------------|----------------------------------|----------------------------|
+| 0     | Ψ (all)       | Ψ (flat buffer)                  | Ψ (replicated)             |
+| 1     | Ψ (all)       | Ψ (flat buffer)                  | Ψ/N (own shard)            |
+| 2     | Ψ (all)       | Ψ/N (own shard), every microbatch | Ψ/N (own shard)           |
 
-plus, for stage 2, a few bucket-sized staging buffers. With ``precision=fp32``
-the parameters are their own master weights (no extra copy). Parameters stay in
-the model's dtype as views into one flat buffer per dtype (see ``buffers``).
+In bytes with mixed precision and stage 2: 2Ψ + gΨ/N + 12Ψ/N, plus the
+``buckets`` (a few staging buffers of one bucket in the gradient dtype, and
+in-flight reduce-scatter outputs of 1/N of a bucket) and the one ``.grad`` a
+hook is consuming. With ``precision=fp32`` the parameters are their own master
+weights (no extra copy) and ``.grad`` is a view of the gradient buffer (stages
+0/1). Parameters stay in the model's dtype as views into one flat buffer per
+dtype (see ``buffers``). ``memory_bytes`` reports what is held now,
+``memory_peak_bytes`` the high-water mark since ``reset_memory_peak`` (running
+counts updated at every allocation and inside the gradient hooks, ``memory``).
 
-A step: finish the gradient reduction (``GradSync``) -> scale by
-``1/(dp*loss_scale)`` -> global norm (TP/PP/DP, ``clip``) -> skip on every rank
-if it is not finite (fp16 overflow) -> clip -> AdamW on the owned shard ->
-write the shard back into the parameters and all-gather them (stages 1-2),
-bucket by bucket. Communication equals DDP's: reduce-scatter + all-gather.
+Gradient reduction (``grad_sync``: ``ReplicatedGradSync`` for stages 0/1,
+``ShardedGradSync`` for stage 2): accumulated over microbatches and reduced over
+dp in the gradient dtype, each bucket divided by dp right before its collective,
+so ``grad_piece`` is already the DP mean. Stage 0/1 reduce once per step (in the
+last backward); stage 2 reduce-scatters each bucket in every backward.
+
+A step: wait for the reduction -> scale by ``1/loss_scale`` -> global norm
+(TP/PP/DP, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
+-> clip -> AdamW on the owned shard -> write the shard back into the parameters
+and all-gather them (stages 1-2), bucket by bucket. Communication per step equals
+DDP's (reduce-scatter + all-gather) for stages 0/1 and for stage 2 without
+accumulation; stage 2 sends one reduce-scatter per microbatch.
 """
 
 from __future__ import annotations
@@ -33,13 +48,28 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.zero import clip
 from parallel3d.zero.adamw import resolve_backend
 from parallel3d.zero.buffers import BufferLayout, FlatBuffer, shard_slice
+from parallel3d.zero.grad_replicated import ReplicatedGradSync
+from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
+from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker, nbytes
 from parallel3d.zero.precision import LossScaler, precision_dtype
 
 log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2)
-MEMORY_CATEGORIES = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets")
+__all__ = ["MEMORY_CATEGORIES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer", "make_grad_sync"]
+
+
+def make_grad_sync(modules: list[torch.nn.Module], param_bufs: list[FlatBuffer], pstate: ParallelState, *,
+                   zero_stage: int, grad_dtype: torch.dtype, reduce_scatter: str,
+                   memory: MemoryTracker) -> GradSync:
+    """The gradient-synchronisation strategy of ``zero_stage``."""
+    common = dict(grad_dtype=grad_dtype, reduce_scatter=reduce_scatter, memory=memory)
+    if zero_stage in (0, 1):
+        return ReplicatedGradSync(modules, param_bufs, pstate, zero_stage=zero_stage, **common)
+    if zero_stage == 2:
+        return ShardedGradSync(modules, param_bufs, pstate, **common)
+    raise ValueError(f"no gradient synchronisation for ZeRO stage {zero_stage}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +100,10 @@ class ZeroOptimizer:
     ``reduce_scatter``: how stages 1-2 reduce a bucket: "reduce_scatter" (default; ZeRO's
     volume, equal to DDP's), or "auto" (opt-in: an all-reduce on gloo, where it is the
     faster collective though it sends more bytes, else a reduce-scatter; see ``grad_sync``).
+    ``grad_reduce_dtype``: "fp32" (default: fp32 main grads, accumulated and reduced in fp32)
+    or the training precision ("bf16"/"fp16": half the gradient bytes and bandwidth).
+    ``bucket_size_mb`` sizes buckets in parameter-dtype bytes (fp32 staging buffers of a
+    bf16 model are twice that).
     """
 
     def __init__(
@@ -107,6 +141,9 @@ class ZeroOptimizer:
             raise ValueError(f"AdamW hyper-parameters out of range: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         dtype = precision_dtype(precision)
+        if grad_reduce_dtype not in ("fp32", precision):
+            raise ValueError(f"parallel.grad_reduce_dtype={grad_reduce_dtype!r} must be 'fp32' or the training "
+                             f"precision {precision!r}")
         named = _named_params(modules)
         if not named:
             raise ValueError("ZeroOptimizer: the modules have no trainable parameters")
@@ -141,9 +178,14 @@ class ZeroOptimizer:
             count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
         )
         device = named[0][1].device
+        self.memory = MemoryTracker(MEMORY_CATEGORIES)
         self.param_bufs = [FlatBuffer(layout, dtype, device)]
         self.param_bufs[0].adopt_params()
-        self.grad_sync = GradSync(modules, self.param_bufs, pstate, zero_stage, reduce_scatter=reduce_scatter)
+        self.memory.add("model_weights", sum(nbytes(pb.data) for pb in self.param_bufs))
+        self.grad_sync: GradSync = make_grad_sync(
+            modules, self.param_bufs, pstate, zero_stage=zero_stage, grad_dtype=precision_dtype(grad_reduce_dtype),
+            reduce_scatter=reduce_scatter, memory=self.memory,
+        )
         # fp32 master weights of the owned shard (the parameters themselves when training in fp32).
         self.masters: list[torch.Tensor | None] = []
         self.exp_avgs: list[torch.Tensor] = []
@@ -159,6 +201,8 @@ class ZeroOptimizer:
                 self.masters.append(master)
             self.exp_avgs.append(torch.zeros(n, dtype=torch.float32, device=device))
             self.exp_avg_sqs.append(torch.zeros(n, dtype=torch.float32, device=device))
+        self.memory.add("master_weights", sum(nbytes(m) for m in self.masters if m is not None))
+        self.memory.add("optimizer_moments", sum(nbytes(t) for t in self.exp_avgs + self.exp_avg_sqs))
 
     # ---- public API ----------------------------------------------------------------
     @property
@@ -188,7 +232,7 @@ class ZeroOptimizer:
         self.grad_sync.complete()
         lr = self.current_lr()
         used_scale = self.scaler.scale
-        inv = 1.0 / (self.dp * used_scale)
+        inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
         local_sq = torch.zeros((), dtype=torch.float32, device=self.param_bufs[0].data.device)
         for g, pb in enumerate(self.param_bufs):
             for b in pb.layout.buckets:
@@ -242,8 +286,20 @@ class ZeroOptimizer:
             if w is not None:
                 w.wait()
 
+    def memory_peak_bytes(self) -> dict[str, int]:
+        """The most bytes held per category since construction or ``reset_memory_peak``.
+
+        Includes what ``memory_bytes`` cannot see after the fact: the ``.grad`` a gradient hook
+        is consuming and reduce-scatter outputs in flight (``buckets``). Each category has its
+        own high-water mark (their sum can exceed the peak of the total)."""
+        return dict(self.memory.peak)
+
+    def reset_memory_peak(self) -> None:
+        """Restart the high-water marks from what is held now."""
+        self.memory.reset_peak()
+
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds per category, summed over distinct tensor storages."""
+        """Bytes this rank holds now per category, summed over distinct tensor storages."""
         seen: set[int] = set()
 
         def size(tensors) -> int:
@@ -260,8 +316,7 @@ class ZeroOptimizer:
 
         params = [s.param for pb in self.param_bufs for s in pb.layout.slots]
         out = {"model_weights": size([pb.data for pb in self.param_bufs] + params)}
-        out["gradients"] = size([gb.data for gb in self.grad_sync.grad_bufs] + self.grad_sync.grad_shards
-                                + [p.grad for p in params])
+        out["gradients"] = size(self.grad_sync.gradient_tensors() + [p.grad for p in params])
         out["master_weights"] = size(self.masters)
         out["optimizer_moments"] = size(self.exp_avgs + self.exp_avg_sqs)
         out["buckets"] = size(self.grad_sync.staging_buffers())

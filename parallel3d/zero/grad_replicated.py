@@ -1,0 +1,141 @@
+"""ZeRO stages 0 and 1: a full-size gradient buffer on every rank, reduced once per step.
+
+Every rank holds the gradient of every parameter in one flat buffer per dtype
+group (``buffers`` layout), so gradient memory is Ψ elements of the gradient
+dtype whatever the accumulation. Two ways gradients get there:
+
+- zero-copy (gradient dtype == parameter dtype, e.g. fp32 training): each
+  ``.grad`` is a view into the buffer and autograd accumulates in place.
+- fp32 main grads (bf16/fp16 parameters, ``grad_reduce_dtype="fp32"``): a
+  post-accumulate-grad hook adds each microbatch's half-precision ``.grad``
+  into the fp32 buffer and drops it, so the sum over microbatches is fp32.
+
+During the backward that completes a parameter's accumulation
+(``prepare(True)``) the hook also counts its bucket's ready gradients and starts
+the bucket's reduction as soon as it is complete: an all-reduce (stage 0) or a
+reduce-scatter into this rank's piece of the buffer (stage 1), overlapping with
+the backward of the layers before it (buckets are in backward order), as DDP
+does. ``finish`` launches the rest (e.g. buckets of unused parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.buffers import Bucket, FlatBuffer
+from parallel3d.zero.grad_sync import GradSync
+from parallel3d.zero.memory import MemoryTracker, nbytes
+
+
+class ReplicatedGradSync(GradSync):
+    """Stages 0/1. ``grad_bufs[g]`` has ``params_bufs[g]``'s layout in the gradient dtype; after
+    ``complete`` the pieces this rank owns (stage 0: everything) hold the DP-mean gradient."""
+
+    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
+                 zero_stage: int, grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
+        if zero_stage not in (0, 1):
+            raise ValueError(f"ReplicatedGradSync serves ZeRO stages 0 and 1, not {zero_stage}")
+        super().__init__(modules, params_bufs, pstate, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter,
+                         memory=memory)
+        self.stage = zero_stage
+        self.grad_bufs = [FlatBuffer(pb.layout, grad_dtype, pb.data.device) for pb in params_bufs]
+        for gb in self.grad_bufs:
+            memory.add("gradients", nbytes(gb.data))
+        self.zero_copy = all(pb.data.dtype == grad_dtype for pb in params_bufs)
+        # Each slot's view of the gradient buffer, by (group, bucket index, slot index).
+        self._views = {(g, b.index, i): gb.view_of(s) for g, gb in enumerate(self.grad_bufs)
+                       for b in gb.layout.buckets for i, s in enumerate(b.slots)}
+        self._reset_step()
+        if self.zero_copy:
+            self._attach_grad_views()
+
+    def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
+        return self.grad_bufs[group].piece_view(bucket)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [gb.data for gb in self.grad_bufs]
+
+    # ---- strategy hooks ----------------------------------------------------------------
+    def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
+        self._absorb(group, bucket, index, param)
+        if not self._is_last:
+            return
+        # The base class lets each parameter through once with is_last, so the count is exact.
+        key = (group, bucket.index)
+        self._ready[key] = self._ready.get(key, 0) + 1
+        if self._ready[key] == len(bucket.slots):
+            self._launch(group, bucket)
+
+    def _launch_leftovers(self) -> None:
+        for g, gb in enumerate(self.grad_bufs):
+            for b in gb.layout.buckets:
+                launched = (g, b.index) in self._launched
+                for i, s in enumerate(b.slots):
+                    grad = s.param.grad
+                    if grad is None or grad.data_ptr() == self._views[(g, b.index, i)].data_ptr():
+                        continue
+                    if launched:
+                        raise RuntimeError(f"ZeRO: {s.name}.grad was replaced after its bucket's reduction started")
+                    self._absorb(g, b, i, s.param)  # a .grad set outside backward
+                if not launched:
+                    self._launch(g, b)
+
+    def _reset_step(self) -> None:
+        self._ready: dict[tuple[int, int], int] = {}
+        self._launched: set[tuple[int, int]] = set()
+
+    @torch.no_grad()
+    def _zero_grads(self) -> None:
+        for gb in self.grad_bufs:
+            gb.data.zero_()
+        if self.zero_copy:
+            self._attach_grad_views()
+        else:
+            for gb in self.grad_bufs:
+                for s in gb.layout.slots:
+                    s.param.grad = None
+
+    # ---- internals ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _absorb(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
+        """Bring ``param.grad`` into the buffer (a no-op when it already is the buffer view)."""
+        view = self._views[(group, bucket.index, index)]
+        grad = param.grad
+        if grad.data_ptr() == view.data_ptr():
+            return
+        self.memory.transient("gradients", nbytes(grad))
+        if self.zero_copy:  # autograd (or the caller) replaced the view: its tensor holds the sum
+            view.copy_(grad)
+            param.grad = view
+        else:  # main grads: accumulate the half-precision contribution in the buffer's dtype
+            view.add_(grad)
+            param.grad = None
+
+    def _launch(self, group: int, bucket: Bucket) -> None:
+        self._launched.add((group, bucket.index))
+        gb = self.grad_bufs[group]
+        full = gb.bucket_view(bucket)
+        if self.stage == 0:
+            self.reducer.all_reduce(full)
+        else:  # this rank's piece lies inside `full`: the reducer lands it via a temporary
+            self.reducer.reduce_scatter(full, gb.piece_view(bucket), accumulate=False)
+
+    @torch.no_grad()
+    def _attach_grad_views(self) -> None:
+        """Make each ``.grad`` the buffer view again (someone may have set it to None or replaced it)."""
+        for g, gb in enumerate(self.grad_bufs):
+            for b in gb.layout.buckets:
+                for i, s in enumerate(b.slots):
+                    self._attach_view(s.param, self._views[(g, b.index, i)])
+
+    @staticmethod
+    def _attach_view(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view

@@ -1,0 +1,149 @@
+"""ZeRO stage 2: gradients stay sharded on every microbatch, not only after the step.
+
+Each rank keeps only its gradient shard (``layout.shard_numel`` elements of the
+gradient dtype: fp32 main grads by default, or ``grad_reduce_dtype``) plus a
+few bucket-sized staging buffers (``staging``). As DeepSpeed's stage 2 does,
+every backward (every microbatch, not just the last one) reduces as it goes:
+
+1. A post-accumulate-grad hook copies (first contribution) or adds (later ones)
+   ``param.grad`` into its bucket's staging buffer, converting to the gradient
+   dtype, and drops ``.grad``: no full-size gradient outlives its hook.
+2. When every parameter of the bucket has contributed the same number of times
+   (normally: once, in this backward), the bucket is complete: it is scaled by
+   1/dp and reduce-scattered; the result is written into (first time this step)
+   or added to this rank's shard, and the staging buffer is recycled.
+3. A bucket that is not complete at the end of a backward keeps accumulating in
+   its staging buffer: one holding parameters of two model chunks (interleaved
+   schedules run the chunks' backwards at different times) or a parameter that
+   got no gradient. ``finish`` launches these, treating missing gradients as 0.
+
+So at any microbatch the gradient memory is the shard plus staging buffers plus
+the one ``.grad`` a hook is consuming. The price is DeepSpeed's: one
+reduce-scatter per bucket per microbatch instead of per step.
+
+Completion rule (2) is what makes any interleaving of chunks work: a launch
+reduces a partial sum, and every contribution enters exactly one launch, so the
+shard ends as the sum of all of them whatever the order; the rule itself is
+deterministic in the gradient order, which is the same on every DP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.buffers import Bucket, FlatBuffer, shard_slice
+from parallel3d.zero.grad_sync import GradSync
+from parallel3d.zero.memory import MemoryTracker, nbytes
+from parallel3d.zero.staging import StagingPool
+
+
+@dataclass
+class _OpenBucket:
+    """A bucket accumulating in a staging buffer. ``counts[i]``: contributions of slot i so far."""
+
+    base: torch.Tensor  # the pooled buffer
+    view: torch.Tensor  # base[:bucket.size]
+    counts: list[int]
+    total: int = 0
+    most: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.total == self.most * len(self.counts)
+
+
+class ShardedGradSync(GradSync):
+    """Stage 2. ``grad_shards[g]``: this rank's DP-mean gradient shard (shard coordinates of group g)."""
+
+    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
+                 grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
+        super().__init__(modules, params_bufs, pstate, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter,
+                         memory=memory)
+        self.grad_shards: list[torch.Tensor] = []
+        self.pools: list[StagingPool] = []
+        for pb in params_bufs:
+            shard = torch.zeros(pb.layout.shard_numel, dtype=grad_dtype, device=pb.data.device)
+            memory.add("gradients", nbytes(shard))
+            self.grad_shards.append(shard)
+            self.pools.append(StagingPool(pb.layout.max_bucket_size, grad_dtype, pb.data.device, memory))
+        self._open: dict[tuple[int, int], _OpenBucket] = {}
+        self._reset_step()
+
+    def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
+        return shard_slice(self.grad_shards[group], bucket)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return list(self.grad_shards)
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        return [buf for pool in self.pools for buf in pool.buffers]
+
+    # ---- strategy hooks ----------------------------------------------------------------
+    def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
+        ob = self._stage(group, bucket, index, param)
+        if ob.complete:
+            self._launch(group, bucket)
+
+    def _launch_leftovers(self) -> None:
+        for g, pb in enumerate(self.params_bufs):
+            for b in pb.layout.buckets:
+                for i, s in enumerate(b.slots):
+                    if s.param.grad is not None:  # a .grad set outside backward
+                        self._stage(g, b, i, s.param)
+                key = (g, b.index)
+                if key in self._open:
+                    ob = self._open[key]
+                    for i, s in enumerate(b.slots):
+                        if ob.counts[i] == 0:  # no gradient this step: contributes 0
+                            ob.view[s.start - b.start : s.end - b.start].zero_()
+                    self._launch(g, b)
+                elif key not in self._written:  # nothing arrived this step on any rank: no collective
+                    shard_slice(self.grad_shards[g], b).zero_()
+
+    def _reset_step(self) -> None:
+        for (g, _), ob in self._open.items():  # a step abandoned mid-accumulation
+            self.pools[g].release(ob.base)
+        self._open: dict[tuple[int, int], _OpenBucket] = {}
+        self._written: set[tuple[int, int]] = set()  # buckets whose shard slice holds this step's sum
+
+    def _zero_grads(self) -> None:
+        for pb in self.params_bufs:
+            for s in pb.layout.slots:
+                s.param.grad = None
+
+    # ---- internals ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _stage(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> _OpenBucket:
+        """Move ``param.grad`` into the bucket's staging buffer (opening it if needed) and drop it."""
+        key = (group, bucket.index)
+        ob = self._open.get(key)
+        if ob is None:
+            base = self.pools[group].acquire(self.pending)
+            view = base[: bucket.size]
+            view[bucket.used :].zero_()  # padding
+            ob = self._open[key] = _OpenBucket(base=base, view=view, counts=[0] * len(bucket.slots))
+        grad = param.grad
+        self.memory.transient("gradients", nbytes(grad))
+        s = bucket.slots[index]
+        dst = ob.view[s.start - bucket.start : s.end - bucket.start].view(grad.shape)
+        if ob.counts[index] == 0:
+            dst.copy_(grad)  # converts to the gradient dtype
+        else:
+            dst.add_(grad)
+        param.grad = None  # the full gradient does not outlive its hook
+        ob.counts[index] += 1
+        ob.total += 1
+        ob.most = max(ob.most, ob.counts[index])
+        return ob
+
+    def _launch(self, group: int, bucket: Bucket) -> None:
+        key = (group, bucket.index)
+        ob = self._open.pop(key)
+        accumulate = key in self._written
+        self._written.add(key)
+        pool = self.pools[group]
+        self.reducer.reduce_scatter(ob.view, shard_slice(self.grad_shards[group], bucket), accumulate=accumulate,
+                                    on_done=lambda: pool.release(ob.base))

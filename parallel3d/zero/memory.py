@@ -1,0 +1,43 @@
+"""Running model-state byte counts per category and their high-water marks.
+
+Every allocation or release of a model-state tensor the ZeRO optimizer owns
+(weights, gradient buffers/shards, master weights, moments, staging buffers and
+in-flight reduction outputs) is reported here as it happens, and a gradient
+hook reports the ``.grad`` it is about to consume as *transient* bytes. So the
+peak is exact at every point where model-state memory changes, at O(1) per
+event, without scanning thousands of parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MEMORY_CATEGORIES = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryTracker:
+    """Bytes held now and the most held since ``reset_peak``, per category (one rank)."""
+
+    def __init__(self, categories: tuple[str, ...] = MEMORY_CATEGORIES) -> None:
+        self.current: dict[str, int] = dict.fromkeys(categories, 0)
+        self.peak: dict[str, int] = dict.fromkeys(categories, 0)
+
+    def add(self, category: str, n: int) -> None:
+        """``n`` bytes were allocated (negative: released) in ``category``."""
+        value = self.current[category] + n
+        self.current[category] = value
+        if value > self.peak[category]:
+            self.peak[category] = value
+
+    def transient(self, category: str, n: int) -> None:
+        """``n`` bytes live right now on top of the running count (e.g. a ``.grad`` a hook is consuming)."""
+        value = self.current[category] + n
+        if value > self.peak[category]:
+            self.peak[category] = value
+
+    def reset_peak(self) -> None:
+        self.peak = dict(self.current)

@@ -1,0 +1,152 @@
+"""Asynchronous DP reduction of one bucket, and the queue of collectives in flight.
+
+``BucketReducer`` is the one place that divides gradients by ``dp``: it
+multiplies each bucket by ``1/dp`` right before its collective (no pass when
+dp == 1), so every reduced value is already the DP *mean* and a half-precision
+partial sum never exceeds the largest per-rank value (fp16 cannot overflow in
+the reduction at large dp just because it sums). Nobody downstream scales by dp.
+
+Collectives are launched with ``async_op=True`` and completed in launch order by
+``PendingCollectives``: ``poll`` uses the non-blocking ``is_completed``; ``wait``
+on NCCL only orders the current stream after the collective, so every
+completion callback (copy/add of the result, recycling a staging buffer) runs
+on the current stream after it. The tensors a collective reads or writes stay
+referenced by its queue entry until it has completed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+
+from parallel3d import comm
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.memory import MemoryTracker, nbytes
+
+
+def _noop() -> None:
+    return None
+
+
+class PendingCollectives:
+    """Async works in launch order, each with a completion callback run exactly once, in order."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[object, Callable[[], None], tuple[torch.Tensor, ...]]] = deque()
+
+    def add(self, work, done: Callable[[], None], keep: tuple[torch.Tensor, ...] = ()) -> None:
+        """Track ``work`` (None: the collective already ran, e.g. a size-1 group); ``keep`` stays alive until done."""
+        if work is None and not self._queue:
+            done()
+            return
+        self._queue.append((work, done, keep))
+
+    def poll(self) -> None:
+        """Complete the collectives at the front that have finished, without blocking."""
+        while self._queue:
+            work = self._queue[0][0]
+            if work is not None and not work.is_completed():
+                return
+            self.wait_oldest()
+
+    def wait_oldest(self) -> None:
+        work, done, _keep = self._queue.popleft()
+        if work is not None:
+            work.wait()
+        done()
+
+    def drain(self) -> None:
+        while self._queue:
+            self.wait_oldest()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+def _deliver(target: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        target.add_(src)
+    elif target.data_ptr() != src.data_ptr():
+        target.copy_(src)
+
+
+class BucketReducer:
+    """Starts the ``dp``-group reduction of one padded bucket (``numel % dp == 0``).
+
+    ``as_all_reduce``: reduce-scatters are done as an in-place all-reduce of the
+    whole bucket, keeping this rank's piece (gloo's opt-in fast path, see
+    ``grad_sync``). Temporary reduce-scatter outputs (1/dp of a bucket) are
+    counted as ``buckets``; at most ``max_temporaries`` are in flight (beyond
+    that, launching waits for the oldest collective), so stage 1 does not hold
+    a temporary for every bucket of the last backward at once.
+    """
+
+    def __init__(self, pstate: ParallelState, *, as_all_reduce: bool, pending: PendingCollectives,
+                 memory: MemoryTracker, max_temporaries: int) -> None:
+        self.pstate = pstate
+        self.dp = comm.group_size(pstate, "dp")
+        self.dp_rank = comm.group_rank(pstate, "dp")
+        self.as_all_reduce = as_all_reduce
+        self.pending = pending
+        self.memory = memory
+        self.max_temporaries = max_temporaries
+        self._temporaries = 0
+
+    def _prescale(self, full: torch.Tensor) -> None:
+        if self.dp > 1:
+            full.mul_(1.0 / self.dp)
+
+    def all_reduce(self, full: torch.Tensor, on_done: Callable[[], None] = _noop) -> None:
+        """``full`` becomes the DP mean in place (stage 0)."""
+        if self.dp == 1:
+            on_done()
+            return
+        self._prescale(full)
+        self.pending.add(comm.all_reduce(full, self.pstate, "dp", async_op=True), on_done, (full,))
+
+    def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, *, accumulate: bool,
+                       on_done: Callable[[], None] = _noop) -> None:
+        """This rank's piece of the DP mean of ``full`` is written into (or, if ``accumulate``, added to)
+        ``target`` (``full.numel() // dp`` elements; it may be ``full``'s own piece). ``full`` is scaled
+        in place and must not be touched until ``on_done`` runs."""
+        piece = full.numel() // self.dp
+        mine = full[self.dp_rank * piece : (self.dp_rank + 1) * piece]
+        if self.dp == 1:
+            _deliver(target, mine, accumulate)
+            on_done()
+            return
+        self._prescale(full)
+        if self.as_all_reduce:
+            work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
+
+            def done_all_reduce() -> None:
+                _deliver(target, mine, accumulate)
+                on_done()
+
+            self.pending.add(work, done_all_reduce, (full,))
+            return
+        same_storage = target.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        if not accumulate and not same_storage:  # land straight in the target
+            work = comm.reduce_scatter_tensor(target, full, self.pstate, "dp", async_op=True)
+            self.pending.add(work, on_done, (full, target))
+            return
+        # gloo's reduce-scatter must not write into its own input, and a collective cannot add:
+        # land in a temporary piece, then copy/add it.
+        self.pending.poll()
+        while self._temporaries >= self.max_temporaries and len(self.pending):
+            self.pending.wait_oldest()
+        out = torch.empty_like(target)
+        size = nbytes(out)
+        self.memory.add("buckets", size)
+        self._temporaries += 1
+        work = comm.reduce_scatter_tensor(out, full, self.pstate, "dp", async_op=True)
+
+        def done_temporary() -> None:
+            _deliver(target, out, accumulate)
+            self.memory.add("buckets", -size)
+            self._temporaries -= 1
+            on_done()
+
+        self.pending.add(work, done_temporary, (full, out))

@@ -1,0 +1,49 @@
+"""Recycled bucket-sized staging buffers for stage 2's gradient reduction.
+
+A staging buffer holds one bucket's gradients (in the reduction dtype) from the
+first gradient that arrives until its collective has completed. Buffers are
+recycled, not freed: with backward producing gradients in bucket order, one
+bucket fills while the previous one reduces, so ``MAX_STAGING_BUFFERS`` (2)
+buffers suffice. When none is free and that many exist, ``acquire`` waits for
+the oldest collective in flight rather than allocating; it allocates beyond the
+limit only when no collective is in flight (every buffer is held by a bucket
+still accumulating, e.g. one spanning two model chunks, or one holding a
+parameter without gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel3d.zero.memory import MemoryTracker, nbytes
+from parallel3d.zero.reduction import PendingCollectives
+
+MAX_STAGING_BUFFERS = 2
+
+
+class StagingPool:
+    """Flat buffers of ``numel`` elements of ``dtype``; their bytes count as ``buckets``."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, memory: MemoryTracker,
+                 limit: int = MAX_STAGING_BUFFERS) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.memory = memory
+        self.limit = limit
+        self.buffers: list[torch.Tensor] = []  # every buffer allocated (kept for reuse)
+        self._free: list[torch.Tensor] = []
+
+    def acquire(self, pending: PendingCollectives) -> torch.Tensor:
+        """A buffer with undefined contents; may complete collectives of ``pending`` to get one."""
+        pending.poll()
+        while not self._free and len(self.buffers) >= self.limit and len(pending):
+            pending.wait_oldest()
+        if self._free:
+            return self._free.pop()
+        buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.buffers.append(buf)
+        self.memory.add("buckets", nbytes(buf))
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give ``buf`` back once nothing (no collective) reads or writes it any more."""
+        self._free.append(buf)
