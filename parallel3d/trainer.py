@@ -211,7 +211,9 @@ class Trainer:
     def _record(self, step_time: float, result: Any, info: Any, comm_bytes: dict[str, int]) -> dict[str, Any] | None:
         """Collective: the step's metrics record (on the logging rank; None elsewhere)."""
         loss = self._dp_mean_loss(result.loss)
-        mem = memory_snapshot(self.pstate.device, self.optimizer.memory_bytes())
+        # Model-state bytes at their high-water mark during the log interval (inside backward,
+        # where e.g. gradients peak), not what is left after the step.
+        mem = memory_snapshot(self.pstate.device, self.optimizer.memory_peak_bytes())
         mem["mem_activations_bytes"] = result.peak_activation_bytes
         per_rank = dict(mem, bubble_fraction=result.bubble_fraction,
                         **{f"comm_bytes_{k}": v for k, v in comm_bytes.items()})
@@ -276,6 +278,7 @@ class Trainer:
                     wandb.log(record)
                     print(format_console(record, t.steps), flush=True)
                 interval_start, interval_steps = time.perf_counter(), 0
+                self.optimizer.reset_memory_peak()
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
                 if self.save_checkpoint():
                     result.checkpoints.append(self.step)

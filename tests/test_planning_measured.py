@@ -1,8 +1,7 @@
 """The memory estimator against bytes measured in real CPU runs (gloo ranks, tiny models).
 
-Measured: ``ZeroOptimizer.memory_bytes()`` (weights, gradients, master weights, Adam
-moments; the peak over the step, sampled at every ``prepare``/``finish`` of the
-gradient reduction) and the pipeline engine's ``peak_activation_bytes`` (storages
+Measured: ``ZeroOptimizer.memory_peak_bytes()`` (weights, gradients, master weights,
+Adam moments; the high-water mark over the step, live ``.grad`` tensors included) and the pipeline engine's ``peak_activation_bytes`` (storages
 autograd saved plus the stage's kept inputs/outputs). Estimated:
 ``parallel3d.planning.memory.estimate_memory`` with the torch-reference kernel
 profile (the CPU path). Each category must agree within 10%.
@@ -27,27 +26,6 @@ TOLERANCE = 0.10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class _PeakSampler:
-    """Wraps the optimizer's GradSync; records the largest ``memory_bytes()`` per category."""
-
-    def __init__(self, optimizer: ZeroOptimizer) -> None:
-        self.inner, self.optimizer = optimizer.grad_sync, optimizer
-        self.peak: dict[str, int] = {}
-
-    def sample(self) -> None:
-        for key, value in self.optimizer.memory_bytes().items():
-            self.peak[key] = max(self.peak.get(key, 0), value)
-
-    def prepare(self, is_last_microbatch: bool) -> None:
-        self.sample()
-        self.inner.prepare(is_last_microbatch)
-
-    def finish(self) -> None:
-        self.sample()
-        self.inner.finish()
-        self.sample()
-
-
 def _measure(rank: int, world: int, case: dict) -> dict:
     layout = Layout(**case["layout"])
     config = get_config(case["model"]).replace(kernel_backend="torch")
@@ -60,11 +38,11 @@ def _measure(rank: int, world: int, case: dict) -> dict:
         for r in stage_layer_ranges(ranges, layout.pp, pstate.pp_rank)
     ]
     optimizer = ZeroOptimizer(chunks, pstate, zero_stage=layout.zero_stage, lr=1e-3, precision=layout.precision)
-    sampler = _PeakSampler(optimizer)
+    optimizer.reset_memory_peak()
     engine = PipelineEngine(
         chunks, pstate, schedule=layout.schedule, num_microbatches=layout.num_microbatches,
         micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len, hidden_size=config.hidden_size,
-        dtype=dtype, sequence_parallel=layout.sequence_parallel, grad_sync=sampler,
+        dtype=dtype, sequence_parallel=layout.sequence_parallel, grad_sync=optimizer.grad_sync,
     )
     gen = torch.Generator().manual_seed(100 + pstate.dp_rank)
     mbs, s = layout.micro_batch_size, layout.seq_len
@@ -75,8 +53,7 @@ def _measure(rank: int, world: int, case: dict) -> dict:
                              "sample_ids": torch.arange(i * mbs, (i + 1) * mbs)})
     result = engine.run_step(microbatches)
     optimizer.step()
-    sampler.sample()
-    out = {"stage": pstate.pp_rank, "activations": result.peak_activation_bytes, **sampler.peak}
+    out = {"stage": pstate.pp_rank, "activations": result.peak_activation_bytes, **optimizer.memory_peak_bytes()}
     pstate.destroy()
     return out
 
@@ -89,7 +66,7 @@ CASES = [
     # ZeRO-1 over dp=2 with a 2-stage 1F1B pipeline, fp32 (weights are their own master).
     dict(model="gpt_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=1, micro_batch_size=2, seq_len=16,
                                        global_batch_size=12, precision="fp32")),
-    # bf16 mixed precision with ZeRO-2 (shard + accumulation .grad), Llama with GQA, interleaved.
+    # bf16 mixed precision with ZeRO-2 (fp32 main-grad shard only), Llama with GQA, interleaved.
     dict(model="llama_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=2, micro_batch_size=1, seq_len=16,
                                          global_batch_size=8, precision="bf16", schedule="interleaved_1f1b",
                                          virtual_stages=2)),

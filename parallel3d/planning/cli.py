@@ -118,6 +118,7 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
         tp=topo.tp, pp=topo.pp, dp=topo.dp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
+        grad_reduce_dtype=p.grad_reduce_dtype,
     )
     model = resolved.model
     ranges = partition_layers(model, topo.pp, p.virtual_stages, p.pp_layers)

@@ -36,6 +36,7 @@ class Layout:
     global_batch_size: int | None = None  # None: one microbatch per data-parallel rank
     recompute: str = "none"
     precision: str = "bf16"
+    grad_reduce_dtype: str = "fp32"  # parallel.grad_reduce_dtype: fp32 main grads, or the precision's own
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "seq_len"):
@@ -48,6 +49,9 @@ class Layout:
             raise ValueError(f"train.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.grad_reduce_dtype not in ("fp32", self.precision):
+            raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} must be fp32 or "
+                             f"train.precision={self.precision!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"parallel.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.schedule == "interleaved_1f1b" and (self.virtual_stages < 2 or self.pp < 2):
@@ -121,7 +125,8 @@ class Layout:
         )
 
 
-PARALLEL_KEYS: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages")
+PARALLEL_KEYS: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages",
+                                  "grad_reduce_dtype")
 TRAIN_KEYS: tuple[str, ...] = ("micro_batch_size", "seq_len", "global_batch_size", "recompute", "precision")
 
 

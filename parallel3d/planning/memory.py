@@ -5,7 +5,9 @@ section 3 and Figure 1): with mixed precision and Adam a parameter costs
 2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
 master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
 also the gradients. ``PrecisionBytes.for_precision`` has the per-precision
-byte counts parallel3d's ZeRO optimizer uses. Activations come from
+byte counts parallel3d's ZeRO optimizer uses: gradients are fp32 main grads
+(4 bytes) unless ``parallel.grad_reduce_dtype`` is the 16-bit precision, which is
+the paper's 2 bytes. Activations come from
 ``parallel3d.planning.activations`` times the microbatches each stage holds in
 flight under the schedule. Every rank of a pipeline stage holds the same
 amount (the vocabulary is padded so tp shards are equal), so the estimate is
@@ -28,7 +30,7 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.params import rank_params, stage_layer_counts
+from parallel3d.planning.params import largest_tensor, rank_params, stage_layer_counts
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
 
@@ -43,9 +45,12 @@ class PrecisionBytes:
     moments: int  # Adam's two fp32 moments
 
     @classmethod
-    def for_precision(cls, precision: str) -> "PrecisionBytes":
+    def for_precision(cls, precision: str, grad_reduce_dtype: str = "fp32") -> "PrecisionBytes":
+        if grad_reduce_dtype not in ("fp32", precision):
+            raise ValueError(f"parallel.grad_reduce_dtype={grad_reduce_dtype!r} must be fp32 or {precision!r}")
+        grad = 4 if grad_reduce_dtype == "fp32" else 2
         if precision in ("bf16", "fp16"):
-            return cls(weight=2, grad=2, master=4, moments=8)
+            return cls(weight=2, grad=grad, master=4, moments=8)
         if precision == "fp32":
             return cls(weight=4, grad=4, master=0, moments=8)
         raise ValueError(f"train.precision={precision!r} is not one of ('bf16', 'fp16', 'fp32')")
@@ -96,25 +101,27 @@ class MemoryEstimate:
 
 
 def model_state_bytes(
-    params: int, dp: int, zero_stage: int, precision: str, num_microbatches: int = 1
+    params: int, dp: int, zero_stage: int, precision: str, grad_reduce_dtype: str = "fp32",
+    largest_param: int = 0,
 ) -> dict[str, float]:
     """Weights, gradients, master weights and moments for ``params`` parameters on one rank.
 
     ZeRO shards the flat buffer into dp equal (padded) pieces, hence the ceil.
-    parallel3d's stage 2 reduces once per step, during the last microbatch's
-    backward: with gradient accumulation (``num_microbatches > 1``) the earlier
-    microbatches accumulate into full-size ``.grad`` tensors, so the peak holds
-    them as well as the reduced shard.
+    parallel3d's stage 2 reduce-scatters every microbatch's gradients into the
+    shard, so at any point of the step only the shard (plus bucket staging
+    buffers, not counted here) holds gradients. Where autograd's ``.grad`` is not
+    itself a view of the gradient buffer (stage 2, or fp32 main grads of a 16-bit
+    model), the gradient a hook is moving (at most ``largest_param`` elements in the
+    weights' dtype) is counted on top.
     """
-    pb = PrecisionBytes.for_precision(precision)
+    pb = PrecisionBytes.for_precision(precision, grad_reduce_dtype)
     shard = math.ceil(params / dp)
     opt_params = shard if zero_stage >= 1 else params
-    grad_params = params
-    if zero_stage >= 2:
-        grad_params = shard + (params if num_microbatches > 1 else 0)
+    grad_params = shard if zero_stage >= 2 else params
+    transient = pb.weight * largest_param if zero_stage >= 2 or pb.grad != pb.weight else 0
     return {
         "weights": float(pb.weight * params),
-        "gradients": float(pb.grad * grad_params),
+        "gradients": float(pb.grad * grad_params + transient),
         "master_weights": float(pb.master * opt_params),
         "optimizer_moments": float(pb.moments * opt_params),
     }
@@ -165,7 +172,9 @@ def estimate_memory(
     stages = []
     for stage in range(layout.pp):
         params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
-        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.num_microbatches)
+        largest = largest_tensor(config, layout.tp, stage == 0, stage == layout.pp - 1, stage_layers[stage] > 0)
+        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
+                                   largest)
         activations, inflight = stage_activation_bytes(config, layout, stage, stage_layers[stage], assumptions)
         stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations, **states))
     return MemoryEstimate(config=config, layout=layout, stages=stages)

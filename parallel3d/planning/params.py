@@ -117,3 +117,18 @@ def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int) 
             head = padded_vocab(config, tp) // tp * config.hidden_size  # the tied copy
     return RankParams(layers * layer_params(config).per_rank(tp), embedding, head,
                       final_norm_params(config) if last else 0)
+
+
+def largest_tensor(config: ModelConfig, tp: int, first: bool, last: bool, has_layers: bool = True) -> int:
+    """Elements of the largest single parameter on one tp rank of a stage (its gradient is the
+    transient a gradient hook holds before moving it into a main-grad buffer or shard)."""
+    h = config.hidden_size
+    sizes = [0]
+    if has_layers:
+        qkv_rows = (config.num_heads + 2 * config.kv_heads) * config.head_dim
+        sizes += [qkv_rows // tp * h, config.ffn_size // tp * h, config.num_heads * config.head_dim // tp * h]
+    if first or (last and (not config.tie_embeddings or not first)):
+        sizes.append(padded_vocab(config, tp) // tp * h)  # word embedding, output head or its tied copy
+    if first and config.arch == "gpt":
+        sizes.append(config.max_seq_len * h)
+    return max(sizes)
