@@ -10,7 +10,7 @@ validator's business, not a second list of rules here. The one rule of our own i
 budget: at most ``MAX_WORLD`` ranks (this machine has 2 cores).
 
 Each case trains ``STEPS`` optimizer steps through the real ``Trainer`` (fp32, dropout on;
-masks are layout-independent) and its per-step loss and grad norm must match the
+masks are layout-independent; some pipelined cases with NCCL's p2p semantics emulated on gloo) and its per-step loss and grad norm must match the
 single-process run of the same model, data and global batch within ``RTOL``.
 
 - ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
@@ -67,6 +67,7 @@ class LayoutCase:
     model: str
     parallel: dict[str, Any]
     train: dict[str, Any]
+    emulate_nccl: bool = False  # ParallelState(emulate_nccl=True): NCCL's one-Work-per-batch p2p on gloo
 
     @property
     def world_size(self) -> int:
@@ -87,6 +88,8 @@ class LayoutCase:
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
         if p["order"] != "tp-dp-pp":
             bits.append(p["order"])
+        if self.emulate_nccl:
+            bits.append("nccl")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -138,7 +141,8 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
                 "order": rng.choice(_orders()), "pp_layers": pp_layers,
                 "bucket_size_mb": rng.choice((0.01, 25.0))}  # tiny buckets: many reductions overlap backward
     train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
-    return LayoutCase(case_id, rng.choice(sorted(MODELS)), parallel, train)
+    model = rng.choice(sorted(MODELS))
+    return LayoutCase(case_id, model, parallel, train, emulate_nccl=pp > 1 and rng.random() < 0.4)
 
 
 def is_valid(case: LayoutCase) -> bool:
@@ -166,6 +170,7 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "pp4_dp>1_zero2": lambda c: c.parallel["pp"] == 4 and c.parallel["dp"] > 1 and c.parallel["zero_stage"] == 2,
     "1f1b_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "1f1b" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
     "interleaved_pp>=3": lambda c: c.parallel["schedule"] == "interleaved_1f1b" and c.parallel["pp"] >= 3,
+    "nccl_semantics_pp>=3": lambda c: c.emulate_nccl and c.parallel["pp"] >= 3,
     "tp4_sequence_parallel": lambda c: c.parallel["tp"] == 4 and c.parallel["sequence_parallel"],
     "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
 }
@@ -238,14 +243,15 @@ def _silenced(quiet: bool) -> Iterator[None]:
         yield
 
 
-def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
+                       emulate_nccl: bool = False) -> list[tuple[int, float, float]]:
     """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 
     rj = resolve(job_from_dict(values), world)
     with _silenced(quiet):
-        return curve_of(train(rj, ParallelState(rj.topology)).records)
+        return curve_of(train(rj, ParallelState(rj.topology, emulate_nccl=emulate_nccl)).records)
 
 
 def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
@@ -274,7 +280,7 @@ def run_case(case: LayoutCase, work_dir: str, cache_dir: str, references: dict, 
     start = time.perf_counter()
     try:
         per_rank = run_on_ranks(train_case_on_rank, case.world_size, case.values(out, cache_dir), quiet,
-                                timeout=timeout)
+                                case.emulate_nccl, timeout=timeout)
         curve = next(c for c in per_rank if c)
         return CaseResult(case, curve, references[key], time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - reported per case, the matrix goes on

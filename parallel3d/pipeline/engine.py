@@ -38,7 +38,7 @@ semantics (``check_coalesced_progress``) and refuses one that is not.
 
 Tied embeddings: with ``grad_sync=None`` the engine sums tied-embedding grads
 over the ``embedding`` group at the end of ``run_step``; with a ``grad_sync``
-(ZeRO) it does not, and the optimizer calls ``sync_tied_embedding_grads``.
+(ZeRO) it does not: ``GradSync.complete`` (from the optimizer's step) does.
 """
 
 from __future__ import annotations
