@@ -95,6 +95,8 @@ class TrainConfig:
     timeout_s: float = 600.0  # collective timeout
     peak_tflops: float | None = None  # per-device peak for MFU; null = detect known GPUs
     stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
+    async_save: bool = True  # write checkpoints in a background thread while training goes on
+    init_from: str | None = None  # hf:<dir>: start (step 0) from a transformers checkpoint directory
 
 
 @dataclass
@@ -324,6 +326,15 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    if not isinstance(t.async_save, bool):
+        raise ConfigError(f"train.async_save={t.async_save!r}: must be true or false")
+    if t.init_from is not None:
+        from parallel3d.checkpoint_io.hf_init import check_init_from
+
+        try:
+            check_init_from(t.init_from, model)
+        except ValueError as exc:
+            raise ConfigError(f"train.init_from={t.init_from!r}: {exc}") from None
     if t.peak_tflops is not None:
         _check_range("train.peak_tflops", t.peak_tflops, 0.0, lo_open=True)
     device = _check_choice("train.device", t.device, DEVICES)

@@ -15,19 +15,22 @@ describes the k-th optimizer step).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from models import build_model
 from parallel3d import comm, data
-from parallel3d.atomic_io import atomic_torch_save
-from parallel3d.checkpoint import CheckpointManager
+from parallel3d.checkpoint import CheckpointError, read_meta
+from parallel3d.checkpoint_io import compat
+from parallel3d.checkpoint_io.pieces import pieces_to_read, pieces_to_write, zero_owned_state
+from parallel3d.checkpoint_io.state import CheckpointMismatch, read_state
+from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.metrics import (
     JsonlSink,
@@ -45,8 +48,6 @@ from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
-TRAINER_STATE = "trainer_state.pt"  # step, data position, optimizer counters (logging rank)
-ZERO_DIR = "zero"  # model shards + sharded optimizer state (ZeroOptimizer.save_sharded)
 
 
 @dataclass
@@ -62,8 +63,10 @@ class TrainResult:
 
 
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
+    """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "order": p.order,
+    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
 
@@ -132,7 +135,9 @@ class Trainer:
             grad_sync=self.optimizer.grad_sync,
         )
         self.batches = build_batches(rj, pstate)
-        self.ckpt = CheckpointManager(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last)
+        self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
+                                            async_save=t.async_save, timeout_s=t.timeout_s)
+        self.ckpt = self.checkpoints.manager
         self.is_logging_rank = pstate.is_logging_rank()
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
@@ -149,47 +154,44 @@ class Trainer:
         return {
             "step": self.step,
             "data": self.batches.state_dict(),
-            "iteration": opt.iteration,
+            "iteration": opt.iteration,  # drives the LR schedule
             "adam_step": opt.adam_step,
             "scaler": opt.scaler.state_dict(),  # state only: the scaler's settings come from this run
             "wandb_id": self.wandb_id,
+            # Dropout masks, data order and init derive from (seed, step, sample id, layer): no RNG
+            # stream of any rank needs saving, and none depends on the layout.
+            "seed": self.rj.job.train.seed,
         }
 
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self.pstate.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.pstate.device)
-        return state
-
-    def save_checkpoint(self) -> bool:
-        def write_rank(directory: str) -> None:
-            self.optimizer.save_sharded(os.path.join(directory, ZERO_DIR))
-            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-            atomic_torch_save(self._rng_state(), os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt"))
-            if self.is_logging_rank:  # it also knows the W&B run id
-                atomic_torch_save(self._trainer_state(), os.path.join(directory, TRAINER_STATE))
-
-        meta = {"layout": _layout(self.rj), "dp": self.pstate.dp_size, "config": self.full_config}
-        return self.ckpt.save(self.step, write_rank, meta)
+    def save_checkpoint(self) -> None:
+        """Collective: save this step (in the background with ``train.async_save``); see ``checkpoint_io``."""
+        objects = {compat.TRAINER_KEY: self._trainer_state()} if self.is_logging_rank else {}
+        meta = {"format": compat.FORMAT, "model": dataclasses.asdict(self.rj.model), "layout": _layout(self.rj),
+                "precision": self.rj.job.train.precision, "config": self.full_config}
+        self.checkpoints.save(self.step, pieces_to_write(self.optimizer, self.pstate), objects, meta)
 
     def load_checkpoint(self, directory: str) -> None:
-        self.ckpt.check_layout(directory, _layout(self.rj))
-        self.optimizer.load_sharded(os.path.join(directory, ZERO_DIR))
-        state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=False)
+        """Collective: restore weights, optimizer and trainer state written at any layout."""
+        meta = read_meta(directory)
+        compat.check_format(directory, meta)
+        compat.check_same_model(directory, meta, self.rj.model)
+        zero_owned_state(self.optimizer)
+        try:
+            objects = read_state(os.path.join(directory, compat.STATE_DIR), pieces_to_read(self.optimizer, self.pstate),
+                                 (compat.TRAINER_KEY,), self.checkpoints.group)
+        except CheckpointMismatch as exc:
+            raise CheckpointError(f"checkpoint {directory}: {exc}") from None
+        self.optimizer.params_from_master()
+        state = objects[compat.TRAINER_KEY]
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
-        rng_path = os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt")
-        if os.path.exists(rng_path):  # absent when resuming with another dp size
-            rng = torch.load(rng_path, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            if "cuda" in rng and self.pstate.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.pstate.device)
+        if state.get("seed") != self.rj.job.train.seed:
+            warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
+                          f"{self.rj.job.train.seed}: dropout masks and data order change from here", stacklevel=2)
 
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -280,8 +282,9 @@ class Trainer:
                 interval_start, interval_steps = time.perf_counter(), 0
                 self.optimizer.reset_memory_peak()
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
-                if self.save_checkpoint():
-                    result.checkpoints.append(self.step)
+                self.save_checkpoint()
+            result.checkpoints += [step for step, ok in self.checkpoints.completed() if ok]
+        result.checkpoints += [step for step, ok in self.checkpoints.close() if ok]
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0
         if wandb is not None:
