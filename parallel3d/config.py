@@ -119,6 +119,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # dataset prefixes (source=indexed)
     weights: list[float] | None = None  # blending weights, one per path; null = by dataset size
     cache_dir: str = ".cache/parallel3d"  # where the built-in corpus is tokenized once
+    # source=indexed: the tokenizer the data was made with (saved into the run for HF export);
+    # null = <first path>.tokenizer.json when it exists
+    tokenizer_file: str | None = None
 
 
 @dataclass
@@ -378,6 +381,9 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
             raise ConfigError(
                 f"data.weights={weights}: must give one positive weight per data.paths entry ({len(d.paths)})"
             )
+    if d.tokenizer_file is not None and (d.source != "indexed" or not os.path.exists(d.tokenizer_file)):
+        raise ConfigError(f"data.tokenizer_file={d.tokenizer_file!r}: must be an existing tokenizer.json (or a "
+                          f"directory holding one) and is only used with data.source=indexed")
     for prefix in d.paths:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):

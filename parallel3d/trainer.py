@@ -15,7 +15,6 @@ describes the k-th optimizer step).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import warnings
@@ -26,10 +25,8 @@ import torch
 
 from models import build_model
 from parallel3d import comm, data
-from parallel3d.checkpoint import CheckpointError, read_meta
-from parallel3d.checkpoint_io import compat
-from parallel3d.checkpoint_io.pieces import pieces_to_read, pieces_to_write, zero_owned_state
-from parallel3d.checkpoint_io.state import CheckpointMismatch, read_state
+from parallel3d.checkpoint_io.hf_init import load_hf_weights
+from parallel3d.checkpoint_io.resume import load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.metrics import (
@@ -97,19 +94,22 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     return chunks
 
 
-def build_batches(rj: ResolvedJob, pstate: ParallelState) -> data.DistributedBatchIterator:
-    """The dataset of ``data.*`` and this rank's batch iterator (tokens only on end stages)."""
+def build_batches(rj: ResolvedJob, pstate: ParallelState) -> tuple[data.DistributedBatchIterator, Any]:
+    """The dataset of ``data.*``, this rank's batch iterator (tokens only on end stages) and the
+    tokenizer the tokens come from (None when ``data.source=indexed`` names none)."""
     d, t = rj.job.data, rj.job.train
     if d.source == "default":
-        prefix, _ = data.build_default_corpus(
+        prefix, tokenizer = data.build_default_corpus(
             d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
             is_builder=pstate.rank == 0, wait_timeout_s=t.timeout_s,
         )
         sources, weights = [prefix], None
     else:
         sources, weights = list(d.paths), None if d.weights is None else list(d.weights)
+        tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, sources)
     dataset = data.GPTDataset(sources, weights, seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
-    return data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
+    batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
+    return batches, tokenizer
 
 
 class Trainer:
@@ -134,7 +134,13 @@ class Trainer:
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
-        self.batches = build_batches(rj, pstate)
+        self.batches, tokenizer = build_batches(rj, pstate)
+        if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else
+            if tokenizer is not None:
+                data.save_run_tokenizer(tokenizer, t.out_dir)
+            else:
+                warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
+                              "so HF export will need --tokenizer", stacklevel=2)
         self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
                                             async_save=t.async_save, timeout_s=t.timeout_s)
         self.ckpt = self.checkpoints.manager
@@ -165,24 +171,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Collective: save this step (in the background with ``train.async_save``); see ``checkpoint_io``."""
-        objects = {compat.TRAINER_KEY: self._trainer_state()} if self.is_logging_rank else {}
-        meta = {"format": compat.FORMAT, "model": dataclasses.asdict(self.rj.model), "layout": _layout(self.rj),
-                "precision": self.rj.job.train.precision, "config": self.full_config}
-        self.checkpoints.save(self.step, pieces_to_write(self.optimizer, self.pstate), objects, meta)
+        self.checkpoints.save(self.step, *save_request(
+            self.optimizer, self.pstate, self._trainer_state() if self.is_logging_rank else None, self.rj.model,
+            _layout(self.rj), self.rj.job.train.precision, self.full_config))
 
     def load_checkpoint(self, directory: str) -> None:
         """Collective: restore weights, optimizer and trainer state written at any layout."""
-        meta = read_meta(directory)
-        compat.check_format(directory, meta)
-        compat.check_same_model(directory, meta, self.rj.model)
-        zero_owned_state(self.optimizer)
-        try:
-            objects = read_state(os.path.join(directory, compat.STATE_DIR), pieces_to_read(self.optimizer, self.pstate),
-                                 (compat.TRAINER_KEY,), self.checkpoints.group)
-        except CheckpointMismatch as exc:
-            raise CheckpointError(f"checkpoint {directory}: {exc}") from None
-        self.optimizer.params_from_master()
-        state = objects[compat.TRAINER_KEY]
+        state = load_training_state(directory, self.optimizer, self.pstate, self.rj.model, self.checkpoints.group)
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
         self.optimizer.iteration = int(state["iteration"])
@@ -192,6 +187,16 @@ class Trainer:
         if state.get("seed") != self.rj.job.train.seed:
             warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
                           f"{self.rj.job.train.seed}: dropout masks and data order change from here", stacklevel=2)
+
+    def restore(self) -> str | None:
+        """Collective: load ``train.resume``'s checkpoint (returned), else ``train.init_from``'s weights."""
+        t = self.rj.job.train
+        resume_dir = self.ckpt.find(t.resume)
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir)
+        elif t.init_from is not None:
+            load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
+        return resume_dir
 
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -242,9 +247,7 @@ class Trainer:
     def train(self) -> TrainResult:
         t, lg = self.rj.job.train, self.rj.job.logging
         t0 = time.perf_counter()
-        resume_dir = self.ckpt.find(t.resume)
-        if resume_dir is not None:
-            self.load_checkpoint(resume_dir)
+        resume_dir = self.restore()
         result = TrainResult(rank=self.pstate.rank, start_step=self.step, last_step=self.step)
         jsonl = wandb = None
         if self.is_logging_rank:
@@ -300,7 +303,8 @@ class Trainer:
             f"{rj.job.parallel.zero_stage} | schedule={rj.job.parallel.schedule} | global_batch="
             f"{t.global_batch_size} = micro {t.micro_batch_size} x accum {rj.grad_accum} x dp {rj.topology.dp} | "
             f"seq {t.seq_len} | {t.precision} on {self.pstate.device} | params on this rank {n:,} | "
-            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else "fresh start"),
+            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else
+               f"weights from {t.init_from}" if t.init_from else "fresh start"),
             flush=True,
         )
         if self.step >= t.steps:
