@@ -46,7 +46,6 @@ from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
 
-
 @dataclass
 class TrainResult:
     """What ``train`` returns on every rank (records only on the logging rank)."""

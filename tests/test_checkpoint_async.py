@@ -1,5 +1,6 @@
 """Async checkpoints: same bytes as a blocking save, never visible half-written, one in flight,
-a failure on one rank fails the save on all ranks and training goes on."""
+a failure on one rank (disk full while writing, no host memory while staging) fails the save
+on all ranks without a hang, and training goes on."""
 
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def _disk_full_on_rank_1(rank: int, world: int, root: str) -> list:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
     writer.save(3, pieces_to_write(opt, pstate), {}, {"format": "x"})
+    if rank == 1:  # staging fails on one rank only (e.g. no host memory left)
+        def no_host_memory(pieces):
+            raise MemoryError("cannot allocate the staging buffer")
+
+        writer.staging.stage = no_host_memory
+    writer.save(4, pieces_to_write(opt, pstate), {}, {"format": "x"})
     outcomes += writer.close()
     return outcomes
 
@@ -133,7 +140,7 @@ def _disk_full_on_rank_1(rank: int, world: int, root: str) -> list:
 def test_a_failed_background_save_on_one_rank_fails_everywhere_and_training_goes_on(tmp_path):
     root = str(tmp_path / "ckpt")
     for outcomes in run_on_ranks(_disk_full_on_rank_1, 2, root, timeout=120):
-        assert outcomes == [(1, True), (2, False), (3, True)]
+        assert outcomes == [(1, True), (2, False), (3, True), (4, False)]
     assert [s for s, _ in complete_checkpoints(root)] == [1, 3]
     assert not os.path.exists(step_dir(root, 2)) and not os.path.exists(step_dir(root, 2) + ".tmp")
 

@@ -111,8 +111,3 @@ def zero_owned_state(opt: "ZeroOptimizer", *, weights_only: bool = False) -> Non
         for seg in opt.owned_segments():
             for kind in kinds:
                 seg.state(kind).zero_()
-
-
-def expected_shapes(opt: "ZeroOptimizer", pstate: "ParallelState") -> dict[str, tuple[int, ...]]:
-    """``{global name: whole shape}`` of the parameters this rank holds."""
-    return {seg.name: _global_shape(seg, pstate) for seg in opt.owned_segments()}

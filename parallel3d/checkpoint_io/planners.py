@@ -51,20 +51,28 @@ def _chunk(piece: TensorPiece) -> ChunkStorageMetadata:
 
 
 class PieceSavePlanner(DefaultSavePlanner):
-    """Writes ``pieces`` (each a chunk of its key's global tensor) and ``objects`` (pickled)."""
+    """Writes ``pieces`` (each a chunk of its key's global tensor) and ``objects`` (pickled).
 
-    def __init__(self, pieces: list[TensorPiece], objects: dict[str, Any]) -> None:
+    ``failure``: this rank could not prepare its state (e.g. staging ran out of host memory);
+    raised inside DCP's planning so that every rank fails the save instead of waiting."""
+
+    def __init__(self, pieces: list[TensorPiece], objects: dict[str, Any], failure: BaseException | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = {(p.key, tuple(p.box.offsets)): p for p in pieces}
-        if len(self.pieces) != len(pieces):
-            raise ValueError("two pieces of one rank start at the same element of one tensor")
+        self.duplicates = len(pieces) - len(self.pieces)
         self.objects = objects
+        self.failure = failure
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.state_dict = state_dict  # unused: the pieces are the plan
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        # Raised here, inside DCP's planning step, so every rank sees the failure (no hang).
+        if self.failure is not None:
+            raise self.failure
+        if self.duplicates:
+            raise ValueError(f"{self.duplicates} pieces of this rank start at an element another piece starts at")
         items = []
         for (key, offsets), piece in self.pieces.items():
             props = TensorProperties(dtype=piece.data.dtype)
@@ -148,8 +156,3 @@ def check_pieces_match(by_key: dict[str, list[TensorPiece]], stored: dict, objec
     for key in object_keys:
         if not isinstance(stored[key], BytesStorageMetadata):
             raise CheckpointMismatch(f"{key} is not an object in the checkpoint")
-
-
-def tensor_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    """``{key: global shape}`` of every tensor in a checkpoint's metadata."""
-    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}

@@ -42,19 +42,18 @@ def _one_line(exc: CheckpointException) -> BaseException:
     return StateIOError("checkpoint I/O failed")
 
 
-def _no_dist(group: "dist.ProcessGroup | None") -> bool:
-    return group is None
-
-
 def write_state(directory: str, pieces: list[TensorPiece], objects: dict[str, Any],
-                group: "dist.ProcessGroup | None") -> None:
-    """Collective: write ``pieces`` and the picklable ``objects`` of every rank into ``directory``."""
+                group: "dist.ProcessGroup | None", failure: BaseException | None = None) -> None:
+    """Collective: write ``pieces`` and the picklable ``objects`` of every rank into ``directory``.
+
+    A rank passing ``failure`` (it could not prepare its pieces) still takes part, and the
+    save fails on every rank with that cause."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    planner = PieceSavePlanner(pieces, objects, failure)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(pieces, objects), process_group=group,
-                     no_dist=_no_dist(group))
+            dcp.save({}, storage_writer=writer, planner=planner, process_group=group, no_dist=group is None)
     except CheckpointException as exc:
         raise _one_line(exc) from None
 
@@ -70,7 +69,7 @@ def read_state(directory: str, pieces: list[TensorPiece], object_keys: tuple[str
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({}, storage_reader=FileSystemReader(directory), planner=planner, process_group=group,
-                     no_dist=_no_dist(group))
+                     no_dist=group is None)
     except CheckpointException as exc:
         raise _one_line(exc) from None
     return planner.objects

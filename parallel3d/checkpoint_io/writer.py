@@ -93,30 +93,37 @@ class CheckpointWriter:
         self.pstate = pstate
         self.group = checkpoint_group(pstate, timeout_s)
         self.manager = CheckpointManager(root, pstate, keep_last=keep_last, group=self.group)
-        self.async_save = async_save
+        self.async_save = async_save  # read at each save: may be switched between saves
         self.staging = HostStaging()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p3d-ckpt") if async_save else None
+        self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[int, Future] | None = None
         self._completed: list[tuple[int, bool]] = []
 
     def save(self, step: int, pieces: list[TensorPiece], objects: dict[str, Any], meta: dict[str, Any]) -> None:
         """Save ``step`` (collective); its outcome comes from ``completed``/``wait``."""
         self._finish_inflight()
-        if self._executor is None:
+        if not self.async_save:
             self._completed.append((step, self._write_and_commit(step, pieces, objects, meta, None)))
             return
-        staged, ready = self.staging.stage(pieces)
-        objects = copy.deepcopy(objects)
-        future = self._executor.submit(self._write_and_commit, step, staged, objects, meta, ready)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p3d-ckpt")
+        failure = None
+        try:
+            staged, ready = self.staging.stage(pieces)
+            objects = copy.deepcopy(objects)
+        except Exception as exc:  # noqa: BLE001 - e.g. no host memory: fail this save on all ranks, train on
+            staged, ready, objects, failure = [], None, {}, exc
+        future = self._executor.submit(self._write_and_commit, step, staged, objects, meta, ready, failure)
         self._inflight = (step, future)
 
     def _write_and_commit(self, step: int, pieces: list[TensorPiece], objects: dict[str, Any],
-                          meta: dict[str, Any], ready: "torch.cuda.Event | None") -> bool:
+                          meta: dict[str, Any], ready: "torch.cuda.Event | None",
+                          failure: BaseException | None = None) -> bool:
         if ready is not None:
             ready.synchronize()
 
         def write_rank(directory: str) -> None:
-            write_state(os.path.join(directory, STATE_DIR), pieces, objects, self.group)
+            write_state(os.path.join(directory, STATE_DIR), pieces, objects, self.group, failure)
 
         return self.manager.save(step, write_rank, meta)
 
