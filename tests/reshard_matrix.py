@@ -12,7 +12,8 @@ Pairs: the issue's (save at tp2-pp2-dp2-ZeRO-2, resume at tp1-pp4-dp2-ZeRO-1, tp
 ZeRO-0 and one process, on the gpt matrix model; the reverse directions on the llama one:
 GQA, untied head, vocabulary 510, padded at tp=4), plus ``GENERATED`` pairs drawn by the
 layout matrix's generator (``tests/layout_matrix.py``: config schema choices, validator
-filtered, reproducible by id), the target drawn with the source's model and global batch.
+filtered, reproducible by id), the target drawn with the source's model and global batch;
+CI's generated pairs always include an interleaved schedule and explicit ``pp_layers``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests import layout_matrix as lm
 STEPS = 4
 SAVE_STEP = 2
 RTOL = 1e-6
-GENERATED = 2
+GENERATED = 1
 PAIR_BASE = 20_000  # generated pair k draws case ids PAIR_BASE + 2k (source) and + 2k + 1 (target)
 
 ISSUE_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 2}
@@ -89,8 +90,28 @@ def generated_pair(k: int) -> Pair:
     return Pair(source.model, _side(source), _side(target))
 
 
-def all_pairs() -> list[Pair]:
-    return issue_pairs() + [generated_pair(k) for k in range(GENERATED)]
+# What the generated pairs in CI must include (drawn further until each holds for some pair).
+PAIR_MUST_COVER = {
+    "interleaved (virtual stages)": lambda p: max(s.parallel["virtual_stages"] for s in (p.source, p.target)) > 1,
+    "explicit pp_layers": lambda p: any(s.parallel["pp_layers"] for s in (p.source, p.target)),
+}
+MAX_PAIR_DRAWS = 50
+
+
+def ci_pairs(generated: int = GENERATED) -> list[Pair]:
+    """The issue's pairs, the first ``generated`` generated ones, and the first generated pair
+    with each ``PAIR_MUST_COVER`` property that those lack."""
+    drawn = [generated_pair(k) for k in range(generated)]
+    for label, holds in PAIR_MUST_COVER.items():
+        k = generated
+        while not any(holds(p) for p in drawn):
+            if k >= MAX_PAIR_DRAWS:
+                raise RuntimeError(f"no generated pair with {label} in {MAX_PAIR_DRAWS} draws")
+            pair = generated_pair(k)
+            if holds(pair):
+                drawn.append(pair)
+            k += 1
+    return issue_pairs() + drawn
 
 
 def job_values(pair: Pair, side: Side, out_dir: str, cache_dir: str, **train: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Resume a checkpoint at another layout (tp, pp, dp, ZeRO stage, schedule, virtual stages,
 pp_layers): exact state, the same continued loss curve (``tests/reshard_matrix.py``).
 
-CI runs the issue's pairs and ``reshard_matrix.GENERATED`` generated ones;
-``--layout-matrix=all`` draws ``GENERATED_ALL`` generated pairs.
+CI runs ``reshard_matrix.ci_pairs()``: the issue's pairs and generated ones (covering an
+interleaved schedule and explicit ``pp_layers``); ``--layout-matrix=all`` draws
+``GENERATED_ALL`` generated pairs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ GENERATED_ALL = 12
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pair" in metafunc.fixturenames:
-        n = GENERATED_ALL if metafunc.config.getoption("--layout-matrix") == "all" else rm.GENERATED
-        pairs = rm.issue_pairs() + [rm.generated_pair(k) for k in range(n)]
+        every = metafunc.config.getoption("--layout-matrix") == "all"
+        pairs = rm.ci_pairs(GENERATED_ALL if every else rm.GENERATED)
         metafunc.parametrize("pair", pairs, ids=[p.name for p in pairs])
 
 
