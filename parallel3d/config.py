@@ -95,6 +95,8 @@ class TrainConfig:
     timeout_s: float = 600.0  # collective timeout
     peak_tflops: float | None = None  # per-device peak for MFU; null = detect known GPUs
     stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
+    async_save: bool = True  # write checkpoints in a background thread while training goes on
+    init_from: str | None = None  # hf:<dir>: start (step 0) from a transformers checkpoint directory
 
 
 @dataclass
@@ -117,6 +119,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # dataset prefixes (source=indexed)
     weights: list[float] | None = None  # blending weights, one per path; null = by dataset size
     cache_dir: str = ".cache/parallel3d"  # where the built-in corpus is tokenized once
+    # source=indexed: the tokenizer the data was made with (saved into the run for HF export);
+    # null = <first path>.tokenizer.json when it exists
+    tokenizer_file: str | None = None
 
 
 @dataclass
@@ -324,6 +329,15 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    if not isinstance(t.async_save, bool):
+        raise ConfigError(f"train.async_save={t.async_save!r}: must be true or false")
+    if t.init_from is not None:
+        from parallel3d.checkpoint_io.hf_init import check_init_from
+
+        try:
+            check_init_from(t.init_from, model)
+        except ValueError as exc:
+            raise ConfigError(f"train.init_from={t.init_from!r}: {exc}") from None
     if t.peak_tflops is not None:
         _check_range("train.peak_tflops", t.peak_tflops, 0.0, lo_open=True)
     device = _check_choice("train.device", t.device, DEVICES)
@@ -367,6 +381,9 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
             raise ConfigError(
                 f"data.weights={weights}: must give one positive weight per data.paths entry ({len(d.paths)})"
             )
+    if d.tokenizer_file is not None and (d.source != "indexed" or not os.path.exists(d.tokenizer_file)):
+        raise ConfigError(f"data.tokenizer_file={d.tokenizer_file!r}: must be an existing tokenizer.json (or a "
+                          f"directory holding one) and is only used with data.source=indexed")
     for prefix in d.paths:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):

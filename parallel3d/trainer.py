@@ -16,18 +16,18 @@ describes the k-th optimizer step).
 from __future__ import annotations
 
 import os
-import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from models import build_model
 from parallel3d import comm, data
-from parallel3d.atomic_io import atomic_torch_save
-from parallel3d.checkpoint import CheckpointManager
+from parallel3d.checkpoint_io.hf_init import load_hf_weights
+from parallel3d.checkpoint_io.resume import load_training_state, save_request
+from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.metrics import (
     JsonlSink,
@@ -45,9 +45,6 @@ from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
-TRAINER_STATE = "trainer_state.pt"  # step, data position, optimizer counters (logging rank)
-ZERO_DIR = "zero"  # model shards + sharded optimizer state (ZeroOptimizer.save_sharded)
-
 
 @dataclass
 class TrainResult:
@@ -62,8 +59,10 @@ class TrainResult:
 
 
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
+    """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "order": p.order,
+    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
 
@@ -94,19 +93,22 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     return chunks
 
 
-def build_batches(rj: ResolvedJob, pstate: ParallelState) -> data.DistributedBatchIterator:
-    """The dataset of ``data.*`` and this rank's batch iterator (tokens only on end stages)."""
+def build_batches(rj: ResolvedJob, pstate: ParallelState) -> tuple[data.DistributedBatchIterator, Any]:
+    """The dataset of ``data.*``, this rank's batch iterator (tokens only on end stages) and the
+    tokenizer the tokens come from (None when ``data.source=indexed`` names none)."""
     d, t = rj.job.data, rj.job.train
     if d.source == "default":
-        prefix, _ = data.build_default_corpus(
+        prefix, tokenizer = data.build_default_corpus(
             d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
             is_builder=pstate.rank == 0, wait_timeout_s=t.timeout_s,
         )
         sources, weights = [prefix], None
     else:
         sources, weights = list(d.paths), None if d.weights is None else list(d.weights)
+        tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, sources)
     dataset = data.GPTDataset(sources, weights, seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
-    return data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
+    batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
+    return batches, tokenizer
 
 
 class Trainer:
@@ -131,8 +133,16 @@ class Trainer:
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
-        self.batches = build_batches(rj, pstate)
-        self.ckpt = CheckpointManager(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last)
+        self.batches, tokenizer = build_batches(rj, pstate)
+        if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else
+            if tokenizer is not None:
+                data.save_run_tokenizer(tokenizer, t.out_dir)
+            else:
+                warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
+                              "so HF export will need --tokenizer", stacklevel=2)
+        self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
+                                            async_save=t.async_save, timeout_s=t.timeout_s)
+        self.ckpt = self.checkpoints.manager
         self.is_logging_rank = pstate.is_logging_rank()
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
@@ -149,47 +159,43 @@ class Trainer:
         return {
             "step": self.step,
             "data": self.batches.state_dict(),
-            "iteration": opt.iteration,
+            "iteration": opt.iteration,  # drives the LR schedule
             "adam_step": opt.adam_step,
             "scaler": opt.scaler.state_dict(),  # state only: the scaler's settings come from this run
             "wandb_id": self.wandb_id,
+            # Dropout masks, data order and init derive from (seed, step, sample id, layer): no RNG
+            # stream of any rank needs saving, and none depends on the layout.
+            "seed": self.rj.job.train.seed,
         }
 
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self.pstate.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.pstate.device)
-        return state
-
-    def save_checkpoint(self) -> bool:
-        def write_rank(directory: str) -> None:
-            self.optimizer.save_sharded(os.path.join(directory, ZERO_DIR))
-            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-            atomic_torch_save(self._rng_state(), os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt"))
-            if self.is_logging_rank:  # it also knows the W&B run id
-                atomic_torch_save(self._trainer_state(), os.path.join(directory, TRAINER_STATE))
-
-        meta = {"layout": _layout(self.rj), "dp": self.pstate.dp_size, "config": self.full_config}
-        return self.ckpt.save(self.step, write_rank, meta)
+    def save_checkpoint(self) -> None:
+        """Collective: save this step (in the background with ``train.async_save``); see ``checkpoint_io``."""
+        self.checkpoints.save(self.step, *save_request(
+            self.optimizer, self.pstate, self._trainer_state() if self.is_logging_rank else None, self.rj.model,
+            _layout(self.rj), self.rj.job.train.precision, self.full_config))
 
     def load_checkpoint(self, directory: str) -> None:
-        self.ckpt.check_layout(directory, _layout(self.rj))
-        self.optimizer.load_sharded(os.path.join(directory, ZERO_DIR))
-        state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=False)
+        """Collective: restore weights, optimizer and trainer state written at any layout."""
+        state = load_training_state(directory, self.optimizer, self.pstate, self.rj.model, self.checkpoints.group)
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
-        rng_path = os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt")
-        if os.path.exists(rng_path):  # absent when resuming with another dp size
-            rng = torch.load(rng_path, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            if "cuda" in rng and self.pstate.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.pstate.device)
+        if state.get("seed") != self.rj.job.train.seed:
+            warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
+                          f"{self.rj.job.train.seed}: dropout masks and data order change from here", stacklevel=2)
+
+    def restore(self) -> str | None:
+        """Collective: load ``train.resume``'s checkpoint (returned), else ``train.init_from``'s weights."""
+        t = self.rj.job.train
+        resume_dir = self.ckpt.find(t.resume)
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir)
+        elif t.init_from is not None:
+            load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
+        return resume_dir
 
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -240,9 +246,7 @@ class Trainer:
     def train(self) -> TrainResult:
         t, lg = self.rj.job.train, self.rj.job.logging
         t0 = time.perf_counter()
-        resume_dir = self.ckpt.find(t.resume)
-        if resume_dir is not None:
-            self.load_checkpoint(resume_dir)
+        resume_dir = self.restore()
         result = TrainResult(rank=self.pstate.rank, start_step=self.step, last_step=self.step)
         jsonl = wandb = None
         if self.is_logging_rank:
@@ -280,8 +284,9 @@ class Trainer:
                 interval_start, interval_steps = time.perf_counter(), 0
                 self.optimizer.reset_memory_peak()
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
-                if self.save_checkpoint():
-                    result.checkpoints.append(self.step)
+                self.save_checkpoint()
+            result.checkpoints += [step for step, ok in self.checkpoints.completed() if ok]
+        result.checkpoints += [step for step, ok in self.checkpoints.close() if ok]
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0
         if wandb is not None:
@@ -297,7 +302,8 @@ class Trainer:
             f"{rj.job.parallel.zero_stage} | schedule={rj.job.parallel.schedule} | global_batch="
             f"{t.global_batch_size} = micro {t.micro_batch_size} x accum {rj.grad_accum} x dp {rj.topology.dp} | "
             f"seq {t.seq_len} | {t.precision} on {self.pstate.device} | params on this rank {n:,} | "
-            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else "fresh start"),
+            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else
+               f"weights from {t.init_from}" if t.init_from else "fresh start"),
             flush=True,
         )
         if self.step >= t.steps:

@@ -52,6 +52,7 @@ from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker, nbytes
+from parallel3d.zero.owned import OwnedSegment, owned_segments
 from parallel3d.zero.precision import LossScaler, precision_dtype
 
 log = logging.getLogger(__name__)
@@ -323,14 +324,22 @@ class ZeroOptimizer:
         return out
 
     # ---- checkpoints -------------------------------------------------------------------
-    def save_sharded(self, path: str) -> None:
-        """Write this job's optimizer state (and thereby the weights) to directory ``path``; all ranks call."""
-        from parallel3d.zero.checkpoint import save_sharded
+    def owned_segments(self) -> list[OwnedSegment]:
+        """This rank's master weights and moments per parameter range, as in-place views (``owned``)."""
+        return owned_segments(self)
 
-        save_sharded(self, path)
+    @property
+    def replicated_over_dp(self) -> bool:
+        """Whether every dp rank holds the whole optimizer state (stage 0) rather than a shard."""
+        return self.zero_stage == 0
 
-    def load_sharded(self, path: str) -> None:
-        """Restore from ``path``, written by any dp size with the same tp/pp layout; all ranks call."""
-        from parallel3d.zero.checkpoint import load_sharded
-
-        load_sharded(self, path)
+    @torch.no_grad()
+    def params_from_master(self) -> None:
+        """Make the parameters equal their (rounded) master weights after the masters were
+        overwritten in place (checkpoint load, HF import); all ranks of the dp group call it."""
+        for g, pb in enumerate(self.param_bufs):
+            if self.masters[g] is None:
+                continue  # fp32: the parameters are the masters
+            for b in pb.layout.buckets:
+                pb.piece_view(b).copy_(self.master_piece(g, b))
+        self.gather_params()
