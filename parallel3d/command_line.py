@@ -40,6 +40,7 @@ class CommandLine:
     config_name: str
     search_path: list[str]  # extra search path entries (``file://...``), in order
     multirun: bool
+    extra_config_dir: str | None = None  # ``--config-dir`` as ``file://ABS`` (also first in search_path)
     check: bool = True  # False for shell completion / rerun: nothing is composed from the overrides
 
 
@@ -63,11 +64,13 @@ def parse(args: list[str], default_config_dir: str, default_config_name: str = "
     if ns.config_path is not None:  # relative to the file declaring @hydra.main, as Hydra does
         config_dir = ns.config_path if os.path.isabs(ns.config_path) else os.path.join(PACKAGE_DIR, ns.config_path)
     search: list[str] = []
+    extra = None
     if ns.config_dir is not None:
         path = os.path.abspath(ns.config_dir)
         if not os.path.isdir(path):
             raise ConfigError(f"--config-dir={ns.config_dir}: directory {path} does not exist")
-        search.append(f"file://{path}")
+        extra = f"file://{path}"
+        search.append(extra)
     overrides = list(ns.overrides)
     for parsed, raw in zip(_parse_overrides(overrides), overrides):
         if parsed.get_key_element() == "hydra.searchpath":
@@ -77,7 +80,7 @@ def parse(args: list[str], default_config_dir: str, default_config_name: str = "
             search += value
     return CommandLine(
         overrides=overrides, config_dir=config_dir, config_name=ns.config_name or default_config_name,
-        search_path=search, multirun=bool(ns.multirun),
+        search_path=search, multirun=bool(ns.multirun), extra_config_dir=extra,
         check=not (ns.shell_completion or ns.experimental_rerun is not None),
     )
 
@@ -162,18 +165,35 @@ def to_job(cfg: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
-    """The composed DictConfig of one job (raises ConfigError with one line)."""
+    """The composed DictConfig of one job (raises ConfigError with one line).
+
+    Uses the compose API over the search path ``hydra.main`` builds for this command line
+    (primary dir, then ``--config-dir`` where Hydra puts it); ``hydra.searchpath=[...]`` goes
+    in as an override, which Hydra processes the same way in both.
+    """
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
 
     overrides = list(job_overrides)
-    if cmd.search_path:
-        overrides.append("hydra.searchpath=[" + ",".join(cmd.search_path) + "]")
+    user_search = [p for p in cmd.search_path if p != cmd.extra_config_dir]
+    if user_search:
+        overrides.append("hydra.searchpath=[" + ",".join(user_search) + "]")
+    gh = GlobalHydra.instance()
+    gh.clear()
     try:
-        with initialize_config_dir(config_dir=os.path.abspath(cmd.config_dir), version_base=None):
-            return hydra_compose(config_name=cmd.config_name, overrides=overrides)
+        search = create_config_search_path(f"file://{os.path.abspath(cmd.config_dir)}")
+        if cmd.extra_config_dir:
+            search.prepend(provider="command-line", path=cmd.extra_config_dir,
+                           anchor=SearchPathQuery(provider="schema"))
+        Hydra.create_main_hydra2(task_name="parallel3d", config_search_path=search)
+        return hydra_compose(config_name=cmd.config_name, overrides=overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra raises many types; all are config problems here
         raise ConfigError(one_line(exc)) from None
+    finally:
+        gh.clear()
 
 
 def one_line(exc: BaseException) -> str:

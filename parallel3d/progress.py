@@ -101,6 +101,10 @@ def checkpoint_line(step: int, path: str, seconds: float) -> str:
     return f"checkpoint step {step}: {path} ({format_bytes(directory_bytes(path))}, {seconds:.1f}s)"
 
 
+def stderr_is_terminal() -> bool:
+    return _is_terminal(sys.stderr)
+
+
 def _is_terminal(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
