@@ -11,6 +11,12 @@ the last stage; memory, bubble and communication over the world); only the
 logging rank (last stage, tp=0, dp=0: it has the loss) writes metrics.jsonl,
 W&B and the console line. Steps are numbered from 1 (the record of step k
 describes the k-th optimizer step).
+
+Evaluation (``parallel3d/eval.py``) runs every ``train.eval_every`` steps and at the
+end, forward only through the pipeline; a step with an evaluation is always logged,
+its record carrying ``eval_loss`` / ``eval_ppl``. Console lines carry elapsed time and
+ETA (``progress.RunClock``), a line per saved checkpoint, and the run ends with a
+summary (``summary.RunSummary``).
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ import torch
 
 from models import build_model
 from parallel3d import comm, data
+from parallel3d.checkpoint import step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
 from parallel3d.checkpoint_io.resume import load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
+from parallel3d.datasets import build_datasets
+from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.metrics import (
     JsonlSink,
     StepTimer,
@@ -42,6 +51,8 @@ from parallel3d.metrics import (
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.progress import RunClock, checkpoint_line
+from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
@@ -56,6 +67,7 @@ class TrainResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # steps saved successfully
     wall_time: float = 0.0
+    summary: RunSummary | None = None  # logging rank only
 
 
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
@@ -93,22 +105,6 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     return chunks
 
 
-def build_batches(rj: ResolvedJob, pstate: ParallelState) -> tuple[data.DistributedBatchIterator, Any]:
-    """The dataset of ``data.*``, this rank's batch iterator (tokens only on end stages) and the
-    tokenizer the tokens come from (None when ``data.source=indexed`` names none)."""
-    d, t = rj.job.data, rj.job.train
-    if d.source == "default":
-        prefix, tokenizer = data.build_default_corpus(
-            d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
-            is_builder=pstate.rank == 0, wait_timeout_s=t.timeout_s,
-        )
-        sources, weights = [prefix], None
-    else:
-        sources, weights = list(d.paths), None if d.weights is None else list(d.weights)
-        tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, sources)
-    dataset = data.GPTDataset(sources, weights, seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
-    batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
-    return batches, tokenizer
 
 
 class Trainer:
@@ -133,7 +129,11 @@ class Trainer:
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
-        self.batches, tokenizer = build_batches(rj, pstate)
+        train_set, valid_set, tokenizer = build_datasets(rj, pstate)
+        self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
+                                                              t.micro_batch_size)
+        self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device)
+                          if valid_set is not None and t.eval_iters > 0 else None)
         if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else
             if tokenizer is not None:
                 data.save_run_tokenizer(tokenizer, t.out_dir)
@@ -143,6 +143,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
                                             async_save=t.async_save, timeout_s=t.timeout_s)
         self.ckpt = self.checkpoints.manager
+        self._save_started: dict[int, float] = {}  # step -> when its (possibly background) save began
         self.is_logging_rank = pstate.is_logging_rank()
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
@@ -152,6 +153,7 @@ class Trainer:
         )
         self.step = 0
         self.wandb_id: str | None = None
+        self._wandb_dir: str | None = None
 
     # ---- checkpoints -------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -173,6 +175,19 @@ class Trainer:
         self.checkpoints.save(self.step, *save_request(
             self.optimizer, self.pstate, self._trainer_state() if self.is_logging_rank else None, self.rj.model,
             _layout(self.rj), self.rj.job.train.precision, self.full_config))
+
+    def _report_saves(self, finished: list[tuple[int, bool]]) -> list[int]:
+        """The steps of ``finished`` saves that succeeded; the logging rank prints a line for each
+        (path, size, seconds from the start of the save to its commit)."""
+        done = []
+        for step, ok in finished:
+            started = self._save_started.pop(step, None)
+            if not ok:
+                continue
+            done.append(step)
+            if self.is_logging_rank and started is not None:
+                print(checkpoint_line(step, step_dir(self.ckpt.root, step), time.perf_counter() - started), flush=True)
+        return done
 
     def load_checkpoint(self, directory: str) -> None:
         """Collective: restore weights, optimizer and trainer state written at any layout."""
@@ -256,13 +271,16 @@ class Trainer:
                               name=lg.wandb.name, run_dir=t.out_dir, config=self.full_config, resume_id=self.wandb_id,
                               init_timeout_s=lg.wandb.init_timeout_s)
             self.wandb_id = wandb.run_id
+            self._wandb_dir = wandb.run_dir
             self._banner(resume_dir)
         end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
+        clock = RunClock(self.step, end, eval_every=t.eval_every, evaluating=self.evaluator is not None)
         timer = StepTimer(self.pstate.device)
         # Throughput is averaged over the whole log interval (data, step, logging and
-        # checkpoints included), as Megatron reports it, not taken from one step.
-        interval_start, interval_steps = time.perf_counter(), 0
+        # checkpoints included, evaluation excluded), as Megatron reports it, not taken from one step.
+        interval_start, interval_steps, interval_eval = time.perf_counter(), 0, 0.0
         while self.step < end:
+            iteration_start = time.perf_counter()
             timer.start()
             before = self.pstate.comm_stats.by_kind()
             microbatches = self._to_device(next(self.batches))
@@ -273,26 +291,68 @@ class Trainer:
             comm_bytes = self._comm_delta(before)
             self.step += 1
             interval_steps += 1
-            if self.step % lg.log_every == 0 or self.step == end:
-                step_time = (time.perf_counter() - interval_start) / interval_steps
+            evaluation = self._maybe_evaluate(end)
+            if evaluation is not None:
+                interval_eval += evaluation.seconds
+                clock.add_eval(evaluation.seconds)
+            if self.step % lg.log_every == 0 or self.step == end or evaluation is not None:
+                step_time = (time.perf_counter() - interval_start - interval_eval) / interval_steps
                 record = self._record(step_time, step_result, info, comm_bytes)
                 if record is not None:
+                    if evaluation is not None:
+                        record.update(evaluation.metrics())
+                    record.update(clock.metrics(self.step))
                     result.records.append(record)
                     jsonl.log(record)
                     wandb.log(record)
                     print(format_console(record, t.steps), flush=True)
-                interval_start, interval_steps = time.perf_counter(), 0
+                interval_start, interval_steps, interval_eval = time.perf_counter(), 0, 0.0
                 self.optimizer.reset_memory_peak()
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
+                self._save_started[self.step] = time.perf_counter()
                 self.save_checkpoint()
-            result.checkpoints += [step for step, ok in self.checkpoints.completed() if ok]
-        result.checkpoints += [step for step, ok in self.checkpoints.close() if ok]
+            result.checkpoints += self._report_saves(self.checkpoints.completed())
+            clock.add_step(time.perf_counter() - iteration_start - (evaluation.seconds if evaluation else 0.0))
+        result.checkpoints += self._report_saves(self.checkpoints.close())
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0
+        result.summary = self._summary(result, clock)  # collective
+        if result.summary is not None:
+            for line in result.summary.lines():
+                print(line, flush=True)
         if wandb is not None:
-            last = result.records[-1] if result.records else {}
-            wandb.finish({"final_loss": last.get("loss"), "steps": self.step, "wall_time_s": result.wall_time})
+            wandb.finish(result.summary.wandb() if result.summary else {})
         return result
+
+    def _maybe_evaluate(self, end: int) -> EvalResult | None:
+        """Collective: evaluate after this step if it is an eval step (every ``eval_every``, and the last)."""
+        every = self.rj.job.train.eval_every
+        if self.evaluator is None or not ((every and self.step % every == 0) or self.step == end):
+            return None
+        return self.evaluator.evaluate(self.step)
+
+    def _summary(self, result: TrainResult, clock: RunClock) -> RunSummary | None:
+        """Collective (per-rank peak memory); the summary on the logging rank, None elsewhere."""
+        peak = memory_snapshot(self.pstate.device)["mem_peak_bytes"]
+        peaks = per_rank_values(peak, self.pstate)
+        if not self.is_logging_rank:
+            return None
+        steps = result.last_step - result.start_step
+        tp = self.throughput
+        tflops = tp.model_flops_per_step * steps / clock.train_seconds / tp.world_size / 1e12 \
+            if steps and clock.train_seconds > 0 else None
+        evals = [(r["step"], r["eval_loss"]) for r in result.records if r.get("eval_loss") is not None]
+        losses = [r["loss"] for r in result.records if r.get("loss") is not None]
+        return RunSummary(
+            steps=steps, first_step=result.start_step, last_step=result.last_step,
+            total_steps=self.rj.job.train.steps, tokens=steps * tp.tokens_per_step, wall_seconds=result.wall_time,
+            train_seconds=clock.train_seconds, tflops_per_device=tflops,
+            mfu=tflops / tp.peak_tflops if tflops is not None and tp.peak_tflops else None, peak_bytes=peaks,
+            out_dir=self.rj.job.train.out_dir, best_eval=min(evals, key=lambda e: e[1]) if evals else None,
+            last_eval=evals[-1] if evals else None, final_loss=losses[-1] if losses else None,
+            checkpoint=step_dir(self.ckpt.root, result.checkpoints[-1]) if result.checkpoints else None,
+            extra_outputs=[self._wandb_dir] if self._wandb_dir else [],
+        )
 
     def _banner(self, resume_dir: str | None) -> None:
         rj, t = self.rj, self.rj.job.train

@@ -11,7 +11,9 @@ budget: at most ``MAX_WORLD`` ranks (this machine has 2 cores).
 
 Each case trains ``STEPS`` optimizer steps through the real ``Trainer`` (fp32, dropout on;
 masks are layout-independent; some pipelined cases with NCCL's p2p semantics emulated on gloo) and its per-step loss and grad norm must match the
-single-process run of the same model, data and global batch within ``RTOL``.
+single-process run of the same model, data and global batch within ``RTOL``; so must the
+validation loss (``EVAL_EVERY``/``EVAL_ITERS``: forward only through the same pipeline
+layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 
 - ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
   ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
@@ -39,6 +41,7 @@ MAX_WORLD = 8
 STEPS = 3
 SEQ_LEN = 32
 RTOL = 1e-5
+EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 3 (the end)
 ALL_CASES = 64
 CI_HEAD = 6
 DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}
@@ -105,9 +108,10 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
         "model": dict(MODELS[model]),
         "parallel": dict(parallel),
         "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
-                  "device": "cpu", "resume": "none", "precision": "fp32", **train},
+                  "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
+                  "eval_iters": EVAL_ITERS, **train},
         "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1},
-        "data": {"cache_dir": cache_dir},
+        "data": {"cache_dir": cache_dir, "valid_fraction": VALID_FRACTION},
         "logging": {"log_every": 1},
     }
 
@@ -205,8 +209,8 @@ def all_cases() -> list[LayoutCase]:
 @dataclass
 class CaseResult:
     case: LayoutCase
-    curve: list[tuple[int, float, float]]  # (step, loss, grad_norm)
-    reference: list[tuple[int, float, float]]
+    curve: list[tuple[int, float, float, float | None]]  # (step, loss, grad_norm, eval_loss or None)
+    reference: list[tuple[int, float, float, float | None]]
     seconds: float = 0.0
     error: str | None = None
     worst: dict[str, float] = field(default_factory=dict)
@@ -218,11 +222,18 @@ class CaseResult:
     def problems(self) -> list[str]:
         if self.error is not None:
             return [self.error]
-        if [s for s, _, _ in self.curve] != [s for s, _, _ in self.reference]:
-            return [f"steps {[s for s, _, _ in self.curve]} != reference {[s for s, _, _ in self.reference]}"]
+        steps = [c[0] for c in self.curve]
+        if steps != [c[0] for c in self.reference]:
+            return [f"steps {steps} != reference {[c[0] for c in self.reference]}"]
+        evals = [c[0] for c in self.curve if c[3] is not None]
+        if evals != [c[0] for c in self.reference if c[3] is not None] or not evals:
+            return [f"evaluated at steps {evals} != reference {[c[0] for c in self.reference if c[3] is not None]}"]
         out = []
-        for (step, loss, gnorm), (_, rloss, rgnorm) in zip(self.curve, self.reference):
-            for what, got, ref in (("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)):
+        for (step, loss, gnorm, ev), (_, rloss, rgnorm, rev) in zip(self.curve, self.reference):
+            pairs = [("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)]
+            if rev is not None:
+                pairs.append(("eval_loss", ev, rev))
+            for what, got, ref in pairs:
                 rel = abs(got - ref) / abs(ref) if ref else abs(got)
                 self.worst[what] = max(self.worst.get(what, 0.0), rel)
                 if not math.isfinite(got) or rel > RTOL:
@@ -230,8 +241,9 @@ class CaseResult:
         return out
 
 
-def curve_of(records: list[dict]) -> list[tuple[int, float, float]]:
-    return [(r["step"], float(r["loss"]), float(r["grad_norm"])) for r in records]
+def curve_of(records: list[dict]) -> list[tuple[int, float, float, float | None]]:
+    return [(r["step"], float(r["loss"]), float(r["grad_norm"]),
+             None if r.get("eval_loss") is None else float(r["eval_loss"])) for r in records]
 
 
 @contextlib.contextmanager
@@ -244,7 +256,7 @@ def _silenced(quiet: bool) -> Iterator[None]:
 
 
 def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
-                       emulate_nccl: bool = False) -> list[tuple[int, float, float]]:
+                       emulate_nccl: bool = False) -> list[tuple[int, float, float, float | None]]:
     """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
@@ -254,7 +266,7 @@ def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
         return curve_of(train(rj, ParallelState(rj.topology, emulate_nccl=emulate_nccl)).records)
 
 
-def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float, float | None]]:
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 

@@ -77,7 +77,8 @@ def _our_logits(cfg: ModelConfig, weights: dict, ids: torch.Tensor) -> torch.Ten
 def _first_global_batch(cfg: ModelConfig, cache_dir: str, values: dict) -> torch.Tensor:
     prefix, _ = data.build_default_corpus(cache_dir, vocab_size=cfg.vocab_size)
     t = values["train"]
-    dataset = data.GPTDataset([prefix], None, seq_len=t["seq_len"], seed=t["seed"], model_vocab_size=cfg.vocab_size)
+    split = dict(split="train", valid_fraction=values["data"]["valid_fraction"]) if values["data"].get("valid_fraction") else {}
+    dataset = data.GPTDataset([prefix], None, seq_len=t["seq_len"], seed=t["seed"], model_vocab_size=cfg.vocab_size, **split)
     return torch.from_numpy(dataset.get_samples(np.arange(t["global_batch_size"])))
 
 

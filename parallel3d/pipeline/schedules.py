@@ -31,6 +31,13 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   (``tests/test_schedules.py`` shows one).
 - ``1f1b``: stage ``s`` never holds more than ``p - s`` microbatches whose
   forward is done and backward is not (``gpipe``: all ``m``).
+
+``build_forward_schedule`` is the forward-only schedule evaluation runs (no ``B``,
+no gradient messages): every microbatch through every chunk in the forward order of
+the training schedule (plain order; with ``v > 1`` the interleaved order, groups of
+``p`` microbatches advancing through the chunks). It meets the same contract (each
+``F`` once, matched FIFO messages, no deadlock under simulation and under NCCL
+batches).
 """
 
 from __future__ import annotations
@@ -57,7 +64,8 @@ from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_
 # The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
 __all__ = [
     "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "CommStep", "Schedule",
-    "ScheduleError", "TimedAction", "Timeline", "build_schedule", "check_coalesced_progress", "comm_plan",
+    "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
+    "check_coalesced_progress", "comm_plan",
     "format_schedule", "format_timeline", "peak_in_flight", "schedule_shape", "simulate", "stage_and_chunk",
     "validate_schedule", "virtual_stage",
 ]
@@ -140,11 +148,16 @@ def _interleaved_warmup(stage: int, p: int, m: int, v: int) -> int:
     return min((p - stage - 1) * 2 + (v - 1) * p, m * v)
 
 
+def _interleaved_forward(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of a stage's k-th forward in the interleaved order."""
+    return (k // (p * v)) * p + k % p, (k // p) % v
+
+
 def _interleaved(stage: int, p: int, m: int, v: int) -> list[Compute]:
     """Narayanan et al. 2021: microbatches advance in groups of p through the v chunks."""
 
     def fwd(k: int) -> tuple[int, int]:  # (microbatch, chunk) of this stage's k-th forward
-        return (k // (p * v)) * p + k % p, (k // p) % v
+        return _interleaved_forward(k, p, v)
 
     def bwd(k: int) -> tuple[int, int]:
         return (k // (p * v)) * p + k % p, v - 1 - (k // p) % v
@@ -194,6 +207,21 @@ def build_schedule(
     return schedule
 
 
+def build_forward_schedule(
+    num_stages: int, num_microbatches: int, num_virtual_stages: int = 1, *, coalesced_p2p: bool = False
+) -> Schedule:
+    """The forward-only schedule (evaluation): see the module doc; validated before it is returned."""
+    p, m, v = num_stages, num_microbatches, num_virtual_stages
+    _check_args("interleaved_1f1b" if v > 1 else "gpipe", p, m, v)
+    schedule: Schedule = {}
+    for s in range(p):
+        order = [("F", *_interleaved_forward(k, p, v)) for k in range(m * v)] if v > 1 else [("F", i, 0) for i in range(m)]
+        schedule[s] = _with_comms(s, p, v, [[c] for c in order])
+    validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, coalesced_p2p=coalesced_p2p,
+                      forward_only=True)
+    return schedule
+
+
 # ---- validation ---------------------------------------------------------------------
 def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most microbatch-chunks whose forward ran and whose backward has not."""
@@ -222,7 +250,7 @@ class _Where:
         return f"stage {self.stage}, position {self.pos} ({self.action})"
 
 
-def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> None:
+def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forward_only: bool = False) -> None:
     seen: dict[tuple[str, int, int], int] = {}
     last = p * v - 1
     for pos, a in enumerate(actions):
@@ -230,6 +258,8 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> N
         if a.chunk >= v or a.microbatch >= m:
             raise ScheduleError(f"{where}: chunk must be < {v} and microbatch < {m}")
         key = (a.kind, a.microbatch, a.chunk)
+        if forward_only and a.kind in ("B", "SEND_GRAD", "RECV_GRAD"):
+            raise ScheduleError(f"{where}: a forward-only schedule has no backward or gradient messages")
         if key in seen:
             raise ScheduleError(f"{where}: repeats the action at position {seen[key]}")
         seen[key] = pos
@@ -248,7 +278,7 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> N
             raise ScheduleError(f"{where}: the first model chunk has no upstream neighbour")
         if a.kind in ("SEND_ACT", "RECV_GRAD") and vs == last:
             raise ScheduleError(f"{where}: the last model chunk has no downstream neighbour")
-    for kind in COMPUTE_KINDS:
+    for kind in ("F",) if forward_only else COMPUTE_KINDS:
         for chunk in range(v):
             missing = [i for i in range(m) if (kind, i, chunk) not in seen]
             if missing:
@@ -266,8 +296,9 @@ def validate_schedule(
     num_virtual_stages: int | None = None,
     max_in_flight: Callable[[int], int] | None = None,
     coalesced_p2p: bool = False,
+    forward_only: bool = False,
 ) -> None:
-    """Raise ``ScheduleError`` unless ``schedule`` meets the module contract.
+    """Raise ``ScheduleError`` unless ``schedule`` meets the module contract (``forward_only``: no ``B``).
 
     With ``coalesced_p2p`` it must also progress under NCCL batch semantics
     (``check_coalesced_progress`` with the engine's defaults for such backends).
@@ -278,7 +309,7 @@ def validate_schedule(
     m = m_seen if num_microbatches is None else num_microbatches
     v = v_seen if num_virtual_stages is None else num_virtual_stages
     for stage, actions in schedule.items():
-        _check_order(stage, actions, p, m, v)
+        _check_order(stage, actions, p, m, v, forward_only)
     simulate(schedule, 1.0, 2.0)  # raises on a deadlock or a mismatched send/receive
     if coalesced_p2p:
         check_coalesced_progress(schedule)
