@@ -46,26 +46,22 @@ __all__ = ["WeightGrad", "input_grad", "full_backward"]
 def _input_path(root: Any, target: Any) -> tuple[list[Any], set[int]]:
     """Nodes reachable from ``root`` (in a fixed DFS order) and the ids of those leading to ``target``."""
     order: list[Any] = []
-    seen: set[int] = set()
-    stack = [root]
-    while stack:  # iterative DFS: a deep graph must not hit the recursion limit
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        order.append(node)
-        for nxt, _ in reversed(node.next_functions):
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)
     leads: set[int] = {id(target)}
-    changed = True
-    # Reverse-topological fixpoint; graphs here are small (a few hundred nodes per chunk).
-    while changed:
-        changed = False
-        for node in reversed(order):
-            if id(node) not in leads and any(n is not None and id(n) in leads for n, _ in node.next_functions):
+    seen: set[int] = {id(root)}
+    stack: list[tuple[Any, Any]] = [(root, iter(root.next_functions))]
+    order.append(root)
+    while stack:  # iterative post-order DFS: a deep graph must not hit the recursion limit
+        node, children = stack[-1]
+        for child, _ in children:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                order.append(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:  # every child is finished: it leads to target if one of its children does
+            stack.pop()
+            if id(node) not in leads and any(c is not None and id(c) in leads for c, _ in node.next_functions):
                 leads.add(id(node))
-                changed = True
     return order, leads
 
 
