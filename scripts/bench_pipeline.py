@@ -1,26 +1,29 @@
-"""Side-by-side benchmark: parallel3d's pipeline engine vs torch.distributed.pipelining.
+"""Side-by-side pipeline benchmark: our engine (1f1b, zb_h1, interleaved) vs torch.distributed.pipelining and DeepSpeed.
 
-Same model (parallel3d's GPT built by ``build_model``, one chunk per virtual stage),
-same batch, same microbatch count, gloo on this machine's CPUs, one thread per rank:
+Same model (parallel3d's GPT from ``build_model``, the same partition and init for every
+system), same batch and microbatch count, gloo on this machine's CPUs, one thread per rank.
+Systems: ours ``1f1b`` (the baseline), ``zb_h1``, ``interleaved_1f1b`` (v chunks);
+``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``; DeepSpeed
+``PipelineModule`` + ``train_batch`` (its 1F1B), run by ``peer_deepspeed_pipeline.py`` under
+its OWN virtual environment, ``.cache/peers/deepspeed-venv``, which this script creates on
+first use (``DS_BUILD_OPS=0 pip install torch==2.13.0 deepspeed``; never a parallel3d
+dependency; ``--no-install`` skips the peer instead, ``--peers torch`` leaves it out).
 
-- ``1f1b``: ``PipelineEngine(schedule="1f1b")`` vs ``Schedule1F1B``;
-- ``interleaved_1f1b`` (v virtual stages): ours vs ``ScheduleInterleaved1F1B``.
+Timing: a step is the slowest rank's time after a barrier. Each round launches our
+process group once (ours and torch's systems alternate step by step, the order rotating
+every step) and DeepSpeed once (its own processes; the two launches alternate their order
+from round to round), so background load hits every system alike. Per system it prints
+min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
+fastest 1F1B peer; for ours also the measured bubble (1 - busy / step) and the bubble
+``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
+time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
+target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Writes JSON to ``--out``.
 
-Per case it prints the median step time (slowest rank, after a barrier), the ratio
-ours/theirs, the bubble measured from our per-stage busy time, and the bubbles
-``simulate`` predicts from our measured per-chunk F/B times: ``sim`` with
-``p2p_time`` = the measured time of one activation-sized send/recv (the number
-compared with the measurement, since the measured step pays that latency too) and
-``sim0`` with zero message latency; plus the theoretical one ((p-1)/(m+p-1), or
-(p-1)/(vm+p-1) interleaved). The per-message time comes from the same processes,
-group and message shape, measured between the timed steps (every rank sends one
-activation to the next stage and receives one from the previous, as in the
-steady state). Writes JSON to ``--out``.
+    .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --rounds 3 --steps 3 --out bench_results/pipeline.json
 
-    .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --out bench_results/pipeline.json
-
-Note: with more ranks than cores, ranks time-share and "busy" time includes waiting
-for a core, so bubbles at p > cores say little about the schedule.
+On a shared or small machine (p > cores) ranks time-share, "busy" includes waiting for a
+core, and numbers are noisy: compare ratios of the same run, never absolute times.
+DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not.
 """
 
 from __future__ import annotations
