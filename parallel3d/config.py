@@ -22,7 +22,7 @@ from typing import Any
 from models.config import ModelConfig
 from parallel3d.topology import LayoutError, Topology
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,7 +68,7 @@ class ParallelConfig:
     dp: Any = "auto"  # data-parallel replicas, or "auto" = world_size / (tp * pp)
     zero_stage: int = 0  # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads
     sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)
-    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 (zero bubble, split backward)
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
     order: str = "tp-dp-pp"  # rank order, fastest-varying first
     bucket_size_mb: float = 25.0  # gradient bucket size for DP/ZeRO reduction

@@ -1,26 +1,29 @@
-"""Side-by-side benchmark: parallel3d's pipeline engine vs torch.distributed.pipelining.
+"""Side-by-side pipeline benchmark: our engine (1f1b, zb_h1, interleaved) vs torch.distributed.pipelining and DeepSpeed.
 
-Same model (parallel3d's GPT built by ``build_model``, one chunk per virtual stage),
-same batch, same microbatch count, gloo on this machine's CPUs, one thread per rank:
+Same model (parallel3d's GPT from ``build_model``, the same partition and init for every
+system), same batch and microbatch count, gloo on this machine's CPUs, one thread per rank.
+Systems: ours ``1f1b`` (the baseline), ``zb_h1``, ``interleaved_1f1b`` (v chunks);
+``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``; DeepSpeed
+``PipelineModule`` + ``train_batch`` (its 1F1B), run by ``peer_deepspeed_pipeline.py`` under
+its OWN virtual environment, ``.cache/peers/deepspeed-venv``, which this script creates on
+first use (``DS_BUILD_OPS=0 pip install torch==2.13.0 deepspeed``; never a parallel3d
+dependency; ``--no-install`` skips the peer instead, ``--peers torch`` leaves it out).
 
-- ``1f1b``: ``PipelineEngine(schedule="1f1b")`` vs ``Schedule1F1B``;
-- ``interleaved_1f1b`` (v virtual stages): ours vs ``ScheduleInterleaved1F1B``.
+Timing: a step is the slowest rank's time after a barrier. Each round launches our
+process group once (ours and torch's systems alternate step by step, the order rotating
+every step) and DeepSpeed once (its own processes; the two launches alternate their order
+from round to round), so background load hits every system alike. Per system it prints
+min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
+fastest 1F1B peer; for ours also the measured bubble (1 - busy / step) and the bubble
+``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
+time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
+target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Writes JSON to ``--out``.
 
-Per case it prints the median step time (slowest rank, after a barrier), the ratio
-ours/theirs, the bubble measured from our per-stage busy time, and the bubbles
-``simulate`` predicts from our measured per-chunk F/B times: ``sim`` with
-``p2p_time`` = the measured time of one activation-sized send/recv (the number
-compared with the measurement, since the measured step pays that latency too) and
-``sim0`` with zero message latency; plus the theoretical one ((p-1)/(m+p-1), or
-(p-1)/(vm+p-1) interleaved). The per-message time comes from the same processes,
-group and message shape, measured between the timed steps (every rank sends one
-activation to the next stage and receives one from the previous, as in the
-steady state). Writes JSON to ``--out``.
+    .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --rounds 3 --steps 3 --out bench_results/pipeline.json
 
-    .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --out bench_results/pipeline.json
-
-Note: with more ranks than cores, ranks time-share and "busy" time includes waiting
-for a core, so bubbles at p > cores say little about the schedule.
+On a shared or small machine (p > cores) ranks time-share, "busy" includes waiting for a
+core, and numbers are noisy: compare ratios of the same run, never absolute times.
+DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -106,83 +110,81 @@ def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _case(args, pstate, schedule: str, v: int) -> dict:
+def _compute_medians(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the median measured time of our F / B / W computations."""
+    own: dict[tuple[str, int], list[float]] = {}
+    for res in results:
+        for action, start, end in res.timeline:
+            if action.is_compute:
+                own.setdefault((action.kind, action.chunk), []).append(end - start)
+    return {k: statistics.median(vals) for k, vals in own.items()}
+
+
+def _group_round(args, pstate, v: int) -> dict:
+    """One round in one process group: every system alternates step by step; returns their step times."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from parallel3d.pipeline.engine import PipelineEngine
-    from parallel3d.pipeline.schedules import build_schedule, simulate
 
     p, m, s = pstate.pp_size, args.microbatches, pstate.pp_rank
     microbatches, inputs, labels = _batch(args, m)
-    ours_chunks = _build_chunks(args, pstate, v)
-    engine = PipelineEngine(ours_chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
-                            seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
-    theirs_chunks = _build_chunks(args, pstate, v)
-    stages = [PipelineStage(_TorchStage(c), s + k * p, p * v, torch.device("cpu"), group=pstate.pp_group)
-              for k, c in enumerate(theirs_chunks)]
     vocab = args.vocab
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
 
-    theirs = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if v == 1
-              else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
-    holds_first = any(st.is_first for st in stages)
-    holds_last = any(st.is_last for st in stages)
+    systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
+    layouts = [("1f1b", 1), ("zb_h1", 1)] + ([("interleaved_1f1b", v)] if v > 1 else [])
+    for schedule, vs in layouts:
+        if schedule not in args.schedules and schedule != "1f1b":
+            continue
+        chunks = _build_chunks(args, pstate, vs)
+        engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
+                                seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
+        results: list = []
+        systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (
+            (lambda e=engine, r=results: r.append(e.run_step(microbatches))), chunks, results, engine)
+    if "torch" in args.peers:
+        for vs in sorted({1, v}):
+            chunks = _build_chunks(args, pstate, vs)
+            stages = [PipelineStage(_TorchStage(c), s + k * p, p * vs, torch.device("cpu"), group=pstate.pp_group)
+                      for k, c in enumerate(chunks)]
+            theirs = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if vs == 1
+                      else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
+            first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
 
-    def run_theirs() -> None:
-        step_args = (inputs,) if holds_first else ()
-        step_kwargs = {"target": labels, "losses": []} if holds_last else {}
-        theirs.step(*step_args, **step_kwargs)
+            def run_theirs(sched=theirs, first=first, last=last) -> None:
+                sched.step(*((inputs,) if first else ()), **({"target": labels, "losses": []} if last else {}))
 
-    results: list = []
-
-    def run_ours() -> None:
-        results.append(engine.run_step(microbatches))
-
-    ours_t, theirs_t, bubbles, comm, msg_t, tails = [], [], [], [], [], []
+            name = "torch.pipelining 1f1b" if vs == 1 else f"torch.pipelining interleaved_1f1b v{vs}"
+            systems[name] = (run_theirs, chunks, None, None)
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.warmup + args.steps):
-        for c in ours_chunks + theirs_chunks:
-            c.zero_grad(set_to_none=True)
-        t_ours = _timed(run_ours)  # alternate the two so background load hits both alike
-        t_theirs = _timed(run_theirs)
-        if i >= args.warmup:
-            ours_t.append(t_ours)
-            theirs_t.append(t_theirs)
-            bubbles.append(max(0.0, 1.0 - results[-1].busy_time / t_ours))
-            comm.append(results[-1].comm_time / t_ours)
-            # Outside the schedule: end-of-step send waits and the tied-embedding all-reduce.
-            tails.append((results[-1].step_time - max(end for _, _, end in results[-1].timeline)) / t_ours)
-            msg_t.append(_message_time(pstate, engine.spec.shape, args.p2p_reps))
-    # Per (stage, chunk) median F/B times from our measured steps, for the simulation.
-    own: dict[tuple[str, int], list[float]] = {}
-    for res in results[args.warmup:]:
-        for action, start, end in res.timeline:
-            if action.is_compute:
-                own.setdefault((action.kind, action.chunk), []).append(end - start)
-    own_med = {k: statistics.median(vals) for k, vals in own.items()}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (s, own_med, statistics.median(bubbles), statistics.median(comm),
-                                      statistics.mean(msg_t), statistics.median(tails)))
-    times = {(st, kind, c): t for st, med, *_ in gathered for (kind, c), t in med.items()}
-    message_time = statistics.mean(g[4] for g in gathered)
-    fwd, bwd = (lambda st, c: times[(st, "F", c)]), (lambda st, c: times[(st, "B", c)])
-    sim = simulate(build_schedule(schedule, p, m, v), fwd, bwd, p2p_time=message_time)
-    sim0 = simulate(build_schedule(schedule, p, m, v), fwd, bwd)
-    measured_bubble = statistics.mean(g[2] for g in gathered)
-    theory = (p - 1) / (v * m + p - 1)
-    ours_med, theirs_med = statistics.median(ours_t), statistics.median(theirs_t)
-    return {
-        "stages": p, "schedule": schedule, "virtual_stages": v, "microbatches": m,
-        "ours_median_s": ours_med, "theirs_median_s": theirs_med, "ratio": ours_med / theirs_med,
-        "ours_steps_s": ours_t, "theirs_steps_s": theirs_t,
-        "bubble_measured": measured_bubble, "bubble_simulated": sim.bubble_fraction,
-        "bubble_simulated_zero_latency": sim0.bubble_fraction, "bubble_theory": theory,
-        "p2p_message_s": message_time, "bubble_simulated_uses": "p2p_time=p2p_message_s",
-        "p2p_wait_share": statistics.mean(g[3] for g in gathered),
-        "after_schedule_share": statistics.mean(g[5] for g in gathered),
-        "bubble_rel_diff": abs(measured_bubble - sim.bubble_fraction) / max(sim.bubble_fraction, 1e-12),
-    }
+        order = names[i % len(names):] + names[:i % len(names)]  # rotate: background load hits all alike
+        for name in order:
+            run, chunks, _, _ = systems[name]
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            t = _timed(run)
+            if i >= args.warmup:
+                times[name].append(t)
+    out: dict = {"times": times, "ours": {}}
+    for name, (_, _, results, engine) in systems.items():
+        if results is None:
+            continue
+        measured = results[args.warmup:]
+        out["ours"][name] = {
+            "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
+            "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
+            "comm": statistics.median(r.comm_time / r.step_time for r in measured),
+            "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
+                                      for r in measured),
+            "compute": _compute_medians(measured),
+        }
+    out["msg_s"] = _message_time(pstate, next(e for *_, e in systems.values() if e is not None).spec.shape,
+                                 args.p2p_reps)
+    return out
 
 
 def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
@@ -195,16 +197,19 @@ def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
         from parallel3d.topology import Topology
 
         pstate = ParallelState(Topology(1, world, 1))
-        rows = [_case(args, pstate, "1f1b", 1)]
-        if args.virtual > 1 and args.layers >= world * args.virtual and args.microbatches % world == 0:
-            rows.append(_case(args, pstate, "interleaved_1f1b", args.virtual))
+        v = args.virtual if args.virtual > 1 and args.layers >= world * args.virtual and \
+            args.microbatches % world == 0 and "interleaved_1f1b" in args.schedules else 1
+        result = _group_round(args, pstate, v)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (pstate.pp_rank, result["ours"], result["msg_s"]))
+        rows = {"times": result["times"], "per_rank": gathered}
         out.put((rank, "ok", rows))
         dist.destroy_process_group()
     except BaseException:
         out.put((rank, "err", traceback.format_exc()))
 
 
-def run(args, world: int) -> list[dict]:
+def run_group(args, world: int) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -224,44 +229,162 @@ def run(args, world: int) -> list[dict]:
     return got[0]
 
 
+def deepspeed_python(args) -> str | None:
+    """The peer's own interpreter: ``.cache/peers/deepspeed-venv`` (created here on first use)."""
+    venv = Path(args.peer_venv)
+    py = venv / "bin" / "python"
+    if not py.exists():
+        if args.no_install:
+            return None
+        print(f"[bench] installing DeepSpeed into its own environment {venv} (once; torch==2.13.0 CPU)",
+              flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        env = dict(os.environ, DS_BUILD_OPS="0")
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
+                        "deepspeed"], check=True, env=env)
+    return str(py)
+
+
+def run_deepspeed(args, py: str, world: int) -> list[float]:
+    cmd = [py, str(Path(__file__).resolve().parent / "peer_deepspeed_pipeline.py"), "--port", str(_free_port())]
+    for key in ("microbatches", "layers", "hidden", "seq", "mbs", "vocab", "steps", "warmup"):
+        cmd += [f"--{key}", str(getattr(args, key))]
+    cmd += ["--stages", str(world)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])["step_times_s"]
+
+
+def _simulated(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> tuple[float, float, float]:
+    """(measured bubble, simulated with measured message time, simulated at zero latency) for our ``name``."""
+    from parallel3d.pipeline.schedules import build_schedule, simulate
+
+    per_stage = {st: ours[name] for st, ours, _ in rank_stats}
+    sched = per_stage[0]["schedule"]
+    v = per_stage[0]["virtual_stages"]
+    med = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}
+
+    def fwd(st, c):
+        return med[(st, "F", c)]
+
+    def wgt(st, c):
+        return med.get((st, "W", c), 0.0)
+
+    def bwd(st, c):  # a whole backward: B, plus W where the schedule splits it
+        return med[(st, "B", c)] + wgt(st, c)
+
+    schedule = build_schedule(sched, p, m, v)
+    sim = simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt)
+    sim0 = simulate(schedule, fwd, bwd, wgrad_time=wgt)
+    measured = statistics.mean(o["bubble"] for o in per_stage.values())
+    return measured, sim.bubble_fraction, sim0.bubble_fraction
+
+
+def _stats(values: list[float]) -> dict:
+    return {"n": len(values), "min_s": min(values), "median_s": statistics.median(values), "max_s": max(values),
+            "steps_s": values}
+
+
+def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
+    """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
+    times: dict[str, list[float]] = {}
+    per_round_stats = []
+    for r in range(args.rounds):
+        order = ["group", "deepspeed"] if r % 2 == 0 else ["deepspeed", "group"]
+        for what in order:
+            if what == "group":
+                got = run_group(args, p)
+                for name, ts in got["times"].items():
+                    times.setdefault(name, []).extend(ts)
+                per_round_stats.append(got["per_rank"])
+            elif ds_py is not None:
+                times.setdefault("deepspeed PipelineModule 1f1b", []).extend(run_deepspeed(args, ds_py, p))
+        print(f"[bench] pp={p} round {r + 1}/{args.rounds} done", flush=True)
+    base = statistics.median(times["ours 1f1b"])
+    peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
+    fastest_peer = min((statistics.median(times[n]) for n in peers), default=None)
+    rows = []
+    for name, ts in times.items():
+        row = {"stages": p, "microbatches": args.microbatches, "system": name, **_stats(ts),
+               "vs_ours_1f1b": statistics.median(ts) / base,
+               "vs_fastest_1f1b_peer": statistics.median(ts) / fastest_peer if fastest_peer else None}
+        if name.startswith("ours"):
+            stats = per_round_stats[-1]
+            msg_s = statistics.mean(x[2] for x in stats)
+            measured = [_simulated(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs))
+                        for rs in per_round_stats]
+            meas = statistics.median(x[0] for x in measured)
+            sim = statistics.median(x[1] for x in measured)
+            row.update(bubble_measured=meas, bubble_simulated=sim,
+                       bubble_simulated_zero_latency=statistics.median(x[2] for x in measured),
+                       bubble_rel_diff=abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
+                       after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats))
+        rows.append(row)
+    return rows
+
+
+def _simulated_unit_bubbles(p: int, m: int) -> dict:
+    """The issue's schedule target: bubbles at F = B = W = 1 (a whole backward costs 2)."""
+    from parallel3d.pipeline.schedules import build_schedule, simulate
+
+    return {name: simulate(build_schedule(name, p, m), 1.0, 2.0).bubble_fraction for name in ("1f1b", "zb_h1")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual", type=int, default=2)
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "interleaved_1f1b"],
+                    help="our schedules to time (1f1b always runs: it is the baseline)")
+    ap.add_argument("--peers", nargs="*", default=["torch", "deepspeed"], choices=["torch", "deepspeed"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each alternates our group and DeepSpeed")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per system per round")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per system per round")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="receives our engine posts ahead of need (default: the engine's choice for the backend)")
-    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after each step")
+    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after the steps")
+    ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
+    ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()
+    ds_py = deepspeed_python(args) if "deepspeed" in args.peers else None
     rows = []
     for p in args.stages:
-        rows += run(args, p)
-    header = (f"{'p':>2} {'schedule':<17} {'v':>2} {'m':>3} {'ours s':>8} {'torch s':>8} {'ratio':>6} "
-              f"{'msg ms':>6} {'bubble meas':>11} {'sim':>6} {'sim0':>6} {'theory':>6} {'rel diff':>8} {'tail':>5}")
+        rows += bench_stages(args, p, ds_py)
+    unit = {p: _simulated_unit_bubbles(p, args.microbatches) for p in sorted({*args.stages, 4})}
+    header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'/peer':>6} "
+              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['stages']:>2} {r['schedule']:<17} {r['virtual_stages']:>2} {r['microbatches']:>3} "
-              f"{r['ours_median_s']:>8.4f} {r['theirs_median_s']:>8.4f} {r['ratio']:>6.2f} "
-              f"{r['p2p_message_s'] * 1e3:>6.2f} {r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} "
-              f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_theory']:>6.3f} {r['bubble_rel_diff']:>8.1%} "
-              f"{r['after_schedule_share']:>5.1%}")
-    print("sim: simulate(p2p_time=msg ms, the measured mean time of one activation send/recv); "
-          "sim0: zero latency; rel diff: |meas - sim| / sim; tail: share of the measured step after "
-          "the schedule's last action (send waits, tied-embedding all-reduce), idle in 'meas', absent from 'sim'")
+        bub = (f"{r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_zero_latency']:>6.3f}"
+               f" {r['bubble_rel_diff']:>8.1%}") if "bubble_measured" in r else ""
+        peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
+        print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
+              f"{r['vs_ours_1f1b']:>9.2f} {peer} {bub}")
+    print(f"m={args.microbatches}; {args.rounds} rounds x {args.steps} measured steps per system, alternating; "
+          "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; sim: simulate() with our "
+          "measured per-chunk F/B/W and message times; sim0: zero message latency; deepspeed's step includes its "
+          "(SGD) optimizer step")
+    for p, b in unit.items():
+        print(f"simulated bubble at F=B=W (p={p}, m={args.microbatches}): 1f1b {b['1f1b']:.3f}, zb_h1 "
+              f"{b['zb_h1']:.3f} ({b['zb_h1'] / b['1f1b']:.2f}x)")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
     path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                                "rows": rows}, indent=2))
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "load_average": os.getloadavg(), "unit_cost_bubbles": unit, "rows": rows},
+                               indent=2))
     print(f"wrote {path}")
 
 

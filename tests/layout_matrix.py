@@ -18,7 +18,8 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 - ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
   ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
   ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
-  pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3.
+  pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
+  schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1.
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
@@ -177,6 +178,8 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "nccl_semantics_pp>=3": lambda c: c.emulate_nccl and c.parallel["pp"] >= 3,
     "tp4_sequence_parallel": lambda c: c.parallel["tp"] == 4 and c.parallel["sequence_parallel"],
     "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
+    "zb_h1_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
+    "zb_h1_pp>=2_tp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 2 and c.parallel["tp"] > 1,
 }
 
 

@@ -84,7 +84,7 @@ def _check_against_reference(cases, results) -> None:
                 assert r["loss_err"] < 1e-6, f"{case}: loss off by {r['loss_err']:.2e}"
             else:
                 assert r["loss_err"] is None
-            limit = {"1f1b": min(pp - r["stage"], m), "gpipe": m}.get(schedule)
+            limit = {"1f1b": min(pp - r["stage"], m), "gpipe": m, "zb_h1": min(pp, m)}.get(schedule)
             if limit is not None:
                 assert r["peak"] <= limit, f"{case} stage {r['stage']}: {r['peak']} live activations > {limit}"
             assert r["bytes"] > 0

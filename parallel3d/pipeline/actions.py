@@ -3,7 +3,9 @@
 An ``Action`` is one step of one pipeline stage; a schedule is
 ``dict[stage, list[Action]]`` (see ``schedules``). With ``v`` virtual stages,
 stage ``s`` holds model chunks ``s, s + p, ..., s + (v-1) p`` (Narayanan et al.
-2021): ``virtual_stage`` / ``stage_and_chunk`` convert between the two views.
+2021). Computations: ``F`` forward, ``B`` backward; a schedule that also lists
+``W`` splits each backward: ``B`` is then the input gradient only and ``W`` the
+weight gradients (``backward_split``): ``virtual_stage`` / ``stage_and_chunk`` convert between the two views.
 
 ``comm_plan`` is the one place that decides how a stage's communication actions
 are grouped into ``batch_isend_irecv`` batches: the engine executes its plan and
@@ -15,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
-COMPUTE_KINDS = ("F", "B")
+COMPUTE_KINDS = ("F", "B", "W")  # W: weight gradients of a split backward (B then input grad only)
 COMM_KINDS = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 SEND_KINDS = ("SEND_ACT", "SEND_GRAD")
 RECV_KINDS = ("RECV_ACT", "RECV_GRAD")
 ACTION_KINDS = COMPUTE_KINDS + COMM_KINDS
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 Schedule = dict[int, list["Action"]]
 CostFn = Union[float, int, Callable[[int, int], float]]
@@ -61,6 +63,11 @@ def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
 
 def stage_and_chunk(virtual: int, num_stages: int) -> tuple[int, int]:
     return virtual % num_stages, virtual // num_stages
+
+
+def splits_backward(actions: Sequence[Action]) -> bool:
+    """Whether this action list runs split backwards (``B`` input grad, ``W`` weight grads)."""
+    return any(a.kind == "W" for a in actions)
 
 
 def schedule_shape(schedule: Schedule) -> tuple[int, int, int]:

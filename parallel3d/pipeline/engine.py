@@ -36,6 +36,14 @@ proves the resulting plan, waits included, deadlock-free under the backend's
 semantics (``check_coalesced_progress``) and refuses one that is not.
 ``grad_sync.finish()`` runs after the step's last backward (not busy time).
 
+Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B``
+computes only the input gradient to send upstream and keeps the graph, ``W``
+later accumulates the weight gradients into ``.grad`` (so gradient hooks fire
+in ``W``). A microbatch-chunk's activations then live from its ``F`` to its
+``W``; ``grad_sync.prepare`` is called before both halves with the flag of the
+``W`` that completes the chunk's accumulation, and ``finish`` after the last
+``W``.
+
 Tied embeddings: with ``grad_sync=None`` the engine sums tied-embedding grads
 over the ``embedding`` group at the end of ``run_step``; with a ``grad_sync``
 (ZeRO) it does not: ``GradSync.complete`` (from the optimizer's step) does.
@@ -50,7 +58,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 
-from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, virtual_stage
+from parallel3d.pipeline import backward_split
+from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, splits_backward, virtual_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
@@ -198,13 +207,16 @@ class PipelineEngine:
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
         self.plan = comm_plan(self.actions, prefetch_recvs)
-        # The backward that completes each chunk's gradient accumulation.
-        last_b: dict[int, Action] = {}
+        # The action that accumulates weight gradients (W if backwards are split, else B), and per
+        # chunk the microbatch whose accumulation completes the chunk's gradients.
+        self.split_backward = splits_backward(self.actions)
+        accumulating = "W" if self.split_backward else "B"
+        last: dict[int, Action] = {}
         for a in self.actions:
-            if a.kind == "B":
-                last_b[a.chunk] = a
-        self._completing_backwards = set(last_b.values())
-        self._final_backward = [a for a in self.actions if a.kind == "B"][-1]
+            if a.kind == accumulating:
+                last[a.chunk] = a
+        self._completing = {(a.microbatch, a.chunk) for a in last.values()}
+        self._final_backward = [a for a in self.actions if a.kind == accumulating][-1]
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -250,8 +262,10 @@ class PipelineEngine:
             start = time.perf_counter()
             if action.kind == "F":
                 run.forward(action)
-            else:
+            elif action.kind == "B":
                 run.backward(action)
+            else:
+                run.weight_grad(action)
             end = time.perf_counter()
             run.busy += end - start
             run.timeline.append((action, start - run.t0, end - run.t0))
@@ -261,7 +275,7 @@ class PipelineEngine:
             if self.grad_sync is not None and action == self._final_backward:
                 self.grad_sync.finish()
         self.p2p.wait_sends()
-        if run.outputs or run.inputs or run.grads_in or run.grads_out:
+        if run.outputs or run.inputs or run.grads_in or run.grads_out or run.weight_work:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
         if self.grad_sync is None:
             sync_tied_embedding_grads(self.chunks, self.pstate)
@@ -300,6 +314,7 @@ class _StepRun:
         self.freeable_bytes: dict[tuple[int, int], int] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        self.weight_work: dict[tuple[int, int], backward_split.WeightGrad] = {}  # split backwards: B done, W owed
         self.losses: list[torch.Tensor] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self.peak_live = self.peak_bytes = 0
@@ -370,7 +385,7 @@ class _StepRun:
 
     def record_peak(self) -> None:
         """Activations peak right after a forward (before its output is sent)."""
-        self.peak_live = max(self.peak_live, len(self.outputs))
+        self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
         self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
 
     def backward(self, action: Action) -> None:
@@ -378,17 +393,34 @@ class _StepRun:
         key = (action.microbatch, action.chunk)
         vs = e._virtual(action.chunk)
         if e.grad_sync is not None:
-            e.grad_sync.prepare(action in e._completing_backwards)
+            e.grad_sync.prepare(key in e._completing)
         out = self.outputs.pop(key)
         grad = None if vs == e._last_virtual else self.grads_in.pop(key)
+        inp = self.inputs.pop(key, None)
+        if e.split_backward:
+            # The graph (and the activations it saved) stays until W; so do their bytes.
+            if vs == 0:  # no input gradient to send: all of the backward is W's
+                self.weight_work[key] = backward_split.WeightGrad.full(out, grad)
+            else:
+                self.grads_out[key], self.weight_work[key] = backward_split.input_grad(out, grad, inp)
+            return
         torch.autograd.backward(out, grad_tensors=grad)
         del out, grad  # the graph and its saved activations go now
         self.stored_bytes.pop(key)
         self.freeable_bytes.pop(key, None)
-        inp = self.inputs.pop(key, None)
         if vs > 0:
             if inp.grad is None:
                 raise RuntimeError(
                     f"rank {e.pstate.rank}: chunk {action.chunk}'s output does not depend on its input"
                 )
             self.grads_out[key] = inp.grad
+
+    def weight_grad(self, action: Action) -> None:
+        """``W``: accumulate this microbatch-chunk's weight gradients; its graph goes now."""
+        e = self.engine
+        key = (action.microbatch, action.chunk)
+        if e.grad_sync is not None:
+            e.grad_sync.prepare(key in e._completing)
+        self.weight_work.pop(key).run()
+        self.stored_bytes.pop(key)
+        self.freeable_bytes.pop(key, None)

@@ -31,6 +31,11 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   (``tests/test_schedules.py`` shows one).
 - ``1f1b``: stage ``s`` never holds more than ``p - s`` microbatches whose
   forward is done and backward is not (``gpipe``: all ``m``).
+- ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
+  ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
+  holds more than ``p`` microbatches whose forward is done and whose ``W`` is
+  not (1F1B's peak activation memory, its first stage's); the ``W``s fill the
+  cool-down bubble.
 
 ``build_forward_schedule`` is the forward-only schedule evaluation runs (no ``B``,
 no gradient messages): every microbatch through every chunk in the forward order of
@@ -56,9 +61,11 @@ from parallel3d.pipeline.actions import (
     ScheduleError,
     comm_plan,
     schedule_shape,
+    splits_backward,
     stage_and_chunk,
     virtual_stage,
 )
+from parallel3d.pipeline.zero_bubble import zb_h1_order
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
 
 # The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
@@ -77,7 +84,7 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
     for key, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual_stages", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")
-    if name != "interleaved_1f1b" and v != 1:
+    if name != "interleaved_1f1b" and v != 1:  # zb_h1 included (zbv, its two-chunk form, is not built)
         raise ValueError(
             f"schedule {name!r} has no virtual stages (num_virtual_stages={v}); use 'interleaved_1f1b'"
         )
@@ -192,6 +199,8 @@ def build_schedule(
     for s in range(p):
         if name == "gpipe":
             compute = _gpipe(s, p, m)
+        elif name == "zb_h1":
+            compute = zb_h1_order(s, p, m)
         elif name == "1f1b":
             compute = _one_f_one_b(s, p, m)
         else:
@@ -201,7 +210,7 @@ def build_schedule(
         else:
             iterations = [[c] for c in compute]
         schedule[s] = _with_comms(s, p, v, iterations)
-    limit = (lambda s: p - s) if name == "1f1b" else None
+    limit = (lambda s: p - s) if name == "1f1b" else (lambda s: p) if name == "zb_h1" else None
     validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limit,
                       coalesced_p2p=coalesced_p2p)
     return schedule
@@ -224,15 +233,19 @@ def build_forward_schedule(
 
 # ---- validation ---------------------------------------------------------------------
 def peak_in_flight(schedule: Schedule) -> dict[int, int]:
-    """Per stage, the most microbatch-chunks whose forward ran and whose backward has not."""
+    """Per stage, the most microbatch-chunks whose forward ran and whose backward has not.
+
+    With split backwards a microbatch-chunk is in flight until its ``W`` (its graph lives until then).
+    """
     peaks = {}
     for stage, actions in schedule.items():
         live = peak = 0
+        ends = "W" if splits_backward(actions) else "B"
         for a in actions:
             if a.kind == "F":
                 live += 1
                 peak = max(peak, live)
-            elif a.kind == "B":
+            elif a.kind == ends:
                 live -= 1
         peaks[stage] = peak
     return peaks
@@ -258,7 +271,7 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forw
         if a.chunk >= v or a.microbatch >= m:
             raise ScheduleError(f"{where}: chunk must be < {v} and microbatch < {m}")
         key = (a.kind, a.microbatch, a.chunk)
-        if forward_only and a.kind in ("B", "SEND_GRAD", "RECV_GRAD"):
+        if forward_only and a.kind in ("B", "W", "SEND_GRAD", "RECV_GRAD"):
             raise ScheduleError(f"{where}: a forward-only schedule has no backward or gradient messages")
         if key in seen:
             raise ScheduleError(f"{where}: repeats the action at position {seen[key]}")
@@ -272,13 +285,16 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forw
         }.get(a.kind)
         if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
             raise ScheduleError(f"{where}: backward before its forward")
+        if a.kind == "W" and ("B", a.microbatch, a.chunk) not in seen:
+            raise ScheduleError(f"{where}: weight gradient (W) before its input-gradient backward (B)")
         if needs and (needs, a.microbatch, a.chunk) not in seen:
             raise ScheduleError(f"{where}: needs an earlier {needs} for the same microbatch and chunk")
         if a.kind in ("RECV_ACT", "SEND_GRAD") and vs == 0:
             raise ScheduleError(f"{where}: the first model chunk has no upstream neighbour")
         if a.kind in ("SEND_ACT", "RECV_GRAD") and vs == last:
             raise ScheduleError(f"{where}: the last model chunk has no downstream neighbour")
-    for kind in ("F",) if forward_only else COMPUTE_KINDS:
+    kinds = ("F",) if forward_only else ("F", "B", "W") if splits_backward(actions) else ("F", "B")
+    for kind in kinds:
         for chunk in range(v):
             missing = [i for i in range(m) if (kind, i, chunk) not in seen]
             if missing:

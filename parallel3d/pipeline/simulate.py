@@ -23,6 +23,7 @@ from parallel3d.pipeline.actions import (
     Schedule,
     ScheduleError,
     schedule_shape,
+    splits_backward,
     stage_and_chunk,
     comm_plan,
     virtual_stage,
@@ -73,16 +74,22 @@ def _message(kind: str, microbatch: int, from_virtual: int) -> tuple[str, int, i
     return ("act" if kind.endswith("ACT") else "grad", microbatch, from_virtual)
 
 
-def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0) -> Timeline:
+def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0,
+             wgrad_time: CostFn | None = None) -> Timeline:
     """Run the schedule on an idealised machine: stages in parallel, actions of a stage in order.
 
-    A computation takes ``fwd_time(stage, chunk)`` / ``bwd_time(stage, chunk)``; a send
+    A computation takes ``fwd_time(stage, chunk)`` / ``bwd_time(stage, chunk)``
+    (``bwd_time`` is a whole backward); on a stage whose schedule splits backwards,
+    ``W`` takes ``wgrad_time`` (default: half of ``bwd_time``) and ``B`` the rest, so
+    split and unsplit schedules do the same work; a send
     costs its stage nothing and its message arrives ``p2p_time`` later; a receive waits
     for its message. Raises ``ScheduleError`` on a deadlock or a receive that does not
     match the oldest pending send between the two stages.
     """
     fwd, bwd, lat = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time"), _as_cost(p2p_time, "p2p_time")
+    wgt = (lambda st, c: bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
     p, _, v = schedule_shape(schedule)
+    split = {s: splits_backward(acts) for s, acts in schedule.items()}
     clock = [0.0] * p
     busy = [0.0] * p
     pos = [0] * p
@@ -98,7 +105,12 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
             vs = virtual_stage(s, a.chunk, p)
             start = clock[s]
             if a.is_compute:
-                cost = (fwd if a.kind == "F" else bwd)(s, a.chunk)
+                if a.kind == "F":
+                    cost = fwd(s, a.chunk)
+                elif a.kind == "W":
+                    cost = wgt(s, a.chunk)
+                else:
+                    cost = bwd(s, a.chunk) - (wgt(s, a.chunk) if split[s] else 0.0)
                 clock[s] += cost
                 busy[s] += cost
             elif a.kind.startswith("SEND"):
@@ -139,14 +151,14 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
 
 
 def format_timeline(timeline: Timeline, *, columns: int = 80) -> str:
-    """A Gantt chart: one row per stage, ``F``/``B`` where it computes, ``.`` where it idles."""
+    """A Gantt chart: one row per stage, ``F``/``B``/``W`` where it computes, ``.`` where it idles."""
     scale = columns / timeline.makespan if timeline.makespan > 0 else 1.0
     rows = [["."] * columns for _ in range(timeline.num_stages)]
     for t in timeline.actions:
         if not t.action.is_compute:
             continue
         for col in range(int(round(t.start * scale)), min(columns, int(round(t.end * scale)))):
-            rows[t.stage][col] = t.action.kind if t.action.kind == "B" else "F"
+            rows[t.stage][col] = t.action.kind
     lines = [f"stage {s}: " + "".join(r) for s, r in enumerate(rows)]
     lines.append(f"makespan={timeline.makespan:g} bubble={timeline.bubble_fraction:.3f}")
     return "\n".join(lines)
