@@ -50,6 +50,19 @@ def test_generator_asks_the_validator():
         assert lm.is_valid(case) and case.world_size <= lm.MAX_WORLD
 
 
+def test_reference_noise_floor_is_far_below_the_tolerance(tmp_path, cache_dir):
+    """One process, another summation order (one sample per microbatch): the curve must move far
+    less than RTOL, or a layout failing RTOL would say nothing about the layout."""
+    for model, global_batch in sorted({c.reference_key() for c in lm.ci_sample()}):
+        curves = [lm.train_reference(lm.job_values(model, {}, {"global_batch_size": global_batch, "micro_batch_size": mbs},
+                                                   str(tmp_path / f"{model}-{global_batch}-{mbs}"), cache_dir), quiet=True)
+                  for mbs in (global_batch, 1)]
+        for (step, *got), (_, *ref) in zip(*curves):
+            for what, a, b in zip(("loss", "grad_norm", "eval_loss"), got, ref):
+                if b is not None:
+                    assert abs(a - b) <= lm.RTOL / 10 * abs(b), (model, global_batch, step, what, a, b)
+
+
 def test_layout_matches_single_process(case, tmp_path, cache_dir, references):
     result = lm.run_case(case, str(tmp_path), cache_dir, references)
     assert result.ok, f"{case.name}: " + "; ".join(result.problems())
