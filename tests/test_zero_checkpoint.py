@@ -1,4 +1,5 @@
-"""Sharded ZeRO checkpoints: bit-exact resume, resharded resume (dp 4 -> 2), atomic writes, bad checkpoints."""
+"""Sharded ZeRO checkpoints: bit-exact resume, resharded resume (dp 4 -> 2, stage 2 -> 1 and 3), atomic writes,
+bad checkpoints."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def _train_steps(model, opt, ps, steps, dtype):
     return eval_losses
 
 
-def _params(model):
-    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+def _params(model, opt):
+    with opt.gathered_params():  # stage 3 holds only shards between steps
+        return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
 
 def _same_layout(rank, world_size, path, stage, precision):
@@ -51,17 +53,17 @@ def _same_layout(rank, world_size, path, stage, precision):
     dtype = DTYPES[precision]
     model, opt = _make(ps, stage, precision)
     straight = _train_steps(model, opt, ps, range(6), dtype)
-    want = _params(model)
+    want = _params(model, opt)
     model, opt = _make(ps, stage, precision)
     first = _train_steps(model, opt, ps, range(3), dtype)
     opt.save_sharded(path)
     model, opt = _make(ps, stage, precision, seed=5)  # different weights: all must come from the checkpoint
     opt.load_sharded(path)
     resumed = _train_steps(model, opt, ps, range(3, 6), dtype)
-    return straight, first + resumed, bool(torch.equal(_params(model), want)), opt.iteration
+    return straight, first + resumed, bool(torch.equal(_params(model, opt), want)), opt.iteration
 
 
-@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16"), (3, "bf16")])
 def test_resume_same_layout_is_bit_exact(tmp_path, stage, precision):
     results = run_on_ranks(_same_layout, 2, str(tmp_path / "ckpt"), stage, precision, timeout=120)
     for straight, resumed, params_equal, iteration in results:
@@ -93,8 +95,9 @@ def test_resume_with_another_dp_size_continues_the_loss_curve(tmp_path):
     on_two = run_on_ranks(_load_and_continue, 2, path, 2, timeout=120)
     for curve in on_two:
         assert curve == pytest.approx(on_four, rel=1e-5)
-    # Stage 1 reads a stage-2 checkpoint too: the format is per parameter, not per buffer.
+    # Stages 1 and 3 read a stage-2 checkpoint too: the format is per parameter, not per buffer.
     assert run_on_ranks(_load_and_continue, 2, path, 1, timeout=120)[0] == pytest.approx(on_four, rel=1e-5)
+    assert run_on_ranks(_load_and_continue, 2, path, 3, timeout=120)[0] == pytest.approx(on_four, rel=1e-5)
 
 
 def test_interrupted_save_never_looks_complete(tmp_path, monkeypatch):
@@ -103,7 +106,7 @@ def test_interrupted_save_never_looks_complete(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt")
     _train_steps(model, opt, ps, range(2), torch.float32)
     opt.save_sharded(path)
-    good = _params(model)
+    good = _params(model, opt)
     _train_steps(model, opt, ps, range(2, 4), torch.float32)
 
     real_replace = os.replace
@@ -121,7 +124,7 @@ def test_interrupted_save_never_looks_complete(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="metadata.json is missing"):
         opt.load_sharded(path + ".partial")
     opt.load_sharded(path)  # the previous checkpoint is intact
-    assert torch.equal(_params(model), good)
+    assert torch.equal(_params(model, opt), good)
     with pytest.raises(FileNotFoundError, match="no complete ZeRO checkpoint"):
         opt.load_sharded(str(tmp_path / "never_written"))
 

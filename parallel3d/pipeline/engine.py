@@ -30,12 +30,15 @@ deadlock; interleaved schedules free a sent output only when the backend reports
 the send complete on its own.
 
 Receives are posted ``prefetch_recvs`` actions ahead of need (in schedule
-order) so their transfer overlaps compute. ``grad_sync.finish()`` runs after the
-step's last backward and is not counted as busy time.
+order) so their transfer overlaps compute.
 
-Tied embeddings: with ``grad_sync=None`` the engine sums tied-embedding grads
-over the ``embedding`` group at the end of ``run_step``; with a ``grad_sync``
-(ZeRO) it does not, and the optimizer calls ``sync_tied_embedding_grads``.
+Gradient finalisation has one owner, called once per step: at the end of
+``run_step``, after the last send has completed, the engine calls
+``grad_sync.finalize()`` (ZeRO's ``GradSync``: finish the DP reduction, sum tied
+embeddings over the ``embedding`` group; without ZeRO,
+``tied.TiedGradFinalizer`` does the tied sum alone). Cross-stage collectives are
+safe there because no pipeline message is outstanding. It is not counted as busy
+time.
 """
 
 from __future__ import annotations
@@ -50,15 +53,24 @@ import torch
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.schedules import Action, build_schedule, virtual_stage
-from parallel3d.pipeline.tied import sync_tied_embedding_grads
+from parallel3d.pipeline.tied import TiedGradFinalizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
+
 class GradSync(Protocol):
+    """What the engine asks of gradient synchronisation (ZeRO's ``GradSync``, or ``TiedGradFinalizer``)."""
+
     def prepare(self, is_last_microbatch: bool) -> None: ...
 
-    def finish(self) -> None: ...
+    def finalize(self) -> None: ...
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage that survives a resize (ZeRO-3 frees and re-gathers parameter
+    storage in place, which changes its data pointer but not the storage object)."""
+    return t.untyped_storage()._cdata
 
 
 @dataclass
@@ -112,10 +124,9 @@ class _SavedBytes:
     def add(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.param_storages:
-            self.storages[ptr] = storage.nbytes()
+        key = storage_key(t)
+        if key not in self.param_storages:
+            self.storages[key] = t.untyped_storage().nbytes()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -163,7 +174,7 @@ class PipelineEngine:
         self.num_microbatches = num_microbatches
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
-        self.grad_sync = grad_sync
+        self.grad_sync: GradSync = grad_sync if grad_sync is not None else TiedGradFinalizer(self.chunks, pstate)
         p = pstate.pp_size
         self.schedule_name = schedule
         self.actions = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages)[pstate.pp_rank]
@@ -191,7 +202,6 @@ class PipelineEngine:
             if a.kind == "B":
                 last_b[a.chunk] = a
         self._completing_backwards = set(last_b.values())
-        self._final_backward = [a for a in self.actions if a.kind == "B"][-1]
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -225,9 +235,7 @@ class PipelineEngine:
         """Forward and backward every microbatch once; grads accumulate into ``.grad``."""
         self._check_microbatches(microbatches)
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
-        param_storages = {
-            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters() if p.device.type != "meta"
-        }
+        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
         run = _StepRun(self, microbatches, loss_scale, step, param_storages)
         for action in self.actions:
             if not action.is_compute:
@@ -245,14 +253,11 @@ class PipelineEngine:
             if action.kind == "F":
                 run.release_sent(block=self._wait_for_sent_activations)
                 run.record_peak()
-            if self.grad_sync is not None and action == self._final_backward:
-                self.grad_sync.finish()
         run.flush()
         self.p2p.wait_sends()
         if run.outputs or run.inputs or run.grads_in or run.grads_out:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
-        if self.grad_sync is None:
-            sync_tied_embedding_grads(self.chunks, self.pstate)
+        self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         return StepResult(
             loss=loss,
@@ -360,9 +365,8 @@ class _StepRun:
             self.losses.append(out.detach())
             out = out * self.loss_factor
         else:
-            storage = out.untyped_storage()
-            if e.free_sent_activations and out.grad_fn is not None and storage.data_ptr() not in saved.storages:
-                self.freeable_bytes[key] = storage.nbytes()
+            if e.free_sent_activations and out.grad_fn is not None and storage_key(out) not in saved.storages:
+                self.freeable_bytes[key] = out.untyped_storage().nbytes()
             saved.add(out)
         self.outputs[key] = out
         self.stored_bytes[key] = saved.total
@@ -376,8 +380,7 @@ class _StepRun:
         e = self.engine
         key = (action.microbatch, action.chunk)
         vs = e._virtual(action.chunk)
-        if e.grad_sync is not None:
-            e.grad_sync.prepare(action in e._completing_backwards)
+        e.grad_sync.prepare(action in e._completing_backwards)
         out = self.outputs.pop(key)
         grad = None if vs == e._last_virtual else self.grads_in.pop(key)
         torch.autograd.backward(out, grad_tensors=grad)

@@ -11,10 +11,14 @@ fp32 values of flattened elements ``[start, stop)`` of that parameter, exactly
 the elements this DP rank owns) and ``scalars`` (Adam step, iteration, loss
 scaler). Stage 0 replicates the state, so only dp rank 0 writes pieces.
 Ranges are per parameter, not per flat buffer, so the file does not depend on
-dp, bucket size or padding: a job with another dp size (same tp and pp) reads
-every ``tp{t}_pp{p}_dp*.pt`` of its model-parallel rank and keeps what it owns.
-The master weights are the model's weights (fp32) or their fp32 source
-(bf16/fp16), so loading also restores the parameters.
+dp, ZeRO stage, offload mode, bucket size or padding: a job with another dp
+size or stage (same tp and pp) reads every ``tp{t}_pp{p}_dp*.pt`` of its
+model-parallel rank and keeps what it owns. The optimizer is read and written
+only through its owned pieces (``read_state_piece`` / ``write_state_piece``:
+the same shard coordinates in every stage and offload mode), so nothing here
+depends on where the state lives. The master weights are the model's weights
+(fp32) or their fp32 source (bf16/fp16), so loading also restores the
+parameters.
 
 Atomicity: ranks write into ``<path>.partial``, each file via a temporary name,
 fsync and rename; once every rank has succeeded, rank 0 moves an older
@@ -31,16 +35,15 @@ import json
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from parallel3d import comm
 from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
-from parallel3d.zero.buffers import shard_slice
-
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.zero.optimizer import ZeroOptimizer
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.buffers import Bucket, BufferLayout
+from parallel3d.zero.precision import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -48,28 +51,50 @@ FORMAT = "parallel3d-zero-v1"
 METADATA = "metadata.json"
 
 
+class ShardedState(Protocol):
+    """What a checkpoint reads and writes of ``ZeroOptimizer`` (no import of the optimizer: no cycle)."""
+
+    pstate: ParallelState
+    device: torch.device
+    named_params: list[tuple[str, torch.nn.Parameter]]
+    zero_stage: int
+    precision: str
+    adam_step: int
+    iteration: int
+    scaler: LossScaler
+
+    @property
+    def layouts(self) -> list[BufferLayout]: ...
+
+    def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def write_state_piece(self, group: int, bucket: Bucket, master: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor) -> None: ...
+
+    def gather_params(self) -> None: ...
+
+
 def _rank_file(tp: int, pp: int, dp: int) -> str:
     return f"tp{tp}_pp{pp}_dp{dp}.pt"
 
 
-def _agree_failed(opt: "ZeroOptimizer", failed: bool) -> bool:
+def _agree_failed(opt: ShardedState, failed: bool) -> bool:
     """Barrier over the whole job that also tells every rank whether any rank failed."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=opt.param_bufs[0].data.device)  # NCCL needs device tensors
+    flag = torch.tensor([1.0 if failed else 0.0], device=opt.device)  # NCCL needs device tensors
     comm.all_reduce(flag, opt.pstate, "dp")
     comm.all_reduce(flag, opt.pstate, "model")
     return bool(flag.item() > 0)
 
 
-def _param_list(opt: "ZeroOptimizer") -> list[tuple[str, tuple[int, ...]]]:
+def _param_list(opt: ShardedState) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in opt.named_params]
 
 
-def _my_pieces(opt: "ZeroOptimizer") -> dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+def _my_pieces(opt: ShardedState) -> dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
     pieces: dict[str, list] = {}
     for g, layout in enumerate(opt.layouts):
         for b in layout.buckets:
-            master = opt.master_piece(g, b)
-            m, v = shard_slice(opt.exp_avgs[g], b), shard_slice(opt.exp_avg_sqs[g], b)
+            master, m, v = opt.read_state_piece(g, b)
             for seg in b.segments:
                 lo, hi = seg.shard_start - b.shard_offset, seg.shard_end - b.shard_offset
                 pieces.setdefault(seg.slot.name, []).append(
@@ -79,7 +104,7 @@ def _my_pieces(opt: "ZeroOptimizer") -> dict[str, list[tuple[int, int, torch.Ten
     return pieces
 
 
-def save_sharded(opt: "ZeroOptimizer", path: str) -> None:
+def save_sharded(opt: ShardedState, path: str) -> None:
     """Write ``opt``'s state to directory ``path`` atomically; every rank of the job calls it."""
     ps = opt.pstate
     path = os.path.abspath(path)
@@ -161,7 +186,7 @@ def _check_params(ours: list[tuple[str, tuple[int, ...]]], saved: list, path: st
 
 
 @torch.no_grad()
-def load_sharded(opt: "ZeroOptimizer", path: str) -> None:
+def load_sharded(opt: ShardedState, path: str) -> None:
     """Restore ``opt`` (and the parameters) from ``path``; every rank calls it. dp may differ from the save."""
     ps = opt.pstate
     path = os.path.abspath(path)
@@ -196,15 +221,13 @@ def load_sharded(opt: "ZeroOptimizer", path: str) -> None:
             raise ValueError(f"checkpoint {path}: tensor {name!r} has {covered.get(name, 0)} of {n} elements saved")
     for g, layout in enumerate(opt.layouts):
         for b in layout.buckets:
-            master = opt.master_piece(g, b)
-            targets = (master, shard_slice(opt.exp_avgs[g], b), shard_slice(opt.exp_avg_sqs[g], b))
+            targets = opt.read_state_piece(g, b)
             for seg in b.segments:
                 lo = seg.shard_start - b.shard_offset
                 src = slice(seg.param_start, seg.param_start + seg.length)
                 for target, buf in zip(targets, full[seg.slot.name]):
                     target[lo : lo + seg.length].copy_(buf[src])  # copy_ moves CPU -> device
-            if opt.masters[g] is not None:
-                opt.param_bufs[g].piece_view(b).copy_(master)
+            opt.write_state_piece(g, b, *targets)  # persists (disk) and refreshes the parameter piece
     opt.gather_params()
     opt.adam_step = int(scalars["adam_step"])
     opt.iteration = int(scalars["iteration"])
