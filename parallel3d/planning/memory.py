@@ -5,10 +5,11 @@ section 3 and Figure 1): with mixed precision and Adam a parameter costs
 2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
 master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
 also the gradients, stage 3 also the weights, plus the gather window: the units
-whole at once (``parallel3d.zero.params_sharded``: the stage's root unit
-(embedding, final norm, head) and 1 + ``zero3_prefetch`` transformer layers in
-``microbatch`` mode; every parameter of the stage during a step in ``step`` mode,
-the default with pp > 1). Offload moves the K bytes off the device: to host
+whole at once (``parallel3d.zero.params_sharded``, ``units``: in ``microbatch``
+mode the stage's root unit (final norm, plus the word embedding when it is tied),
+the largest unit computing (a layer, or an untied embedding or head) and
+``zero3_prefetch`` more layers; every parameter of the stage during a step in
+``step`` mode, the default with pp > 1). Offload moves the K bytes off the device: to host
 memory (``cpu``) or disk (``disk``), reported as ``host`` / ``disk`` beside the
 device total. ``PrecisionBytes.for_precision`` has the per-precision
 byte counts parallel3d's ZeRO optimizer uses: gradients are fp32 main grads
@@ -155,8 +156,12 @@ def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers
     rp = rank_params(config, layout.tp, layout.pp, stage, layers)
     if layout.zero3_mode == "step":
         return rp.total
-    root = rp.embedding + rp.head + rp.final_norm
-    return root + min(layers, 1 + layout.zero3_prefetch) * layer_params(config).per_rank(layout.tp)
+    layer = layer_params(config).per_rank(layout.tp) if layers else 0
+    if config.tie_embeddings:  # the embedding (and its copy on the last stage) live in the root
+        root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
+    else:  # untied embedding and head are units of their own (models.transformer marks them)
+        root, own_units = rp.final_norm, [layer, rp.embedding, rp.head]
+    return root + max(own_units) + min(layers, layout.zero3_prefetch) * layer
 
 
 def stage_activation_bytes(

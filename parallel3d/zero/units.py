@@ -2,12 +2,15 @@
 
 Policy (what FSDP users get by wrapping transformer blocks): every element of a
 container module (``nn.ModuleList``, ``nn.ModuleDict``, ``nn.Sequential``;
-nested containers are expanded) that holds trainable parameters is one unit.
+nested containers are expanded) that holds trainable parameters is one unit, and
+so is any module a model marks with ``zero3_unit = True`` (``ZERO3_UNIT``).
 Every other trainable parameter of a model chunk belongs to the chunk's *root*
 unit, whose hooks sit on the chunk module itself. For parallel3d's models the
-units are the transformer blocks (``layers.{i}``) and the root holds the
-embedding, the final norm and the head; a plain ``nn.Sequential`` gets one unit
-per child with parameters and an empty root.
+units are the transformer blocks (``layers.{i}``) and, when the embedding is not
+tied to the head, the embedding and the head (``models.transformer`` marks
+them); the root holds the final norm, and the word embedding when it is tied
+(the head reads it outside the embedding's forward). A plain ``nn.Sequential``
+gets one unit per child with parameters and an empty root.
 
 Contract: a unit's parameters are read only inside the unit's own forward (and
 the backward of what that forward computed). A parameter used by two units, or
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+ZERO3_UNIT = "zero3_unit"  # module attribute: True makes the module a gather unit of its own
 
 
 @dataclass(eq=False)
@@ -71,7 +75,10 @@ def _unit_modules(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Mod
         return _container_elements(module, prefix)
     out = []
     for name, child in module.named_children():
-        out += _unit_modules(child, f"{prefix}{name}.")
+        if getattr(child, ZERO3_UNIT, False):
+            out.append((f"{prefix}{name}", child))
+        else:
+            out += _unit_modules(child, f"{prefix}{name}.")
     return out
 
 
