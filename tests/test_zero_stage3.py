@@ -17,7 +17,6 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
 from tests.harness import run_on_ranks
-from tests.test_zero_memory_comm import PEAK_BUCKET_ELEMS, make_deep_model
 from tests.test_zero_optimizer import BETAS, EPS, LR, TINY_BUCKET_MB, WD, global_batch, make_mlp, max_rel_error
 from tests.test_zero_optimizer import train_reference
 
@@ -139,20 +138,29 @@ def test_step_mode_keeps_units_whole_through_the_step():
 
 # ---- peak memory during a step with accumulation ------------------------------------------------------
 PEAK_DP, PEAK_ACC = 4, 2
+PEAK_WIDTH, PEAK_DEPTH, PEAK_BUCKET_ELEMS = 96, 32, 8192  # 32 units of 9312 parameters (~298k)
+
+
+def make_deep_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(PEAK_DEPTH):
+        layers += [nn.Linear(PEAK_WIDTH, PEAK_WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers).to(torch.bfloat16)
 
 
 def _peak(rank, world_size, cases):
     ps = ParallelState(Topology(1, 1, world_size))
     out = {}
     for reshard, prefetch in cases:
-        model = make_deep_model()  # bf16, 128 Linear units of 2352 parameters
+        model = make_deep_model()  # bf16, 32 Linear units
         opt = ZeroOptimizer([model], ps, zero_stage=3, lr=1e-3, precision="bf16", grad_reduce_dtype="bf16",
                             bucket_size_mb=PEAK_BUCKET_ELEMS * 2 / 2**20, zero3_prefetch=prefetch,
                             zero3_reshard=reshard)
         for step in range(2):
             opt.reset_memory_peak()
             for mb in range(PEAK_ACC):
-                x = torch.randn(2, 48, generator=torch.Generator().manual_seed(100 * rank + mb))
+                x = torch.randn(2, PEAK_WIDTH, generator=torch.Generator().manual_seed(100 * rank + mb))
                 opt.grad_sync.prepare(is_last_microbatch=mb == PEAK_ACC - 1)
                 (model(x.to(torch.bfloat16)).float().pow(2).mean() / PEAK_ACC).backward()
             assert not opt.step().skipped
