@@ -110,72 +110,119 @@ def hf_config(cfg: ModelConfig) -> "transformers.PretrainedConfig":
                                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-# ---- name/layout maps (full tensors) ----------------------------------------------------
-def _to_hf_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+# ---- name/layout maps (full tensors), one unit at a time ---------------------------------
+# A unit is the global tensors (embeddings, final norm, head) or one layer: HF tensors of a
+# unit depend only on our tensors of the same unit, so export/import can stream unit by unit.
+GLOBALS = "globals"
+
+
+def hf_units(cfg: ModelConfig) -> list:
+    """The conversion units: ``GLOBALS`` then the layer indices."""
+    return [GLOBALS, *range(cfg.num_layers)]
+
+
+def unit_of(name: str) -> object:
+    """The unit of one of our global names (``layers.<i>.…`` -> i, else ``GLOBALS``)."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else GLOBALS
+
+
+def hf_unit_of(key: str) -> object:
+    """The unit of an HF key (``transformer.h.<i>.…`` / ``model.layers.<i>.…`` -> i)."""
+    parts = key.split(".")
+    for a, b in (("h", 2), ("layers", 2)):
+        if len(parts) > b and parts[b - 1] == a and parts[b].isdigit():
+            return int(parts[b])
+    return GLOBALS
+
+
+_GPT_LAYER_LINEARS = (("attn.out", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj"))
+_LLAMA_LAYER_WEIGHTS = (("attn.out", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
+                        ("mlp.down", "mlp.down_proj"), ("norm1", "input_layernorm"),
+                        ("norm2", "post_attention_layernorm"))
+
+
+def to_hf_unit(full: Mapping[str, torch.Tensor], cfg: ModelConfig, unit: object) -> dict[str, torch.Tensor]:
+    """HF tensors of ``unit`` from our full tensors of it (``lm_head.weight`` included, tied or not)."""
     out: dict[str, torch.Tensor] = {}
-    if cfg.arch == "gpt":
-        out["transformer.wte.weight"] = full["embedding.word.weight"]
-        out["transformer.wpe.weight"] = full["embedding.position.weight"]
-        for i in range(cfg.num_layers):
-            ours, hf = f"layers.{i}.", f"transformer.h.{i}."
-            for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                out[f"{hf}{b}.weight"], out[f"{hf}{b}.bias"] = full[f"{ours}{a}.weight"], full[f"{ours}{a}.bias"]
-            q, k, v = ungroup_qkv(full[ours + "attn.qkv.weight"], cfg)
-            out[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()  # Conv1D is [in, out]
-            out[hf + "attn.c_attn.bias"] = torch.cat(ungroup_qkv(full[ours + "attn.qkv.bias"], cfg))
-            for a, b in (("attn.out", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                out[f"{hf}{b}.weight"] = full[f"{ours}{a}.weight"].t()
-                out[f"{hf}{b}.bias"] = full[f"{ours}{a}.bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = full["final_norm.weight"], full["final_norm.bias"]
-        out["lm_head.weight"] = full["embedding.word.weight"]
+    if unit == GLOBALS:
+        if cfg.arch == "gpt":
+            out["transformer.wte.weight"] = full["embedding.word.weight"]
+            out["transformer.wpe.weight"] = full["embedding.position.weight"]
+            out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = full["final_norm.weight"], full["final_norm.bias"]
+            out["lm_head.weight"] = full["embedding.word.weight"]
+        else:
+            out["model.embed_tokens.weight"] = full["embedding.word.weight"]
+            out["model.norm.weight"] = full["final_norm.weight"]
+            out["lm_head.weight"] = full["embedding.word.weight" if cfg.tie_embeddings else "head.weight"]
         return {k: v.contiguous() for k, v in out.items()}
-    out["model.embed_tokens.weight"] = full["embedding.word.weight"]
-    for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+    ours = f"layers.{unit}."
+    if cfg.arch == "gpt":
+        hf = f"transformer.h.{unit}."
+        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[f"{hf}{b}.weight"], out[f"{hf}{b}.bias"] = full[f"{ours}{a}.weight"], full[f"{ours}{a}.bias"]
+        q, k, v = ungroup_qkv(full[ours + "attn.qkv.weight"], cfg)
+        out[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()  # Conv1D is [in, out]
+        out[hf + "attn.c_attn.bias"] = torch.cat(ungroup_qkv(full[ours + "attn.qkv.bias"], cfg))
+        for a, b in _GPT_LAYER_LINEARS:
+            out[f"{hf}{b}.weight"] = full[f"{ours}{a}.weight"].t()
+            out[f"{hf}{b}.bias"] = full[f"{ours}{a}.bias"]
+    else:
+        hf = f"model.layers.{unit}."
         q, k, v = ungroup_qkv(full[ours + "attn.qkv.weight"], cfg)
         out[hf + "self_attn.q_proj.weight"], out[hf + "self_attn.k_proj.weight"] = q, k
         out[hf + "self_attn.v_proj.weight"] = v
-        for a, b in (("attn.out", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
-                     ("mlp.down", "mlp.down_proj"), ("norm1", "input_layernorm"),
-                     ("norm2", "post_attention_layernorm")):
+        for a, b in _LLAMA_LAYER_WEIGHTS:
             out[f"{hf}{b}.weight"] = full[f"{ours}{a}.weight"]
-    out["model.norm.weight"] = full["final_norm.weight"]
-    out["lm_head.weight"] = full["embedding.word.weight" if cfg.tie_embeddings else "head.weight"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_unit(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, unit: object) -> dict[str, torch.Tensor]:
+    """Our full tensors of ``unit`` from the HF tensors of it (a tied ``lm_head.weight`` is not needed)."""
+    full: dict[str, torch.Tensor] = {}
+    if unit == GLOBALS:
+        if cfg.arch == "gpt":
+            full["embedding.word.weight"] = hf["transformer.wte.weight"]
+            full["embedding.position.weight"] = hf["transformer.wpe.weight"]
+            full["final_norm.weight"], full["final_norm.bias"] = hf["transformer.ln_f.weight"], hf["transformer.ln_f.bias"]
+        else:
+            full["embedding.word.weight"] = hf["model.embed_tokens.weight"]
+            full["final_norm.weight"] = hf["model.norm.weight"]
+            if not cfg.tie_embeddings:
+                full["head.weight"] = hf["lm_head.weight"]
+        return full
+    ours = f"layers.{unit}."
+    if cfg.arch == "gpt":
+        h = f"transformer.h.{unit}."
+        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            full[f"{ours}{a}.weight"], full[f"{ours}{a}.bias"] = hf[f"{h}{b}.weight"], hf[f"{h}{b}.bias"]
+        w, bias = hf[h + "attn.c_attn.weight"].t(), hf[h + "attn.c_attn.bias"]
+        cuts = [cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+        full[ours + "attn.qkv.weight"] = group_qkv(*w.split(cuts), cfg)
+        full[ours + "attn.qkv.bias"] = group_qkv(*bias.split(cuts), cfg)
+        for a, b in _GPT_LAYER_LINEARS:
+            full[f"{ours}{a}.weight"] = hf[f"{h}{b}.weight"].t()
+            full[f"{ours}{a}.bias"] = hf[f"{h}{b}.bias"]
+    else:
+        h = f"model.layers.{unit}."
+        full[ours + "attn.qkv.weight"] = group_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
+                                                   hf[h + "self_attn.v_proj.weight"], cfg)
+        for a, b in _LLAMA_LAYER_WEIGHTS:
+            full[f"{ours}{a}.weight"] = hf[f"{h}{b}.weight"]
+    return full
+
+
+def _to_hf_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for unit in hf_units(cfg):
+        out.update(to_hf_unit(full, cfg, unit))
+    return out
 
 
 def _from_hf_tensors(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
-    if cfg.arch == "gpt":
-        full["embedding.word.weight"] = hf["transformer.wte.weight"]
-        full["embedding.position.weight"] = hf["transformer.wpe.weight"]
-        qkv_rows = cfg.num_heads * cfg.head_dim
-        kv_rows = cfg.kv_heads * cfg.head_dim
-        for i in range(cfg.num_layers):
-            ours, h = f"layers.{i}.", f"transformer.h.{i}."
-            for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-                full[f"{ours}{a}.weight"], full[f"{ours}{a}.bias"] = hf[f"{h}{b}.weight"], hf[f"{h}{b}.bias"]
-            w, bias = hf[h + "attn.c_attn.weight"].t(), hf[h + "attn.c_attn.bias"]
-            cuts = [qkv_rows, kv_rows, kv_rows]
-            full[ours + "attn.qkv.weight"] = group_qkv(*w.split(cuts), cfg)
-            full[ours + "attn.qkv.bias"] = group_qkv(*bias.split(cuts), cfg)
-            for a, b in (("attn.out", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-                full[f"{ours}{a}.weight"] = hf[f"{h}{b}.weight"].t()
-                full[f"{ours}{a}.bias"] = hf[f"{h}{b}.bias"]
-        full["final_norm.weight"], full["final_norm.bias"] = hf["transformer.ln_f.weight"], hf["transformer.ln_f.bias"]
-        return full
-    full["embedding.word.weight"] = hf["model.embed_tokens.weight"]
-    for i in range(cfg.num_layers):
-        ours, h = f"layers.{i}.", f"model.layers.{i}."
-        full[ours + "attn.qkv.weight"] = group_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
-                                                   hf[h + "self_attn.v_proj.weight"], cfg)
-        for a, b in (("attn.out", "self_attn.o_proj"), ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
-                     ("mlp.down", "mlp.down_proj"), ("norm1", "input_layernorm"),
-                     ("norm2", "post_attention_layernorm")):
-            full[f"{ours}{a}.weight"] = hf[f"{h}{b}.weight"]
-    full["final_norm.weight"] = hf["model.norm.weight"]
-    if not cfg.tie_embeddings:
-        full["head.weight"] = hf["lm_head.weight"]
+    for unit in hf_units(cfg):
+        full.update(from_hf_unit(hf, cfg, unit))
     return full
 
 

@@ -3,15 +3,18 @@
 Layout (``root`` = ``<train.out_dir>/checkpoints``, on a filesystem every rank sees)::
 
     root/step_00000100/            a complete checkpoint (only ever created by a rename)
-        meta.json                  step, layout, world size, config, per-rank file list
-        rank_00000.pt ...          each rank's own state (model shard, optimizer shard, ...)
+        meta.json                  step, format, model, layout, config, every file with its size
+        state/                     what the ranks wrote (``parallel3d.checkpoint_io``: layout-free)
     root/step_00000200.tmp/        a save in progress or a failed one: never resumed from
 
 Invariants:
-- A directory named ``step_<N>`` is complete: every rank wrote and fsynced its files
-  into ``step_<N>.tmp``, all ranks agreed that they succeeded (a MIN all-reduce of
-  their success flags, which is also the barrier), then rank 0 wrote ``meta.json``
-  and renamed the directory. A kill at any earlier point leaves only ``.tmp``.
+- A directory named ``step_<N>`` is complete: every rank created ``step_<N>.tmp`` and
+  all agreed it did (so ``write_rank``, which may be collective, runs on every rank or
+  on none), every rank wrote and fsynced its files, all ranks agreed that they
+  succeeded (a MIN all-reduce of their success flags, which is also the barrier), then
+  rank 0 wrote ``meta.json`` and renamed the directory. A kill at any earlier point
+  leaves only ``.tmp``. The agreement runs on ``group`` when given (a gloo group of the
+  whole job, so a save can run in a background thread), else on the tp/pp/dp groups.
 - A failed save (disk full, permissions) on any rank warns on the ranks that saw it,
   removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
   training goes on.
@@ -50,8 +53,12 @@ def rank_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank_{rank:05d}.pt")
 
 
-def _world_all_true(flag: bool, pstate: "ParallelState") -> bool:
-    """True iff ``flag`` is true on every rank (MIN over tp, pp, dp covers the world)."""
+def _world_all_true(flag: bool, pstate: "ParallelState", group: "dist.ProcessGroup | None" = None) -> bool:
+    """True iff ``flag`` is true on every rank (MIN over ``group``, or over tp, pp, dp: the world)."""
+    if group is not None:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)  # ``group`` is gloo: a host tensor
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(t.item())
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=pstate.device)
     for kind in ("tp", "pp", "dp"):
         comm.all_reduce(t, pstate, kind, op=dist.ReduceOp.MIN)
@@ -89,23 +96,30 @@ def read_meta(directory: str) -> dict[str, Any]:
 
 
 def is_loadable(directory: str) -> bool:
-    """Complete and not partly pruned: meta.json and every rank file it lists exist."""
+    """Complete and not partly pruned: meta.json and every file it lists exist (with their sizes)."""
     try:
         meta = read_meta(directory)
     except (OSError, ValueError):
         return False
-    return all(os.path.isfile(os.path.join(directory, f)) for f in meta.get("files", []))
+    sizes = meta.get("file_bytes", {})
+    for f in meta.get("files", []):
+        path = os.path.join(directory, f)
+        if not os.path.isfile(path) or (f in sizes and os.path.getsize(path) != sizes[f]):
+            return False
+    return True
 
 
 class CheckpointManager:
     """Saves and finds checkpoints under ``root`` for one job (all ranks construct it)."""
 
-    def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = 2) -> None:
+    def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = 2,
+                 group: "dist.ProcessGroup | None" = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         self.root = root
         self.pstate = pstate
         self.keep_last = keep_last
+        self.group = group  # agreement of ``save`` (see module doc); find() uses the pstate's groups
         if pstate.rank == 0:
             os.makedirs(root, exist_ok=True)
             self._remove_partial()
@@ -123,20 +137,18 @@ class CheckpointManager:
         """
         final = step_dir(self.root, step)
         tmp = final + ".tmp"
-        ok = True
-        try:
-            os.makedirs(tmp, exist_ok=True)
-            write_rank(tmp)
-        except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
-            ok = False
-            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}", stacklevel=2)
-        all_ok = _world_all_true(ok, self.pstate)
+        ok = self._attempt(step, lambda: os.makedirs(tmp, exist_ok=True))
+        if _world_all_true(ok, self.pstate, self.group):
+            ok = self._attempt(step, lambda: write_rank(tmp))
+            all_ok = _world_all_true(ok, self.pstate, self.group)
+        else:
+            all_ok = False
         committed = False
         if self.pstate.rank == 0:
             committed = all_ok and self._commit(step, tmp, final, meta)
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
-        committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate)
+        committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate, self.group)
         if committed and self.pstate.rank == 0:
             self._prune()
         if not committed and self.pstate.rank == 0:
@@ -147,10 +159,19 @@ class CheckpointManager:
             )
         return committed
 
+    def _attempt(self, step: int, action: Callable[[], Any]) -> bool:
+        try:
+            action()
+            return True
+        except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
+            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}", stacklevel=3)
+            return False
+
     def _commit(self, step: int, tmp: str, final: str, meta: dict[str, Any]) -> bool:
         try:
             files = _relative_files(tmp)
-            body = dict(meta, step=step, files=files, world_size=self.pstate.world_size)
+            sizes = {f: os.path.getsize(os.path.join(tmp, f)) for f in files}
+            body = dict(meta, step=step, files=files, file_bytes=sizes, world_size=self.pstate.world_size)
             atomic_write_bytes(os.path.join(tmp, META), lambda fh: fh.write(json.dumps(body, indent=1).encode()))
             fsync_dir(tmp)
             if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap it out
@@ -206,14 +227,3 @@ class CheckpointManager:
                 f"(this rank: step {step}); is {self.root} on a shared filesystem?"
             )
         return path
-
-    def check_layout(self, directory: str, layout: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint's meta, after checking it was written by the same layout."""
-        meta = read_meta(directory)
-        saved = meta.get("layout")
-        if saved != layout:
-            raise CheckpointError(
-                f"checkpoint {directory} was saved with layout {saved}, this job is {layout}; "
-                f"resume with the same parallel.* settings (or train.resume=none)"
-            )
-        return meta

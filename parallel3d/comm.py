@@ -5,7 +5,15 @@ Every collective in parallel3d goes through here so that
   single-process runs share one code path;
 - communication volume is counted per (group kind, op) in ``pstate.comm_stats``;
 - a failed or timed-out collective raises an error naming this rank, the op and
-  the group's ranks instead of a bare gloo/NCCL message.
+  the group's ranks instead of a bare gloo/NCCL message. On NCCL this covers
+  errors raised at launch or by ``wait`` only: a collective that hangs is found by
+  ProcessGroupNCCL's watchdog, which tears the process down itself.
+
+Point-to-point batches go through ``batch_isend_irecv``, whose result is one unit
+whatever the backend returns (gloo: one Work per op; NCCL: one Work for the
+batch). ``ParallelState(emulate_nccl=True)`` makes gloo behave like NCCL here
+(``CoalescedWork``, ``EmulatedP2PStreams``) so that CPU tests catch code that
+only works with one Work per op.
 
 Byte convention (``CommStats``): bytes *sent by this rank* under the ring
 algorithm, for a payload of N bytes on n ranks: all-reduce 2N(n-1)/n,
@@ -18,7 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,3 +149,77 @@ def group_rank(pstate: "ParallelState", kind: str) -> int:
     """This rank's index inside its ``kind`` group (0 when not distributed)."""
     ranks = pstate.ranks(kind)
     return ranks.index(pstate.rank) if pstate.distributed and ranks else 0
+
+
+# ---- point-to-point batches ------------------------------------------------------------------
+class CoalescedWork:
+    """One Work for every op of a batch, as NCCL's coalescing manager returns.
+
+    ``wait`` waits for all of the batch's ops, each Work once (a second ``wait`` on a
+    gloo p2p Work blocks until the group's timeout); ``is_completed`` is true once all
+    are (gloo's op Works report completion only from ``wait``).
+    """
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self._works = list(works)
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            for work in self._works:
+                work.wait() if timeout is None else work.wait(timeout)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or all(work.is_completed() for work in self._works)
+
+
+class EmulatedP2PStreams:
+    """NCCL's FIFO order of batched p2p on one group, emulated on the host.
+
+    torch's ProcessGroupNCCL runs a batch (``ncclGroupStart``/``End`` around the ops) on the
+    group's communicator and its one NCCL stream, the same key as the group's collectives
+    (``getKeyFromDevice``: "for batch P2P, we need to treat it like a collective when
+    selecting communicator"), and the coalesced Work records one end event on that stream.
+    Kernels on one stream run in order, so a rank's batch starts only after its earlier
+    batches on that group completed. The emulation waits for the previous batch before
+    posting the next (the host blocks where NCCL's stream would; nothing a peer needs can
+    be sent in between, since later sends queue behind that batch on NCCL too).
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, CoalescedWork] = {}
+
+    def before_post(self, kind: str) -> None:
+        """Wait for this rank's previous batch on the ``kind`` group (and so for all earlier ones)."""
+        last = self._last.pop(kind, None)
+        if last is not None:
+            last.wait()
+
+    def posted(self, kind: str, work: CoalescedWork) -> None:
+        self._last[kind] = work
+
+
+def batch_isend_irecv(ops: list[dist.P2POp], pstate: "ParallelState", kind: str = "pp") -> list[Any]:
+    """Post ``ops`` (all on this rank's ``kind`` group) as one batch; return the backend's Works.
+
+    gloo returns one Work per op, NCCL one Work for the whole batch, so the list is one
+    unit: wait for all of it before reading any received tensor, and keep every sent
+    tensor referenced until all of it has completed. Under ``pstate.emulate_nccl`` the
+    ops go out on gloo and one ``CoalescedWork`` comes back, after the previous batch on
+    the group has completed (``EmulatedP2PStreams``). Byte accounting is the caller's.
+    """
+    if not ops:
+        return []
+    group = pstate.group(kind)
+    if any(op.group is not group for op in ops):
+        raise ValueError(f"rank {pstate.rank}: batch_isend_irecv got ops outside its {kind} group")
+    streams = pstate.emulated_p2p_streams
+    with _named_failure(pstate, kind, "batch_isend_irecv"):
+        if streams is None:
+            return dist.batch_isend_irecv(ops)
+        streams.before_post(kind)
+        work = CoalescedWork(dist.batch_isend_irecv(ops))
+        streams.posted(kind, work)
+        return [work]

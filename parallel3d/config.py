@@ -104,6 +104,12 @@ class TrainConfig:
     timeout_s: float = 600.0  # collective timeout
     peak_tflops: float | None = None  # per-device peak for MFU; null = detect known GPUs
     stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
+    async_save: bool = True  # write checkpoints in a background thread while training goes on
+    init_from: str | None = None  # hf:<dir>: start (step 0) from a transformers checkpoint directory
+    # Validation (parallel3d/eval.py): eval_iters global batches of the validation set, forward
+    # only, every eval_every steps (0 = only at the end); eval_iters=0 = no evaluation.
+    eval_every: int = 0
+    eval_iters: int = 0
 
 
 @dataclass
@@ -126,6 +132,15 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # dataset prefixes (source=indexed)
     weights: list[float] | None = None  # blending weights, one per path; null = by dataset size
     cache_dir: str = ".cache/parallel3d"  # where the built-in corpus is tokenized once
+    # source=indexed: the tokenizer the data was made with (saved into the run for HF export);
+    # null = <first path>.tokenizer.json when it exists
+    tokenizer_file: str | None = None
+    # Megatron's blend string "0.3 prefix_a 0.7 prefix_b" (or "a b"): instead of paths + weights.
+    blend: str | None = None
+    # Validation set: the tail of each training dataset (a fraction of its tokens, cut at a
+    # document boundary), or separate prefixes (same syntax as paths; source=indexed).
+    valid_fraction: float = 0.0
+    valid_paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -376,6 +391,15 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    if not isinstance(t.async_save, bool):
+        raise ConfigError(f"train.async_save={t.async_save!r}: must be true or false")
+    if t.init_from is not None:
+        from parallel3d.checkpoint_io.hf_init import check_init_from
+
+        try:
+            check_init_from(t.init_from, model)
+        except ValueError as exc:
+            raise ConfigError(f"train.init_from={t.init_from!r}: {exc}") from None
     if t.peak_tflops is not None:
         _check_range("train.peak_tflops", t.peak_tflops, 0.0, lo_open=True)
     device = _check_choice("train.device", t.device, DEVICES)
@@ -405,21 +429,40 @@ def _check_optimizer(o: OptimizerConfig, steps: int) -> None:
     _check_range("optimizer.eps", o.eps, 0.0, lo_open=True)
 
 
+def data_blends(d: DataConfig) -> tuple[tuple[list[str], list[float] | None], tuple[list[str], list[float] | None]]:
+    """``((train prefixes, weights), (validation prefixes, weights))`` of ``data.*`` (raises ConfigError)."""
+    from parallel3d.data.blend import BlendError, resolve_blend
+
+    try:
+        train = resolve_blend(d.paths, d.weights, d.blend)
+        valid = resolve_blend(d.valid_paths, None, None, prefix_key="data.valid")
+    except BlendError as exc:
+        raise ConfigError(str(exc)) from None
+    return train, valid
+
+
 def _check_data(d: DataConfig, model: ModelConfig) -> None:
     _check_choice("data.source", d.source, ("default", "indexed"))
-    if d.source == "indexed" and not d.paths:
-        raise ConfigError("data.paths=[]: data.source=indexed needs at least one dataset prefix")
-    if d.source == "default" and d.paths:
+    (paths, weights), (valid_paths, _) = data_blends(d)
+    if d.source == "indexed" and not paths:
+        raise ConfigError("data.paths=[]: data.source=indexed needs at least one dataset prefix (or data.blend)")
+    if d.source == "default" and paths:
         raise ConfigError(f"data.paths={list(d.paths)}: only used with data.source=indexed")
-    if d.source == "default" and d.weights is not None:
-        raise ConfigError(f"data.weights={list(d.weights)}: only used with data.source=indexed")
-    if d.weights is not None:
-        weights = list(d.weights)
-        if len(weights) != len(d.paths) or any(w <= 0 for w in weights):
-            raise ConfigError(
-                f"data.weights={weights}: must give one positive weight per data.paths entry ({len(d.paths)})"
-            )
-    for prefix in d.paths:
+    if d.source == "default" and weights is not None:
+        raise ConfigError(f"data.weights={weights}: only used with data.source=indexed")
+    if d.source == "default" and valid_paths:
+        raise ConfigError(f"data.valid_paths={list(d.valid_paths)}: only used with data.source=indexed "
+                          f"(the built-in corpus holds out data.valid_fraction)")
+    valid_fraction = _check_range("data.valid_fraction", d.valid_fraction, 0.0)
+    if valid_fraction >= 1.0:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction!r}: must be >= 0 and < 1")
+    if valid_paths and valid_fraction > 0:
+        raise ConfigError(f"data.valid_fraction={d.valid_fraction!r}: give one validation set, either "
+                          f"data.valid_paths (with data.valid_fraction=0) or a held-out data.valid_fraction")
+    if d.tokenizer_file is not None and (d.source != "indexed" or not os.path.exists(d.tokenizer_file)):
+        raise ConfigError(f"data.tokenizer_file={d.tokenizer_file!r}: must be an existing tokenizer.json (or a "
+                          f"directory holding one) and is only used with data.source=indexed")
+    for prefix in [*paths, *valid_paths]:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ConfigError(f"data.paths entry {prefix!r}: file {prefix + ext} does not exist")
@@ -431,6 +474,14 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size}: the built-in corpus needs >= 257 (256 bytes + end-of-document)"
         )
+
+
+def _check_eval(t: TrainConfig, d: DataConfig) -> None:
+    _check_int("train.eval_every", t.eval_every, 0)
+    iters = _check_int("train.eval_iters", t.eval_iters, 0)
+    if iters and not d.valid_paths and not d.valid_fraction:
+        raise ConfigError(f"train.eval_iters={iters}: needs a validation set: data.valid_fraction > 0 "
+                          f"(held out of the training data) or data.valid_paths (or train.eval_iters=0)")
 
 
 def _check_logging(lg: LoggingConfig) -> None:
@@ -467,6 +518,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     device = _check_train(job.train, model, topo, p, accum)
     _check_optimizer(job.optimizer, job.train.steps)
     _check_data(job.data, model)
+    _check_eval(job.train, job.data)
     _check_logging(job.logging)
     return ResolvedJob(job=job, model=model, topology=topo, world_size=world, grad_accum=accum, device=device)
 

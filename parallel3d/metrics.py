@@ -210,16 +210,26 @@ WANDB_GROUPS = {
     "hfu": "throughput",
     "bubble_fraction": "parallel",
     "comm_bytes": "parallel",
+    "eval_loss": "eval",
+    "eval_ppl": "eval",
+    "eval_time": "eval",
+    "elapsed_s": "progress",
+    "eta_s": "progress",
 }
 
 
 def wandb_key(key: str) -> str:
-    """The grouped W&B name of a JSONL key (``train/``, ``throughput/``, ``memory/``, ``parallel/``)."""
+    """The grouped W&B name of a JSONL key (``train/``, ``throughput/``, ``memory/``, ``parallel/``,
+    ``eval/``, ``progress/``)."""
     if key.startswith("mem_"):
         return f"memory/{key}"
     if key.startswith("comm_bytes_"):
         return f"parallel/{key}"
     return f"{WANDB_GROUPS.get(key, 'train')}/{key}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or ["<no message>"])[0]
 
 
 class JsonlSink:
@@ -248,7 +258,14 @@ class JsonlSink:
 
 
 class WandbSink:
-    """One W&B run; any failure (missing package, server down) warns once and disables it."""
+    """One W&B run; a W&B failure never stops training.
+
+    ``mode="online"`` with a server that does not answer within ``init_timeout_s`` falls
+    back to an offline run in ``run_dir/wandb/`` (one warning saying so and how to
+    ``wandb sync`` it later); any other failure (missing package, offline init failing,
+    a log call raising) warns once and disables W&B, metrics.jsonl goes on.
+    ``run_dir`` (attribute): the local run directory W&B writes (None when disabled).
+    """
 
     def __init__(
         self, *, mode: str, project: str, entity: str | None, name: str | None, run_dir: str,
@@ -256,24 +273,52 @@ class WandbSink:
     ) -> None:
         self.run = None
         self.run_id: str | None = None
+        self.run_dir: str | None = None
         if mode == "disabled":
             return
         try:
             import wandb
 
             self._wandb = wandb
-            self.run = wandb.init(
-                mode=mode, project=project, entity=entity, name=name, dir=run_dir, config=config,
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return
+
+        def init(run_mode: str):  # noqa: ANN202 - a wandb Run
+            return wandb.init(
+                mode=run_mode, project=project, entity=entity, name=name, dir=run_dir, config=config,
                 id=resume_id, resume="allow" if resume_id else None,
                 settings=wandb.Settings(init_timeout=init_timeout_s, silent=True, console="off"),
             )
-            self.run_id = self.run.id
+
+        try:
+            self.run = init(mode)
         except Exception as exc:  # noqa: BLE001 - W&B must never kill training
-            self._fail(exc)
+            if mode != "online":
+                self._fail(exc)
+                return
+            try:
+                self.run = init("offline")
+            except Exception as offline_exc:  # noqa: BLE001
+                self._fail(offline_exc)
+                return
+            local = self._local_dir()
+            warnings.warn(
+                f"W&B online init failed ({type(exc).__name__}: {_first_line(exc)}; logging.wandb.init_timeout_s="
+                f"{init_timeout_s:g}): logging offline to {local}; upload it later with `wandb sync {local}`",
+                stacklevel=2,
+            )
+        self.run_id = self.run.id
+        self.run_dir = self._local_dir()
+
+    def _local_dir(self) -> str | None:
+        """The run's own directory (``.../wandb/<offline-run-...>``), what ``wandb sync`` takes."""
+        files = getattr(self.run, "dir", None)
+        return os.path.dirname(files) if files else None
 
     def _fail(self, exc: BaseException) -> None:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        warnings.warn(f"W&B disabled ({type(exc).__name__}: {first_line}); metrics.jsonl continues", stacklevel=3)
+        warnings.warn(f"W&B disabled ({type(exc).__name__}: {_first_line(exc)}); metrics.jsonl continues",
+                      stacklevel=3)
         self.run = None
 
     def log(self, record: dict[str, Any]) -> None:
@@ -312,6 +357,14 @@ def format_console(record: dict[str, Any], total_steps: int) -> str:
     if record.get("bubble_fraction") is not None:
         parts.append(f"bubble {100 * record['bubble_fraction']:.0f}%")
     parts.append(f"mem {record.get('mem_peak_bytes_max', 0) / 2**20:,.0f} MiB")
+    if record.get("eval_loss") is not None:
+        parts.append(f"eval loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}")
+    if record.get("elapsed_s") is not None:
+        from parallel3d.progress import format_duration
+
+        eta = record.get("eta_s")
+        parts.append(f"elapsed {format_duration(record['elapsed_s'])}"
+                     + (f" ETA {format_duration(eta)}" if eta is not None else ""))
     return " | ".join(parts)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel3d.comm import CommStats
+from parallel3d.comm import CommStats, EmulatedP2PStreams
 from parallel3d.topology import GROUP_KINDS, Coords, LayoutError, Topology
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class ParallelState:
     """Coordinates and process groups of one rank.
 
     Invariant: ``groups`` and ``ranks`` come from ``topology`` alone; this
-    class never does rank arithmetic of its own.
+    class never does rank arithmetic of its own. ``emulate_nccl`` (tests on gloo)
+    gives p2p batches NCCL's semantics (``comm.batch_isend_irecv``).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class ParallelState:
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
         distributed: bool | None = None,
+        emulate_nccl: bool = False,
     ) -> None:
         self.topology = topology
         if distributed is None:
@@ -101,6 +103,9 @@ class ParallelState:
                 device = torch.device("cpu")
         self.device = torch.device(device)
         self.comm_stats = CommStats()
+        # Tests on gloo: p2p batches behave as on NCCL (one Work per batch, FIFO per group).
+        self.emulate_nccl = bool(emulate_nccl)
+        self.emulated_p2p_streams = EmulatedP2PStreams() if self.emulate_nccl else None
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         self._handles: dict[str, _GroupHandle] = {}
         self._created: list[dist.ProcessGroup] = []
@@ -115,6 +120,19 @@ class ParallelState:
                 if rank in ranks:
                     mine = _GroupHandle(ranks, pg)
             self._handles[kind] = mine
+        if distributed and self.p2p_coalesces and len(self.ranks("pp")) > 1:
+            # NCCL creates a group's communicator at its first call, and torch documents a
+            # first batch_isend_irecv that not all members join as undefined; the pipeline's
+            # first batches involve neighbours only. So connect the pp group here, all together.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group("pp"))
+
+    @property
+    def p2p_coalesces(self) -> bool:
+        """A p2p batch completes as one unit, in FIFO order per group (NCCL, or its emulation).
+
+        Then ``batch_isend_irecv`` returns one Work per batch, and receives must not be posted
+        ahead of need (see ``pipeline.engine``)."""
+        return self.backend == "nccl" or self.emulate_nccl
 
     # ---- groups ------------------------------------------------------------
     def group(self, kind: str) -> "dist.ProcessGroup | None":
@@ -204,7 +222,7 @@ class ParallelState:
         c = self.coords
         return (
             f"ParallelState(rank={self.rank}, tp={c.tp}/{self.tp_size}, pp={c.pp}/{self.pp_size}, "
-            f"dp={c.dp}/{self.dp_size}, backend={self.backend})"
+            f"dp={c.dp}/{self.dp_size}, backend={self.backend}{', emulating nccl' if self.emulate_nccl else ''})"
         )
 
     @classmethod

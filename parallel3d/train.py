@@ -5,9 +5,11 @@ for several (multi-node: torchrun / SLURM rendezvous). Config: ``conf/config.yam
 against ``parallel3d.config.JobConfig``.
 
 Order of events on every rank, so a bad value never hangs a job:
-1. compose the config with Hydra's compose API and ``resolve`` it (types, ranges, batch
-   arithmetic, layout against ``WORLD_SIZE``); a problem prints ONE line (rank 0) and
-   every rank exits with status 2, before any process group exists;
+1. compose every job the command line asks for (``parallel3d.command_line``: any flags,
+   ``--config-dir``/``--config-name``/``hydra.searchpath``, each job of a ``-m`` sweep)
+   and ``resolve`` it (types, ranges, batch arithmetic, layout against ``WORLD_SIZE``);
+   a problem prints ONE line (rank 0) and every rank exits with status 2, before any
+   process group exists;
 2. run the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
    rank); ranks other than 0 pass ``hydra.output_subdir=null`` so only rank 0 writes
    ``.hydra/``; Hydra never changes the working directory;
@@ -24,16 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from parallel3d.config import (
-    ConfigError,
-    JobConfig,
-    check_no_extra_keys,
-    one_line_omegaconf_error,
-    register_schema,
-    resolve,
-)
+from parallel3d import command_line
+from parallel3d.command_line import to_job
+from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG, EXIT_FAILED = 2, 1
@@ -44,17 +41,6 @@ register_schema()
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def _one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf errors span lines and chain causes; keep the one that names the key."""
-    chain: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    keyed = [e for e in chain if getattr(e, "full_key", None)]
-    return one_line_omegaconf_error(keyed[0] if keyed else exc) or type(exc).__name__
 
 
 def _config_exit(exc: ConfigError) -> None:
@@ -69,27 +55,10 @@ def _config_exit(exc: ConfigError) -> None:
 
 def compose_job(overrides: list[str]) -> tuple[JobConfig, dict[str, Any]]:
     """The typed job and its resolved plain dict for ``overrides`` (raises ConfigError)."""
-    from hydra import compose, initialize_config_dir
-
-    job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose(config_name="config", overrides=job_overrides)
-        return to_job(cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - Hydra raises many types; all are config problems here
-        raise ConfigError(_one_line(exc)) from None
-
-
-def to_job(cfg: DictConfig) -> tuple[JobConfig, dict[str, Any]]:
-    check_no_extra_keys(cfg)
-    try:
-        job = OmegaConf.to_object(cfg)
-        plain = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(_one_line(exc)) from None
-    return job, plain
+    cmd = command_line.parse(list(overrides), CONF_DIR)
+    if cmd is None:
+        raise ConfigError(f"cannot read the command line {overrides}")
+    return to_job(command_line.compose(cmd, command_line.expand_jobs(cmd).jobs[0]))
 
 
 def _configure_threads(device: str) -> None:
@@ -109,6 +78,7 @@ def hydra_app(cfg: DictConfig) -> None:
     rank = _rank()
     try:
         job, plain = to_job(cfg)
+        _multirun_job_dir(job, plain)
         rj = resolve(job)
     except ConfigError as exc:
         _config_exit(exc)
@@ -130,14 +100,29 @@ def hydra_app(cfg: DictConfig) -> None:
         dist.destroy_process_group()
 
 
+def _multirun_job_dir(job: JobConfig, plain: dict[str, Any]) -> None:
+    """In a multirun, the job's run directory is the one Hydra made for it (``command_line`` doc)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    out_dir = hc.runtime.output_dir
+    job.train.out_dir = plain["train"]["out_dir"] = out_dir
+    if _rank() == 0:
+        print(f"multirun job {hc.job.num}: {' '.join(hc.overrides.task)} -> train.out_dir={out_dir}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry (``parallel3d-train``, ``python -m parallel3d.train``, scripts/pretrain.py)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith("-") for a in args):  # --help, --cfg ... go straight to Hydra
-        try:
-            resolve(compose_job(args)[0])
-        except ConfigError as exc:
-            _config_exit(exc)
+    try:  # every job the command line would run, whatever its flags (command_line doc)
+        plan = command_line.check_command_line(args, CONF_DIR)
+    except ConfigError as exc:
+        _config_exit(exc)
+    if plan is not None:
+        args += plan.overrides
     if _rank() != 0:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]

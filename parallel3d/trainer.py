@@ -11,24 +11,33 @@ the last stage; memory, bubble and communication over the world); only the
 logging rank (last stage, tp=0, dp=0: it has the loss) writes metrics.jsonl,
 W&B and the console line. Steps are numbered from 1 (the record of step k
 describes the k-th optimizer step).
+
+Evaluation (``parallel3d/eval.py``) runs every ``train.eval_every`` steps and at the
+end, forward only through the pipeline; a step with an evaluation is always logged,
+its record carrying ``eval_loss`` / ``eval_ppl``. Console lines carry elapsed time and
+ETA (``progress.RunClock``), a line per saved checkpoint, and the run ends with a
+summary (``summary.RunSummary``).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from models import build_model
 from parallel3d import comm, data
-from parallel3d.atomic_io import atomic_torch_save
-from parallel3d.checkpoint import CheckpointManager
+from parallel3d.checkpoint import step_dir
+from parallel3d.checkpoint_io.hf_init import load_hf_weights
+from parallel3d.checkpoint_io.resume import load_training_state, save_request
+from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
+from parallel3d.datasets import build_datasets
+from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.metrics import (
     JsonlSink,
     StepTimer,
@@ -42,11 +51,10 @@ from parallel3d.metrics import (
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.progress import RunClock, checkpoint_line
+from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
-
-TRAINER_STATE = "trainer_state.pt"  # step, data position, optimizer counters (logging rank)
-ZERO_DIR = "zero"  # model shards + sharded optimizer state (ZeroOptimizer.save_sharded)
 
 
 @dataclass
@@ -59,11 +67,14 @@ class TrainResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # steps saved successfully
     wall_time: float = 0.0
+    summary: RunSummary | None = None  # logging rank only
 
 
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
+    """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "virtual_stages": p.virtual_stages, "order": p.order,
+    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
 
@@ -94,19 +105,6 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     return chunks
 
 
-def build_batches(rj: ResolvedJob, pstate: ParallelState) -> data.DistributedBatchIterator:
-    """The dataset of ``data.*`` and this rank's batch iterator (tokens only on end stages)."""
-    d, t = rj.job.data, rj.job.train
-    if d.source == "default":
-        prefix, _ = data.build_default_corpus(
-            d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
-            is_builder=pstate.rank == 0, wait_timeout_s=t.timeout_s,
-        )
-        sources, weights = [prefix], None
-    else:
-        sources, weights = list(d.paths), None if d.weights is None else list(d.weights)
-    dataset = data.GPTDataset(sources, weights, seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
-    return data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size, t.micro_batch_size)
 
 
 class Trainer:
@@ -133,8 +131,23 @@ class Trainer:
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
-        self.batches = build_batches(rj, pstate)
-        self.ckpt = CheckpointManager(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last)
+        train_set, valid_set, tokenizer = build_datasets(rj, pstate)
+        self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
+                                                              t.micro_batch_size)
+        self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device)
+                          if valid_set is not None and t.eval_iters > 0 else None)
+        if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else
+            if tokenizer is not None:
+                data.save_run_tokenizer(tokenizer, t.out_dir)
+            else:
+                warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
+                              "so HF export will need --tokenizer", stacklevel=2)
+        # Async saves stage the whole shard in host memory; a disk-offloaded state does not fit
+        # there by assumption, so it is streamed from its memory-mapped files synchronously.
+        self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
+                                            async_save=t.async_save and p.offload != "disk", timeout_s=t.timeout_s)
+        self.ckpt = self.checkpoints.manager
+        self._save_started: dict[int, float] = {}  # step -> when its (possibly background) save began
         self.is_logging_rank = pstate.is_logging_rank()
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
@@ -144,6 +157,7 @@ class Trainer:
         )
         self.step = 0
         self.wandb_id: str | None = None
+        self._wandb_dir: str | None = None
 
     # ---- checkpoints -------------------------------------------------------------------
     def _trainer_state(self) -> dict[str, Any]:
@@ -151,47 +165,56 @@ class Trainer:
         return {
             "step": self.step,
             "data": self.batches.state_dict(),
-            "iteration": opt.iteration,
+            "iteration": opt.iteration,  # drives the LR schedule
             "adam_step": opt.adam_step,
             "scaler": opt.scaler.state_dict(),  # state only: the scaler's settings come from this run
             "wandb_id": self.wandb_id,
+            # Dropout masks, data order and init derive from (seed, step, sample id, layer): no RNG
+            # stream of any rank needs saving, and none depends on the layout.
+            "seed": self.rj.job.train.seed,
         }
 
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if self.pstate.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.pstate.device)
-        return state
+    def save_checkpoint(self) -> None:
+        """Collective: save this step (in the background with ``train.async_save``); see ``checkpoint_io``."""
+        self.checkpoints.save(self.step, *save_request(
+            self.optimizer, self.pstate, self._trainer_state() if self.is_logging_rank else None, self.rj.model,
+            _layout(self.rj), self.rj.job.train.precision, self.full_config))
 
-    def save_checkpoint(self) -> bool:
-        def write_rank(directory: str) -> None:
-            self.optimizer.save_sharded(os.path.join(directory, ZERO_DIR))
-            os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
-            atomic_torch_save(self._rng_state(), os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt"))
-            if self.is_logging_rank:  # it also knows the W&B run id
-                atomic_torch_save(self._trainer_state(), os.path.join(directory, TRAINER_STATE))
-
-        meta = {"layout": _layout(self.rj), "dp": self.pstate.dp_size, "config": self.full_config}
-        return self.ckpt.save(self.step, write_rank, meta)
+    def _report_saves(self, finished: list[tuple[int, bool]]) -> list[int]:
+        """The steps of ``finished`` saves that succeeded; the logging rank prints a line for each
+        (path, size, seconds from the start of the save to its commit)."""
+        done = []
+        for step, ok in finished:
+            started = self._save_started.pop(step, None)
+            if not ok:
+                continue
+            done.append(step)
+            if self.is_logging_rank and started is not None:
+                print(checkpoint_line(step, step_dir(self.ckpt.root, step), time.perf_counter() - started), flush=True)
+        return done
 
     def load_checkpoint(self, directory: str) -> None:
-        self.ckpt.check_layout(directory, _layout(self.rj))
-        self.optimizer.load_sharded(os.path.join(directory, ZERO_DIR))
-        state = torch.load(os.path.join(directory, TRAINER_STATE), weights_only=False)
+        """Collective: restore weights, optimizer and trainer state written at any layout."""
+        state = load_training_state(directory, self.optimizer, self.pstate, self.rj.model, self.checkpoints.group)
         self.step = int(state["step"])
         self.batches.load_state_dict(state["data"])
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
-        rng_path = os.path.join(directory, "rng", f"rank_{self.pstate.rank:05d}.pt")
-        if os.path.exists(rng_path):  # absent when resuming with another dp size
-            rng = torch.load(rng_path, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            if "cuda" in rng and self.pstate.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.pstate.device)
+        if state.get("seed") != self.rj.job.train.seed:
+            warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
+                          f"{self.rj.job.train.seed}: dropout masks and data order change from here", stacklevel=2)
+
+    def restore(self) -> str | None:
+        """Collective: load ``train.resume``'s checkpoint (returned), else ``train.init_from``'s weights."""
+        t = self.rj.job.train
+        resume_dir = self.ckpt.find(t.resume)
+        if resume_dir is not None:
+            self.load_checkpoint(resume_dir)
+        elif t.init_from is not None:
+            load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
+        return resume_dir
 
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -242,9 +265,7 @@ class Trainer:
     def train(self) -> TrainResult:
         t, lg = self.rj.job.train, self.rj.job.logging
         t0 = time.perf_counter()
-        resume_dir = self.ckpt.find(t.resume)
-        if resume_dir is not None:
-            self.load_checkpoint(resume_dir)
+        resume_dir = self.restore()
         result = TrainResult(rank=self.pstate.rank, start_step=self.step, last_step=self.step)
         jsonl = wandb = None
         if self.is_logging_rank:
@@ -254,13 +275,16 @@ class Trainer:
                               name=lg.wandb.name, run_dir=t.out_dir, config=self.full_config, resume_id=self.wandb_id,
                               init_timeout_s=lg.wandb.init_timeout_s)
             self.wandb_id = wandb.run_id
+            self._wandb_dir = wandb.run_dir
             self._banner(resume_dir)
         end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
+        clock = RunClock(self.step, end, eval_every=t.eval_every, evaluating=self.evaluator is not None)
         timer = StepTimer(self.pstate.device)
         # Throughput is averaged over the whole log interval (data, step, logging and
-        # checkpoints included), as Megatron reports it, not taken from one step.
-        interval_start, interval_steps = time.perf_counter(), 0
+        # checkpoints included, evaluation excluded), as Megatron reports it, not taken from one step.
+        interval_start, interval_steps, interval_eval = time.perf_counter(), 0, 0.0
         while self.step < end:
+            iteration_start = time.perf_counter()
             timer.start()
             before = self.pstate.comm_stats.by_kind()
             microbatches = self._to_device(next(self.batches))
@@ -271,25 +295,68 @@ class Trainer:
             comm_bytes = self._comm_delta(before)
             self.step += 1
             interval_steps += 1
-            if self.step % lg.log_every == 0 or self.step == end:
-                step_time = (time.perf_counter() - interval_start) / interval_steps
+            evaluation = self._maybe_evaluate(end)
+            if evaluation is not None:
+                interval_eval += evaluation.seconds
+                clock.add_eval(evaluation.seconds)
+            if self.step % lg.log_every == 0 or self.step == end or evaluation is not None:
+                step_time = (time.perf_counter() - interval_start - interval_eval) / interval_steps
                 record = self._record(step_time, step_result, info, comm_bytes)
                 if record is not None:
+                    if evaluation is not None:
+                        record.update(evaluation.metrics())
+                    record.update(clock.metrics(self.step))
                     result.records.append(record)
                     jsonl.log(record)
                     wandb.log(record)
                     print(format_console(record, t.steps), flush=True)
-                interval_start, interval_steps = time.perf_counter(), 0
+                interval_start, interval_steps, interval_eval = time.perf_counter(), 0, 0.0
                 self.optimizer.reset_memory_peak()
             if (t.save_every and self.step % t.save_every == 0) or self.step == end:
-                if self.save_checkpoint():
-                    result.checkpoints.append(self.step)
+                self._save_started[self.step] = time.perf_counter()
+                self.save_checkpoint()
+            result.checkpoints += self._report_saves(self.checkpoints.completed())
+            clock.add_step(time.perf_counter() - iteration_start - (evaluation.seconds if evaluation else 0.0))
+        result.checkpoints += self._report_saves(self.checkpoints.close())
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0
+        result.summary = self._summary(result, clock)  # collective
+        if result.summary is not None:
+            for line in result.summary.lines():
+                print(line, flush=True)
         if wandb is not None:
-            last = result.records[-1] if result.records else {}
-            wandb.finish({"final_loss": last.get("loss"), "steps": self.step, "wall_time_s": result.wall_time})
+            wandb.finish(result.summary.wandb() if result.summary else {})
         return result
+
+    def _maybe_evaluate(self, end: int) -> EvalResult | None:
+        """Collective: evaluate after this step if it is an eval step (every ``eval_every``, and the last)."""
+        every = self.rj.job.train.eval_every
+        if self.evaluator is None or not ((every and self.step % every == 0) or self.step == end):
+            return None
+        return self.evaluator.evaluate(self.step)
+
+    def _summary(self, result: TrainResult, clock: RunClock) -> RunSummary | None:
+        """Collective (per-rank peak memory); the summary on the logging rank, None elsewhere."""
+        peak = memory_snapshot(self.pstate.device)["mem_peak_bytes"]
+        peaks = per_rank_values(peak, self.pstate)
+        if not self.is_logging_rank:
+            return None
+        steps = result.last_step - result.start_step
+        tp = self.throughput
+        tflops = tp.model_flops_per_step * steps / clock.train_seconds / tp.world_size / 1e12 \
+            if steps and clock.train_seconds > 0 else None
+        evals = [(r["step"], r["eval_loss"]) for r in result.records if r.get("eval_loss") is not None]
+        losses = [r["loss"] for r in result.records if r.get("loss") is not None]
+        return RunSummary(
+            steps=steps, first_step=result.start_step, last_step=result.last_step,
+            total_steps=self.rj.job.train.steps, tokens=steps * tp.tokens_per_step, wall_seconds=result.wall_time,
+            train_seconds=clock.train_seconds, tflops_per_device=tflops,
+            mfu=tflops / tp.peak_tflops if tflops is not None and tp.peak_tflops else None, peak_bytes=peaks,
+            out_dir=self.rj.job.train.out_dir, best_eval=min(evals, key=lambda e: e[1]) if evals else None,
+            last_eval=evals[-1] if evals else None, final_loss=losses[-1] if losses else None,
+            checkpoint=step_dir(self.ckpt.root, result.checkpoints[-1]) if result.checkpoints else None,
+            extra_outputs=[self._wandb_dir] if self._wandb_dir else [],
+        )
 
     def _banner(self, resume_dir: str | None) -> None:
         rj, t = self.rj, self.rj.job.train
@@ -301,7 +368,8 @@ class Trainer:
             f"schedule={rj.job.parallel.schedule} | global_batch="
             f"{t.global_batch_size} = micro {t.micro_batch_size} x accum {rj.grad_accum} x dp {rj.topology.dp} | "
             f"seq {t.seq_len} | {t.precision} on {self.pstate.device} | params on this rank {n:,} | "
-            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else "fresh start"),
+            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else
+               f"weights from {t.init_from}" if t.init_from else "fresh start"),
             flush=True,
         )
         if self.step >= t.steps:

@@ -236,7 +236,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--prefetch", type=int, default=2, help="receives our engine posts ahead of need")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="receives our engine posts ahead of need (default: the engine's choice for the backend)")
     ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after each step")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()

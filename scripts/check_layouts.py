@@ -31,6 +31,7 @@ def _row(r: lm.CaseResult) -> str:
     status = "ok" if r.ok else "FAIL"
     return (f"{r.case.case_id:>6} {r.case.world_size:>5} {p['tp']:>2} {p['pp']:>2} {p['dp']:>2} {p['zero_stage']:>4} "
             f"{r.worst.get('loss', float('nan')):>9.1e} {r.worst.get('grad_norm', float('nan')):>9.1e} "
+            f"{r.worst.get('eval_loss', float('nan')):>9.1e} "
             f"{r.seconds:>6.1f} {status:>4}  {r.case.name}")
 
 
@@ -56,7 +57,7 @@ def main() -> int:
 
     print(f"{len(cases)} cases; each trains {lm.STEPS} steps and must match 1 process within {lm.RTOL:.0e}",
           flush=True)
-    print(f"{'id':>6} {'world':>5} {'tp':>2} {'pp':>2} {'dp':>2} {'zero':>4} {'loss rel':>9} {'gnorm rel':>9} "
+    print(f"{'id':>6} {'world':>5} {'tp':>2} {'pp':>2} {'dp':>2} {'zero':>4} {'loss rel':>9} {'gnorm rel':>9} {'eval rel':>9} "
           f"{'sec':>6} {'':>4}  layout", flush=True)
     references: dict = {}
     results = []

@@ -9,6 +9,9 @@
 Without --json-key, each input file is raw text (one document, or one per
 paragraph with --split-paragraphs). Each document ends with the tokenizer's
 end-of-document token unless --no-append-eod. Nothing is downloaded.
+--workers N tokenizes in N processes (large inputs); the output is byte-identical
+to one worker. A progress bar (documents, tokens, ETA) runs on stderr; --quiet
+turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from parallel3d.data import (  # noqa: E402  (needs the sys.path entry above)
     train_byte_level_bpe,
     write_tokenized,
 )
+from parallel3d.data.preprocess import count_lines  # noqa: E402
+from parallel3d.progress import progress_bar  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok.add_argument("--tokenizer", help="'byte', a tokenizer.json, or a local HF tokenizer directory")
     tok.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE on the input")
     p.add_argument("--no-append-eod", action="store_true", help="do not end documents with the EOD token")
-    return p.parse_args(argv)
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (output identical to 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers={args.workers}: must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,18 +60,25 @@ def main(argv: list[str] | None = None) -> int:
         def docs():
             return iter_documents(args.input, args.json_key, args.split_paragraphs)
 
+        show = not args.quiet
+        # JSONL: one document per line, so the line count gives the bar its total (and an ETA).
+        total = count_lines(args.input) if show and args.json_key is not None else None
         if args.train_bpe is not None:
-            tokenizer = train_byte_level_bpe(docs(), args.train_bpe)
+            tokenizer = train_byte_level_bpe(docs(), args.train_bpe, show_progress=show, total=total)
             tok_path = Path(args.output_prefix + ".tokenizer.json")
             tok_path.parent.mkdir(parents=True, exist_ok=True)
             tokenizer.save(tok_path)
         else:
             tokenizer = load_tokenizer(args.tokenizer)
-        stats = write_tokenized(docs(), tokenizer, args.output_prefix, append_eod=not args.no_append_eod)
+        with progress_bar(f"tokenizing into {args.output_prefix} ({args.workers} worker(s))", total=total,
+                          unit="doc", enabled=show) as bar:
+            stats = write_tokenized(docs(), tokenizer, args.output_prefix, append_eod=not args.no_append_eod,
+                                    workers=args.workers, progress=bar)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stats.update(vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id, seconds=round(time.perf_counter() - t0, 3))
+    stats.update(vocab_size=tokenizer.vocab_size, eod_id=tokenizer.eod_id, workers=args.workers,
+                 seconds=round(time.perf_counter() - t0, 3))
     print(json.dumps(stats))
     return 0
 

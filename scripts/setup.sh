@@ -13,10 +13,10 @@ fi
 # Re-install only when the dependency spec changed (keeps the second run fast).
 stamp_want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ "$(cat .venv/.setup-stamp 2>/dev/null || true)" != "$stamp_want" ]; then
-    echo "[setup] installing torch==2.13.0 (CPU) and parallel3d[dev,hf,megatron]"
+    echo "[setup] installing torch==2.13.0 (CPU) and parallel3d[dev,hf,megatron,report]"
     # (grep drops pip's per-package notes about this machine's local index mirrors)
     .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,hf,megatron]" "torch==2.13.0" \
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[dev,hf,megatron,report]" "torch==2.13.0" \
         2> >(grep -v "is ignored" >&2)
     echo "$stamp_want" > .venv/.setup-stamp
 fi

@@ -10,8 +10,10 @@ validator's business, not a second list of rules here. The one rule of our own i
 budget: at most ``MAX_WORLD`` ranks (this machine has 2 cores).
 
 Each case trains ``STEPS`` optimizer steps through the real ``Trainer`` (fp32, dropout on;
-masks are layout-independent) and its per-step loss and grad norm must match the
-single-process run of the same model, data and global batch within ``RTOL``.
+masks are layout-independent; some pipelined cases with NCCL's p2p semantics emulated on gloo) and its per-step loss and grad norm must match the
+single-process run of the same model, data and global batch within ``RTOL``; so must the
+validation loss (``EVAL_EVERY``/``EVAL_ITERS``: forward only through the same pipeline
+layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 
 - ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
   ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
@@ -40,6 +42,7 @@ MAX_WORLD = 8
 STEPS = 3
 SEQ_LEN = 32
 RTOL = 1e-5
+EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 3 (the end)
 ALL_CASES = 64
 CI_HEAD = 6
 DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}
@@ -68,6 +71,7 @@ class LayoutCase:
     model: str
     parallel: dict[str, Any]
     train: dict[str, Any]
+    emulate_nccl: bool = False  # ParallelState(emulate_nccl=True): NCCL's one-Work-per-batch p2p on gloo
 
     @property
     def world_size(self) -> int:
@@ -93,6 +97,8 @@ class LayoutCase:
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
         if p["order"] != "tp-dp-pp":
             bits.append(p["order"])
+        if self.emulate_nccl:
+            bits.append("nccl")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -111,9 +117,10 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
         "model": dict(MODELS[model]),
         "parallel": parallel,
         "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
-                  "device": "cpu", "resume": "none", "precision": "fp32", **train},
+                  "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
+                  "eval_iters": EVAL_ITERS, **train},
         "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1},
-        "data": {"cache_dir": cache_dir},
+        "data": {"cache_dir": cache_dir, "valid_fraction": VALID_FRACTION},
         "logging": {"log_every": 1},
     }
 
@@ -152,7 +159,8 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
                 "zero3_reshard": rng.choice(cfg.ZERO3_RESHARD) if stage == 3 else "auto",
                 "zero3_prefetch": rng.choice((0, 1, 2)) if stage == 3 else 1}
     train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
-    return LayoutCase(case_id, rng.choice(sorted(MODELS)), parallel, train)
+    model = rng.choice(sorted(MODELS))
+    return LayoutCase(case_id, model, parallel, train, emulate_nccl=pp > 1 and rng.random() < 0.4)
 
 
 def is_valid(case: LayoutCase) -> bool:
@@ -180,6 +188,7 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "pp4_dp>1_zero2": lambda c: c.parallel["pp"] == 4 and c.parallel["dp"] > 1 and c.parallel["zero_stage"] == 2,
     "1f1b_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "1f1b" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
     "interleaved_pp>=3": lambda c: c.parallel["schedule"] == "interleaved_1f1b" and c.parallel["pp"] >= 3,
+    "nccl_semantics_pp>=3": lambda c: c.emulate_nccl and c.parallel["pp"] >= 3,
     "tp4_sequence_parallel": lambda c: c.parallel["tp"] == 4 and c.parallel["sequence_parallel"],
     "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
     "zero3_pp>1_dp>1": lambda c: c.parallel["zero_stage"] == 3 and c.parallel["pp"] > 1 and c.parallel["dp"] > 1,
@@ -216,8 +225,8 @@ def all_cases() -> list[LayoutCase]:
 @dataclass
 class CaseResult:
     case: LayoutCase
-    curve: list[tuple[int, float, float]]  # (step, loss, grad_norm)
-    reference: list[tuple[int, float, float]]
+    curve: list[tuple[int, float, float, float | None]]  # (step, loss, grad_norm, eval_loss or None)
+    reference: list[tuple[int, float, float, float | None]]
     seconds: float = 0.0
     error: str | None = None
     worst: dict[str, float] = field(default_factory=dict)
@@ -229,11 +238,18 @@ class CaseResult:
     def problems(self) -> list[str]:
         if self.error is not None:
             return [self.error]
-        if [s for s, _, _ in self.curve] != [s for s, _, _ in self.reference]:
-            return [f"steps {[s for s, _, _ in self.curve]} != reference {[s for s, _, _ in self.reference]}"]
+        steps = [c[0] for c in self.curve]
+        if steps != [c[0] for c in self.reference]:
+            return [f"steps {steps} != reference {[c[0] for c in self.reference]}"]
+        evals = [c[0] for c in self.curve if c[3] is not None]
+        if evals != [c[0] for c in self.reference if c[3] is not None] or not evals:
+            return [f"evaluated at steps {evals} != reference {[c[0] for c in self.reference if c[3] is not None]}"]
         out = []
-        for (step, loss, gnorm), (_, rloss, rgnorm) in zip(self.curve, self.reference):
-            for what, got, ref in (("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)):
+        for (step, loss, gnorm, ev), (_, rloss, rgnorm, rev) in zip(self.curve, self.reference):
+            pairs = [("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)]
+            if rev is not None:
+                pairs.append(("eval_loss", ev, rev))
+            for what, got, ref in pairs:
                 rel = abs(got - ref) / abs(ref) if ref else abs(got)
                 self.worst[what] = max(self.worst.get(what, 0.0), rel)
                 if not math.isfinite(got) or rel > RTOL:
@@ -241,8 +257,9 @@ class CaseResult:
         return out
 
 
-def curve_of(records: list[dict]) -> list[tuple[int, float, float]]:
-    return [(r["step"], float(r["loss"]), float(r["grad_norm"])) for r in records]
+def curve_of(records: list[dict]) -> list[tuple[int, float, float, float | None]]:
+    return [(r["step"], float(r["loss"]), float(r["grad_norm"]),
+             None if r.get("eval_loss") is None else float(r["eval_loss"])) for r in records]
 
 
 @contextlib.contextmanager
@@ -254,17 +271,18 @@ def _silenced(quiet: bool) -> Iterator[None]:
         yield
 
 
-def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
+                       emulate_nccl: bool = False) -> list[tuple[int, float, float, float | None]]:
     """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 
     rj = resolve(job_from_dict(values), world)
     with _silenced(quiet):
-        return curve_of(train(rj, ParallelState(rj.topology)).records)
+        return curve_of(train(rj, ParallelState(rj.topology, emulate_nccl=emulate_nccl)).records)
 
 
-def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float]]:
+def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float, float | None]]:
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 
@@ -290,7 +308,7 @@ def run_case(case: LayoutCase, work_dir: str, cache_dir: str, references: dict, 
     start = time.perf_counter()
     try:
         per_rank = run_on_ranks(train_case_on_rank, case.world_size, case.values(out, cache_dir), quiet,
-                                timeout=timeout)
+                                case.emulate_nccl, timeout=timeout)
         curve = next(c for c in per_rank if c)
         return CaseResult(case, curve, references[key], time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - reported per case, the matrix goes on

@@ -63,3 +63,34 @@ def test_collective_timeout_names_rank_and_op():
     msgs = run_on_ranks(_missing_peer, 2, timeout=60)
     assert msgs[1] == "skipped"
     assert msgs[0].startswith("rank 0: all_reduce on the dp group [0, 1] failed"), msgs[0]
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+    def is_completed(self) -> bool:
+        return self.waits > 0
+
+
+def test_coalesced_work_waits_each_op_once_and_streams_keep_fifo_order():
+    ops = [_Work(), _Work()]
+    batch = comm.CoalescedWork(ops)
+    assert not batch.is_completed()
+    batch.wait()
+    batch.wait()  # a second wait on a gloo p2p Work would block until the timeout
+    assert [w.waits for w in ops] == [1, 1] and batch.is_completed()
+    # NCCL runs a group's batches in order: posting the next one first waits for the previous.
+    streams = comm.EmulatedP2PStreams()
+    first, other_group = comm.CoalescedWork([_Work()]), comm.CoalescedWork([_Work()])
+    streams.posted("pp", first)
+    streams.posted("dp", other_group)
+    streams.before_post("pp")
+    assert first.is_completed() and not other_group.is_completed()
+
+
+def test_batch_isend_irecv_of_nothing_posts_nothing():
+    assert comm.batch_isend_irecv([], ParallelState.single_process()) == []

@@ -67,3 +67,31 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
                            "--output-prefix", str(tmp_path / "out")])
     assert code == 2 and "in.jsonl:2: no key 'text'" in capsys.readouterr().err
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.slow
+def test_workers_write_exactly_what_one_worker_writes(tmp_path, capsys):
+    """Issue 15: --workers N tokenizes in N processes; the .bin/.idx pair is byte-identical."""
+    rng = np.random.default_rng(0)
+    words = ["pipeline", "tensor", "ünïcode", "stage", "ZeRO", "✓", "gradient", "the", "of", "\n"]
+    records = [{"text": " ".join(rng.choice(words, rng.integers(1, 80)))} for _ in range(700)]  # 3 batches
+    src = _write_jsonl(tmp_path / "in.jsonl", records)
+    one = tmp_path / "one"
+    assert _script().main(["--input", str(src), "--json-key", "text", "--train-bpe", "300",
+                           "--output-prefix", str(one)]) == 0
+    err = capsys.readouterr().err
+    # Off a terminal the progress bar is a start and an end line per phase.
+    assert "tokenizing into" in err and "done, 700 doc" in err and "training byte-level BPE" in err
+    for workers, tok in ((2, str(one) + ".tokenizer.json"), (3, "byte")):
+        ref = tmp_path / f"ref{workers}"
+        if tok == "byte":
+            assert _script().main(["--input", str(src), "--json-key", "text", "--tokenizer", tok,
+                                   "--output-prefix", str(ref), "--quiet"]) == 0
+        else:
+            ref = one
+        out = tmp_path / f"w{workers}"
+        assert _script().main(["--input", str(src), "--json-key", "text", "--tokenizer", tok, "--output-prefix",
+                               str(out), "--workers", str(workers), "--quiet"]) == 0
+        for ext in (".bin", ".idx"):
+            assert (Path(str(out) + ext)).read_bytes() == (Path(str(ref) + ext)).read_bytes(), (workers, ext)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["workers"] == 3

@@ -28,8 +28,8 @@ def _reference(num_layers: int, microbatches: list[dict], tied: bool) -> tuple[f
     return loss.item(), grads
 
 
-def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied):
-    pstate = ParallelState(Topology(1, pp, world // pp))
+def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied, emulate_nccl=False):
+    pstate = ParallelState(Topology(1, pp, world // pp), emulate_nccl=emulate_nccl)
     cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     ranges = partition_layers(cfg, pp, v, pp_layers)
     chunks = [
@@ -74,10 +74,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_pipeline_grads_match_single_process(world):
-    cases = [c for c in CASES if c[0] <= world and world % c[0] == 0 and (c[0] == world or c[0] == 1 and world == 2)]
-    results = run_on_ranks(_run_cases, world, cases, timeout=120)
+def _check_against_reference(cases, results) -> None:
     for case, per_rank in zip(cases, zip(*results)):
         pp, schedule, m = case[0], case[1], case[2]
         for r in per_rank:
@@ -94,6 +91,30 @@ def test_pipeline_grads_match_single_process(world):
             assert r["timed_actions"] and r["times_ok"]
             if pp > 1:
                 assert r["pp_bytes"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_grads_match_single_process(world):
+    cases = [c for c in CASES if c[0] <= world and world % c[0] == 0 and (c[0] == world or c[0] == 1 and world == 2)]
+    _check_against_reference(cases, run_on_ranks(_run_cases, world, cases, timeout=120))
+
+
+def _emulated_nccl_cases(pp: int) -> list[tuple]:
+    """Every schedule at pp stages: m below, at and above pp; uneven splits; tied and untied."""
+    cases = []
+    for i, (schedule, m, v) in enumerate(
+        [("gpipe", max(1, pp - 1), 1), ("gpipe", pp + 1, 1), ("1f1b", max(1, pp - 1), 1), ("1f1b", 2 * pp + 1, 1),
+         ("interleaved_1f1b", pp, 2), ("interleaved_1f1b", 2 * pp, 2)]
+    ):
+        cases.append((pp, schedule, m, v, pp * v + i % 2, None, i % 2 == 0, True))  # (..., tied, emulate_nccl)
+    return cases
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_pipeline_grads_match_single_process_under_emulated_nccl(pp):
+    """One Work per batch and FIFO batches (as on GPUs): same grads, no deadlock, no lost receive."""
+    cases = _emulated_nccl_cases(pp)
+    _check_against_reference(cases, run_on_ranks(_run_cases, pp, cases, timeout=120))
 
 
 def _run_cases(rank, world, cases):

@@ -1,11 +1,13 @@
-"""Point-to-point transfers and tied-embedding gradient sync on real gloo ranks."""
+"""Point-to-point transfers (gloo, and gloo emulating NCCL) and tied-embedding gradient sync."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.param_meta import set_meta
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
@@ -21,9 +23,9 @@ def _payload(rank: int, tag: int) -> torch.Tensor:
     return torch.arange(24, dtype=torch.float32).reshape(SPEC.shape) * (rank + 1) + 100 * tag
 
 
-def _exchange(rank, world):
+def _exchange(rank, world, emulate_nccl):
     """Stage 0 sends two activations and receives one gradient in one batch; stage 1 mirrors it."""
-    pstate = ParallelState(Topology(1, 2, world // 2))
+    pstate = ParallelState(Topology(1, 2, world // 2), emulate_nccl=emulate_nccl)
     p2p = PipelineP2P(pstate, SPEC)
     if pstate.pp_rank == 0:
         got = p2p.exchange([(Action("SEND_ACT", 0), _payload(rank, 0)), (Action("SEND_ACT", 1), _payload(rank, 1))],
@@ -39,9 +41,9 @@ def _exchange(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_batched_exchange_delivers_in_order_and_counts_bytes(world):
-    results = run_on_ranks(_exchange, world)
+@pytest.mark.parametrize("world,emulate_nccl", [(2, False), (4, False), (2, True), (4, True)])
+def test_batched_exchange_delivers_in_order_and_counts_bytes(world, emulate_nccl):
+    results = run_on_ranks(_exchange, world, emulate_nccl)
     topo = Topology(1, 2, world // 2)
     for rank, r in enumerate(results):
         peer = r["peer"]
@@ -75,6 +77,64 @@ def test_message_spec_and_shape_checks():
     pstate = ParallelState.without_groups(Topology(1, 2, 1), 0)
     with pytest.raises(ValueError, match=r"sends shape \(2, 3, 5\)"):
         PipelineP2P(pstate, SPEC).exchange([(Action("SEND_ACT", 0), torch.zeros(2, 3, 5))], [])
+
+
+# ---- a batch is one unit, whatever the backend returns (single process, scripted backend) ------
+class _ScriptedWork:
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self) -> None:
+        self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class _ScriptedBackend:
+    """Stands in for ``comm.batch_isend_irecv``: gloo-style (one Work per op) or NCCL-style (one per batch)."""
+
+    def __init__(self, per_op: bool) -> None:
+        self.per_op = per_op
+        self.batches: list[tuple[list, list[_ScriptedWork]]] = []
+
+    def __call__(self, ops, pstate, kind="pp"):
+        works = [_ScriptedWork() for _ in ops] if self.per_op else [_ScriptedWork()]
+        self.batches.append((ops, works))
+        return works
+
+
+class _Op:  # dist.P2POp needs a process group; the scripted backend does not
+    def __init__(self, op, tensor, peer, group=None) -> None:
+        self.op, self.tensor, self.peer, self.group = op, tensor, peer, group
+
+
+@pytest.mark.parametrize("per_op", [True, False], ids=["gloo-style", "nccl-style"])
+def test_a_batch_is_one_unit(monkeypatch, per_op):
+    backend = _ScriptedBackend(per_op)
+    monkeypatch.setattr(comm, "batch_isend_irecv", backend)
+    monkeypatch.setattr(dist, "P2POp", _Op)
+    pstate = ParallelState(Topology(1, 2, 1), rank=0, distributed=False, backend="gloo", device="cpu")
+    p2p = PipelineP2P(pstate, SPEC)
+    sa0, sa1, rg0, rg1, rg2 = (Action("SEND_ACT", 0), Action("SEND_ACT", 1), Action("RECV_GRAD", 0),
+                               Action("RECV_GRAD", 1), Action("RECV_GRAD", 2))
+    # A send alone: not waited for, and not released before the backend reports it done.
+    p2p.exchange([(sa0, _payload(0, 0))], [])
+    assert p2p.release_sent() == []
+    for work in backend.batches[0][1]:
+        work.done = True
+    assert p2p.release_sent() == [sa0]
+    # A send and a receive in one batch, two receives ahead (a batch each): the receive is handed out
+    # only once every Work of its batch, the send's included, has completed.
+    got = p2p.exchange([(sa1, _payload(0, 1))], [rg0], ahead=[rg1, rg2])
+    assert list(got) == [rg0] and tuple(got[rg0].shape) == SPEC.shape
+    assert [len(ops) for ops, _ in backend.batches[1:]] == [2, 1, 1]
+    assert all(work.done for work in backend.batches[1][1])
+    assert p2p.release_sent() == [sa1]
+    assert not any(work.done for _, works in backend.batches[2:] for work in works)  # still ahead
+    assert list(p2p.exchange([], [rg1])) == [rg1] and len(backend.batches) == 4  # posted earlier: no new batch
+    with pytest.raises(RuntimeError, match="receives posted but never used"):
+        p2p.wait_sends()
 
 
 class _End(nn.Module):

@@ -95,3 +95,92 @@ def test_a_failing_rank_prints_its_cause_and_exits_nonzero(tmp_path):
     failed = [line for line in proc.stderr.splitlines() if line.startswith("[rank 0] failed:")]
     assert len(failed) == 1 and "not_a_directory" in failed[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# ---- flags, search path, multirun (issue 15) --------------------------------------------------------
+
+
+def _train(args: list[str], cwd, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallel3d.train", *args], cwd=str(cwd), env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["-m"], ["--config-name", "config"], ["--help"],
+                                   ["--cfg", "all", "--resolve"]])
+def test_an_unknown_key_is_one_line_and_exit_2_whatever_the_flags(tmp_path, flags):
+    proc = _train([*flags, "train.no_such_key=1"], tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "config error: train.no_such_key: unknown key; train accepts: steps, global_batch_size, micro_batch_size, "
+        "seq_len, seed, precision, recompute, out_dir, save_every, keep_last, resume, device, timeout_s, "
+        "peak_tflops, stop_after, eval_every, eval_iters"]
+
+
+@pytest.fixture
+def extra_confs(tmp_path):
+    """A config directory of a user: a model option and a primary config built on ours."""
+    d = tmp_path / "my_confs"
+    (d / "model").mkdir(parents=True)
+    tiny = open(os.path.join(REPO, "conf", "model", "gpt_tiny.yaml")).read()
+    (d / "model" / "my_tiny.yaml").write_text(
+        tiny.replace("name: gpt_tiny", "name: my_tiny").replace("num_layers: 4", "num_layers: 3"))
+    (d / "my_exp.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 70\n  eval_every: 0\n")
+    (d / "my_bad_exp.yaml").write_text("defaults:\n  - config\n  - _self_\ntrain:\n  steps: 0\n")
+    return d
+
+
+@pytest.mark.slow
+def test_searchpath_config_dir_and_config_name_are_honoured(tmp_path, extra_confs):
+    assert "num_layers: 4" in open(os.path.join(REPO, "conf", "model", "gpt_tiny.yaml")).read()
+    for args in ([f"hydra.searchpath=[file://{extra_confs}]", "model=my_tiny"],
+                 ["--config-dir", str(extra_confs), "model=my_tiny"]):
+        proc = _train(["--cfg", "job", *args], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "name: my_tiny" in proc.stdout and "num_layers: 3" in proc.stdout
+    proc = _train(["--cfg", "job", "--config-dir", str(extra_confs), "--config-name", "my_exp"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "steps: 70" in proc.stdout
+    # The pre-check composes the same config Hydra would: a bad value there is one line too.
+    proc = _train(["--config-dir", str(extra_confs), "--config-name", "my_bad_exp"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "config error: train.steps=0: must be an integer >= 1"]
+    # Without the search path the option does not exist: one line, exit 2.
+    proc = _train(["model=my_tiny"], tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("config error:") and "my_tiny" in proc.stderr
+
+
+TINY_RUN = ["train.steps=2", "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=32",
+            "optimizer.warmup_steps=1", "logging.log_every=1", "train.eval_iters=1"]
+
+
+@pytest.mark.slow
+def test_multirun_gives_each_job_its_own_run_directory(tmp_path):
+    out = tmp_path / "sweep"
+    proc = _train(["-m", "parallel.zero_stage=0,1", *TINY_RUN, f"train.out_dir={out}",
+                   f"data.cache_dir={tmp_path / 'cache'}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {}
+    for job in ("0", "1"):
+        records = [json.loads(line) for line in open(out / job / "metrics.jsonl")]
+        assert [r["step"] for r in records] == [1, 2], job  # trained, not "resumed with nothing to do"
+        assert records[-1]["eval_loss"] > 0
+        assert sorted(os.listdir(out / job / "checkpoints")) == ["step_00000002"]
+        overrides = open(out / job / ".hydra" / "overrides.yaml").read()
+        assert f"parallel.zero_stage={job}" in overrides
+        runs[job] = records
+    # ZeRO stage does not change the numbers; both jobs ran the whole schedule.
+    assert [r["loss"] for r in runs["0"]] == pytest.approx([r["loss"] for r in runs["1"]], rel=1e-5)
+    assert proc.stdout.count("run summary:") == 2 and "nothing to do" not in proc.stdout
+    assert f"train.out_dir={out / '1'}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_multirun_jobs_sharing_a_run_directory_are_refused(tmp_path):
+    shared = tmp_path / "shared"
+    proc = _train(["-m", f"train.out_dir={shared},{shared}", "parallel.zero_stage=1", *TINY_RUN], tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: train.out_dir={shared}: multirun jobs 0 and 1")
+    assert not shared.exists()

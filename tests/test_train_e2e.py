@@ -140,15 +140,45 @@ def test_resume_is_bit_identical(tmp_path, cache_dir):
     assert losses_of(out) == full  # metrics.jsonl of the resumed run reads like the uninterrupted one
 
 
-def test_unreachable_wandb_server_warns_and_training_goes_on(tmp_path, cache_dir, monkeypatch):
-    from tests.harness import free_port
+def test_unreachable_wandb_server_falls_back_to_offline_and_training_goes_on(tmp_path, cache_dir, monkeypatch):
+    import socket
+    import threading
 
-    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    from parallel3d.wandb_reader import find_offline_runs, read_run
+
+    # A W&B "server" on loopback that accepts connections and never answers.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     out = str(tmp_path / "run")
     values = job_values(out, cache_dir, logging={"wandb": {"mode": "online", "init_timeout_s": 2}})
-    with pytest.warns(UserWarning, match="W&B disabled") as caught:
-        losses = train_single("gpt_tiny", values)
-    assert sum("W&B disabled" in str(w.message) for w in caught) == 1
+    try:
+        with pytest.warns(UserWarning, match="logging offline to") as caught:
+            losses = train_single("gpt_tiny", values)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+    fallback = [str(w.message) for w in caught if "logging offline to" in str(w.message)]
+    assert len(fallback) == 1 and "wandb sync " in fallback[0] and "init_timeout_s=2" in fallback[0]
+    assert not any("W&B disabled" in str(w.message) for w in caught)
     assert sorted(losses) == sorted(losses_of(out)) == list(range(1, STEPS + 1))
+    # The offline run holds what was logged, ready for `wandb sync`.
+    runs = find_offline_runs(out)
+    assert len(runs) == 1 and runs[0].split(os.sep)[-2] in fallback[0]
+    run = read_run(runs[0], wait_s=60)
+    assert [r["train/loss"] for r in run["history"] if "train/loss" in r] == pytest.approx(
+        [losses[s] for s in sorted(losses)])

@@ -42,6 +42,7 @@ from parallel3d.data.indexed import (
     write_indexed_dataset,
 )
 from parallel3d.data.preprocess import iter_documents, write_tokenized
+from parallel3d.data.run_tokenizer import indexed_data_tokenizer, load_run_tokenizer, save_run_tokenizer
 from parallel3d.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -65,9 +66,12 @@ __all__ = [
     "build_default_corpus",
     "check_vocab_fits",
     "corpus_documents",
+    "indexed_data_tokenizer",
     "indexed_dataset_exists",
     "iter_documents",
+    "load_run_tokenizer",
     "load_tokenizer",
+    "save_run_tokenizer",
     "token_dtype_for",
     "train_byte_level_bpe",
     "write_indexed_dataset",

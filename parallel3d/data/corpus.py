@@ -28,6 +28,7 @@ from pathlib import Path
 from parallel3d.data.errors import DataError
 from parallel3d.data.preprocess import write_tokenized
 from parallel3d.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_byte_level_bpe
+from parallel3d.progress import progress_bar
 
 CORPORA = ("pydoc", "stdlib", "pydoc+stdlib")
 TOKENIZER_KINDS = ("bpe", "byte")
@@ -66,15 +67,19 @@ def _load_entry(entry: Path) -> tuple[str, ByteTokenizer | HFTokenizer]:
     return os.fspath(entry / "corpus"), load_tokenizer(entry / "tokenizer.json")
 
 
-def _build_entry(entry: Path, docs: list[str], tokenizer_kind: str, vocab_size: int) -> None:
+def _build_entry(entry: Path, docs: list[str], tokenizer_kind: str, vocab_size: int, show_progress: bool) -> None:
     tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         t0 = time.perf_counter()
-        tok = ByteTokenizer() if tokenizer_kind == "byte" else train_byte_level_bpe(docs, vocab_size)
+        if show_progress:
+            print(f"building the built-in corpus (first use; cached in {entry})", flush=True)
+        tok = (ByteTokenizer() if tokenizer_kind == "byte"
+               else train_byte_level_bpe(docs, vocab_size, show_progress=show_progress, total=len(docs)))
         tok.save(tmp / "tokenizer.json")
-        stats = write_tokenized(docs, tok, tmp / "corpus")
+        with progress_bar("tokenizing the corpus", total=len(docs), unit="doc", enabled=show_progress) as bar:
+            stats = write_tokenized(docs, tok, tmp / "corpus", progress=bar)
         meta = {**stats, "tokenizer": tokenizer_kind, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
                 "requested_vocab_size": vocab_size, "build_seconds": round(time.perf_counter() - t0, 3)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -99,6 +104,7 @@ def build_default_corpus(
     is_builder: bool = True,
     wait_timeout_s: float = 600.0,
     poll_interval_s: float = 0.1,
+    show_progress: bool = True,
 ) -> tuple[str, ByteTokenizer | HFTokenizer]:
     """Tokenized default corpus (cached): returns ``(prefix, tokenizer)`` with ``tokenizer.vocab_size <= vocab_size``.
 
@@ -107,6 +113,7 @@ def build_default_corpus(
     result (the corpus and BPE training are deterministic); the sample order is
     seeded by ``GPTDataset``. With ``is_builder=False`` this waits up to
     ``wait_timeout_s`` for the builder's ``COMPLETE`` marker instead of building.
+    The builder shows progress (``parallel3d.progress``) unless ``show_progress=False``.
     """
     del seed  # accepted so callers can pass the run seed; the build is seed-independent
     if tokenizer not in TOKENIZER_KINDS:
@@ -124,7 +131,7 @@ def build_default_corpus(
     if not (entry / COMPLETE_MARKER).exists():
         if is_builder:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            _build_entry(entry, docs, tokenizer, vocab_size)
+            _build_entry(entry, docs, tokenizer, vocab_size, show_progress)
         else:
             deadline = time.monotonic() + wait_timeout_s
             while not (entry / COMPLETE_MARKER).exists():

@@ -14,9 +14,17 @@ Invariants:
   to dataset ``d`` is chunk ``perm(seed, d, epoch)[j % n_d]`` with
   ``epoch = j // n_d``: every epoch of a dataset visits all its chunks once, in a
   fresh order seeded by ``(seed, d, epoch)``.
-- Everything is a pure function of ``(k, seed, seq_len, weights, datasets)``: no
-  state, so any rank can read any sample and a resumed run reads what it would
+- Everything is a pure function of ``(k, seed, seq_len, weights, datasets, split)``:
+  no state, so any rank can read any sample and a resumed run reads what it would
   have read.
+- Held-out validation (``split="train"`` / ``"valid"`` with ``valid_fraction = f``):
+  each dataset's token stream is cut once, at the document boundary nearest to
+  ``(1 - f) * tokens`` (at that token if no boundary leaves both sides a sample);
+  ``train`` samples come only from the head, ``valid`` only from the tail, so the two
+  never share a token. The cut depends on the data and ``f`` alone (not on the layout).
+- Start-up reads only the index: the vocabulary check uses the ``.stats.json``
+  sidecar when there is one and, always, the tokens of every sample read (lazily),
+  so start-up time does not grow with the dataset.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from parallel3d.data.errors import DataError
 from parallel3d.data.indexed import IndexedDataset
 
 DEFAULT_BLEND_PERIOD = 10_000
+SPLITS = ("all", "train", "valid")
 _PERM_CACHE_SIZE = 8
 
 DatasetSource = Union[str, os.PathLike, IndexedDataset]
@@ -74,6 +83,8 @@ class GPTDataset:
         *,
         blend_period: int = DEFAULT_BLEND_PERIOD,
         model_vocab_size: int | None = None,
+        split: str = "all",
+        valid_fraction: float = 0.0,
     ) -> None:
         if isinstance(sources, (str, os.PathLike, IndexedDataset)):
             sources = [sources]
@@ -85,10 +96,17 @@ class GPTDataset:
             raise DataError(f"seed={seed!r} must be a non-negative int")
         if blend_period < 1:
             raise DataError(f"blend_period={blend_period} must be >= 1")
+        if split not in SPLITS:
+            raise DataError(f"split={split!r} must be one of {SPLITS}")
+        if split != "all" and not 0.0 < valid_fraction < 1.0:
+            raise DataError(f"valid_fraction={valid_fraction!r}: a held-out split needs 0 < valid_fraction < 1")
         self.seq_len = seq_len
         self.seed = seed
+        self.split = split
+        self.valid_fraction = float(valid_fraction) if split != "all" else 0.0
+        self.model_vocab_size = model_vocab_size
         self.datasets = [s if isinstance(s, IndexedDataset) else IndexedDataset(s) for s in sources]
-        self.streams = [ds.token_stream() for ds in self.datasets]
+        self.streams = [self._split_stream(ds) for ds in self.datasets]
         self.chunks = np.array([(len(s) - 1) // seq_len if len(s) else 0 for s in self.streams], dtype=np.int64)
         for ds, stream, n in zip(self.datasets, self.streams, self.chunks):
             if n < 1:
@@ -97,9 +115,9 @@ class GPTDataset:
                     f"seq_len={seq_len} (needs seq_len + 1 = {seq_len + 1}); use a shorter seq_len or more data"
                 )
         if model_vocab_size is not None:
-            for ds, stream in zip(self.datasets, self.streams):
-                top = int(stream.max())
-                if top >= model_vocab_size:
+            for ds in self.datasets:  # recorded at write time; unknown ones are checked per sample read
+                top = ds.max_token_id
+                if top is not None and top >= model_vocab_size:
                     raise DataError(
                         f"dataset {ds.prefix!r} holds token id {top} >= model vocab_size={model_vocab_size}"
                     )
@@ -119,6 +137,29 @@ class GPTDataset:
             slots = self.pattern == d
             self.rank_in_period[slots] = np.arange(int(slots.sum()))
         self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def _split_stream(self, ds: IndexedDataset) -> np.ndarray:
+        """This split's part of ``ds``'s token stream (a view of the memmap: no token is read)."""
+        stream = ds.token_stream()
+        if self.split == "all":
+            return stream
+        n = len(stream)
+        target = n - int(round(n * self.valid_fraction))
+        need = self.seq_len + 1
+        seq_starts = np.zeros(ds.num_sequences + 1, dtype=np.int64)
+        np.cumsum(ds.sequence_lengths, dtype=np.int64, out=seq_starts[1:])
+        doc_starts = seq_starts[np.asarray(ds.document_indices[:-1], dtype=np.int64)]
+        cut = target
+        j = int(np.searchsorted(doc_starts, target))
+        candidates = [int(b) for b in doc_starts[max(j - 1, 0) : j + 1] if need <= b <= n - need]
+        if candidates:
+            cut = min(candidates, key=lambda b: abs(b - target))
+        if cut < need or n - cut < need:
+            raise DataError(
+                f"dataset {ds.prefix!r} has {n} tokens: data.valid_fraction={self.valid_fraction} leaves "
+                f"{cut} for training and {n - cut} for validation, each needs >= seq_len + 1 = {need}"
+            )
+        return stream[:cut] if self.split == "train" else stream[cut:]
 
     def _normalise_weights(self, weights: Sequence[float] | None) -> np.ndarray:
         if weights is None:
@@ -141,13 +182,16 @@ class GPTDataset:
 
     def fingerprint(self) -> dict:
         """What a resumed run must match for a sample id to mean the same sample."""
-        return {
+        out = {
             "seq_len": self.seq_len,
             "seed": self.seed,
             "chunks": [int(n) for n in self.chunks],
             "weights": [round(float(w), 12) for w in self.weights],
             "blend_period": len(self.pattern),
         }
+        if self.split != "all":
+            out.update(split=self.split, valid_fraction=self.valid_fraction)
+        return out
 
     def _perm(self, d: int, epoch: int) -> np.ndarray:
         key = (d, epoch)
@@ -186,6 +230,11 @@ class GPTDataset:
             sel = d == dd
             starts = chunk[sel] * self.seq_len
             out[sel] = self.streams[int(dd)][starts[:, None] + offsets]
+            if self.model_vocab_size is not None and out[sel].max() >= self.model_vocab_size:
+                raise DataError(
+                    f"dataset {self.datasets[int(dd)].prefix!r} holds token id {int(out[sel].max())} >= model "
+                    f"vocab_size={self.model_vocab_size}"
+                )
         return out
 
     def __getitem__(self, sample_id: int) -> np.ndarray:

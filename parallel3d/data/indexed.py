@@ -16,10 +16,16 @@ writer here stores one sequence per document (what text pretraining needs) and t
 reader accepts any number. Both files are written to temporaries and renamed, so
 a reader never sees a half-written pair. Reading memory-maps the files: opening a
 dataset costs O(1) in its size.
+
+Sidecar ``prefix.stats.json`` (ours, optional; megatron-core ignores it, the .idx
+format is untouched): ``{"max_token_id", "num_tokens", "bin_bytes"}``, written by
+``IndexedDatasetWriter`` so a vocabulary check at start-up needs no pass over the
+tokens. It is trusted only while ``bin_bytes`` matches the ``.bin`` on disk.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -59,6 +65,10 @@ def bin_path(prefix: str | os.PathLike) -> str:
     return os.fspath(prefix) + ".bin"
 
 
+def stats_path(prefix: str | os.PathLike) -> str:
+    return os.fspath(prefix) + ".stats.json"
+
+
 def indexed_dataset_exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
@@ -80,6 +90,7 @@ class IndexedDatasetWriter:
         self._tmp_suffix = f".tmp{os.getpid()}"
         self._bin = open(bin_path(self.prefix) + self._tmp_suffix, "wb")
         self._lengths: list[int] = []
+        self._max_token = -1
         self._max_value = np.iinfo(self.dtype).max if self.dtype.kind in "iu" else None
 
     def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
@@ -91,6 +102,8 @@ class IndexedDatasetWriter:
                 f"token id range [{arr.min()}, {arr.max()}] does not fit dtype {self.dtype} "
                 f"(max {self._max_value}); pick a wider dtype"
             )
+        if arr.size:
+            self._max_token = max(self._max_token, int(arr.max()))
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
 
@@ -108,14 +121,22 @@ class IndexedDatasetWriter:
             f.write(lengths.tobytes())
             f.write(pointers.tobytes())
             f.write(doc_index.tobytes())
-        # .bin first: a reader checks for the .idx, which only appears once both are complete.
+        bin_bytes = os.path.getsize(bin_path(self.prefix) + self._tmp_suffix)
+        stats = {"max_token_id": self._max_token, "num_tokens": int(lengths.sum(dtype=np.int64)),
+                 "bin_bytes": bin_bytes}
+        tmp_stats = stats_path(self.prefix) + self._tmp_suffix
+        with open(tmp_stats, "w") as f:
+            json.dump(stats, f)
+        # .bin (and stats) first: a reader checks for the .idx, which only appears once all are complete.
         os.replace(bin_path(self.prefix) + self._tmp_suffix, bin_path(self.prefix))
+        os.replace(tmp_stats, stats_path(self.prefix))
         os.replace(tmp_idx, idx_path(self.prefix))
         return self.prefix
 
     def abort(self) -> None:
         self._bin.close()
-        for p in (bin_path(self.prefix) + self._tmp_suffix, idx_path(self.prefix) + self._tmp_suffix):
+        for p in (bin_path(self.prefix) + self._tmp_suffix, idx_path(self.prefix) + self._tmp_suffix,
+                  stats_path(self.prefix) + self._tmp_suffix):
             if os.path.exists(p):
                 os.remove(p)
 
@@ -183,6 +204,19 @@ class IndexedDataset:
         )
         if n_seq and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_bytes:
             raise DataError(f"{bin_path(self.prefix)!r}: index points past the end of the data file")
+
+    @property
+    def max_token_id(self) -> int | None:
+        """The largest token id, from the sidecar written with the data; None when unknown (no pass
+        over the tokens: a dataset written by another tool, or a .bin changed since)."""
+        try:
+            with open(stats_path(self.prefix)) as f:
+                stats = json.load(f)
+            if int(stats["bin_bytes"]) == os.path.getsize(bin_path(self.prefix)):
+                return int(stats["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
 
     @property
     def num_sequences(self) -> int:

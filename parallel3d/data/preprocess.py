@@ -5,21 +5,27 @@ file (optionally one per blank-line-separated paragraph). Each document is
 stored as one sequence and, with ``append_eod``, ends with the tokenizer's
 ``eod_id``, so a dataset's token stream is already the documents joined by the
 end-of-document token.
+
+``write_tokenized(..., workers=N)`` tokenizes batches of documents in N worker
+processes (spawned, each loading the same tokenizer from its serialised form) and
+writes them in input order, so the output is byte-identical to one worker.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
+from collections import deque
 from itertools import islice
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from parallel3d.data.errors import DataError
 from parallel3d.data.indexed import IndexedDatasetWriter, token_dtype_for
-from parallel3d.data.tokenizer import Tokenizer
+from parallel3d.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 _BLANK_LINES = re.compile(r"\n\s*\n")
 
@@ -71,6 +77,67 @@ def iter_documents(
             yield from iter_text_documents(path, split_paragraphs)
 
 
+def count_lines(paths: Sequence[str | os.PathLike]) -> int:
+    """Newlines in ``paths`` (a fast pass over bytes; the total a JSONL progress bar counts towards)."""
+    total = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                total += chunk.count(b"\n")
+    return total
+
+
+# ---- tokenizing in worker processes -------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _tokenizer_spec(tokenizer: Tokenizer) -> tuple[str, str | None, int]:
+    """A picklable description a worker rebuilds the same tokenizer from."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return "byte", None, tokenizer.eod_id
+    if isinstance(tokenizer, HFTokenizer):
+        return "hf", tokenizer.backend.to_str(), tokenizer.eod_id
+    raise DataError(f"workers > 1 needs a byte or tokenizers-based tokenizer, got {type(tokenizer).__name__}")
+
+
+def _init_worker(spec: tuple[str, str | None, int], append_eod: bool, dtype: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    kind, text, eod_id = spec
+    if kind == "byte":
+        tok: Tokenizer = ByteTokenizer()
+    else:
+        from tokenizers import Tokenizer as _Tok
+
+        tok = HFTokenizer(_Tok.from_str(text), eod_id)
+    _WORKER.update(tokenizer=tok, append_eod=append_eod, dtype=np.dtype(dtype))
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str], append_eod: bool, dtype: np.dtype) -> list[np.ndarray]:
+    encode_batch = getattr(tokenizer, "encode_batch", None) or (lambda b: [tokenizer.encode(t) for t in b])
+    out = []
+    for ids in encode_batch(texts):
+        if append_eod:
+            ids = list(ids) + [tokenizer.eod_id]
+        out.append(np.asarray(ids, dtype=np.int64))
+    return out
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _encode(_WORKER["tokenizer"], texts, _WORKER["append_eod"], _WORKER["dtype"])
+
+
+def _in_order(pool: Any, batches: Iterator[list[str]], depth: int) -> Iterator[list[np.ndarray]]:
+    """Results of ``batches`` in input order, at most ``depth`` batches in flight (bounded memory,
+    unlike ``Pool.imap``, whose feeder thread reads the whole input ahead)."""
+    pending: deque = deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def write_tokenized(
     documents: Iterable[str],
     tokenizer: Tokenizer,
@@ -79,24 +146,44 @@ def write_tokenized(
     append_eod: bool = True,
     dtype: np.dtype | None = None,
     batch_size: int = 256,
+    workers: int = 1,
+    progress: Any = None,
 ) -> dict:
-    """Tokenize ``documents`` into ``output_prefix.{bin,idx}``; returns counts."""
+    """Tokenize ``documents`` into ``output_prefix.{bin,idx}``; returns counts.
+
+    ``workers``: tokenizing processes (1 = this one); the output does not depend on it.
+    ``progress``: an object with ``update(n)`` / ``set_postfix_str`` (``parallel3d.progress``), told
+    about every document written.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise DataError(f"workers={workers!r} must be an integer >= 1")
     dtype = token_dtype_for(tokenizer.vocab_size) if dtype is None else np.dtype(dtype)
     writer = IndexedDatasetWriter(output_prefix, dtype)
     n_docs = n_tokens = 0
-    encode_batch = getattr(tokenizer, "encode_batch", None) or (lambda texts: [tokenizer.encode(t) for t in texts])
     docs = iter(documents)
+    batches = iter(lambda: list(islice(docs, batch_size)), [])
+    pool = None
     try:
-        while batch := list(islice(docs, batch_size)):
-            for ids in encode_batch(batch):
-                if append_eod:
-                    ids = list(ids) + [tokenizer.eod_id]
-                writer.add_document(np.asarray(ids, dtype=np.int64))
-                n_docs += 1
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(
+                workers, initializer=_init_worker, initargs=(_tokenizer_spec(tokenizer), append_eod, dtype.str))
+            encoded: Iterator[list[np.ndarray]] = _in_order(pool, batches, depth=2 * workers)
+        else:
+            encoded = (_encode(tokenizer, batch, append_eod, dtype) for batch in batches)
+        for arrays in encoded:
+            for ids in arrays:
+                writer.add_document(ids)
                 n_tokens += len(ids)
+            n_docs += len(arrays)
+            if progress is not None:
+                progress.update(len(arrays))
+                progress.set_postfix_str(f"{n_tokens:,} tokens")
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if pool is not None:
+            pool.terminate()
     if n_docs == 0:
         writer.abort()
         raise DataError(f"no documents to write to {os.fspath(output_prefix)!r} (inputs empty?)")

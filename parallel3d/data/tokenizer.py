@@ -95,10 +95,13 @@ class HFTokenizer:
         self.backend.save(os.fspath(path))
 
 
-def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, *, show_progress: bool = False,
+                         total: int | None = None) -> HFTokenizer:
     """Train a GPT-2 style byte-level BPE (``EOD_TOKEN`` is id 0) on ``texts``.
 
     ``vocab_size`` is an upper bound: a small corpus may yield fewer merges.
+    ``show_progress``: a bar over the documents read (``total`` of them, if known) and, on
+    a terminal, the tokenizers library's own bar for the merges.
     """
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -112,10 +115,21 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOD_TOKEN], initial_alphabet=alphabet, show_progress=False
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
+    from parallel3d.progress import progress_bar, stderr_is_terminal
+
+    with progress_bar(f"training byte-level BPE (vocab {vocab_size})", total=total, unit="doc",
+                      enabled=show_progress) as bar:
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOD_TOKEN], initial_alphabet=alphabet,
+            show_progress=show_progress and stderr_is_terminal(),
+        )
+
+        def counted() -> Iterable[str]:
+            for text in texts:
+                bar.update(1)
+                yield text
+
+        tok.train_from_iterator(counted(), trainer=trainer)
     return HFTokenizer(tok, source="trained byte-level BPE")
 
 

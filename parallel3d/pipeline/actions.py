@@ -1,18 +1,24 @@
-"""The vocabulary of pipeline schedules: actions, and where model chunks sit.
+"""The vocabulary of pipeline schedules: actions, where model chunks sit, comm batches.
 
 An ``Action`` is one step of one pipeline stage; a schedule is
 ``dict[stage, list[Action]]`` (see ``schedules``). With ``v`` virtual stages,
 stage ``s`` holds model chunks ``s, s + p, ..., s + (v-1) p`` (Narayanan et al.
 2021): ``virtual_stage`` / ``stage_and_chunk`` convert between the two views.
+
+``comm_plan`` is the one place that decides how a stage's communication actions
+are grouped into ``batch_isend_irecv`` batches: the engine executes its plan and
+``simulate.check_coalesced_progress`` proves the same plan deadlock-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Sequence, Union
 
 COMPUTE_KINDS = ("F", "B")
 COMM_KINDS = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
+SEND_KINDS = ("SEND_ACT", "SEND_GRAD")
+RECV_KINDS = ("RECV_ACT", "RECV_GRAD")
 ACTION_KINDS = COMPUTE_KINDS + COMM_KINDS
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -65,3 +71,58 @@ def schedule_shape(schedule: Schedule) -> tuple[int, int, int]:
     if not actions:
         raise ScheduleError("schedule has no actions")
     return len(schedule), 1 + max(a.microbatch for a in actions), 1 + max(a.chunk for a in actions)
+
+
+# ---- communication batches ---------------------------------------------------------------
+@dataclass(frozen=True)
+class CommStep:
+    """What a stage does with its communication just before ``compute`` (None: the step's end).
+
+    In order: ``batch`` (the sends, then the receives ``compute`` needs that were not posted
+    earlier) is posted as ONE ``batch_isend_irecv``; each receive of ``ahead`` is then posted
+    as a batch of its own (it is used by a later computation: prefetch); then the stage waits
+    for the batches holding ``needs`` (the receives ``compute`` reads) and computes.
+    """
+
+    batch: tuple[Action, ...]
+    ahead: tuple[Action, ...]
+    needs: tuple[Action, ...]
+    compute: Action | None
+
+
+def comm_plan(actions: Sequence[Action], prefetch: int = 0) -> list[CommStep]:
+    """Group one stage's actions into ``CommStep``s: the comm actions between two computations.
+
+    Invariants: receives are posted in schedule order (each peer's messages match first in,
+    first out); at most ``prefetch`` receives are posted ahead of the ones needed now, and
+    only at steps that communicate anyway; with ``prefetch=0`` every batch holds exactly the
+    comm actions the schedule lists between two computations.
+    """
+    recv_order = [a for a in actions if a.kind in RECV_KINDS]
+    index = {a: i for i, a in enumerate(recv_order)}
+    steps: list[CommStep] = []
+    pending: list[Action] = []
+    posted = consumed = 0  # recv_order[:posted] are posted, recv_order[:consumed] needed so far
+
+    def step(compute: Action | None) -> None:
+        nonlocal posted, consumed
+        if not pending:
+            steps.append(CommStep((), (), (), compute))
+            return
+        sends = tuple(a for a in pending if a.kind in SEND_KINDS)
+        needs = tuple(a for a in pending if a.kind in RECV_KINDS)
+        consumed = max([index[a] + 1 for a in needs], default=consumed)
+        now = tuple(recv_order[posted:consumed])  # needed now, not posted ahead earlier
+        horizon = max(posted, consumed + prefetch)
+        ahead = tuple(recv_order[max(posted, consumed):horizon])
+        posted = horizon
+        steps.append(CommStep(sends + now, ahead, needs, compute))
+        pending.clear()
+
+    for a in actions:
+        if a.is_compute:
+            step(a)
+        else:
+            pending.append(a)
+    step(None)
+    return steps

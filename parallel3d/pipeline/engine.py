@@ -17,20 +17,23 @@ downstream, only its autograd graph is needed for the backward, not its values,
 unless autograd saved the output tensor itself. With ``free_sent_activations``
 the engine then swaps the output's data for a one-element placeholder (expanded
 to the same shape, so ``backward`` still type-checks); the storage goes when the
-send has completed (``PipelineP2P.release_sent``), and from then on it is no
-longer counted in ``peak_activation_bytes``. A stage then holds its in-flight
+send's batch has completed (``PipelineP2P.release_sent``), and from then on it is
+no longer counted in ``peak_activation_bytes``. A stage then holds its in-flight
 microbatches' saved tensors plus at most the newest output, not every output.
-gloo sends finish only when the receiver has posted its receive and say so only
-from a blocking ``wait``, so after each forward the engine waits for its earlier
-activation sends (receivers post their receives ``prefetch_recvs`` ahead, so this
-rarely blocks). It does so only for single-chunk schedules (1f1b, gpipe): there
-everything a receiver needs before posting the receive of microbatch k's
-activation comes from microbatches < k, already sent, so the wait cannot
-deadlock; interleaved schedules free a sent output only when the backend reports
-the send complete on its own.
+gloo says a send is done only from a blocking ``wait``, so on single-chunk
+schedules (1f1b, gpipe) the engine waits, after each forward, for the batches
+holding its earlier activation sends; interleaved schedules free a sent output
+only once the backend reports its batch complete on its own (NCCL does).
 
-Receives are posted ``prefetch_recvs`` actions ahead of need (in schedule
-order) so their transfer overlaps compute.
+Communication follows ``actions.comm_plan``: the comm actions between two
+computations form one batch; on gloo receives are also posted ``prefetch_recvs``
+(default 2) ahead of need so their transfer overlaps compute. Where a batch
+completes as one unit and a rank's batches run in FIFO order
+(``pstate.p2p_coalesces``: NCCL), a receive posted ahead would stall every later
+batch of the rank, sends included: the default there is 0, and the schedule is
+built for FIFO batches (``build_schedule(coalesced_p2p=True)``). The constructor
+proves the resulting plan, waits included, deadlock-free under the backend's
+semantics (``check_coalesced_progress``) and refuses one that is not.
 
 Gradient finalisation has one owner, called once per step: at the end of
 ``run_step``, after the last send has completed, the engine calls
@@ -50,9 +53,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 
+from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, virtual_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
-from parallel3d.pipeline.schedules import Action, build_schedule, virtual_stage
+from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
 from parallel3d.pipeline.tied import TiedGradFinalizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,7 +167,7 @@ class PipelineEngine:
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         grad_sync: GradSync | None = None,
-        prefetch_recvs: int = 2,
+        prefetch_recvs: int | None = None,
         free_sent_activations: bool = True,
     ) -> None:
         if not chunks:
@@ -177,7 +181,9 @@ class PipelineEngine:
         self.grad_sync: GradSync = grad_sync if grad_sync is not None else TiedGradFinalizer(self.chunks, pstate)
         p = pstate.pp_size
         self.schedule_name = schedule
-        self.actions = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages)[pstate.pp_rank]
+        coalesces = pstate.p2p_coalesces
+        full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces)
+        self.actions = full[pstate.pp_rank]
         self.spec = MessageSpec.from_config(
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
@@ -189,13 +195,19 @@ class PipelineEngine:
         self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages)
         self.microbatch_keys = stage_keys(pstate.is_first_stage, pstate.is_last_stage)
         self._last_virtual = p * self.num_virtual_stages - 1
+        if prefetch_recvs is None:
+            prefetch_recvs = 0 if coalesces else 2
         if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
             raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
         self.prefetch_recvs = prefetch_recvs
         self.free_sent_activations = bool(free_sent_activations)
         self._wait_for_sent_activations = self.free_sent_activations and self.num_virtual_stages == 1
-        self._recv_order = [a for a in self.actions if a.kind in ("RECV_ACT", "RECV_GRAD")]
-        self._recv_index = {a: i for i, a in enumerate(self._recv_order)}
+        try:  # the exact batches and waits run_step will use, on every stage
+            check_coalesced_progress(full, prefetch=prefetch_recvs, coalesced=coalesces,
+                                     wait_sent_activations=self._wait_for_sent_activations)
+        except ScheduleError as exc:
+            raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
+        self.plan = comm_plan(self.actions, prefetch_recvs)
         # The backward that completes each chunk's gradient accumulation.
         last_b: dict[int, Action] = {}
         for a in self.actions:
@@ -237,11 +249,11 @@ class PipelineEngine:
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
         param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
         run = _StepRun(self, microbatches, loss_scale, step, param_storages)
-        for action in self.actions:
-            if not action.is_compute:
-                run.pending.append(action)
+        for plan_step in self.plan:
+            run.communicate(plan_step)
+            action = plan_step.compute
+            if action is None:
                 continue
-            run.flush()
             start = time.perf_counter()
             if action.kind == "F":
                 run.forward(action)
@@ -253,7 +265,6 @@ class PipelineEngine:
             if action.kind == "F":
                 run.release_sent(block=self._wait_for_sent_activations)
                 run.record_peak()
-        run.flush()
         self.p2p.wait_sends()
         if run.outputs or run.inputs or run.grads_in or run.grads_out:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
@@ -295,33 +306,23 @@ class _StepRun:
         self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: list[torch.Tensor] = []
         self.timeline: list[tuple[Action, float, float]] = []
-        self.pending: list[Action] = []  # communication actions not yet posted
         self.peak_live = self.peak_bytes = 0
         self.busy = self.comm_time = 0.0
-        self.posted_upto = self.consumed = 0  # receives engine._recv_order[:posted_upto] posted, [:consumed] used
         self.t0 = time.perf_counter()
 
-    def flush(self) -> None:
-        """Post the pending sends/receives (plus a few receives ahead) and wait for the receives."""
-        if not self.pending:
+    def communicate(self, step: CommStep) -> None:
+        """Post the step's batch (and receives ahead of need); wait for the receives it needs."""
+        if not (step.batch or step.ahead or step.needs):
             return
-        e = self.engine
-        sends, recvs = [], []
-        for a in self.pending:
+        sends = []
+        for a in step.batch:
             key = (a.microbatch, a.chunk)
             if a.kind == "SEND_ACT":
                 sends.append((a, self.outputs[key]))
             elif a.kind == "SEND_GRAD":
                 sends.append((a, self.grads_out.pop(key)))
-            else:
-                recvs.append(a)
-        # Receives are posted in schedule order, up to prefetch_recvs past those needed now.
-        self.consumed = max([e._recv_index[a] + 1 for a in recvs], default=self.consumed)
-        horizon = max(self.posted_upto, self.consumed + e.prefetch_recvs)
-        prefetch = e._recv_order[self.posted_upto:horizon]
-        self.posted_upto = horizon
         start = time.perf_counter()
-        for a, tensor in e.p2p.exchange(sends, recvs, prefetch).items():
+        for a, tensor in self.engine.p2p.exchange(sends, step.needs, step.ahead).items():
             key = (a.microbatch, a.chunk)
             if a.kind == "RECV_ACT":
                 self.inputs[key] = tensor.requires_grad_(True)
@@ -334,8 +335,7 @@ class _StepRun:
                 tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
         end = time.perf_counter()
         self.comm_time += end - start
-        self.timeline.extend((a, start - self.t0, end - self.t0) for a in self.pending)
-        self.pending.clear()
+        self.timeline.extend((a, start - self.t0, end - self.t0) for a in [*(a for a, _ in sends), *step.needs])
 
     def release_sent(self, block: bool) -> None:
         """Stop counting the sent outputs whose sends completed (their storage is gone now)."""

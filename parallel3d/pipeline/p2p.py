@@ -7,24 +7,30 @@ and the model's dtype, so no shape handshake is needed. Each TP rank talks to
 the TP rank with the same coordinate in the neighbouring stage (hidden states
 are replicated over TP, or each rank holds its own sequence shard).
 
-All sends and receives that the schedule lists back to back go out as one
-``batch_isend_irecv`` (gloo and NCCL), together with the next few receives of
-the schedule (prefetch: their transfer overlaps this rank's compute). Receives
-are waited for before the caller uses them, sends at the end of the step
-(``wait_sends``), so a send never blocks the sender's next computation. A send's
-tensor stays referenced until the send is known to be done: ``release_sent``
-drops the finished ones (without blocking) so their storage can be freed early.
+What goes out together is decided by ``actions.comm_plan``: the sends and
+receives the schedule lists between two computations go out as one
+``comm.batch_isend_irecv``; receives posted ahead of need (prefetch, so their
+transfer overlaps this rank's compute) go out as batches of their own.
+
+A batch is one unit (``P2PBatch``), because NCCL returns one Work for a whole
+batch while gloo returns one per op: a received tensor is handed out only after
+every Work of its batch has completed, and a batch's sent tensors stay
+referenced until the batch is complete. Sends are waited for at the end of the
+step (``wait_sends``), so a send never blocks the sender's next computation;
+``release_sent`` forgets the batches already complete (without blocking) so
+sent storage can be freed early.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from parallel3d.pipeline.schedules import Action, stage_and_chunk, virtual_stage
+from parallel3d import comm
+from parallel3d.pipeline.actions import Action, stage_and_chunk, virtual_stage
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -56,8 +62,35 @@ class MessageSpec:
         return cls((micro_batch_size, local_seq, hidden_size), dtype)
 
 
+@dataclass
+class P2PBatch:
+    """One posted batch: the backend's Works for it and the tensors they read and write.
+
+    Invariants: ``sends`` stay referenced until ``complete`` (the backend reads them until
+    then); a buffer of ``recvs`` is handed out only once ``complete``, i.e. every Work
+    of the batch has finished (one Work per op on gloo, one for all on NCCL).
+    """
+
+    works: list[Any]
+    sends: list[tuple[Action, torch.Tensor]]
+    recvs: dict[Action, torch.Tensor] = field(default_factory=dict)
+    complete: bool = False
+
+    def wait(self) -> None:
+        if not self.complete:
+            for work in self.works:
+                work.wait()
+            self.complete = True
+
+    def poll(self) -> bool:
+        """Whether the batch is complete, without blocking."""
+        if not self.complete and all(work.is_completed() for work in self.works):
+            self.wait()  # returns at once; surfaces a failed op now
+        return self.complete
+
+
 class PipelineP2P:
-    """This rank's sends/receives for the actions of its schedule.
+    """This rank's sends/receives for the actions of its schedule, one ``P2PBatch`` at a time.
 
     Peers are global ranks asked from the ``Topology``: the chunk after
     (stage s, chunk c) is model chunk ``s + c*p + 1``, which may wrap to stage 0.
@@ -67,8 +100,8 @@ class PipelineP2P:
         self.pstate = pstate
         self.spec = spec
         self.num_virtual_stages = num_virtual_stages
-        self._pending_sends: list[tuple[Action, dist.Work]] = []  # in posting order
-        self._posted: dict[Action, tuple] = {}  # receives posted ahead of need: (work, buffer)
+        self._sending: list[P2PBatch] = []  # batches with sends not known complete, in posting order
+        self._posted: dict[Action, P2PBatch] = {}  # receives posted and not yet handed out
 
     def peer(self, action: Action) -> int:
         """Global rank on the other end of a communication action."""
@@ -80,46 +113,56 @@ class PipelineP2P:
         stage, _ = stage_and_chunk(other, p)
         return self.pstate.topology.stage_rank(self.pstate.rank, stage)
 
+    def _post(self, sends: list[tuple[Action, torch.Tensor]], recvs: Sequence[Action]) -> None:
+        group = self.pstate.group("pp")
+        ops: list[dist.P2POp] = []
+        kept: list[tuple[Action, torch.Tensor]] = []
+        for action, tensor in sends:
+            tensor = tensor.detach().contiguous()
+            kept.append((action, tensor))
+            ops.append(dist.P2POp(dist.isend, tensor, self.peer(action), group=group))
+            self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
+        buffers = {}
+        for action in recvs:
+            buffers[action] = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.pstate.device)
+            ops.append(dist.P2POp(dist.irecv, buffers[action], self.peer(action), group=group))
+        if not ops:
+            return
+        batch = P2PBatch(comm.batch_isend_irecv(ops, self.pstate, "pp"), kept, buffers)
+        if kept:
+            self._sending.append(batch)
+        for action in buffers:
+            self._posted[action] = batch
+
     def exchange(
         self,
         sends: list[tuple[Action, torch.Tensor]],
-        recvs: list[Action],
-        prefetch: list[Action] = (),
+        recvs: Sequence[Action],
+        ahead: Sequence[Action] = (),
     ) -> dict[Action, torch.Tensor]:
-        """Post ``sends`` and the receives not yet posted as one batch; return ``recvs`` once arrived.
+        """Post ``sends`` and the ``recvs`` not yet posted as one batch; return ``recvs`` once arrived.
 
-        Receives are posted in the order ``prefetch`` then ``recvs``, skipping those
-        already posted; ``prefetch`` receives are waited for by a later call that names
-        them in ``recvs``, so their data moves while this rank computes. The caller
-        posts receives in schedule order, so each peer's messages match first in,
-        first out.
+        Then each receive of ``ahead`` not yet posted goes out as a batch of its own, to be
+        handed out by a later call that names it in ``recvs``. Each receive comes back once
+        its whole batch is complete. The caller posts receives in schedule order, so each
+        peer's messages match first in, first out.
         """
-        ops: list[dist.P2POp] = []
-        group = self.pstate.group("pp")
         for action, tensor in sends:
             if tuple(tensor.shape) != self.spec.shape or tensor.dtype != self.spec.dtype:
                 raise ValueError(
                     f"rank {self.pstate.rank}: {action} sends shape {tuple(tensor.shape)} {tensor.dtype}, "
                     f"but the pipeline's messages are {self.spec.shape} {self.spec.dtype}"
                 )
-            tensor = tensor.detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, tensor, self.peer(action), group=group))
-            self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
-        new_recvs = list(dict.fromkeys(a for a in [*prefetch, *recvs] if a not in self._posted))
-        for action in new_recvs:
-            buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.pstate.device)
-            ops.append(dist.P2POp(dist.irecv, buf, self.peer(action), group=group))
         received: dict[Action, torch.Tensor] = {}
         try:
-            if ops:
-                works = dist.batch_isend_irecv(ops)
-                self._pending_sends.extend(zip((a for a, _ in sends), works[: len(sends)]))
-                for action, work, op in zip(new_recvs, works[len(sends):], ops[len(sends):]):
-                    self._posted[action] = (work, op.tensor)
+            self._post(sends, [a for a in dict.fromkeys(recvs) if a not in self._posted])
+            for action in dict.fromkeys(ahead):
+                if action not in self._posted and action not in recvs:
+                    self._post([], [action])
             for action in recvs:
-                work, buf = self._posted.pop(action)
-                work.wait()
-                received[action] = buf
+                batch = self._posted.pop(action)
+                batch.wait()
+                received[action] = batch.recvs.pop(action)
         except RuntimeError as exc:
             what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
             raise RuntimeError(
@@ -128,28 +171,31 @@ class PipelineP2P:
         return received
 
     def wait_sends(self) -> None:
-        """Block until every send posted so far has left this rank (all prefetched receives must be used)."""
+        """Block until every batch posted so far is complete (all posted receives must have been used)."""
         if self._posted:
             raise RuntimeError(f"rank {self.pstate.rank}: receives posted but never used: {list(self._posted)}")
-        for _, work in self._pending_sends:
-            work.wait()
-        self._pending_sends.clear()
+        for batch in self._sending:
+            batch.wait()
+        self._sending.clear()
 
     def release_sent(self, wait_for_activations: bool = False) -> list[Action]:
-        """Forget the sends known to be complete; return their actions.
+        """Forget the batches known to be complete; return the actions of their sends.
 
-        A send counts as complete when the backend says so (asynchronous backends) or,
-        with ``wait_for_activations``, after blocking on the activation sends. gloo's
-        sends are rendezvous (done only once the peer has posted its receive) and report
-        completion only from ``wait()``, so on gloo only the blocking form frees anything.
-        Dropping a finished send's work releases this layer's reference to its tensor.
+        A batch counts as complete when the backend says so or, with
+        ``wait_for_activations``, after blocking on every batch holding an activation send.
+        gloo's sends are rendezvous (done only once the peer has posted its receive) and
+        report completion only from ``wait()``, so on gloo only the blocking form frees
+        anything; NCCL's Works report completion on their own. Dropping a batch releases
+        this layer's references to its sent tensors.
         """
-        done, still_pending = [], []
-        for action, work in self._pending_sends:
-            if work.is_completed() or (wait_for_activations and action.kind == "SEND_ACT"):
-                work.wait()  # surfaces a failed send now
-                done.append(action)
+        done: list[Action] = []
+        still: list[P2PBatch] = []
+        for batch in self._sending:
+            if wait_for_activations and any(a.kind == "SEND_ACT" for a, _ in batch.sends):
+                batch.wait()
+            if batch.poll():
+                done += [a for a, _ in batch.sends]
             else:
-                still_pending.append((action, work))
-        self._pending_sends = still_pending
+                still.append(batch)
+        self._sending = still
         return done

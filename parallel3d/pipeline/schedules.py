@@ -19,8 +19,25 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
 - executed with sends that never block and receives that wait for their send,
   all stages finish: no deadlock. This is checked by running ``simulate``, not
   argued.
+- built with ``coalesced_p2p=True`` (for NCCL, or its emulation), all stages also
+  finish when the comm actions between two computations go out as one batch that
+  completes as a unit, a rank's batches run in FIFO order and sends are rendezvous
+  (``check_coalesced_progress``). ``interleaved_1f1b`` then places its
+  communication per iteration (Megatron's placement: a warm-up forward, a steady
+  forward+backward pair or a cool-down backward, followed by its sends and the next
+  iteration's receives in one batch); otherwise every receive sits right before
+  the computation that reads it and every send right after the one that produced
+  it, which overlaps more but can deadlock under FIFO batches
+  (``tests/test_schedules.py`` shows one).
 - ``1f1b``: stage ``s`` never holds more than ``p - s`` microbatches whose
   forward is done and backward is not (``gpipe``: all ``m``).
+
+``build_forward_schedule`` is the forward-only schedule evaluation runs (no ``B``,
+no gradient messages): every microbatch through every chunk in the forward order of
+the training schedule (plain order; with ``v > 1`` the interleaved order, groups of
+``p`` microbatches advancing through the chunks). It meets the same contract (each
+``F`` once, matched FIFO messages, no deadlock under simulation and under NCCL
+batches).
 """
 
 from __future__ import annotations
@@ -34,19 +51,23 @@ from parallel3d.pipeline.actions import (
     COMPUTE_KINDS,
     SCHEDULE_NAMES,
     Action,
+    CommStep,
     Schedule,
     ScheduleError,
+    comm_plan,
     schedule_shape,
     stage_and_chunk,
     virtual_stage,
 )
-from parallel3d.pipeline.simulate import TimedAction, Timeline, format_timeline, simulate
+from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
 
 # The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
 __all__ = [
-    "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "Schedule", "ScheduleError",
-    "TimedAction", "Timeline", "build_schedule", "format_schedule", "format_timeline", "peak_in_flight",
-    "schedule_shape", "simulate", "stage_and_chunk", "validate_schedule", "virtual_stage",
+    "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "CommStep", "Schedule",
+    "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
+    "check_coalesced_progress", "comm_plan",
+    "format_schedule", "format_timeline", "peak_in_flight", "schedule_shape", "simulate", "stage_and_chunk",
+    "validate_schedule", "virtual_stage",
 ]
 
 # ---- building ----------------------------------------------------------------------
@@ -69,32 +90,51 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
         )
 
 
-def _with_comms(stage: int, p: int, v: int, compute: list[tuple[str, int, int]]) -> list[Action]:
-    """Wrap each computation in the receive it needs and the send it feeds."""
+Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
+
+
+def _with_comms(stage: int, p: int, v: int, iterations: list[list[Compute]]) -> list[Action]:
+    """Wrap each iteration (one or more computations) in the receives it needs and the sends it feeds.
+
+    Receives come in computation order before the iteration, sends after it, so the comm
+    actions between two iterations (one batch, see ``actions.comm_plan``) are the previous
+    iteration's sends and the next one's receives.
+    """
     last = p * v - 1
     out: list[Action] = []
-    for kind, mb, chunk in compute:
-        vs = virtual_stage(stage, chunk, p)
-        if kind == "F":
-            if vs > 0:
+    for iteration in iterations:
+        for kind, mb, chunk in iteration:
+            vs = virtual_stage(stage, chunk, p)
+            if kind == "F" and vs > 0:
                 out.append(Action("RECV_ACT", mb, chunk))
-            out.append(Action("F", mb, chunk))
-            if vs < last:
-                out.append(Action("SEND_ACT", mb, chunk))
-        else:
-            if vs < last:
+            elif kind == "B" and vs < last:
                 out.append(Action("RECV_GRAD", mb, chunk))
-            out.append(Action("B", mb, chunk))
-            if vs > 0:
+        out += [Action(kind, mb, chunk) for kind, mb, chunk in iteration]
+        for kind, mb, chunk in iteration:
+            vs = virtual_stage(stage, chunk, p)
+            if kind == "F" and vs < last:
+                out.append(Action("SEND_ACT", mb, chunk))
+            elif kind == "B" and vs > 0:
                 out.append(Action("SEND_GRAD", mb, chunk))
     return out
 
 
-def _gpipe(stage: int, p: int, m: int) -> list[tuple[str, int, int]]:
+def _iterations(compute: list[Compute], warmup: int) -> list[list[Compute]]:
+    """Megatron's iterations: each warm-up forward alone, then steady (F, B) pairs, then lone backwards."""
+    out = [[c] for c in compute[:warmup]]
+    i = warmup
+    while i < len(compute):
+        pair = compute[i][0] == "F" and i + 1 < len(compute) and compute[i + 1][0] == "B"
+        out.append(compute[i : i + 2] if pair else [compute[i]])
+        i += 2 if pair else 1
+    return out
+
+
+def _gpipe(stage: int, p: int, m: int) -> list[Compute]:
     return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-def _one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int, int]]:
+def _one_f_one_b(stage: int, p: int, m: int) -> list[Compute]:
     warmup = min(p - stage - 1, m)
     order = [("F", i, 0) for i in range(warmup)]  # warm-up: fill the pipe below us
     for i in range(m - warmup):  # steady state: one forward, then the oldest backward
@@ -103,18 +143,27 @@ def _one_f_one_b(stage: int, p: int, m: int) -> list[tuple[str, int, int]]:
     return order
 
 
-def _interleaved(stage: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+def _interleaved_warmup(stage: int, p: int, m: int, v: int) -> int:
+    # Later stages start backwards sooner; every stage first fills all its chunks once.
+    return min((p - stage - 1) * 2 + (v - 1) * p, m * v)
+
+
+def _interleaved_forward(k: int, p: int, v: int) -> tuple[int, int]:
+    """(microbatch, chunk) of a stage's k-th forward in the interleaved order."""
+    return (k // (p * v)) * p + k % p, (k // p) % v
+
+
+def _interleaved(stage: int, p: int, m: int, v: int) -> list[Compute]:
     """Narayanan et al. 2021: microbatches advance in groups of p through the v chunks."""
 
     def fwd(k: int) -> tuple[int, int]:  # (microbatch, chunk) of this stage's k-th forward
-        return (k // (p * v)) * p + k % p, (k // p) % v
+        return _interleaved_forward(k, p, v)
 
     def bwd(k: int) -> tuple[int, int]:
         return (k // (p * v)) * p + k % p, v - 1 - (k // p) % v
 
     total = m * v
-    # Later stages start backwards sooner; every stage first fills all its chunks once.
-    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    warmup = _interleaved_warmup(stage, p, m, v)
     order = [("F", *fwd(k)) for k in range(warmup)]
     for k in range(total - warmup):
         order += [("F", *fwd(warmup + k)), ("B", *bwd(k))]
@@ -122,8 +171,19 @@ def _interleaved(stage: int, p: int, m: int, v: int) -> list[tuple[str, int, int
     return order
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_virtual_stages: int = 1) -> Schedule:
-    """One action list per stage for schedule ``name``; validated before it is returned."""
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_virtual_stages: int = 1,
+    *,
+    coalesced_p2p: bool = False,
+) -> Schedule:
+    """One action list per stage for schedule ``name``; validated before it is returned.
+
+    ``coalesced_p2p``: the backend runs each p2p batch as one unit, in FIFO order (NCCL; see
+    the module contract); only ``interleaved_1f1b`` places its communication differently.
+    """
     p, m, v = num_stages, num_microbatches, num_virtual_stages
     _check_args(name, p, m, v)
     if name == "interleaved_1f1b" and v == 1:
@@ -136,9 +196,29 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_virtua
             compute = _one_f_one_b(s, p, m)
         else:
             compute = _interleaved(s, p, m, v)
-        schedule[s] = _with_comms(s, p, v, compute)
+        if name == "interleaved_1f1b" and coalesced_p2p:
+            iterations = _iterations(compute, _interleaved_warmup(s, p, m, v))
+        else:
+            iterations = [[c] for c in compute]
+        schedule[s] = _with_comms(s, p, v, iterations)
     limit = (lambda s: p - s) if name == "1f1b" else None
-    validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limit)
+    validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limit,
+                      coalesced_p2p=coalesced_p2p)
+    return schedule
+
+
+def build_forward_schedule(
+    num_stages: int, num_microbatches: int, num_virtual_stages: int = 1, *, coalesced_p2p: bool = False
+) -> Schedule:
+    """The forward-only schedule (evaluation): see the module doc; validated before it is returned."""
+    p, m, v = num_stages, num_microbatches, num_virtual_stages
+    _check_args("interleaved_1f1b" if v > 1 else "gpipe", p, m, v)
+    schedule: Schedule = {}
+    for s in range(p):
+        order = [("F", *_interleaved_forward(k, p, v)) for k in range(m * v)] if v > 1 else [("F", i, 0) for i in range(m)]
+        schedule[s] = _with_comms(s, p, v, [[c] for c in order])
+    validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, coalesced_p2p=coalesced_p2p,
+                      forward_only=True)
     return schedule
 
 
@@ -170,7 +250,7 @@ class _Where:
         return f"stage {self.stage}, position {self.pos} ({self.action})"
 
 
-def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> None:
+def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forward_only: bool = False) -> None:
     seen: dict[tuple[str, int, int], int] = {}
     last = p * v - 1
     for pos, a in enumerate(actions):
@@ -178,6 +258,8 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> N
         if a.chunk >= v or a.microbatch >= m:
             raise ScheduleError(f"{where}: chunk must be < {v} and microbatch < {m}")
         key = (a.kind, a.microbatch, a.chunk)
+        if forward_only and a.kind in ("B", "SEND_GRAD", "RECV_GRAD"):
+            raise ScheduleError(f"{where}: a forward-only schedule has no backward or gradient messages")
         if key in seen:
             raise ScheduleError(f"{where}: repeats the action at position {seen[key]}")
         seen[key] = pos
@@ -196,7 +278,7 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int) -> N
             raise ScheduleError(f"{where}: the first model chunk has no upstream neighbour")
         if a.kind in ("SEND_ACT", "RECV_GRAD") and vs == last:
             raise ScheduleError(f"{where}: the last model chunk has no downstream neighbour")
-    for kind in COMPUTE_KINDS:
+    for kind in ("F",) if forward_only else COMPUTE_KINDS:
         for chunk in range(v):
             missing = [i for i in range(m) if (kind, i, chunk) not in seen]
             if missing:
@@ -213,16 +295,24 @@ def validate_schedule(
     num_microbatches: int | None = None,
     num_virtual_stages: int | None = None,
     max_in_flight: Callable[[int], int] | None = None,
+    coalesced_p2p: bool = False,
+    forward_only: bool = False,
 ) -> None:
-    """Raise ``ScheduleError`` unless ``schedule`` meets the module contract."""
+    """Raise ``ScheduleError`` unless ``schedule`` meets the module contract (``forward_only``: no ``B``).
+
+    With ``coalesced_p2p`` it must also progress under NCCL batch semantics
+    (``check_coalesced_progress`` with the engine's defaults for such backends).
+    """
     p, m_seen, v_seen = schedule_shape(schedule)
     if sorted(schedule) != list(range(p)):
         raise ScheduleError(f"schedule stages must be 0..{p - 1}, got {sorted(schedule)}")
     m = m_seen if num_microbatches is None else num_microbatches
     v = v_seen if num_virtual_stages is None else num_virtual_stages
     for stage, actions in schedule.items():
-        _check_order(stage, actions, p, m, v)
+        _check_order(stage, actions, p, m, v, forward_only)
     simulate(schedule, 1.0, 2.0)  # raises on a deadlock or a mismatched send/receive
+    if coalesced_p2p:
+        check_coalesced_progress(schedule)
     if max_in_flight is not None:
         for stage, peak in peak_in_flight(schedule).items():
             if peak > max_in_flight(stage):

@@ -1,17 +1,21 @@
-"""Time a schedule on an idealised machine, and draw the result.
+"""Time a schedule on an idealised machine, draw the result, and prove progress under NCCL.
 
 ``simulate`` runs every stage's action list in order, all stages in parallel: a
 computation takes its given time, a send costs the sender nothing and arrives
 ``p2p_time`` later, a receive waits for its message. It raises ``ScheduleError``
 on a deadlock or on a receive that does not match the oldest message pending
 between two stages, which is how ``validate_schedule`` proves a schedule safe.
+
+``check_coalesced_progress`` replays the batches the engine posts
+(``actions.comm_plan``) under a stricter model, NCCL's: a batch completes as a
+unit, a rank's batches run in FIFO order, sends are rendezvous.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from parallel3d.pipeline.actions import (
     Action,
@@ -20,8 +24,10 @@ from parallel3d.pipeline.actions import (
     ScheduleError,
     schedule_shape,
     stage_and_chunk,
+    comm_plan,
     virtual_stage,
 )
+
 
 @dataclass(frozen=True)
 class TimedAction:
@@ -144,3 +150,181 @@ def format_timeline(timeline: Timeline, *, columns: int = 80) -> str:
     lines = [f"stage {s}: " + "".join(r) for s, r in enumerate(rows)]
     lines.append(f"makespan={timeline.makespan:g} bubble={timeline.bubble_fraction:.3f}")
     return "\n".join(lines)
+
+
+# ---- progress under batch (NCCL) semantics ---------------------------------------------------
+@dataclass
+class _Unit:
+    """What completes as one: a posted batch (NCCL), or one op of it (gloo)."""
+
+    stage: int
+    actions: tuple[Action, ...]
+    ops: list[int] = field(default_factory=list)  # indices into _BatchRun.partner
+    remaining: int = 0
+    complete: bool = False
+
+
+class _BatchRun:
+    """One stage program per stage, replayed until nothing can progress (see ``check_coalesced_progress``).
+
+    A program is a list of ``("post", unit)`` and ``("wait", units)`` items, built from
+    ``comm_plan`` exactly as ``PipelineEngine`` posts and waits.
+    """
+
+    def __init__(self, schedule: Schedule, prefetch: int, coalesced: bool, wait_sent_activations: bool) -> None:
+        self.p, _, _ = schedule_shape(schedule)
+        self.coalesced = coalesced
+        self.units: list[_Unit] = []
+        self.programs = {s: self._program(s, schedule[s], prefetch, wait_sent_activations) for s in range(self.p)}
+        self.op_unit: list[int] = []
+        self.partner: list[int] = []
+        self._match()
+
+    def _program(self, s: int, actions: list[Action], prefetch: int, wait_sent: bool) -> list[tuple[str, Any]]:
+        prog: list[tuple[str, Any]] = []
+        holder: dict[Action, list[int]] = {}  # posted action -> the units its batch consists of
+        unsent: list[int] = []  # units holding activation sends not yet waited for
+
+        def post(batch: tuple[Action, ...]) -> None:
+            groups = [batch] if self.coalesced else [(a,) for a in batch]
+            ids = []
+            for group in groups:
+                self.units.append(_Unit(s, group))
+                ids.append(len(self.units) - 1)
+                prog.append(("post", ids[-1]))
+            for a in batch:  # using one receive of a batch waits for all of the batch (p2p.py)
+                holder[a] = ids
+            if any(a.kind == "SEND_ACT" for a in batch):
+                unsent.extend(ids)
+
+        for step in comm_plan(actions, prefetch):
+            if step.batch:
+                post(step.batch)
+            for a in step.ahead:
+                post((a,))
+            needed = sorted({u for a in step.needs for u in holder[a]})
+            if needed:
+                prog.append(("wait", needed))
+            if wait_sent and step.compute is not None and step.compute.kind == "F" and unsent:
+                prog.append(("wait", sorted(set(unsent))))  # the engine's wait after a forward
+                unsent.clear()
+        prog.append(("wait", sorted({u for ids in holder.values() for u in ids})))  # wait_sends
+        return prog
+
+    def _match(self) -> None:
+        """Pair the k-th send on each channel (from, to) with the k-th receive posted on it."""
+        open_ends: dict[tuple[int, int, int, bool], int] = {}
+        counts: dict[tuple[int, int, bool], int] = {}
+        message: list[tuple[str, int, int]] = []
+        for s, prog in self.programs.items():
+            for _, u in (item for item in prog if item[0] == "post"):
+                for a in self.units[u].actions:
+                    vs = virtual_stage(s, a.chunk, self.p)
+                    sending = a.kind.startswith("SEND")
+                    other_vs = vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
+                    peer, _ = stage_and_chunk(other_vs, self.p)
+                    channel = (s, peer) if sending else (peer, s)
+                    k = counts.get((*channel, sending), 0)
+                    counts[(*channel, sending)] = k + 1
+                    op = len(self.op_unit)
+                    self.op_unit.append(u)
+                    self.partner.append(-1)
+                    message.append(_message(a.kind, a.microbatch, vs if sending else other_vs))
+                    self.units[u].ops.append(op)
+                    self.units[u].remaining += 1
+                    other = open_ends.pop((*channel, k, not sending), None)
+                    if other is None:
+                        open_ends[(*channel, k, sending)] = op
+                        continue
+                    if message[other] != message[op]:
+                        sent, received = (op, other) if sending else (other, op)
+                        raise ScheduleError(
+                            f"message {k} on channel (from, to) {channel} is sent as {message[sent]} "
+                            f"but received as {message[received]}"
+                        )
+                    self.partner[op], self.partner[other] = other, op
+        if open_ends:
+            raise ScheduleError(f"p2p ops without a partner (from, to, ordinal, is_send): {sorted(open_ends)}")
+
+    def run(self) -> dict[int, list[list[str]]]:
+        """Progress every stage as far as it goes; return stuck stages -> the batches they wait for."""
+        live = [False] * len(self.op_unit)  # the op's unit has started (and the op is posted)
+        fifo: dict[int, list[int]] = {s: [] for s in range(self.p)}
+        head = {s: 0 for s in range(self.p)}  # fifo[s][:head[s]] have completed
+        pc = {s: 0 for s in range(self.p)}
+        start: deque[int] = deque()
+        advance: deque[int] = deque(range(self.p))
+
+        def finished(u: int) -> None:
+            self.units[u].complete = True
+            s = self.units[u].stage
+            advance.append(s)
+            while head[s] < len(fifo[s]) and self.units[fifo[s][head[s]]].complete:
+                head[s] += 1
+            if self.coalesced and head[s] < len(fifo[s]):
+                start.append(fifo[s][head[s]])  # FIFO: the next batch starts now
+
+        while start or advance:
+            while start:
+                u = start.popleft()
+                for op in self.units[u].ops:
+                    q = self.partner[op]
+                    live[op] = True
+                    if live[q]:  # rendezvous: both sides started, the message moves
+                        for w in (u, self.op_unit[q]):
+                            self.units[w].remaining -= 1
+                            if self.units[w].remaining == 0:
+                                finished(w)
+            if advance:
+                s = advance.popleft()
+                prog = self.programs[s]
+                while pc[s] < len(prog):
+                    kind, arg = prog[pc[s]]
+                    if kind == "post":
+                        fifo[s].append(arg)
+                        if not self.coalesced or fifo[s][head[s]] == arg:
+                            start.append(arg)
+                    elif not all(self.units[u].complete for u in arg):
+                        break
+                    pc[s] += 1
+        return {
+            s: [[str(a) for a in self.units[u].actions] for u in prog[pc[s]][1] if not self.units[u].complete]
+            for s, prog in self.programs.items()
+            if pc[s] < len(prog)
+        }
+
+
+def check_coalesced_progress(
+    schedule: Schedule,
+    *,
+    prefetch: int = 0,
+    coalesced: bool = True,
+    wait_sent_activations: bool | None = None,
+) -> None:
+    """Prove that every stage finishes when its communication runs as the engine posts it.
+
+    The engine posts each stage's communication as ``comm_plan(actions, prefetch)`` says.
+    Under NCCL semantics (``coalesced=True``), verified in torch's ProcessGroupNCCL: a batch
+    is one unit that completes only when every op in it has; a rank's batches on a group run
+    in FIFO order (a batch starts once the rank's earlier ones completed); a send is
+    rendezvous (it moves only when the matching receive's batch has started too); a
+    computation waits for the batches holding its receives. With ``coalesced=False`` (gloo)
+    each op progresses on its own once posted, with no FIFO order, but using a receive still
+    waits for its whole batch. ``wait_sent_activations`` (default: single-chunk schedules,
+    like the engine) adds the engine's wait, after each forward, for the batches holding
+    earlier activation sends.
+
+    Every condition is a conjunction, so an execution with fewer waits or earlier posts cannot
+    deadlock where this one progresses. Raises ``ScheduleError`` on a deadlock, naming each
+    stuck stage and the batches it waits for, or on a receive posted out of order.
+    """
+    _, _, v = schedule_shape(schedule)
+    if wait_sent_activations is None:
+        wait_sent_activations = v == 1
+    stuck = _BatchRun(schedule, prefetch, coalesced, wait_sent_activations).run()
+    if stuck:
+        mode = "NCCL (one unit per batch, FIFO batches)" if coalesced else "gloo (per-op progress)"
+        raise ScheduleError(
+            f"deadlock under {mode} semantics with prefetch={prefetch}: stage -> the batches it waits for, "
+            f"which can never complete: {stuck}"
+        )

@@ -20,10 +20,14 @@ Disk layout: ``<offload_dir>/<tag>/group{g}_{master,exp_avg,exp_avg_sq}.f32``,
 each the fp32 shard in shard coordinates (so chunk ``[lo, hi)`` of bucket ``b``'s
 piece is at byte ``4 * (b.shard_offset + lo)``). Files are created empty (sparse
 zeros: fresh moments) when the optimizer is built; they are scratch space, not a
-checkpoint: ``ZeroOptimizer.save_sharded`` reads them into the checkpoint and
-``load_sharded`` writes them back, which is how a disk-offloaded run resumes.
-The host holds at most ``buffer_bytes`` of state at a time: two chunk-sized sets
-of (master, exp_avg, exp_avg_sq, gradient, parameter staging) buffers.
+checkpoint. Checkpoints (``checkpoint_io``) reach them through ``read_piece``:
+views of a shared memory map of the same files (coherent with the positioned
+reads/writes: one page cache), so a save streams the state from disk piece by
+piece and a load writes into it, neither holding the whole state in anonymous
+memory; that is how a disk-offloaded run saves, resumes and reshards.
+The host holds at most ``buffer_bytes`` of state at a time for the update: two
+chunk-sized sets of (master, exp_avg, exp_avg_sq, gradient, parameter staging)
+buffers.
 """
 
 from __future__ import annotations
@@ -209,14 +213,18 @@ class DiskStates(OptimizerStates):
         self.directory = os.path.join(directory, tag)
         os.makedirs(self.directory, exist_ok=True)
         self.fds: list[list[int]] = []
+        self.paths: list[list[str]] = []
         for g, layout in enumerate(layouts):
-            fds = []
+            fds, paths = [], []
             for name in STATE_NAMES:
-                fd = os.open(os.path.join(self.directory, f"group{g}_{name}.f32"), os.O_RDWR | os.O_CREAT | os.O_TRUNC,
-                             0o600)
+                path = os.path.join(self.directory, f"group{g}_{name}.f32")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.ftruncate(fd, layout.shard_numel * FP32)  # reads as zeros: fresh moments
                 fds.append(fd)
+                paths.append(path)
             self.fds.append(fds)
+            self.paths.append(paths)
+        self._maps: list[list[torch.Tensor]] | None = None  # mapped on first read_piece (checkpoints)
         self.state_bufs = [[self.x.host_empty(self.chunk, torch.float32) for _ in STATE_NAMES] for _ in range(2)]
         self.grad_bufs = [self.x.host_empty(self.chunk, grad_dtype) for _ in range(2)]
         self.param_stage = [self.x.host_empty(self.chunk, param_dtype) for _ in range(2)]
@@ -277,19 +285,23 @@ class DiskStates(OptimizerStates):
             self.x.finish()
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def _mapped(self) -> list[list[torch.Tensor]]:
+        """Shared memory maps of the state files (fp32, shard coordinates), created once."""
+        if self._maps is None:
+            self._maps = [[torch.from_file(path, shared=True, size=layout.shard_numel, dtype=torch.float32)
+                           for path in paths] for paths, layout in zip(self.paths, self.layouts)]
+        return self._maps
+
     def read_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = []
-        for fd in self.fds[group]:
-            t = torch.empty(bucket.piece_size, dtype=torch.float32)
-            _transfer_all(fd, t, bucket.shard_offset * FP32, write=False)
-            out.append(t)
-        return out[0], out[1], out[2]
+        """Views of the mapped files: reading pages the state in, writing changes the files."""
+        maps = self._mapped()[group]
+        return shard_slice(maps[0], bucket), shard_slice(maps[1], bucket), shard_slice(maps[2], bucket)
 
     def write_piece(self, group: int, bucket: Bucket, master: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor) -> None:
-        for fd, t in zip(self.fds[group], (master, exp_avg, exp_avg_sq)):
-            _transfer_all(fd, t.detach().to("cpu", torch.float32).contiguous(), bucket.shard_offset * FP32,
-                          write=True)
+        for dst, src in zip(self.read_piece(group, bucket), (master, exp_avg, exp_avg_sq)):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
 
     def host_bytes(self) -> int:
         return self._host
@@ -298,4 +310,5 @@ class DiskStates(OptimizerStates):
         return self._disk
 
     def close(self) -> None:
+        self._maps = None
         self._finalizer()

@@ -51,13 +51,14 @@ import torch
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero import checkpoint, clip
+from parallel3d.zero import clip
 from parallel3d.zero.adamw import host_adamw_flat_, resolve_backend
 from parallel3d.zero.buffers import Bucket, BufferLayout
 from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker
+from parallel3d.zero.owned import OwnedSegment, owned_segments
 from parallel3d.zero.params_replicated import ReplicatedParams
 from parallel3d.zero.params_sharded import RESHARD_MODES, ShardedParams, resolve_reshard
 from parallel3d.zero.precision import LossScaler, precision_dtype
@@ -271,7 +272,7 @@ class ZeroOptimizer:
     # ---- the owned pieces (checkpoints) -------------------------------------------------
     def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 (master, exp_avg, exp_avg_sq) of this rank's piece of ``bucket`` in shard coordinates, in every
-        stage and offload mode: views (memory) or copies (disk); hand them to ``write_state_piece`` after editing."""
+        stage and offload mode, as in-place views (disk: of the memory-mapped state files)."""
         return self.states.read_piece(group, bucket)
 
     @torch.no_grad()
@@ -382,13 +383,28 @@ class ZeroOptimizer:
         return out
 
     # ---- checkpoints -------------------------------------------------------------------
-    def save_sharded(self, path: str) -> None:
-        """Write this job's optimizer state (and thereby the weights) to directory ``path``; all ranks call."""
-        checkpoint.save_sharded(self, path)
+    def owned_segments(self) -> list[OwnedSegment]:
+        """This rank's master weights and moments per parameter range, as in-place views (``owned``),
+        in every stage and offload mode (disk: views of the memory-mapped state files)."""
+        return owned_segments(self)
 
-    def load_sharded(self, path: str) -> None:
-        """Restore from ``path``, written by any dp size and ZeRO stage with the same tp/pp layout; all ranks call."""
-        checkpoint.load_sharded(self, path)
+    @property
+    def replicated_over_dp(self) -> bool:
+        """Whether every dp rank holds the whole optimizer state (stage 0) rather than a shard."""
+        return self.zero_stage == 0
+
+    @torch.no_grad()
+    def params_from_master(self) -> None:
+        """Make the parameters (stage 3: this rank's parameter shard) equal their (rounded) master
+        weights after the masters were overwritten in place (checkpoint load, HF import); all ranks
+        of the dp group call it."""
+        for g, layout in enumerate(self.layouts):
+            for b in layout.buckets:
+                master = self.read_state_piece(g, b)[0]
+                piece = self.params.piece(g, b)
+                if piece.data_ptr() != master.data_ptr():
+                    piece.copy_(master)
+        self.gather_params()
 
     def close(self) -> None:
         """Release offload files and threads (also done when the optimizer is garbage-collected)."""

@@ -69,8 +69,8 @@ class OptimizerStates(ABC):
 
     @abstractmethod
     def read_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq) of this rank's piece, fp32: views a caller may modify and hand to
-        ``write_piece`` (memory modes) or copies (disk)."""
+        """(master, exp_avg, exp_avg_sq) of this rank's piece, fp32: in-place views in every mode (disk:
+        of the memory-mapped files), so writing them changes the state."""
 
     @abstractmethod
     def write_piece(self, group: int, bucket: Bucket, master: torch.Tensor, exp_avg: torch.Tensor,

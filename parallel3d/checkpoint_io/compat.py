@@ -1,0 +1,55 @@
+"""Can this job resume from that checkpoint? Format and model checks, each failing in one line.
+
+A checkpoint written at any layout resumes at any other; what cannot change is the model's
+shape (the fields below) and the format. Checkpoints of the earlier per-rank format
+(``zero/`` directory, same tp/pp only, no ``format`` in meta.json) are refused, not read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from models.config import ModelConfig
+from parallel3d.checkpoint import CheckpointError
+
+FORMAT = "parallel3d-dcp-v1"
+STATE_DIR = "state"  # the DCP directory inside a checkpoint
+TRAINER_KEY = "trainer"  # the trainer-state object in the DCP directory
+
+# What fixes the parameters' names and shapes (dropout, init_std, norm_eps, kernels may change).
+SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
+                "tie_embeddings", "use_bias")
+
+
+def model_signature(cfg: ModelConfig) -> dict[str, Any]:
+    sig = {key: getattr(cfg, key) for key in SHAPE_FIELDS}
+    if cfg.arch == "gpt":
+        sig["max_seq_len"] = cfg.max_seq_len  # the learned position table's rows
+    return sig
+
+
+def check_format(directory: str, meta: dict[str, Any]) -> None:
+    fmt = meta.get("format")
+    if fmt == FORMAT:
+        return
+    if fmt is None and os.path.isdir(os.path.join(directory, "zero")):
+        raise CheckpointError(
+            f"checkpoint {directory} uses the old per-rank format (parallel3d-zero-v1), which this version does "
+            f"not read; resume it with the parallel3d version that wrote it, or start from scratch "
+            f"(another train.out_dir, or train.resume=none after moving {os.path.dirname(directory)} away)"
+        )
+    raise CheckpointError(f"checkpoint {directory} has format {fmt!r}; this version reads {FORMAT!r}")
+
+
+def check_same_model(directory: str, meta: dict[str, Any], cfg: ModelConfig) -> None:
+    """Raise unless the checkpoint's model has the same parameters (names and shapes) as ``cfg``."""
+    saved = meta.get("model")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {directory}: meta.json has no model section")
+    theirs = model_signature(ModelConfig(**saved))
+    ours = model_signature(cfg)
+    diff = [f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in ours if theirs.get(k) != ours.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {directory} holds another model ({'; '.join(diff)}): a layout may "
+                              f"change on resume, the model's shape may not")

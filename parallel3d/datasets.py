@@ -1,0 +1,43 @@
+"""The job's training and validation datasets, from ``data.*`` (all ranks build the same ones).
+
+- Training: the built-in corpus (``source=default``; global rank 0 builds it, the others
+  wait) or the blend of ``data.paths`` / ``data.weights`` / ``data.blend`` (Megatron's
+  syntax accepted, see ``data.blend``).
+- Validation: the held-out tail of the same datasets (``data.valid_fraction > 0``: the
+  training set then reads only the head), or the separate ``data.valid_paths``; None when
+  neither. Both are pure functions of the config and the data, so every layout reads the
+  same validation samples.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from parallel3d import data
+from parallel3d.config import ResolvedJob, data_blends
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDataset, data.GPTDataset | None, Any]:
+    """``(train, valid or None, tokenizer or None)`` for this job; see module doc. The tokenizer
+    is the one the tokens come from (None for indexed data that names none: ``data.tokenizer_file``)."""
+    d, t = rj.job.data, rj.job.train
+    if d.source == "default":
+        prefix, tokenizer = data.build_default_corpus(
+            d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
+            is_builder=pstate.rank == 0, wait_timeout_s=t.timeout_s,
+        )
+        (paths, weights), (valid_paths, valid_weights) = ([prefix], None), ([], None)
+    else:
+        (paths, weights), (valid_paths, valid_weights) = data_blends(d)
+        tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, paths)
+    common = dict(seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
+    if d.valid_fraction > 0:
+        train = data.GPTDataset(paths, weights, split="train", valid_fraction=d.valid_fraction, **common)
+        valid = data.GPTDataset(paths, weights, split="valid", valid_fraction=d.valid_fraction, **common)
+        return train, valid, tokenizer
+    train = data.GPTDataset(paths, weights, **common)
+    valid = data.GPTDataset(valid_paths, valid_weights, **common) if valid_paths else None
+    return train, valid, tokenizer

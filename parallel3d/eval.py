@@ -1,0 +1,81 @@
+"""Validation loss during training: ``train.eval_iters`` global batches, forward only, through the pipeline.
+
+``Evaluator.evaluate`` is collective (every rank calls it at the same step). Evaluation
+batch ``i`` is validation samples ``[i*G, (i+1)*G)`` (``G = train.global_batch_size``),
+the same samples at every evaluation and on every layout, split over DP ranks and into
+microbatches exactly like training batches (``DistributedBatchIterator``; each stage gets
+the keys ``pipeline.microbatch.stage_keys`` names). Each batch runs through
+``pipeline.forward_only.ForwardOnlyRunner`` (dropout off, no graph).
+
+Invariant: ``eval_loss`` = mean over the ``eval_iters`` batches of the batch's mean
+per-token loss (mean over DP ranks of the runner's microbatch mean), i.e. what one
+process computes for the same samples; ``eval_ppl = exp(eval_loss)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from parallel3d import comm, data
+from parallel3d.config import ResolvedJob
+from parallel3d.pipeline.forward_only import ForwardOnlyRunner
+from parallel3d.zero.precision import precision_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float | None  # eval loss on last-stage ranks, None elsewhere
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        """The JSONL / W&B keys of the logged step."""
+        if self.loss is None:
+            return {}
+        return {"eval_loss": self.loss, "eval_ppl": math.exp(min(self.loss, 700.0)), "eval_time": self.seconds}
+
+
+class Evaluator:
+    """Evaluates this rank's model chunks on the validation set; see module doc."""
+
+    def __init__(self, rj: ResolvedJob, pstate: "ParallelState", chunks: list[torch.nn.Module],
+                 dataset: data.GPTDataset, to_device: Callable) -> None:
+        t, p = rj.job.train, rj.job.parallel
+        self.pstate = pstate
+        self.iters = t.eval_iters
+        self.to_device = to_device
+        self.batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size,
+                                                              t.micro_batch_size)
+        self.runner = ForwardOnlyRunner(
+            chunks, pstate, num_microbatches=rj.grad_accum, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+            hidden_size=rj.model.hidden_size, dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
+        )
+        wanted = self.iters * t.global_batch_size
+        if wanted > dataset.samples_per_epoch and pstate.rank == 0:
+            warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "
+                          f"train.eval_iters={self.iters} reads {wanted}, so some are read twice", stacklevel=2)
+
+    def evaluate(self, step: int) -> EvalResult:
+        """Collective: the validation loss of the current weights (``step`` only seeds nothing: dropout is off)."""
+        start = time.perf_counter()
+        self.batches.load_state_dict({"next_sample": 0}, strict=False)
+        total, last_stage = 0.0, False
+        for _ in range(self.iters):
+            loss = self.runner.run(self.to_device(next(self.batches)), step=step)
+            if loss is not None:
+                total += loss
+                last_stage = True
+        mean = None
+        if last_stage:
+            t = torch.tensor([total / self.iters], dtype=torch.float64, device=self.pstate.device)
+            comm.all_reduce(t, self.pstate, "dp")
+            mean = t.item() / comm.group_size(self.pstate, "dp")
+        return EvalResult(mean, time.perf_counter() - start)

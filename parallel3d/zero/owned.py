@@ -1,0 +1,64 @@
+"""What one rank's optimizer owns, per parameter: the contract checkpoints are written against.
+
+``owned_segments(opt)`` lists, for every run of this rank's optimizer shard that lies
+inside one parameter, the parameter's layout-independent name and metadata, the flat
+range of the (tp-local) parameter it covers, and in-place views of the fp32 master
+weights and both Adam moments of that range. Checkpoint code reads and writes state
+only through these views (and ``ZeroOptimizer.params_from_master`` afterwards), so it
+never depends on how a ZeRO stage or an offload scheme stores its buffers: the views
+come from ``ZeroOptimizer.read_state_piece`` (device tensors, host tensors with
+``offload=cpu``, memory-mapped state files with ``offload=disk``, so a checkpoint of a
+disk-offloaded run streams through the page cache instead of materialising the state),
+and stage 3's master is this rank's parameter shard's source like in any other stage.
+
+Invariants: the segments of one rank never overlap; the union of the segments over the
+dp group covers every element of every parameter of this model-parallel rank once
+(stages 1 and up) or on every dp rank (stage 0, ``replicated_over_dp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.zero.optimizer import ZeroOptimizer
+
+
+@dataclass(frozen=True)
+class OwnedSegment:
+    """Elements ``[start, start + length)`` of the flattened tp-local parameter ``name``."""
+
+    name: str  # the parameter's global (layout-independent) name
+    param: torch.nn.Parameter  # carries tp_split_dim / unpadded_rows / tied_embedding (param_meta)
+    shape: tuple[int, ...]  # the tp-local parameter's shape
+    start: int
+    length: int
+    master: torch.Tensor  # fp32 [length], a view: writing it changes the optimizer's state
+    exp_avg: torch.Tensor  # fp32 [length]
+    exp_avg_sq: torch.Tensor  # fp32 [length]
+
+    def state(self, kind: str) -> torch.Tensor:
+        """The view of ``kind``: ``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"``."""
+        return getattr(self, kind)
+
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def owned_segments(opt: "ZeroOptimizer") -> list[OwnedSegment]:
+    """Every segment of ``opt``'s shard, in shard order (see module doc)."""
+    out = []
+    for g, layout in enumerate(opt.layouts):
+        for b in layout.buckets:
+            master, m, v = opt.read_state_piece(g, b)
+            for seg in b.segments:
+                lo, hi = seg.shard_start - b.shard_offset, seg.shard_end - b.shard_offset
+                out.append(OwnedSegment(
+                    name=seg.slot.name, param=seg.slot.param, shape=tuple(seg.slot.param.shape),
+                    start=seg.param_start, length=seg.length,
+                    master=master[lo:hi], exp_avg=m[lo:hi], exp_avg_sq=v[lo:hi],
+                ))
+    return out

@@ -1,0 +1,76 @@
+"""Resume a checkpoint at another layout (tp, pp, dp, ZeRO stage, schedule, virtual stages,
+pp_layers): exact state, the same continued loss curve (``tests/reshard_matrix.py``).
+
+CI runs ``reshard_matrix.ci_pairs()``: the issue's pairs and generated ones (covering an
+interleaved schedule and explicit ``pp_layers``); ``--layout-matrix=all`` draws
+``GENERATED_ALL`` generated pairs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from parallel3d.checkpoint_io.compat import STATE_DIR
+from parallel3d.checkpoint_io.state import read_metadata, read_tensors
+from tests import layout_matrix as lm
+from tests import reshard_matrix as rm
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
+GENERATED_ALL = 12
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "pair" in metafunc.fixturenames:
+        every = metafunc.config.getoption("--layout-matrix") == "all"
+        pairs = rm.ci_pairs(GENERATED_ALL if every else rm.GENERATED)
+        metafunc.parametrize("pair", pairs, ids=[p.name for p in pairs])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("reshard_corpus"))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, cache_dir) -> dict:
+    """Uninterrupted source runs, shared by the pairs that start from the same layout."""
+    runs: dict = {}
+
+    def get(pair: rm.Pair) -> tuple[str, list]:
+        key = (pair.model, pair.source.label(), repr(pair.source))
+        if key not in runs:
+            out = str(tmp_path_factory.mktemp("source") / "run")
+            values = rm.job_values(pair, pair.source, out, cache_dir)
+            curve = next(c for c in rm.run(lm.train_case_on_rank, pair.source.world_size, values, True) if c)
+            runs[key] = (out, curve)
+        return runs[key]
+
+    return get
+
+
+def _assert_same_state(saved: str, copy: str) -> None:
+    keys = sorted(k for k, v in read_metadata(saved).state_dict_metadata.items() if hasattr(v, "size"))
+    assert keys == sorted(k for k, v in read_metadata(copy).state_dict_metadata.items() if hasattr(v, "size"))
+    assert any(k.startswith("optim.exp_avg_sq.") for k in keys)
+    a, b = read_tensors(saved, keys), read_tensors(copy, keys)
+    for key in keys:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_at_another_layout(pair, tmp_path, cache_dir, sources):
+    source_dir, uninterrupted = sources(pair)
+    checkpoint = rm.checkpoint_of(source_dir, rm.SAVE_STEP)
+    copy = str(tmp_path / "written_back")
+    values = rm.job_values(pair, pair.target, str(tmp_path / "target"), cache_dir, resume=checkpoint)
+    per_rank = rm.run(rm.resume_on_rank, pair.target.world_size, values, checkpoint, copy)
+    assert all(not differing for _, differing in per_rank), [d for _, d in per_rank if d][0]
+    _assert_same_state(os.path.join(checkpoint, STATE_DIR), copy)
+    resumed = next(curve for curve, _ in per_rank if curve)
+    expected = [row for row in uninterrupted if row[0] > rm.SAVE_STEP]
+    assert [s for s, _, _ in resumed] == [s for s, _, _ in expected] == list(range(rm.SAVE_STEP + 1, rm.STEPS + 1))
+    for (step, loss, gnorm), (_, ref_loss, ref_gnorm) in zip(resumed, expected):
+        assert abs(loss - ref_loss) <= rm.RTOL * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(gnorm - ref_gnorm) <= lm.RTOL * abs(ref_gnorm), (step, gnorm, ref_gnorm)  # as the layout matrix

@@ -1,0 +1,83 @@
+"""``python -m parallel3d.report``: the picture of a real run, rendered from its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel3d import report
+from parallel3d.config import job_from_dict, resolve
+from parallel3d.parallel_state import ParallelState
+from parallel3d.trainer import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> str:
+    """A real run: 4 steps of gpt_tiny with two evaluations, through the Trainer."""
+    root = tmp_path_factory.mktemp("report")
+    out = str(root / "run")
+    values = {"train": {"steps": 4, "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 32, "device": "cpu",
+                        "out_dir": out, "eval_every": 2, "eval_iters": 1},
+              "optimizer": {"warmup_steps": 1}, "data": {"cache_dir": str(root / "cache"), "valid_fraction": 0.05},
+              "logging": {"log_every": 1}}
+    train(resolve(job_from_dict(values, model="gpt_tiny"), 1), ParallelState.single_process())
+    return out
+
+
+def _records(run_dir: str) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_figure_plots_the_runs_numbers(run_dir):
+    records = _records(run_dir)
+    fig = report.build_figure(records, run_dir)
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    lines = {line.get_label(): line for line in by_title["loss"].get_lines()}
+    assert list(lines["train loss"].get_ydata()) == [r["loss"] for r in records]
+    assert list(lines["eval loss"].get_xdata()) == [2, 4]
+    assert list(lines["eval loss"].get_ydata()) == [r["eval_loss"] for r in records if "eval_loss" in r]
+    tps = by_title["throughput"].get_lines()[0]
+    assert list(tps.get_ydata()) == [r["tokens_per_sec"] for r in records]
+    mem = {line.get_label(): line for line in by_title["memory per rank"].get_lines()}
+    assert list(mem["peak, max over ranks"].get_ydata()) == [r["mem_peak_bytes_max"] / 2**20 for r in records]
+    assert "pipeline bubble" in by_title and any("TFLOP/s" in t or "MFU" in t for t in by_title)
+
+
+def test_cli_writes_a_png_a_person_can_look_at(run_dir):
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.report", run_dir], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert path == os.path.join(run_dir, "report.png")
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] >= 600 and pixels.shape[1] >= 1000
+    # Not blank: each of the six panels (2 x 3 grid) holds drawn (non-white) pixels.
+    h, w = pixels.shape[:2]
+    for row in range(2):
+        for col in range(3):
+            cell = pixels[row * h // 2:(row + 1) * h // 2, col * w // 3:(col + 1) * w // 3, :3]
+            assert (cell < 0.9).any(axis=-1).mean() > 0.005, (row, col)
+
+
+def test_html_fallback_without_matplotlib(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    path = report.write_report(run_dir, str(tmp_path / "r.html"))
+    text = open(path).read()
+    assert path.endswith(".html") and text.count("<svg") == 5
+    points = text.split('<polyline', 1)[1].split('points="', 1)[1].split('"', 1)[0].split()
+    assert len(points) == len(_records(run_dir))  # train loss: one point per record
+
+
+def test_missing_run_dir_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.report", str(tmp_path / "nope")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
