@@ -70,7 +70,10 @@ def test_resume_at_another_layout(pair, tmp_path, cache_dir, sources):
     _assert_same_state(os.path.join(checkpoint, STATE_DIR), copy)
     resumed = next(curve for curve, _ in per_rank if curve)
     expected = [row for row in uninterrupted if row[0] > rm.SAVE_STEP]
-    assert [s for s, _, _ in resumed] == [s for s, _, _ in expected] == list(range(rm.SAVE_STEP + 1, rm.STEPS + 1))
-    for (step, loss, gnorm), (_, ref_loss, ref_gnorm) in zip(resumed, expected):
+    assert [r[0] for r in resumed] == [r[0] for r in expected] == list(range(rm.SAVE_STEP + 1, rm.STEPS + 1))
+    for (step, loss, gnorm, eval_loss), (_, ref_loss, ref_gnorm, ref_eval) in zip(resumed, expected):
         assert abs(loss - ref_loss) <= rm.RTOL * abs(ref_loss), (step, loss, ref_loss)
         assert abs(gnorm - ref_gnorm) <= lm.RTOL * abs(ref_gnorm), (step, gnorm, ref_gnorm)  # as the layout matrix
+        assert (eval_loss is None) == (ref_eval is None), (step, eval_loss, ref_eval)
+        if ref_eval is not None:
+            assert abs(eval_loss - ref_eval) <= rm.RTOL * abs(ref_eval), (step, eval_loss, ref_eval)
