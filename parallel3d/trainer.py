@@ -73,7 +73,8 @@ class TrainResult:
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
     """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "schedule": p.schedule,
+    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
+            "schedule": p.schedule,
             "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -207,3 +208,26 @@ def test_disk_offload_resumes_bit_exact_and_loads_into_other_stages(tmp_path):
         got = (run_on_ranks(_load_elsewhere, world, str(tmp_path), ckpt, stage, offload, timeout=120)[0]
                if world > 1 else _load_elsewhere(0, 1, str(tmp_path), ckpt, stage, offload))
         assert torch.allclose(got, straight, rtol=1e-5, atol=1e-7), (world, stage, offload)
+
+
+def test_disk_offload_checkpoint_views_are_the_state_files(tmp_path):
+    """Checkpoints see disk-offloaded state as views of the memory-mapped files: what the update wrote
+    with positioned writes is what they read, and what a load writes lands in the files (no copy of the
+    whole state in memory)."""
+    ps = ParallelState.single_process()
+    model, opt = _make(ps, 1, "disk", str(tmp_path))
+    _steps(model, opt, ps, range(2))
+    files = {name: str(tmp_path / "tp0_pp0_dp0" / f"group0_{name}.f32") for name in ("master", "exp_avg", "exp_avg_sq")}
+    on_disk = {name: torch.from_numpy(np.fromfile(path, dtype=np.float32)) for name, path in files.items()}
+    segments = opt.owned_segments()
+    assert sum(s.length for s in segments) == sum(p.numel() for p in model.parameters())
+    for g, layout in enumerate(opt.layouts):
+        for b in layout.buckets:
+            for name, view in zip(files, opt.read_state_piece(g, b)):
+                assert torch.equal(view, on_disk[name][b.shard_offset:b.shard_offset + b.piece_size])
+    assert float(on_disk["exp_avg_sq"].abs().sum()) > 0  # two updates happened
+    segments[0].exp_avg_sq.fill_(7.0)  # as a checkpoint load does
+    after = torch.from_numpy(np.fromfile(files["exp_avg_sq"], dtype=np.float32))
+    assert int((after == 7.0).sum()) == segments[0].length
+    assert torch.equal(after[after != 7.0], on_disk["exp_avg_sq"][after != 7.0])
+    opt.close()
