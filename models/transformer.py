@@ -73,6 +73,12 @@ class TransformerLM(nn.Module):
             self.head = ParallelLMHead(c.hidden_size, c.vocab_size, ctx.pstate, global_name="head", seed=ctx.seed,
                                        init_std=c.init_std, sequence_parallel=ctx.sequence_parallel,
                                        dtype=ctx.dtype, device=ctx.device)
+        # ZeRO-3 gathers these on their own (parallel3d.zero.units): their parameters are read only
+        # inside their forward. A tied embedding is read by the head too, so it stays in the root.
+        if self.embedding is not None and not c.tie_embeddings:
+            self.embedding.zero3_unit = True
+        if self.head is not None:
+            self.head.zero3_unit = True
 
     # ---- helpers ---------------------------------------------------------------------
     def _tp(self) -> int:

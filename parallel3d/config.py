@@ -28,7 +28,9 @@ RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("online", "offline", "disabled")
 KERNEL_BACKENDS = ("auto", "triton", "apex", "torch")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOAD_MODES = ("none", "cpu", "disk")
+ZERO3_RESHARD = ("auto", "microbatch", "step")
 
 
 class ConfigError(ValueError):
@@ -66,7 +68,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree (splits heads / MLP columns)
     pp: int = 1  # pipeline stages
     dp: Any = "auto"  # data-parallel replicas, or "auto" = world_size / (tp * pp)
-    zero_stage: int = 0  # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads
+    zero_stage: int = 0  # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads; 3: + sharded params
     sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 (zero bubble, split backward)
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
@@ -76,6 +78,13 @@ class ParallelConfig:
     # grads, the default) or the model's own bf16/fp16 (half the reduction bytes).
     grad_reduce_dtype: str = "fp32"
     pp_layers: list[int] | None = None  # layers per pipeline chunk; null = balanced split
+    # Optimizer state (fp32 master weights + Adam moments) on the device (none), in host memory
+    # with the update on the CPU (cpu), or in files under offload_dir (disk); zero_stage >= 1.
+    offload: str = "none"
+    offload_dir: str | None = None  # offload=disk: directory for the state files (fast local disk)
+    offload_buffer_mb: float = 256.0  # offload=disk: host memory the state streams through
+    zero3_prefetch: int = 1  # zero_stage=3: gather units issued ahead of the one computing
+    zero3_reshard: str = "auto"  # zero_stage=3: free gathered params per microbatch | per step (auto: step if pp > 1)
 
 
 @dataclass
@@ -264,6 +273,7 @@ def _check_parallel(p: ParallelConfig, model: ModelConfig, topo: Topology) -> No
         raise ConfigError("parallel.sequence_parallel=true: needs parallel.tp > 1 (with tp=1 it would do nothing)")
     _check_range("parallel.bucket_size_mb", p.bucket_size_mb, 0.0, lo_open=True)
     _check_choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, PRECISIONS)
+    _check_zero3_and_offload(p)
     if model.ffn_size % topo.tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_size}: must be divisible by parallel.tp={topo.tp}")
     try:
@@ -288,6 +298,48 @@ def _check_parallel(p: ParallelConfig, model: ModelConfig, topo: Topology) -> No
             raise ConfigError(
                 f"parallel.pp_layers={layers}: sums to {sum(layers)} but model.num_layers={model.num_layers}"
             )
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """``path`` is a directory we can write, or one that can be created in the nearest existing parent
+    (probed by creating and removing a temporary file there: permission bits do not bind root)."""
+    import tempfile
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    where = "" if probe == os.path.abspath(path) else f" in {probe}"
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{key}={path!r}: must be a writable directory ({probe} is not a directory)")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}={path!r}: must be a writable directory (cannot write{where}: "
+                          f"{exc.strerror or exc})") from None
+
+
+def _check_zero3_and_offload(p: ParallelConfig) -> None:
+    _check_choice("parallel.offload", p.offload, OFFLOAD_MODES)
+    if p.offload != "none" and p.zero_stage == 0:
+        raise ConfigError(
+            f"parallel.offload={p.offload}: needs parallel.zero_stage >= 1 (with stage 0 every rank would keep and "
+            f"update the whole optimizer state on its host; stage 1 shards it at the same communication volume)"
+        )
+    if p.offload == "disk":
+        if not p.offload_dir:
+            raise ConfigError("parallel.offload_dir=null: parallel.offload=disk needs a directory for the optimizer "
+                              "state files (a fast local disk)")
+        _check_writable_dir("parallel.offload_dir", p.offload_dir)
+    elif p.offload_dir is not None:
+        raise ConfigError(f"parallel.offload_dir={p.offload_dir!r}: only used with parallel.offload=disk "
+                          f"(offload is {p.offload!r})")
+    _check_range("parallel.offload_buffer_mb", p.offload_buffer_mb, 0.0, lo_open=True)
+    _check_int("parallel.zero3_prefetch", p.zero3_prefetch, 0)
+    _check_choice("parallel.zero3_reshard", p.zero3_reshard, ZERO3_RESHARD)
+    if p.zero_stage != 3 and p.zero3_reshard != "auto":
+        raise ConfigError(f"parallel.zero3_reshard={p.zero3_reshard}: only used with parallel.zero_stage=3 "
+                          f"(zero_stage is {p.zero_stage})")
 
 
 def _grad_accum(t: TrainConfig, dp: int) -> int:

@@ -73,7 +73,8 @@ class TrainResult:
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
     """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "schedule": p.schedule,
+    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
+            "schedule": p.schedule,
             "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
@@ -118,7 +119,9 @@ class Trainer:
         self.optimizer = ZeroOptimizer(
             self.chunks, pstate, zero_stage=p.zero_stage, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, bucket_size_mb=p.bucket_size_mb,
-            precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype,
+            precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, offload=p.offload,
+            offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb, zero3_prefetch=p.zero3_prefetch,
+            zero3_reshard=p.zero3_reshard,
             # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
             fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
             lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),
@@ -140,8 +143,10 @@ class Trainer:
             else:
                 warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
                               "so HF export will need --tokenizer", stacklevel=2)
+        # Async saves stage the whole shard in host memory; a disk-offloaded state does not fit
+        # there by assumption, so it is streamed from its memory-mapped files synchronously.
         self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
-                                            async_save=t.async_save, timeout_s=t.timeout_s)
+                                            async_save=t.async_save and p.offload != "disk", timeout_s=t.timeout_s)
         self.ckpt = self.checkpoints.manager
         self._save_started: dict[int, float] = {}  # step -> when its (possibly background) save began
         self.is_logging_rank = pstate.is_logging_rank()
@@ -357,9 +362,11 @@ class Trainer:
     def _banner(self, resume_dir: str | None) -> None:
         rj, t = self.rj, self.rj.job.train
         n = sum(p.numel() for c in self.chunks for p in c.parameters())
+        offload = rj.job.parallel.offload
         print(
             f"parallel3d: {rj.model.name or rj.model.arch} | {rj.topology.describe()} | zero_stage="
-            f"{rj.job.parallel.zero_stage} | schedule={rj.job.parallel.schedule} | global_batch="
+            f"{rj.job.parallel.zero_stage}{'' if offload == 'none' else f' offload={offload}'} | "
+            f"schedule={rj.job.parallel.schedule} | global_batch="
             f"{t.global_batch_size} = micro {t.micro_batch_size} x accum {rj.grad_accum} x dp {rj.topology.dp} | "
             f"seq {t.seq_len} | {t.precision} on {self.pstate.device} | params on this rank {n:,} | "
             + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else

@@ -19,7 +19,8 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
   ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
   pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
-  schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1.
+  schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1 and
+  dp > 1, disk offload with dp > 1.
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
@@ -86,7 +87,12 @@ class LayoutCase:
     @property
     def name(self) -> str:
         p, t = self.parallel, self.train
-        bits = [f"case{self.case_id}", self.model, f"tp{p['tp']}pp{p['pp']}dp{p['dp']}", f"z{p['zero_stage']}",
+        zero = f"z{p['zero_stage']}"
+        if p["zero_stage"] == 3:
+            zero += f"-{p['zero3_reshard']}-pf{p['zero3_prefetch']}"
+        if p["offload"] != "none":
+            zero += f"-off-{p['offload']}"
+        bits = [f"case{self.case_id}", self.model, f"tp{p['tp']}pp{p['pp']}dp{p['dp']}", zero,
                 p["schedule"] + (f"v{p['virtual_stages']}" if p["virtual_stages"] > 1 else ""),
                 f"mb{t['micro_batch_size']}x{t['global_batch_size'] // (t['micro_batch_size'] * p['dp'])}"]
         if p["sequence_parallel"]:
@@ -110,9 +116,12 @@ class LayoutCase:
 
 
 def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str) -> dict[str, Any]:
+    parallel = dict(parallel)
+    if parallel.get("offload") == "disk":  # the state files go with the run; small chunks: several per piece
+        parallel.update(offload_dir=os.path.join(out_dir, "offload"), offload_buffer_mb=0.05)
     return {
         "model": dict(MODELS[model]),
-        "parallel": dict(parallel),
+        "parallel": parallel,
         "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
                   "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
                   "eval_iters": EVAL_ITERS, **train},
@@ -146,10 +155,15 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
     pp_layers = _composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
     g = rng.choice(GLOBAL_BATCHES)
     mbs = rng.choice(MICRO_BATCHES)
-    parallel = {"tp": tp, "pp": pp, "dp": dp, "zero_stage": rng.choice(cfg.ZERO_STAGES), "schedule": schedule,
+    stage = rng.choice(cfg.ZERO_STAGES)
+    parallel = {"tp": tp, "pp": pp, "dp": dp, "zero_stage": stage, "schedule": schedule,
                 "virtual_stages": v, "sequence_parallel": tp > 1 and rng.random() < 0.5,
                 "order": rng.choice(_orders()), "pp_layers": pp_layers,
-                "bucket_size_mb": rng.choice((0.01, 25.0))}  # tiny buckets: many reductions overlap backward
+                "bucket_size_mb": rng.choice((0.01, 25.0)),  # tiny buckets: many reductions overlap backward
+                "offload": rng.choice(cfg.OFFLOAD_MODES),
+                # stage 3's own knobs, drawn for stage 3 (as virtual_stages is for the interleaved schedule)
+                "zero3_reshard": rng.choice(cfg.ZERO3_RESHARD) if stage == 3 else "auto",
+                "zero3_prefetch": rng.choice((0, 1, 2)) if stage == 3 else 1}
     train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
     model = rng.choice(sorted(MODELS))
     return LayoutCase(case_id, model, parallel, train, emulate_nccl=pp > 1 and rng.random() < 0.4)
@@ -185,6 +199,8 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
     "zb_h1_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
     "zb_h1_pp>=2_tp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 2 and c.parallel["tp"] > 1,
+    "zero3_pp>1_dp>1": lambda c: c.parallel["zero_stage"] == 3 and c.parallel["pp"] > 1 and c.parallel["dp"] > 1,
+    "offload_disk_dp>1": lambda c: c.parallel["offload"] == "disk" and c.parallel["dp"] > 1,
 }
 
 

@@ -51,6 +51,8 @@ class Side:
     def label(self) -> str:
         p = self.parallel
         bits = [f"tp{p.get('tp', 1)}pp{p.get('pp', 1)}dp{p.get('dp', 1)}z{p.get('zero_stage', 0)}"]
+        if p.get("offload", "none") != "none":
+            bits.append(f"off-{p['offload']}")
         if p.get("virtual_stages", 1) > 1:
             bits.append(f"v{p['virtual_stages']}")
         if p.get("pp_layers"):
@@ -94,6 +96,10 @@ def generated_pair(k: int) -> Pair:
 PAIR_MUST_COVER = {
     "interleaved (virtual stages)": lambda p: max(s.parallel["virtual_stages"] for s in (p.source, p.target)) > 1,
     "explicit pp_layers": lambda p: any(s.parallel["pp_layers"] for s in (p.source, p.target)),
+    "ZeRO-3 at dp>1 on one side, another stage on the other": lambda p: any(
+        a.parallel["zero_stage"] == 3 and a.parallel["dp"] > 1 and b.parallel["zero_stage"] != 3
+        for a, b in ((p.source, p.target), (p.target, p.source))),
+    "disk offload (save or resume)": lambda p: any(s.parallel.get("offload") == "disk" for s in (p.source, p.target)),
 }
 MAX_PAIR_DRAWS = 50
 
@@ -137,8 +143,9 @@ def params_differing_from(trainer: Any, state_dir: str) -> list[str]:
 
     params = {p.global_name: p for c in trainer.chunks for p in c.parameters()}
     full = read_tensors(state_dir, [f"model.{n}" for n in params])
-    return [n for n, p in params.items()
-            if not bool((p.detach() == shard_of(full[f"model.{n}"], p, trainer.pstate).to(p.dtype)).all())]
+    with trainer.optimizer.gathered_params():  # ZeRO-3 holds shards only: gather to compare (dp-collective)
+        return [n for n, p in params.items()
+                if not bool((p.detach() == shard_of(full[f"model.{n}"], p, trainer.pstate).to(p.dtype)).all())]
 
 
 def resume_on_rank(rank: int, world: int, values: dict, checkpoint: str, copy_dir: str) -> tuple[list, list[str]]:

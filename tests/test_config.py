@@ -115,7 +115,24 @@ BAD = [
     (["parallel.tp=3"], 1, r"parallel\.dp=auto: world_size=1 is not divisible by .*3"),
     (["parallel.tp=2", "parallel.dp=2"], 8, r"tp\*pp\*dp = 2\*1\*2 = 4 .* world_size=8"),
     (["parallel.dp=x"], 1, r"parallel\.dp='x': must be an integer >= 1 or 'auto'"),
-    (["parallel.zero_stage=3"], 1, r"parallel\.zero_stage=3: must be one of 0, 1, 2"),
+    (["parallel.zero_stage=4"], 1, r"parallel\.zero_stage=4: must be one of 0, 1, 2, 3"),
+    (["parallel.offload=nvme"], 1, r"parallel\.offload='nvme': must be one of none, cpu, disk"),
+    (["parallel.offload=cpu"], 1, r"parallel\.offload=cpu: needs parallel\.zero_stage >= 1 \(with stage 0"),
+    (["parallel.zero_stage=3", "parallel.offload=disk"], 1,
+     r"parallel\.offload_dir=null: parallel\.offload=disk needs a directory"),
+    (["parallel.zero_stage=1", "parallel.offload=disk", "parallel.offload_dir=/proc/p3d"], 1,
+     r"parallel\.offload_dir='/proc/p3d': must be a writable directory \(cannot write in /proc: "),
+    (["parallel.zero_stage=1", "parallel.offload=disk", "parallel.offload_dir=/etc/hostname"], 1,
+     r"parallel\.offload_dir='/etc/hostname': must be a writable directory \(/etc/hostname is not a directory\)"),
+    (["parallel.zero_stage=2", "parallel.offload_dir=/tmp/x"], 1,
+     r"parallel\.offload_dir='/tmp/x': only used with parallel\.offload=disk \(offload is 'none'\)"),
+    (["parallel.zero_stage=2", "parallel.offload=disk", "parallel.offload_dir=/tmp/x", "parallel.offload_buffer_mb=0"],
+     1, r"parallel\.offload_buffer_mb=0"),
+    (["parallel.zero_stage=3", "parallel.zero3_prefetch=-1"], 1, r"parallel\.zero3_prefetch=-1: must be an integer >= 0"),
+    (["parallel.zero_stage=3", "parallel.zero3_reshard=layer"], 1,
+     r"parallel\.zero3_reshard='layer': must be one of auto, microbatch, step"),
+    (["parallel.zero_stage=2", "parallel.zero3_reshard=step"], 1,
+     r"parallel\.zero3_reshard=step: only used with parallel\.zero_stage=3 \(zero_stage is 2\)"),
     (["parallel.schedule=zb"], 1, r"parallel\.schedule='zb': must be one of 1f1b, gpipe, interleaved_1f1b"),
     (["parallel.virtual_stages=2"], 1, r"parallel\.virtual_stages=2: only parallel\.schedule=interleaved_1f1b"),
     (["parallel.sequence_parallel=true"], 1, r"parallel\.sequence_parallel=true: needs parallel\.tp > 1"),
@@ -164,6 +181,26 @@ def test_bad_values_give_one_clear_line(overrides, world, pattern):
     message = str(info.value)
     assert "\n" not in message
     assert re.search(pattern, message), message
+
+
+def test_zero_choices_are_the_optimizer_s():
+    """The validator's choices are the ones the optimizer implements (the layout matrix draws from them)."""
+    from parallel3d import config, zero
+
+    assert config.ZERO_STAGES == zero.ZERO_STAGES
+    assert config.OFFLOAD_MODES == zero.OFFLOAD_MODES
+    assert config.ZERO3_RESHARD == zero.RESHARD_MODES
+
+
+def test_stage3_and_offload_combinations_resolve(tmp_path):
+    for stage in (1, 2, 3):
+        for offload in ("none", "cpu", "disk"):
+            extra = [f"parallel.offload_dir={tmp_path}/off"] if offload == "disk" else []
+            rj = _resolve_fast([f"parallel.zero_stage={stage}", f"parallel.offload={offload}", *extra], 1)
+            assert rj.job.parallel.offload == offload
+    rj = _resolve_fast(["parallel.zero_stage=3", "parallel.pp=2", "parallel.zero3_reshard=microbatch",
+                        "parallel.zero3_prefetch=0"], 2)
+    assert rj.job.parallel.zero3_reshard == "microbatch" and rj.job.parallel.zero3_prefetch == 0
 
 
 def test_world_size_comes_from_the_launcher(monkeypatch):

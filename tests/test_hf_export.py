@@ -1,8 +1,9 @@
 """HF export (``python -m parallel3d.export``) of checkpoints written at multi-rank layouts, and
 ``train.init_from=hf:DIR`` into another layout; transformers (offline) is the reference.
 
-gpt: the matrix gpt (tied embedding: a copy on the last stage) saved at tp2-pp2; llama: the
-matrix llama (GQA, untied head, vocabulary 510 padded to 512) saved at tp4. Checked: the
+gpt: the matrix gpt (tied embedding: a copy on the last stage) saved at pp2-dp2 with ZeRO-3
+(parameters sharded over dp); llama: the matrix llama (GQA, untied head, vocabulary 510
+padded to 512) saved at tp4, imported into tp2-dp2 ZeRO-3 with the optimizer offloaded to the host. Checked: the
 HF model's logits equal ours from the checkpoint; the exported tokenizer loads offline with
 the run's vocabulary and ids; a sharded export loads the same; a run initialised from the
 export at another layout starts from exactly the checkpoint's weights, and its first loss
@@ -34,8 +35,9 @@ from tests import reshard_matrix as rm
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 transformers = pytest.importorskip("transformers")
 
-SAVED_AT = {"gpt": {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 1}, "llama": {"tp": 4, "pp": 1, "dp": 1, "zero_stage": 2}}
-INIT_AT = {"gpt": {"tp": 1, "pp": 2, "dp": 2, "zero_stage": 2}, "llama": {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 0}}
+SAVED_AT = {"gpt": {"tp": 1, "pp": 2, "dp": 2, "zero_stage": 3}, "llama": {"tp": 4, "pp": 1, "dp": 1, "zero_stage": 2}}
+INIT_AT = {"gpt": {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 1},
+           "llama": {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 3, "offload": "cpu"}}
 TRAIN = {"global_batch_size": 8, "micro_batch_size": 2}
 
 

@@ -152,8 +152,8 @@ class RecordingGradSync:
     def prepare(self, is_last_microbatch: bool) -> None:
         self.calls.append(("prepare", is_last_microbatch))
 
-    def finish(self) -> None:
-        self.calls.append(("finish",))
+    def finalize(self) -> None:
+        self.calls.append(("finalize",))
 
 
 def _grad_sync_case(rank, world):
@@ -170,14 +170,16 @@ def _grad_sync_case(rank, world):
     _, ref = _reference(4, microbatches, tied=True)
     tied = [p for c in chunks for p in c.parameters() if getattr(p, "tied_embedding", False)]
     before = [((p.grad - ref["embedding"]).norm() / ref["embedding"].norm()).item() for p in tied]
-    sync_tied_embedding_grads(chunks, pstate)  # the optimizer's job when it passes grad_sync
+    sync_tied_embedding_grads(chunks, pstate)  # what a real grad_sync's finalize does (ZeRO: on its pieces)
     after = [((p.grad - ref["embedding"]).norm() / ref["embedding"].norm()).item() for p in tied]
     return sync.calls, [(a.microbatch, a.chunk) for a in backwards], before, after
 
 
-def test_grad_sync_hook_calls_and_tied_sync_left_to_optimizer():
+def test_grad_sync_prepared_per_backward_and_finalized_once():
+    """The engine announces every backward and calls ``finalize`` once, last: gradient finalisation
+    (tied embeddings included) belongs to the grad_sync it was given."""
     for calls, backwards, before, after in run_on_ranks(_grad_sync_case, 2):
-        assert len(calls) == len(backwards) + 1 and calls[-1] == ("finish",)
+        assert len(calls) == len(backwards) + 1 and calls[-1] == ("finalize",)
         flags = [c[1] for c in calls[:-1]]
         # True exactly on the backward that completes each chunk's accumulation (microbatch 3 of each chunk).
         assert [bw for bw, flag in zip(backwards, flags) if flag] == [(3, 1), (3, 0)]

@@ -8,7 +8,7 @@ from models import ModelConfig, get_config
 from parallel3d.planning.cluster import ClusterSpec, parse_bytes
 from parallel3d.planning.cost import CommModel, _simulate_once, estimate_step, simulate_pipeline, step_flops
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts, plan
+from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate, plan
 from parallel3d.topology import Topology
 
 
@@ -112,12 +112,43 @@ def test_parse_bytes(text, value):
     (lambda: ClusterSpec.build(gpus=12, gpus_per_node=8), "cluster.gpus"),
     (lambda: ClusterSpec.build(peak_tflops=-1), "cluster.peak_tflops"),
     (lambda: PlanRequest(global_batch_size=0, seq_len=8), "plan.global_batch_size"),
-    (lambda: PlanRequest(global_batch_size=8, seq_len=8, zero_stages=(3,)), "plan.zero_stages"),
+    (lambda: PlanRequest(global_batch_size=8, seq_len=8, zero_stages=(4,)), "plan.zero_stages"),
+    (lambda: PlanRequest(global_batch_size=8, seq_len=8, offload_modes=("disk",)), "plan.offload"),
     (lambda: estimate_step(get_config("gpt_tiny"), Layout(tp=2, seq_len=32), ClusterSpec.build(4)), "cluster.gpus"),
 ])
 def test_bad_inputs_name_the_key(bad, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         bad()
+
+
+def test_planner_searches_stage3_and_offloads_only_when_nothing_fits():
+    """Stage 3 at dp 8 needs no tensor parallelism to fit 7B in 24 GB (no TP all-reduces; its gathers
+    hide behind compute), so the planner finds it; cpu offload, when allowed, is chosen only if nothing
+    fits on the device, and it costs time."""
+    config = get_config("llama2_7b")
+    request = dict(global_batch_size=8, seq_len=1024, micro_batch_sizes=(1,), recompute_modes=("full",))
+    tight = ClusterSpec.build(8, device="a100_40gb", device_mem="24GB")
+    without = plan(config, tight, PlanRequest(**request, zero_stages=(1, 2))).best
+    best = plan(config, tight, PlanRequest(**request)).best
+    assert best.layout.zero_stage == 3 and best.layout.offload == "none" and best.layout.tp == 1
+    assert without.layout.tp > 1 and best.step.step_time_s < without.step.step_time_s
+    tighter = ClusterSpec.build(8, device="a100_40gb", device_mem="12GB")
+    with pytest.raises(ValueError, match="no layout"):
+        plan(config, tighter, PlanRequest(**request)).best
+    offloaded = plan(config, tighter, PlanRequest(**request, offload_modes=("none", "cpu"))).best
+    assert offloaded.layout.offload == "cpu" and offloaded.memory.worst.host > 0
+    on_device = evaluate(config, offloaded.layout.replace(offload="none"), tighter)
+    assert offloaded.step.step_time_s > on_device.step.step_time_s  # offload costs time
+
+
+def test_zero3_gathers_cost_more_per_microbatch_than_per_step():
+    config = get_config("llama2_7b")
+    # dp across 16 nodes on slow NICs, little compute per microbatch: the gathers cannot all hide.
+    cluster = ClusterSpec.build(32, gpus_per_node=2, device="h100_80gb", inter_node_gbps=5)
+    base = Layout(tp=1, pp=2, dp=16, zero_stage=3, micro_batch_size=1, seq_len=256, global_batch_size=64)
+    per_step = estimate_step(config, base.replace(zero3_reshard="step"), cluster)
+    per_microbatch = estimate_step(config, base.replace(zero3_reshard="microbatch"), cluster)
+    assert per_microbatch.dp_exposed_s > per_step.dp_exposed_s
 
 
 def test_pipeline_sizes_divide_layers_unless_uneven_stages_are_allowed():

@@ -37,7 +37,9 @@ def _measure(rank: int, world: int, case: dict) -> dict:
                     recompute=layout.recompute, dtype=dtype, seed=3)
         for r in stage_layer_ranges(ranges, layout.pp, pstate.pp_rank)
     ]
-    optimizer = ZeroOptimizer(chunks, pstate, zero_stage=layout.zero_stage, lr=1e-3, precision=layout.precision)
+    optimizer = ZeroOptimizer(chunks, pstate, zero_stage=layout.zero_stage, lr=1e-3, precision=layout.precision,
+                              offload=layout.offload, zero3_prefetch=layout.zero3_prefetch,
+                              zero3_reshard=layout.zero3_reshard, bucket_size_mb=case.get("bucket_mb", 25.0))
     optimizer.reset_memory_peak()
     engine = PipelineEngine(
         chunks, pstate, schedule=layout.schedule, num_microbatches=layout.num_microbatches,
@@ -74,6 +76,14 @@ CASES = [
     dict(model="gpt_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=0, micro_batch_size=2, seq_len=16,
                                        global_batch_size=6, precision="fp32", sequence_parallel=True,
                                        recompute="selective")),
+    # ZeRO-3 with pp > 1 (auto: parameters whole through the step), bf16, tied GPT.
+    dict(model="gpt_tiny", layout=dict(tp=1, pp=2, dp=2, zero_stage=3, micro_batch_size=2, seq_len=16,
+                                       global_batch_size=8, precision="bf16")),
+    # ZeRO-3 per microbatch (root + 1 + prefetch layers whole) with cpu offload: no master or moments
+    # on the device. Small buckets, so a layer is many buckets as on a real model.
+    dict(model="llama_tiny", bucket_mb=0.01, layout=dict(tp=2, pp=1, dp=2, zero_stage=3, micro_batch_size=2,
+                                                         seq_len=16, global_batch_size=8, precision="fp32",
+                                                         offload="cpu", zero3_prefetch=1)),
     # GPipe, full recompute, Llama.
     dict(model="llama_tiny", layout=dict(tp=2, pp=2, dp=1, zero_stage=1, micro_batch_size=2, seq_len=16,
                                          global_batch_size=4, precision="fp32", schedule="gpipe",

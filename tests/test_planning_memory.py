@@ -26,6 +26,7 @@ from parallel3d.planning.activations import (
 )
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory, model_state_bytes
+from parallel3d.planning.params import layer_params
 from parallel3d.topology import LayoutError
 
 GB = 1e9
@@ -133,9 +134,48 @@ def test_zero_stages_shrink_states_and_stage2_grads_stay_sharded_with_accumulati
     assert main_grads.gradients == pytest.approx(2 * s0.gradients / 8 + transient, rel=1e-6)
 
 
+def test_zero3_shards_the_16_bytes_per_parameter():
+    """The issue's arithmetic: 7B parameters with mixed-precision Adam are 112 GB of model states;
+    stage 3 over 8 workers leaves about 14 GB per worker (16Ψ/N), before the gather window."""
+    whole = model_state_bytes(7_000_000_000, dp=1, zero_stage=0, precision="bf16", grad_reduce_dtype="bf16")
+    assert sum(whole.values()) / GB == pytest.approx(112.0)
+    states = model_state_bytes(7_000_000_000, dp=8, zero_stage=3, precision="bf16", grad_reduce_dtype="bf16")
+    assert sum(states.values()) / GB == pytest.approx(14.0)
+    windowed = model_state_bytes(7_000_000_000, dp=8, zero_stage=3, precision="bf16", grad_reduce_dtype="bf16",
+                                 gathered_params=10**8)
+    assert windowed["weights"] - states["weights"] == 2 * 10**8
+
+
+def test_zero3_window_and_offload_in_the_estimate():
+    config = get_config("llama3_8b")
+    base = Layout(tp=1, pp=1, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, zero_stage=3)
+    layer = 2 * layer_params(config).per_rank(1)  # bf16 bytes of one transformer layer
+    shard2 = estimate_memory(config, base.replace(zero_stage=2)).stages[0]
+    mb = {d: estimate_memory(config, base.replace(zero3_prefetch=d)).stages[0] for d in (0, 1, 2)}
+    assert mb[1].weights - mb[0].weights == pytest.approx(layer)
+    assert mb[2].weights - mb[1].weights == pytest.approx(layer)
+    # Untied: the embedding and the head are units of their own; the window is the largest unit (the
+    # 128k-vocabulary head) and one prefetched layer, not every weight.
+    head = 2 * config.vocab_size * config.hidden_size
+    assert mb[1].weights == pytest.approx(shard2.weights / 8 + head + layer + 2 * config.hidden_size, rel=1e-6)
+    assert mb[1].weights < shard2.weights / 4
+    step = estimate_memory(config, base.replace(zero3_reshard="step")).stages[0]
+    assert step.weights == pytest.approx(shard2.weights * (1 + 1 / 8), rel=1e-6)  # whole stage + its shard
+    assert base.replace(pp=2, global_batch_size=16).zero3_mode == "step" and base.zero3_mode == "microbatch"
+    cpu = estimate_memory(config, base.replace(offload="cpu")).stages[0]
+    assert cpu.master_weights == cpu.optimizer_moments == 0
+    assert cpu.host == pytest.approx(mb[1].master_weights + mb[1].optimizer_moments) and cpu.disk == 0
+    assert cpu.total == pytest.approx(mb[1].total - mb[1].master_weights - mb[1].optimizer_moments)
+    disk = estimate_memory(config, base.replace(offload="disk")).stages[0]
+    assert disk.disk == cpu.host and disk.host == 0 and disk.total == cpu.total
+
+
 @pytest.mark.parametrize("changes, key", [
     (dict(tp=0), "parallel.tp"),
-    (dict(zero_stage=3), "parallel.zero_stage"),
+    (dict(zero_stage=4), "parallel.zero_stage"),
+    (dict(zero_stage=0, offload="cpu"), "parallel.offload"),
+    (dict(zero_stage=3, zero3_prefetch=-1), "parallel.zero3_prefetch"),
+    (dict(zero_stage=3, zero3_reshard="layer"), "parallel.zero3_reshard"),
     (dict(recompute="some"), "train.recompute"),
     (dict(precision="fp8"), "train.precision"),
     (dict(schedule="zb"), "parallel.schedule"),

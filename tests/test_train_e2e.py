@@ -106,6 +106,29 @@ def test_resume_on_8_ranks_is_bit_identical(tmp_path, cache_dir, gpt_8_ranks):
     assert losses_of(out) == losses_of(gpt_8_ranks[0])
 
 
+def _zero3_disk(out_dir: str, cache_dir: str, **train) -> dict:
+    layout = {"pp": 2, "dp": 2, "zero_stage": 3, "offload": "disk", "offload_dir": os.path.join(out_dir, "offload")}
+    values = job_values(out_dir, cache_dir, parallel=layout)
+    values["train"].update(train)
+    return values
+
+
+@pytest.mark.slow
+def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_path, cache_dir):
+    """Through the real Trainer: stage 3 (pp=2, so parameters whole per step) with the optimizer state
+    in files matches one process, and a run stopped after step 2 resumes (state files restored from the
+    checkpoint) to the same losses as the uninterrupted run."""
+    ref = train_single("gpt_tiny", job_values(str(tmp_path / "ref"), cache_dir))
+    full = str(tmp_path / "full")
+    run_on_ranks(train_on_rank, 4, "gpt_tiny", _zero3_disk(full, cache_dir), timeout=240)
+    assert_close(losses_of(full), ref)
+    out = str(tmp_path / "stopped")
+    run_on_ranks(train_on_rank, 4, "gpt_tiny", _zero3_disk(out, cache_dir, stop_after=2), timeout=240)
+    assert sorted(losses_of(out)) == [1, 2]
+    run_on_ranks(train_on_rank, 4, "gpt_tiny", _zero3_disk(out, cache_dir), timeout=240)
+    assert losses_of(out) == losses_of(full)
+
+
 def test_resume_is_bit_identical(tmp_path, cache_dir):
     full = train_single("gpt_tiny", job_values(str(tmp_path / "full"), cache_dir))
     out = str(tmp_path / "stopped")

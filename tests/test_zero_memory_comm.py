@@ -41,6 +41,8 @@ def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: i
         "master_weights": master * psi / shard,
         "optimizer_moments": 8 * psi / shard,
         "buckets": MAX_STAGING_BUFFERS * bucket_bytes if stage == 2 else 0,
+        "offload_host": 0,
+        "offload_disk": 0,
     }
 
 
@@ -162,7 +164,7 @@ def _peak(rank, world_size, cases):
                 (model(x.to(torch.bfloat16)).float().pow(2).mean() / PEAK_ACC).backward()
                 for key, value in opt.memory_bytes().items():
                     sampled[key] = max(sampled.get(key, 0), value)
-            opt.grad_sync.finish()
+            opt.grad_sync.finalize()
             assert not opt.step().skipped
             opt.zero_grad()
         layout = opt.layouts[0]

@@ -1,4 +1,4 @@
-"""ZeRO 0/1/2 on gloo ranks against single-process torch.optim.AdamW on the same global batch
+"""ZeRO 0-3 on gloo ranks against single-process torch.optim.AdamW on the same global batch
 (every stage x gradient dtype x accumulation x dp), and the gradient-accumulation contract."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
-from parallel3d.zero import StepInfo, WarmupCosine, ZeroOptimizer
+from parallel3d.zero import ZERO_STAGES, StepInfo, WarmupCosine, ZeroOptimizer
 from tests.harness import run_on_ranks
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
@@ -76,13 +76,14 @@ def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
             assert isinstance(info, StepInfo) and not info.skipped
             norms.append(info.grad_norm)
             opt.zero_grad()
-        out[stage] = (max_rel_error(model, ref), norms, [b.size for b in opt.layouts[0].buckets])
+        with opt.gathered_params():  # stage 3 keeps only shards between steps
+            out[stage] = (max_rel_error(model, ref), norms, [b.size for b in opt.layouts[0].buckets])
     return out, ref_norms
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_stages_match_torch_adamw(dp):
-    results = run_on_ranks(_train_dp, dp, (0, 1, 2), 10, 0.05, True, timeout=120)
+    results = run_on_ranks(_train_dp, dp, ZERO_STAGES, 10, 0.05, True, timeout=120)
     for rank, (per_stage, ref_norms) in enumerate(results):
         assert max(ref_norms) > 0.05, "clipping should be active in this test"
         for stage, (err, norms, bucket_sizes) in per_stage.items():
@@ -103,7 +104,7 @@ BF16_PARAM_TOLERANCE, BF16_NORM_TOLERANCE = 2e-2, 1e-2
 
 def matrix_cases() -> list[tuple[int, str, str, int]]:
     return [(stage, precision, grad_dtype, acc)
-            for stage in (0, 1, 2) for precision, grad_dtype in DTYPE_CASES for acc in (1, 4)]
+            for stage in ZERO_STAGES for precision, grad_dtype in DTYPE_CASES for acc in (1, 4)]
 
 
 def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str, int],
@@ -121,12 +122,13 @@ def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str
             lo = (rank * acc + mb) * rows
             opt.grad_sync.prepare(is_last_microbatch=mb == acc - 1)
             (F.cross_entropy(model(x[lo : lo + rows].to(dtype)).float(), y[lo : lo + rows]) / acc).backward()
-        opt.grad_sync.finish()
+        opt.grad_sync.finalize()
         info = opt.step()
         assert not info.skipped
         norms.append(info.grad_norm)
         opt.zero_grad()
-    return max_rel_error(model, ref), norms
+    with opt.gathered_params():
+        return max_rel_error(model, ref), norms
 
 
 def _matrix(rank, world_size, cases):
@@ -178,10 +180,11 @@ def _accumulate(rank, world_size, stage, reduce_scatter="reduce_scatter"):
         for mb in range(2):
             opt.grad_sync.prepare(is_last_microbatch=mb == 1)
             (F.cross_entropy(model(x[mb::2]), y[mb::2]) / 2).backward()
-        opt.grad_sync.finish()
+        opt.grad_sync.finalize()
         opt.step()
         opt.zero_grad()
-    return max_rel_error(model, ref), dict(ps.comm_stats.calls)
+    with opt.gathered_params():
+        return max_rel_error(model, ref), dict(ps.comm_stats.calls)
 
 
 def _accumulate_both_modes(rank, world_size, stages):
@@ -203,7 +206,7 @@ def test_gradient_accumulation_reduction_counts():
             assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets * per_step
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", ZERO_STAGES)
 def test_second_backward_without_prepare_fails_loudly(stage):
     # Reductions start inside the last backward (bucket by bucket), so an unannounced
     # second backward would accumulate into buffers already being reduced.
@@ -214,15 +217,20 @@ def test_second_backward_without_prepare_fails_loudly(stage):
     match = r"arrived after its last microbatch's backward(.|\n)*prepare\(is_last_microbatch=False\)"
     with pytest.raises(RuntimeError, match=match):
         F.cross_entropy(model(x), y).backward()
-    opt.grad_sync.finish()
-    with pytest.raises(RuntimeError, match=r"arrived after finish\(\)"):
+    opt.grad_sync.finalize()
+    with pytest.raises(RuntimeError, match=r"arrived after finalize\(\)"):
         F.cross_entropy(model(x), y).backward()
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(zero_stage=3), r"parallel.zero_stage=3 is not one of \(0, 1, 2\)"),
+        (dict(zero_stage=4), r"parallel.zero_stage=4 is not one of \(0, 1, 2, 3\)"),
+        (dict(zero_stage=1, offload="nvme"), r"parallel.offload='nvme' is not one of \('none', 'cpu', 'disk'\)"),
+        (dict(zero_stage=0, offload="cpu"), r"parallel.offload='cpu' needs parallel.zero_stage >= 1"),
+        (dict(zero_stage=3, offload="disk"), r"parallel.offload=disk needs parallel.offload_dir"),
+        (dict(zero_stage=3, zero3_prefetch=-1), r"parallel.zero3_prefetch=-1 must be an integer >= 0"),
+        (dict(zero_stage=3, zero3_reshard="layer"), r"parallel.zero3_reshard='layer' is not one of"),
         (dict(zero_stage=1, bucket_size_mb=0), r"parallel.bucket_size_mb=0 must be a number > 0"),
         (dict(zero_stage=1, bucket_size_mb=-2.5), r"parallel.bucket_size_mb=-2.5"),
         (dict(zero_stage=1, precision="fp8"), r"train.precision='fp8' is not one of"),

@@ -120,8 +120,8 @@ def _reduced_grads(rank, world_size):
                 x, y = torch.randn(4, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
                 opt.grad_sync.prepare(is_last_microbatch=mb == NUM_ACC - 1)
                 (torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y) / NUM_ACC).backward()
-            opt.grad_sync.finish()
-            opt.grad_sync.complete()
+            opt.grad_sync.finalize()
+            opt.grad_sync.finalize()  # idempotent within a step
             grads.append(full_mean_grad(opt))
             opt.zero_grad()
         out[(precision, grad_dtype)] = grads
@@ -160,7 +160,7 @@ def _fp16_mean_not_sum(rank, world_size, cases):
                             loss_scale_init=1.0)
         x = torch.full((1, 64), 2e4 + 64 * rank, dtype=torch.float16)  # exact in fp16
         model(x).float().sum().backward()
-        opt.grad_sync.complete()
+        opt.grad_sync.finalize()
         values = torch.cat([opt.grad_sync.grad_piece(0, b).float()[: sum(s.length for s in b.segments)]
                             for b in opt.layouts[0].buckets])
         out[(stage, grad_dtype)] = (values, opt.step())

@@ -5,7 +5,8 @@
   action lists, ``validate_schedule``, ``simulate`` -> ``Timeline``, printable views.
 - ``p2p``: batched isend/irecv of activations and gradients with config-fixed shapes.
 - ``engine``: ``PipelineEngine.run_step`` runs one stage's action list for one step.
-- ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical.
+- ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical
+  (``TiedGradFinalizer``: the engine's gradient finaliser without ZeRO).
 """
 
 from parallel3d.pipeline import schedules as _schedules

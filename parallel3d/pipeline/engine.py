@@ -34,19 +34,21 @@ batch of the rank, sends included: the default there is 0, and the schedule is
 built for FIFO batches (``build_schedule(coalesced_p2p=True)``). The constructor
 proves the resulting plan, waits included, deadlock-free under the backend's
 semantics (``check_coalesced_progress``) and refuses one that is not.
-``grad_sync.finish()`` runs after the step's last backward (not busy time).
 
 Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B``
 computes only the input gradient to send upstream and keeps the graph, ``W``
 later accumulates the weight gradients into ``.grad`` (so gradient hooks fire
 in ``W``). A microbatch-chunk's activations then live from its ``F`` to its
 ``W``; ``grad_sync.prepare`` is called before both halves with the flag of the
-``W`` that completes the chunk's accumulation, and ``finish`` after the last
-``W``.
+``W`` that completes the chunk's accumulation.
 
-Tied embeddings: with ``grad_sync=None`` the engine sums tied-embedding grads
-over the ``embedding`` group at the end of ``run_step``; with a ``grad_sync``
-(ZeRO) it does not: ``GradSync.complete`` (from the optimizer's step) does.
+Gradient finalisation has one owner, called once per step: at the end of
+``run_step``, after the last send has completed, the engine calls
+``grad_sync.finalize()`` (ZeRO's ``GradSync``: finish the DP reduction, sum tied
+embeddings over the ``embedding`` group; without ZeRO,
+``tied.TiedGradFinalizer`` does the tied sum alone). Cross-stage collectives are
+safe there because no pipeline message is outstanding. It is not counted as busy
+time.
 """
 
 from __future__ import annotations
@@ -63,16 +65,24 @@ from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_pl
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
-from parallel3d.pipeline.tied import sync_tied_embedding_grads
+from parallel3d.pipeline.tied import TiedGradFinalizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 
 class GradSync(Protocol):
+    """What the engine asks of gradient synchronisation (ZeRO's ``GradSync``, or ``TiedGradFinalizer``)."""
+
     def prepare(self, is_last_microbatch: bool) -> None: ...
 
-    def finish(self) -> None: ...
+    def finalize(self) -> None: ...
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage that survives a resize (ZeRO-3 frees and re-gathers parameter
+    storage in place, which changes its data pointer but not the storage object)."""
+    return t.untyped_storage()._cdata
 
 
 @dataclass
@@ -126,10 +136,9 @@ class _SavedBytes:
     def add(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.param_storages:
-            self.storages[ptr] = storage.nbytes()
+        key = storage_key(t)
+        if key not in self.param_storages:
+            self.storages[key] = t.untyped_storage().nbytes()
 
     @contextmanager
     def recording(self) -> Iterator[None]:
@@ -177,7 +186,7 @@ class PipelineEngine:
         self.num_microbatches = num_microbatches
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
-        self.grad_sync = grad_sync
+        self.grad_sync: GradSync = grad_sync if grad_sync is not None else TiedGradFinalizer(self.chunks, pstate)
         p = pstate.pp_size
         self.schedule_name = schedule
         coalesces = pstate.p2p_coalesces
@@ -216,7 +225,6 @@ class PipelineEngine:
             if a.kind == accumulating:
                 last[a.chunk] = a
         self._completing = {(a.microbatch, a.chunk) for a in last.values()}
-        self._final_backward = [a for a in self.actions if a.kind == accumulating][-1]
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -250,9 +258,7 @@ class PipelineEngine:
         """Forward and backward every microbatch once; grads accumulate into ``.grad``."""
         self._check_microbatches(microbatches)
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
-        param_storages = {
-            p.untyped_storage().data_ptr() for c in self.chunks for p in c.parameters() if p.device.type != "meta"
-        }
+        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
         run = _StepRun(self, microbatches, loss_scale, step, param_storages)
         for plan_step in self.plan:
             run.communicate(plan_step)
@@ -272,13 +278,10 @@ class PipelineEngine:
             if action.kind == "F":
                 run.release_sent(block=self._wait_for_sent_activations)
                 run.record_peak()
-            if self.grad_sync is not None and action == self._final_backward:
-                self.grad_sync.finish()
         self.p2p.wait_sends()
         if run.outputs or run.inputs or run.grads_in or run.grads_out or run.weight_work:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
-        if self.grad_sync is None:
-            sync_tied_embedding_grads(self.chunks, self.pstate)
+        self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         return StepResult(
             loss=loss,
@@ -376,9 +379,8 @@ class _StepRun:
             self.losses.append(out.detach())
             out = out * self.loss_factor
         else:
-            storage = out.untyped_storage()
-            if e.free_sent_activations and out.grad_fn is not None and storage.data_ptr() not in saved.storages:
-                self.freeable_bytes[key] = storage.nbytes()
+            if e.free_sent_activations and out.grad_fn is not None and storage_key(out) not in saved.storages:
+                self.freeable_bytes[key] = out.untyped_storage().nbytes()
             saved.add(out)
         self.outputs[key] = out
         self.stored_bytes[key] = saved.total
@@ -392,8 +394,7 @@ class _StepRun:
         e = self.engine
         key = (action.microbatch, action.chunk)
         vs = e._virtual(action.chunk)
-        if e.grad_sync is not None:
-            e.grad_sync.prepare(key in e._completing)
+        e.grad_sync.prepare(key in e._completing)
         out = self.outputs.pop(key)
         grad = None if vs == e._last_virtual else self.grads_in.pop(key)
         inp = self.inputs.pop(key, None)
@@ -419,8 +420,7 @@ class _StepRun:
         """``W``: accumulate this microbatch-chunk's weight gradients; its graph goes now."""
         e = self.engine
         key = (action.microbatch, action.chunk)
-        if e.grad_sync is not None:
-            e.grad_sync.prepare(key in e._completing)
+        e.grad_sync.prepare(key in e._completing)
         self.weight_work.pop(key).run()
         self.stored_bytes.pop(key)
         self.freeable_bytes.pop(key, None)

@@ -7,6 +7,10 @@ gradients over the topology's ``embedding`` group (first + last stage of each
 pipeline) every step gives both copies the full gradient, so identical
 optimizer updates keep them identical. With pp == 1 the group has one rank and
 this is a no-op.
+
+``TiedGradFinalizer`` is the pipeline engine's gradient finaliser when no ZeRO
+optimizer provides one (ZeRO's ``GradSync.finalize`` does the same sum on its
+reduced pieces): one owner, called once per step after the last send.
 """
 
 from __future__ import annotations
@@ -55,3 +59,17 @@ def sync_tied_embedding_grads(modules: Iterable[torch.nn.Module], pstate: "Paral
         param.grad = torch.zeros_like(param)
     comm.all_reduce(param.grad, pstate, "embedding")
     return 1
+
+
+class TiedGradFinalizer:
+    """The engine's ``grad_sync`` without ZeRO: nothing to prepare; ``finalize`` sums tied-embedding grads."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module], pstate: "ParallelState") -> None:
+        self.modules = list(modules)
+        self.pstate = pstate
+
+    def prepare(self, is_last_microbatch: bool) -> None:
+        """Plain ``.grad`` accumulation needs no announcement."""
+
+    def finalize(self) -> None:
+        sync_tied_embedding_grads(self.modules, self.pstate)

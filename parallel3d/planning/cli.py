@@ -44,7 +44,8 @@ class PlanOptions:
     top_k: int = 10
     micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     max_virtual_stages: int = 4
-    zero_stages: list[int] = field(default_factory=lambda: [1, 2])
+    zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])
+    offload: list[str] = field(default_factory=lambda: ["none"])
     memory_fraction: float = 0.9
     simulate_top: int = 24
     json: Optional[str] = None
@@ -118,7 +119,8 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
         tp=topo.tp, pp=topo.pp, dp=topo.dp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
         schedule=p.schedule, virtual_stages=p.virtual_stages, micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
-        grad_reduce_dtype=p.grad_reduce_dtype,
+        grad_reduce_dtype=p.grad_reduce_dtype, offload=p.offload, zero3_prefetch=p.zero3_prefetch,
+        zero3_reshard=p.zero3_reshard,
     )
     model = resolved.model
     ranges = partition_layers(model, topo.pp, p.virtual_stages, p.pp_layers)
@@ -149,6 +151,9 @@ def format_memory(estimate: MemoryEstimate, device_bytes: float) -> str:
         states = s.total - s.activations
         lines.append(f"{s.stage:>5} {s.params:>15,} {s.inflight:>9} {_gib(states):>10} {_gib(s.activations):>10} "
                      f"{_gib(s.total):>9}")
+    if worst.host or worst.disk:
+        lines.append(f"offloaded: {worst.host / GiB:.2f} GiB in host memory, {worst.disk / GiB:.2f} GiB on disk "
+                     f"(optimizer state; not device memory)")
     verdict = "FITS" if worst.total <= device_bytes else "DOES NOT FIT"
     lines += ["", f"{verdict}: peak {worst.total / GiB:.2f} GiB of {device_bytes / GiB:.2f} GiB device memory "
                   f"({100 * worst.total / device_bytes:.0f}%; CUDA context, NCCL buffers and fragmentation "
@@ -156,14 +161,15 @@ def format_memory(estimate: MemoryEstimate, device_bytes: float) -> str:
     return "\n".join(lines)
 
 
-PLAN_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mbs':>3} {'zero':>4} {'recompute':>9} "
+PLAN_HEADER = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'v':>2} {'mbs':>3} {'zero':>5} {'recompute':>9} "
                f"{'mem GiB':>8} {'step s':>8} {'bubble':>6} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")
 
 
 def format_candidate_row(index: str, c) -> str:
     lay, st = c.layout, c.step
     return (f"{index:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>5} {lay.virtual_stages:>2} {lay.micro_batch_size:>3} "
-            f"{lay.zero_stage:>4} {lay.recompute:>9} {c.peak_bytes / GiB:>8.1f} {st.step_time_s:>8.2f} "
+            f"{str(lay.zero_stage) + ('c' if lay.offload == 'cpu' else ''):>5} {lay.recompute:>9} "
+            f"{c.peak_bytes / GiB:>8.1f} {st.step_time_s:>8.2f} "
             f"{100 * st.bubble_fraction:>5.1f}% {st.tflops_per_gpu:>8.1f} {100 * st.mfu:>5.1f}% "
             f"{st.tokens_per_s():>11,.0f}")
 
@@ -212,7 +218,8 @@ def run_plan(job: PlanningJob) -> str:
     request = PlanRequest(
         global_batch_size=job.train.global_batch_size, seq_len=job.train.seq_len, precision=job.train.precision,
         micro_batch_sizes=tuple(o.micro_batch_sizes), max_virtual_stages=o.max_virtual_stages,
-        zero_stages=tuple(o.zero_stages), memory_fraction=o.memory_fraction, top_k=o.top_k,
+        zero_stages=tuple(o.zero_stages), offload_modes=tuple(o.offload), memory_fraction=o.memory_fraction,
+        top_k=o.top_k,
         simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages,
     )
     result = plan(model, cluster, request)

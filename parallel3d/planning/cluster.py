@@ -31,6 +31,13 @@ class DeviceSpec:
     matmul_efficiency: float = 0.65
     # Fraction of link bandwidth NCCL collectives and P2P reach.
     link_efficiency: float = 0.8
+    # Optimizer offload (parallel.offload), per GPU: its share of the host link (PCIe Gen4 x16
+    # ~25 GB/s achieved on A100 nodes, Gen5 ~50 GB/s on H100/H200), of the host's AdamW
+    # throughput (a fused CPU AdamW streams ~28 bytes per element; ~1e9 elements/s per GPU is a
+    # node's memory bandwidth shared by 8 GPUs) and of local NVMe (~2 GB/s per GPU).
+    host_link_bytes_per_s: float = 25e9
+    host_adam_elements_per_s: float = 1e9
+    disk_bytes_per_s: float = 2e9
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -38,8 +45,8 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100_80gb": DeviceSpec("a100_80gb", 80 * GiB, 312e12, 2.039e12, 300e9, 25e9),
     "a100_40gb": DeviceSpec("a100_40gb", 40 * GiB, 312e12, 1.555e12, 300e9, 25e9),
     # DGX H100 / H200: NVLink4 900 GB/s bidirectional, 8x NDR 400 Gb/s NICs per node.
-    "h100_80gb": DeviceSpec("h100_80gb", 80 * GiB, 989e12, 3.35e12, 450e9, 50e9),
-    "h200_141gb": DeviceSpec("h200_141gb", 140 * GiB, 989e12, 4.8e12, 450e9, 50e9),
+    "h100_80gb": DeviceSpec("h100_80gb", 80 * GiB, 989e12, 3.35e12, 450e9, 50e9, host_link_bytes_per_s=50e9),
+    "h200_141gb": DeviceSpec("h200_141gb", 140 * GiB, 989e12, 4.8e12, 450e9, 50e9, host_link_bytes_per_s=50e9),
 }
 
 

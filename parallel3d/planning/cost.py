@@ -16,8 +16,16 @@ The pipeline is then *simulated* (``parallel3d.pipeline.schedules.simulate``)
 with those per-chunk times (embedding on the first chunk, head and loss on the
 last) and one P2P message per boundary. After a stage's last backward come its
 data-parallel gradient reduction and parameter all-gather, minus what overlaps
-with that backward, and the Adam update (memory-bound). The slowest stage ends
-the step. Collectives are ring/hierarchical: inside a node at NVLink
+with that backward, and the Adam update (memory-bound). ZeRO-3 has no all-gather
+after the step; it gathers the stage's parameters before every forward and
+backward of every microbatch (``microbatch`` mode) or once per step (``step``),
+prefetched behind compute, so only the DP traffic (its per-microbatch reduce-scatters
+included) that exceeds the stage's compute time, plus the first layer's gather and
+the last layer's reduce-scatter, is exposed. With ``offload`` the update runs on the host
+at ``host_adam_elements_per_s`` while gradients go down and parameters come up the
+host link (and, for ``disk``, the state is read and written at
+``disk_bytes_per_s``); these overlap, so the slowest of them counts. The slowest
+stage ends the step. Collectives are ring/hierarchical: inside a node at NVLink
 bandwidth, across nodes at the NICs of the group's members on each node.
 """
 
@@ -47,8 +55,8 @@ class CostOptions:
     # Send 1/tp of each activation across nodes and all-gather it over NVLink
     # (Megatron-LM's scatter/gather optimisation); sequence parallel gets this for free.
     p2p_scatter_gather: bool = False
-    # ZeRO stages whose gradient reduce-scatter runs during the last backward (parallel3d: stage 2 only).
-    overlapped_zero_stages: tuple[int, ...] = (2,)
+    # ZeRO stages whose gradient reduce-scatter runs during the last backward (parallel3d: stages 2-3).
+    overlapped_zero_stages: tuple[int, ...] = (2, 3)
     # Bytes per gradient element in the DP reduction (None: the precision's gradient dtype).
     dp_grad_bytes: int | None = None
 
@@ -265,6 +273,34 @@ def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
     return emb_fwd, 0.0, head_fwd, head_bwd
 
 
+def _zero3_exposed(layout: Layout, reduce_all: float, gather_all: float, busy: float,
+                   layers: int) -> tuple[float, float]:
+    """ZeRO-3's (reduce-scatter, all-gather) time not hidden behind the stage's compute (module doc).
+
+    Per step the DP link carries one reduce-scatter of the stage's gradients per microbatch and one
+    all-gather of its weights per pass (2 per microbatch, or 1 per step); they overlap compute but
+    share the link, so what exceeds the compute time is exposed, plus the first unit's gather and
+    the last unit's reduce-scatter, which have nothing to hide behind."""
+    passes = 2 * layout.num_microbatches if layout.zero3_mode == "microbatch" else 1
+    units = max(1, layers)
+    traffic = layout.num_microbatches * reduce_all + passes * gather_all
+    over = max(0.0, traffic - busy)
+    share = reduce_all * layout.num_microbatches / traffic if traffic else 0.0
+    return over * share + reduce_all / units, over * (1 - share) + gather_all / units
+
+
+def _optimizer_time(layout: Layout, device, pb: PrecisionBytes, shard: float, grad_bytes: int) -> float:
+    """The Adam update of ``shard`` elements: memory-bound on the device, or on the host with offload."""
+    if layout.offload == "none":
+        # Adam reads the gradient, master weight and moments, writes them back and the model weight.
+        master = pb.master or pb.weight
+        return shard * (pb.grad + 2 * (master + pb.moments) + pb.weight) / device.hbm_bytes_per_s
+    host = shard / device.host_adam_elements_per_s
+    link = shard * (grad_bytes + pb.weight) / device.host_link_bytes_per_s  # gradients down, parameters up
+    disk = 2 * 12 * shard / device.disk_bytes_per_s if layout.offload == "disk" else 0.0  # read + write state
+    return max(host, link, disk)
+
+
 def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                   options: CostOptions | None = None, stage_layers: list[int] | None = None,
                   pipeline: Callable[..., PipelineTimes] | None = None) -> StepEstimate:
@@ -316,12 +352,12 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         else:
             reduce_t = comm.reduce_scatter(n * grad_bytes, "dp")
             gather_t = comm.all_gather(n * pb.weight, "dp")
-        if layout.zero_stage in options.overlapped_zero_stages:
+        if layout.zero_stage == 3:
+            reduce_t, gather_t = _zero3_exposed(layout, reduce_t, gather_t, pipe.busy[stage], stage_layers[stage])
+        elif layout.zero_stage in options.overlapped_zero_stages:
             reduce_t = max(0.0, reduce_t - bwd(stage, 0))  # hidden behind the last microbatch's backward
         shard = n / layout.dp if layout.zero_stage >= 1 else n
-        # Adam reads the gradient, master weight and moments, writes them back and the model weight.
-        master = pb.master or pb.weight
-        opt_t = shard * (pb.grad + 2 * (master + pb.moments) + pb.weight) / cluster.device.hbm_bytes_per_s
+        opt_t = _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
         if end >= finish:
             finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t

@@ -17,7 +17,9 @@ from parallel3d.topology import LayoutError, Topology
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
-ZERO_STAGES: tuple[int, ...] = (0, 1, 2)
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+OFFLOAD_MODES: tuple[str, ...] = ("none", "cpu", "disk")
+ZERO3_RESHARD: tuple[str, ...] = ("auto", "microbatch", "step")
 # Schedule names as parallel3d.pipeline.schedules and the training config spell them.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -37,6 +39,9 @@ class Layout:
     recompute: str = "none"
     precision: str = "bf16"
     grad_reduce_dtype: str = "fp32"  # parallel.grad_reduce_dtype: fp32 main grads, or the precision's own
+    offload: str = "none"  # parallel.offload: where master weights + Adam moments live (none | cpu | disk)
+    zero3_prefetch: int = 1  # parallel.zero3_prefetch: units gathered ahead (stage 3)
+    zero3_reshard: str = "auto"  # parallel.zero3_reshard: microbatch | step (auto: step if pp > 1)
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "seq_len"):
@@ -45,6 +50,14 @@ class Layout:
                 raise ValueError(f"{_qualified(key)}={value!r} must be an integer >= 1")
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"parallel.zero_stage={self.zero_stage!r} is not one of {ZERO_STAGES}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"parallel.offload={self.offload!r} is not one of {OFFLOAD_MODES}")
+        if self.offload != "none" and self.zero_stage == 0:
+            raise ValueError(f"parallel.offload={self.offload!r} needs parallel.zero_stage >= 1")
+        if isinstance(self.zero3_prefetch, bool) or not isinstance(self.zero3_prefetch, int) or self.zero3_prefetch < 0:
+            raise ValueError(f"parallel.zero3_prefetch={self.zero3_prefetch!r} must be an integer >= 0")
+        if self.zero3_reshard not in ZERO3_RESHARD:
+            raise ValueError(f"parallel.zero3_reshard={self.zero3_reshard!r} is not one of {ZERO3_RESHARD}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"train.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
         if self.precision not in PRECISIONS:
@@ -97,6 +110,13 @@ class Layout:
         return self.global_batch_size // (self.dp * self.micro_batch_size)
 
     @property
+    def zero3_mode(self) -> str:
+        """When stage 3 frees gathered parameters: ``microbatch`` or ``step`` (``auto``: step if pp > 1)."""
+        if self.zero3_reshard != "auto":
+            return self.zero3_reshard
+        return "step" if self.pp > 1 else "microbatch"
+
+    @property
     def num_chunks(self) -> int:
         """Model chunks in the whole pipeline (pp * virtual_stages)."""
         return self.pp * self.virtual_stages
@@ -112,21 +132,28 @@ class Layout:
         def text(value: Any) -> str:
             return str(value).lower() if isinstance(value, bool) else str(value)
 
-        parts = [f"parallel.{k}={text(getattr(self, k))}" for k in PARALLEL_KEYS]
+        keys = [k for k in PARALLEL_KEYS if k not in OPTIONAL_PARALLEL_KEYS]
+        if self.offload != "none":  # offload=disk also needs parallel.offload_dir (a fast local disk)
+            keys.append("offload")
+        if self.zero_stage == 3:
+            keys += ["zero3_prefetch", "zero3_reshard"]
+        parts = [f"parallel.{k}={text(getattr(self, k))}" for k in keys]
         parts += [f"train.{k}={text(getattr(self, k))}" for k in TRAIN_KEYS]
         return " ".join(parts)
 
     def short(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
+        off = f" offload={self.offload}" if self.offload != "none" else ""
         return (
             f"tp={self.tp} pp={self.pp} dp={self.dp}{v} mbs={self.micro_batch_size} "
-            f"zero={self.zero_stage} rc={self.recompute}{sp}"
+            f"zero={self.zero_stage}{off} rc={self.recompute}{sp}"
         )
 
 
 PARALLEL_KEYS: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages",
-                                  "grad_reduce_dtype")
+                                  "grad_reduce_dtype", "offload", "zero3_prefetch", "zero3_reshard")
+OPTIONAL_PARALLEL_KEYS: tuple[str, ...] = ("offload", "zero3_prefetch", "zero3_reshard")  # printed when they matter
 TRAIN_KEYS: tuple[str, ...] = ("micro_batch_size", "seq_len", "global_batch_size", "recompute", "precision")
 
 

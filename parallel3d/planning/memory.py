@@ -4,7 +4,14 @@ Model states follow the ZeRO paper's arithmetic (Rajbhandari et al. 2020,
 section 3 and Figure 1): with mixed precision and Adam a parameter costs
 2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
 master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
-also the gradients. ``PrecisionBytes.for_precision`` has the per-precision
+also the gradients, stage 3 also the weights, plus the gather window: the units
+whole at once (``parallel3d.zero.params_sharded``, ``units``: in ``microbatch``
+mode the stage's root unit (final norm, plus the word embedding when it is tied),
+the largest unit computing (a layer, or an untied embedding or head) and
+``zero3_prefetch`` more layers; every parameter of the stage during a step in
+``step`` mode, the default with pp > 1). Offload moves the K bytes off the device: to host
+memory (``cpu``) or disk (``disk``), reported as ``host`` / ``disk`` beside the
+device total. ``PrecisionBytes.for_precision`` has the per-precision
 byte counts parallel3d's ZeRO optimizer uses: gradients are fp32 main grads
 (4 bytes) unless ``parallel.grad_reduce_dtype`` is the 16-bit precision, which is
 the paper's 2 bytes. Activations come from
@@ -30,7 +37,7 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.params import largest_tensor, rank_params, stage_layer_counts
+from parallel3d.planning.params import largest_tensor, layer_params, rank_params, stage_layer_counts
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
 
@@ -73,9 +80,12 @@ class StageMemory:
     master_weights: float
     optimizer_moments: float
     activations: float
+    host: float = 0.0  # offloaded optimizer state in host memory (not device memory)
+    disk: float = 0.0  # offloaded optimizer state on disk
 
     @property
     def total(self) -> float:
+        """Device bytes (offloaded state excluded)."""
         return sum(getattr(self, c) for c in CATEGORIES)
 
     def by_category(self) -> dict[str, float]:
@@ -102,29 +112,56 @@ class MemoryEstimate:
 
 def model_state_bytes(
     params: int, dp: int, zero_stage: int, precision: str, grad_reduce_dtype: str = "fp32",
-    largest_param: int = 0,
+    largest_param: int = 0, *, offload: str = "none", gathered_params: int = 0,
 ) -> dict[str, float]:
-    """Weights, gradients, master weights and moments for ``params`` parameters on one rank.
+    """Device bytes of weights, gradients, master weights and moments for ``params`` parameters on one rank.
 
     ZeRO shards the flat buffer into dp equal (padded) pieces, hence the ceil.
-    parallel3d's stage 2 reduce-scatters every microbatch's gradients into the
+    parallel3d's stages 2-3 reduce-scatter every microbatch's gradients into the
     shard, so at any point of the step only the shard (plus bucket staging
     buffers, not counted here) holds gradients. Where autograd's ``.grad`` is not
-    itself a view of the gradient buffer (stage 2, or fp32 main grads of a 16-bit
+    itself a view of the gradient buffer (stages 2-3, or fp32 main grads of a 16-bit
     model), the gradient a hook is moving (at most ``largest_param`` elements in the
-    weights' dtype) is counted on top.
+    weights' dtype) is counted on top. Stage 3 holds the weight shard plus
+    ``gathered_params`` whole parameters (the gather window). With ``offload`` the
+    master weights and moments are not on the device (``offloaded_state_bytes``).
     """
     pb = PrecisionBytes.for_precision(precision, grad_reduce_dtype)
     shard = math.ceil(params / dp)
     opt_params = shard if zero_stage >= 1 else params
     grad_params = shard if zero_stage >= 2 else params
+    weight_params = shard + gathered_params if zero_stage >= 3 else params
     transient = pb.weight * largest_param if zero_stage >= 2 or pb.grad != pb.weight else 0
+    on_device = offload == "none"
     return {
-        "weights": float(pb.weight * params),
+        "weights": float(pb.weight * weight_params),
         "gradients": float(pb.grad * grad_params + transient),
-        "master_weights": float(pb.master * opt_params),
-        "optimizer_moments": float(pb.moments * opt_params),
+        "master_weights": float(pb.master * opt_params) if on_device else 0.0,
+        "optimizer_moments": float(pb.moments * opt_params) if on_device else 0.0,
     }
+
+
+def offloaded_state_bytes(params: int, dp: int, zero_stage: int, offload: str) -> dict[str, float]:
+    """Host and disk bytes of offloaded optimizer state on one rank: an fp32 master (always a separate
+    copy when offloaded) and two fp32 moments of the shard; host staging buffers are not counted."""
+    shard = math.ceil(params / dp) if zero_stage >= 1 else params
+    state = 12.0 * shard
+    return {"host": state if offload == "cpu" else 0.0, "disk": state if offload == "disk" else 0.0}
+
+
+def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
+    """Parameters stage 3 holds whole at its peak on one rank of pipeline ``stage`` (module doc)."""
+    if layout.zero_stage != 3:
+        return 0
+    rp = rank_params(config, layout.tp, layout.pp, stage, layers)
+    if layout.zero3_mode == "step":
+        return rp.total
+    layer = layer_params(config).per_rank(layout.tp) if layers else 0
+    if config.tie_embeddings:  # the embedding (and its copy on the last stage) live in the root
+        root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
+    else:  # untied embedding and head are units of their own (models.transformer marks them)
+        root, own_units = rp.final_norm, [layer, rp.embedding, rp.head]
+    return root + max(own_units) + min(layers, layout.zero3_prefetch) * layer
 
 
 def stage_activation_bytes(
@@ -174,7 +211,10 @@ def estimate_memory(
         params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
         largest = largest_tensor(config, layout.tp, stage == 0, stage == layout.pp - 1, stage_layers[stage] > 0)
         states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
-                                   largest)
+                                   largest, offload=layout.offload,
+                                   gathered_params=gather_window_params(config, layout, stage, stage_layers[stage]))
+        offloaded = offloaded_state_bytes(params, layout.dp, layout.zero_stage, layout.offload)
         activations, inflight = stage_activation_bytes(config, layout, stage, stage_layers[stage], assumptions)
-        stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations, **states))
+        stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations,
+                                  **states, **offloaded))
     return MemoryEstimate(config=config, layout=layout, stages=stages)

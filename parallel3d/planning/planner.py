@@ -8,8 +8,13 @@ balanced stages differ by at most ~10%) whose tp*pp divides the GPUs; dp the res
 micro-batch sizes that divide the per-replica batch; 1F1B, and interleaved
 1F1B with v chunks per stage when v*pp divides the layers. Sequence
 parallelism is on whenever tp > 1 (same communication volume, less memory).
-For each, the cheapest recompute mode (none < selective < full) and the ZeRO
-stages that fit the device memory are kept.
+For each, the cheapest recompute mode (none < selective < full) and the fastest
+ZeRO stage (1, 2, 3 by default) and offload mode (``none``; ``cpu`` when asked:
+``plan.offload=[none,cpu]``) that fit the device memory are kept. A recompute
+mode is given up for a more expensive one only if nothing fits without offload
+(offloading is usually slower than recomputing). ``disk`` offload is not
+searched: it needs a directory, and the planner does not model host or disk
+capacity.
 
 Ranking is two-pass so large searches stay fast: an analytic pipeline estimate
 (bubble = (p - 1) / (v * m)) orders every fitting candidate, then the best
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from models.config import ModelConfig
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, estimate_step
-from parallel3d.planning.layout import Layout
+from parallel3d.planning.layout import ZERO_STAGES, Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 
@@ -37,7 +42,8 @@ class PlanRequest:
     precision: str = "bf16"
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_virtual_stages: int = 4
-    zero_stages: tuple[int, ...] = (1, 2)
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    offload_modes: tuple[str, ...] = ("none",)
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER
     # Share of device memory the estimate may use; the rest is CUDA context, NCCL
     # buffers, allocator fragmentation and temporaries the estimator does not model.
@@ -59,9 +65,13 @@ class PlanRequest:
             raise ValueError(f"plan.micro_batch_sizes={list(self.micro_batch_sizes)!r} must be integers >= 1")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"plan.memory_fraction={self.memory_fraction!r} must be in (0, 1]")
-        bad = [z for z in self.zero_stages if z not in (0, 1, 2)]
+        bad = [z for z in self.zero_stages if z not in ZERO_STAGES]
         if not self.zero_stages or bad:
-            raise ValueError(f"plan.zero_stages={list(self.zero_stages)!r} must be a non-empty subset of [0, 1, 2]")
+            raise ValueError(f"plan.zero_stages={list(self.zero_stages)!r} must be a non-empty subset of "
+                             f"{list(ZERO_STAGES)}")
+        if not self.offload_modes or any(o not in ("none", "cpu") for o in self.offload_modes):
+            raise ValueError(f"plan.offload={list(self.offload_modes)!r} must be a non-empty subset of "
+                             f"['none', 'cpu'] (disk offload is estimated, not searched)")
         bad_rc = [r for r in self.recompute_modes if r not in RECOMPUTE_ORDER]
         if not self.recompute_modes or bad_rc:
             raise ValueError(f"plan.recompute_modes={list(self.recompute_modes)!r} must be a subset of {list(RECOMPUTE_ORDER)}")
@@ -175,15 +185,20 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
             splits[key] = stage_layer_counts(config, base.pp, base.virtual_stages)
         best_for_base: tuple[float, Layout, MemoryEstimate] | None = None
         for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
+            fits_on_device = False
             for zero in request.zero_stages:
-                layout = base.replace(recompute=recompute, zero_stage=zero)
-                memory = estimate_memory(config, layout, stage_layers=splits[key])
-                if memory.peak_bytes > budget:
-                    continue
-                est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline)
-                if best_for_base is None or est.step_time_s < best_for_base[0]:
-                    best_for_base = (est.step_time_s, layout, memory)
-            if best_for_base is not None:
+                for offload in request.offload_modes:
+                    if offload != "none" and zero == 0:
+                        continue
+                    layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload)
+                    memory = estimate_memory(config, layout, stage_layers=splits[key])
+                    if memory.peak_bytes > budget:
+                        continue
+                    fits_on_device |= offload == "none"
+                    est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline)
+                    if best_for_base is None or est.step_time_s < best_for_base[0]:
+                        best_for_base = (est.step_time_s, layout, memory)
+            if fits_on_device:
                 break  # a cheaper recompute mode already fits: more recompute only costs time
         if best_for_base is not None:
             result.fitting += 1

@@ -10,6 +10,10 @@ Matches ``torch.optim.AdamW`` (non-amsgrad, non-capturable) element for element:
 Both backends are ``kernels.adamw.adamw_flat_`` (one implementation of the formula):
 ``"torch"`` forces its torch reference, ``"auto"``/``"kernels"`` let ``kernels`` pick
 (Triton on CUDA or under TRITON_INTERPRET=1, else the same torch reference).
+
+``host_adamw_flat_`` is the update offloaded optimizer states run on the host: torch's
+fused CPU AdamW (one vectorised pass, ~5x the torch reference's speed on one core),
+through its public functional form ``torch.optim.adamw.adamw(fused=True)``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.optim.adamw import adamw as torch_functional_adamw
 
 from kernels import adamw as kernel_adamw
 
@@ -28,6 +33,15 @@ def adamw_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     """One Adam update of the flat fp32 tensors in place with torch ops (weight decay applied by
     the caller); ``hyper`` are ``step, lr, beta1, beta2, eps``."""
     kernel_adamw.adamw_flat_(param, grad, exp_avg, exp_avg_sq, backend="torch", **hyper)
+
+
+def host_adamw_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                     step: int, lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """``adamw_flat_`` for host (CPU) fp32 tensors with torch's fused CPU kernel (no weight decay)."""
+    # The functional form increments the step tensor before the update: pass the count before it.
+    steps = [torch.tensor(float(step - 1))]
+    torch_functional_adamw([param], [grad], [exp_avg], [exp_avg_sq], [], steps, fused=True, amsgrad=False,
+                           beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=eps, maximize=False)
 
 
 def resolve_backend(name: str) -> Callable[..., None]:

@@ -16,6 +16,9 @@ Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
   the same layout in the gradient dtype (fp32 main grads or the parameters').
 - With ``owner_count == 1`` (stage 0, plain data parallel) a rank owns every
   bucket whole; the layout, padding and collectives' sizes stay the same.
+- With ``unit_of`` (ZeRO stage 3), a bucket never holds parameters of two
+  gather units: a unit's full parameters are then exactly some whole buckets,
+  which stage 3 gathers and frees together (``params_sharded``).
 
 Tied-embedding copies get buckets of their own, after all others, so the first
 and last pipeline stage (same tp/dp coordinates) hold identical tied buckets and
@@ -26,6 +29,7 @@ pieces: ``grad_sync`` sums their DP-reduced pieces element-wise over the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
@@ -95,9 +99,10 @@ class BufferLayout:
     """Offsets of a list of same-dtype parameters in a padded, bucketed flat buffer.
 
     ``named_params`` is in registration order; ``owner_count``/``owner_index``
-    say how buckets are split among owners (``dp``/``dp_rank`` for stages 1-2,
+    say how buckets are split among owners (``dp``/``dp_rank`` for stages 1-3,
     ``1``/``0`` for stage 0). ``count_in_norm(param)`` says whether this rank
-    counts a parameter in the global gradient norm.
+    counts a parameter in the global gradient norm. ``unit_of(param)``, if given,
+    names the parameter's gather unit: a new bucket starts wherever it changes.
     """
 
     def __init__(
@@ -109,6 +114,7 @@ class BufferLayout:
         owner_count: int,
         owner_index: int,
         count_in_norm,
+        unit_of: Callable[[torch.nn.Parameter], Hashable] | None = None,
     ) -> None:
         if bucket_numel <= 0:
             raise ValueError(f"bucket_numel={bucket_numel} must be > 0")
@@ -128,7 +134,8 @@ class BufferLayout:
             current: list[tuple[str, torch.nn.Parameter]] = []
             current_numel = 0
             for name, p in group:
-                if current and current_numel + p.numel() > bucket_numel:
+                new_unit = unit_of is not None and current and unit_of(current[-1][1]) != unit_of(p)
+                if current and (new_unit or current_numel + p.numel() > bucket_numel):
                     offset = self._add_bucket(current, offset, is_tied, count_in_norm)
                     current, current_numel = [], 0
                 current.append((name, p))

@@ -15,7 +15,7 @@ During the backward that completes a parameter's accumulation
 the bucket's reduction as soon as it is complete: an all-reduce (stage 0) or a
 reduce-scatter into this rank's piece of the buffer (stage 1), overlapping with
 the backward of the layers before it (buckets are in backward order), as DDP
-does. ``finish`` launches the rest (e.g. buckets of unused parameters).
+does. ``finalize`` launches the rest (e.g. buckets of unused parameters).
 """
 
 from __future__ import annotations
@@ -23,26 +23,27 @@ from __future__ import annotations
 import torch
 
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero.buffers import Bucket, FlatBuffer
+from parallel3d.zero.buffers import Bucket, BufferLayout, FlatBuffer
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MemoryTracker, nbytes
 
 
 class ReplicatedGradSync(GradSync):
-    """Stages 0/1. ``grad_bufs[g]`` has ``params_bufs[g]``'s layout in the gradient dtype; after
-    ``complete`` the pieces this rank owns (stage 0: everything) hold the DP-mean gradient."""
+    """Stages 0/1. ``grad_bufs[g]`` has ``layouts[g]``'s layout in the gradient dtype; after
+    ``finalize`` the pieces this rank owns (stage 0: everything) hold the DP-mean gradient."""
 
-    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
-                 zero_stage: int, grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
+    def __init__(self, modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
+                 zero_stage: int, device: torch.device, grad_dtype: torch.dtype, reduce_scatter: str,
+                 memory: MemoryTracker) -> None:
         if zero_stage not in (0, 1):
             raise ValueError(f"ReplicatedGradSync serves ZeRO stages 0 and 1, not {zero_stage}")
-        super().__init__(modules, params_bufs, pstate, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter,
-                         memory=memory)
+        super().__init__(modules, layouts, pstate, device=device, grad_dtype=grad_dtype,
+                         reduce_scatter=reduce_scatter, memory=memory)
         self.stage = zero_stage
-        self.grad_bufs = [FlatBuffer(pb.layout, grad_dtype, pb.data.device) for pb in params_bufs]
+        self.grad_bufs = [FlatBuffer(layout, grad_dtype, device) for layout in layouts]
         for gb in self.grad_bufs:
             memory.add("gradients", nbytes(gb.data))
-        self.zero_copy = all(pb.data.dtype == grad_dtype for pb in params_bufs)
+        self.zero_copy = all(layout.dtype == grad_dtype for layout in layouts)
         # Each slot's view of the gradient buffer, by (group, bucket index, slot index).
         self._views = {(g, b.index, i): gb.view_of(s) for g, gb in enumerate(self.grad_bufs)
                        for b in gb.layout.buckets for i, s in enumerate(b.slots)}

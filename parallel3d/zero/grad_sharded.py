@@ -1,4 +1,4 @@
-"""ZeRO stage 2: gradients stay sharded on every microbatch, not only after the step.
+"""ZeRO stages 2 and 3: gradients stay sharded on every microbatch, not only after the step.
 
 Each rank keeps only its gradient shard (``layout.shard_numel`` elements of the
 gradient dtype: fp32 main grads by default, or ``grad_reduce_dtype``) plus a
@@ -15,7 +15,7 @@ every backward (every microbatch, not just the last one) reduces as it goes:
 3. A bucket that is not complete at the end of a backward keeps accumulating in
    its staging buffer: one holding parameters of two model chunks (interleaved
    schedules run the chunks' backwards at different times) or a parameter that
-   got no gradient. ``finish`` launches these, treating missing gradients as 0.
+   got no gradient. ``finalize`` launches these, treating missing gradients as 0.
 
 So at any microbatch the gradient memory is the shard plus staging buffers plus
 the one ``.grad`` a hook is consuming. The price is DeepSpeed's: one
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero.buffers import Bucket, FlatBuffer, shard_slice
+from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MemoryTracker, nbytes
 from parallel3d.zero.staging import StagingPool
@@ -56,19 +56,19 @@ class _OpenBucket:
 
 
 class ShardedGradSync(GradSync):
-    """Stage 2. ``grad_shards[g]``: this rank's DP-mean gradient shard (shard coordinates of group g)."""
+    """Stages 2/3. ``grad_shards[g]``: this rank's DP-mean gradient shard (shard coordinates of group g)."""
 
-    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
-                 grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
-        super().__init__(modules, params_bufs, pstate, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter,
-                         memory=memory)
+    def __init__(self, modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
+                 device: torch.device, grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
+        super().__init__(modules, layouts, pstate, device=device, grad_dtype=grad_dtype,
+                         reduce_scatter=reduce_scatter, memory=memory)
         self.grad_shards: list[torch.Tensor] = []
         self.pools: list[StagingPool] = []
-        for pb in params_bufs:
-            shard = torch.zeros(pb.layout.shard_numel, dtype=grad_dtype, device=pb.data.device)
+        for layout in layouts:
+            shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
             memory.add("gradients", nbytes(shard))
             self.grad_shards.append(shard)
-            self.pools.append(StagingPool(pb.layout.max_bucket_size, grad_dtype, pb.data.device, memory))
+            self.pools.append(StagingPool(layout.max_bucket_size, grad_dtype, device, memory))
         self._open: dict[tuple[int, int], _OpenBucket] = {}
         self._reset_step()
 
@@ -88,8 +88,8 @@ class ShardedGradSync(GradSync):
             self._launch(group, bucket)
 
     def _launch_leftovers(self) -> None:
-        for g, pb in enumerate(self.params_bufs):
-            for b in pb.layout.buckets:
+        for g, layout in enumerate(self.layouts):
+            for b in layout.buckets:
                 for i, s in enumerate(b.slots):
                     if s.param.grad is not None:  # a .grad set outside backward
                         self._stage(g, b, i, s.param)
@@ -110,8 +110,8 @@ class ShardedGradSync(GradSync):
         self._written: set[tuple[int, int]] = set()  # buckets whose shard slice holds this step's sum
 
     def _zero_grads(self) -> None:
-        for pb in self.params_bufs:
-            for s in pb.layout.slots:
+        for layout in self.layouts:
+            for s in layout.slots:
                 s.param.grad = None
 
     # ---- internals ---------------------------------------------------------------------

@@ -1,57 +1,69 @@
-"""The gradient-synchronisation interface shared by the ZeRO strategies.
+"""The gradient-synchronisation interface shared by the ZeRO strategies, and the one
+owner of gradient finalisation.
 
 Contract with the pipeline engine (or a plain training loop): call
 ``prepare(is_last_microbatch)`` before each backward (True on the backward that
 completes a model chunk's accumulation: once per chunk with interleaved
 schedules; a plain loop without accumulation may skip it, True is the default)
-and ``finish()`` after the step's last backward. ``ZeroOptimizer.step`` then
-calls ``complete()`` (which finishes if nobody did, waits for every collective
-and sums tied embeddings), reads ``grad_piece`` and calls ``reset``.
+and ``finalize()`` once after the step's last backward and the last pipeline
+send. ``finalize`` is the single place where a step's gradients become final,
+in the order Megatron's ``finalize_model_grads`` uses: launch the reductions
+not started yet (dp group), wait for every collective, sum tied-embedding
+pieces over the ``embedding`` group, then tell observers (stage 3 frees the
+parameters still gathered). It is idempotent per step, so
+``ZeroOptimizer.step`` calls it too (for loops that did not) and then reads
+``grad_piece`` and calls ``reset``.
+
+Scaling, end to end (nobody else scales gradients): the engine multiplies each
+microbatch's loss by ``loss_scale / num_microbatches`` (the loss side: backward
+must see the scaled loss); ``reduction.BucketReducer`` multiplies each bucket by
+``1/dp`` right before its collective; ``ZeroOptimizer.step`` multiplies by
+``1/loss_scale`` (folded into the clipping coefficient). So after
+``finalize``, ``grad_piece(g, b)`` is the DP mean of this rank's piece of bucket
+``b`` times the loss scale.
 
 Invariants every strategy keeps:
-- After ``complete``, ``grad_piece(g, b)`` is the *DP mean* of this rank's
-  piece of bucket ``b`` (times the loss scale): ``reduction.BucketReducer``
-  divides by dp right before each collective; nobody else does.
 - Gradients live in the gradient dtype: fp32 ("main grads", the default with
   bf16/fp16 parameters: every microbatch's half-precision ``.grad`` is added
   into fp32 by a post-accumulate-grad hook and dropped) or the parameter dtype
   (``grad_reduce_dtype`` equal to the precision: half the bytes; with fp32
   training this is the zero-copy path where ``.grad`` is a buffer view).
 - Collectives are launched from gradient hooks in backward order and by
-  ``finish`` in bucket order; every DP rank runs the same model and schedule,
+  ``finalize`` in bucket order; every DP rank runs the same model and schedule,
   so it produces the same gradients in the same order (as DDP assumes) and the
-  collectives match. ``finish`` uses only the ``dp`` group; the one cross-stage
-  collective (the tied-embedding sum over ``embedding``) runs in ``complete``,
-  because the engine calls ``finish`` before its last pipeline sends.
+  collectives match.
 - A gradient that arrives after its parameter's last microbatch (a backward
-  without ``prepare(False)`` before it) raises instead of being lost.
+  without ``prepare(False)`` before it) or after ``finalize`` raises instead of
+  being lost.
 
 Strategies: ``ReplicatedGradSync`` (stages 0/1, ``grad_replicated``) and
-``ShardedGradSync`` (stage 2, ``grad_sharded``), sharing ``buffers``' layout.
+``ShardedGradSync`` (stages 2/3, ``grad_sharded``), sharing ``buffers``' layout.
 
 Tied embeddings (pp > 1): the first and last stage each hold a copy in buckets
 of their own; both strategies reduce them over dp like any other bucket, and
-``complete`` then all-reduces just this rank's reduced piece over the
+``finalize`` then all-reduces just this rank's reduced piece over the
 ``embedding`` group (the sum is linear, so the order does not matter). Both
 ends have the same tp/dp coordinates and the same tied parameters, hence the
-same tied bucket sizes and pieces; ``complete`` checks that once.
+same tied bucket sizes and pieces; ``finalize`` checks that once. (Without ZeRO
+the engine's finaliser is ``pipeline.tied.TiedGradFinalizer``.)
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero.buffers import Bucket, FlatBuffer
+from parallel3d.zero.buffers import Bucket, BufferLayout
 from parallel3d.zero.memory import MemoryTracker
 from parallel3d.zero.reduction import BucketReducer, PendingCollectives
 from parallel3d.zero.staging import MAX_STAGING_BUFFERS
 
-__all__ = ["GradSync", "MAX_STAGING_BUFFERS", "REDUCE_SCATTER_MODES"]
+__all__ = ["GradObserver", "GradSync", "MAX_STAGING_BUFFERS", "REDUCE_SCATTER_MODES"]
 
 # "reduce_scatter" (default): a true reduce-scatter, so stages 1-2 send exactly DDP's bytes.
 # "auto" (opt-in, gloo only): an in-place all-reduce of the whole bucket, after which this rank
@@ -61,19 +73,29 @@ __all__ = ["GradSync", "MAX_STAGING_BUFFERS", "REDUCE_SCATTER_MODES"]
 REDUCE_SCATTER_MODES = ("auto", "reduce_scatter", "all_reduce")
 
 
-class GradSync(ABC):
-    """Reduces the gradients of the parameters in ``params_bufs`` (one FlatBuffer per dtype) over dp.
+class GradObserver(Protocol):
+    """Told about gradients as they are consumed (stage 3 frees gathered parameters with it)."""
 
-    ``grad_dtype``: dtype gradients are accumulated and reduced in. ``memory`` receives
-    this object's allocations (``gradients``, ``buckets``) and transient ``.grad`` bytes.
+    def grad_consumed(self, param: torch.nn.Parameter, is_last_microbatch: bool) -> None: ...
+
+    def grads_finalized(self) -> None: ...
+
+
+class GradSync(ABC):
+    """Reduces the gradients of the parameters in ``layouts`` (one per dtype) over dp.
+
+    ``device``: where gradient buffers live. ``grad_dtype``: dtype gradients are accumulated
+    and reduced in. ``memory`` receives this object's allocations (``gradients``,
+    ``buckets``) and transient ``.grad`` bytes.
     """
 
-    def __init__(self, modules: list[torch.nn.Module], params_bufs: list[FlatBuffer], pstate: ParallelState, *,
-                 grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
+    def __init__(self, modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
+                 device: torch.device, grad_dtype: torch.dtype, reduce_scatter: str, memory: MemoryTracker) -> None:
         if reduce_scatter not in REDUCE_SCATTER_MODES:
             raise ValueError(f"reduce_scatter={reduce_scatter!r} is not one of {REDUCE_SCATTER_MODES}")
         self.modules = modules
-        self.params_bufs = params_bufs
+        self.layouts = layouts
+        self.device = device
         self.pstate = pstate
         self.grad_dtype = grad_dtype
         self.memory = memory
@@ -88,45 +110,48 @@ class GradSync(ABC):
         self._tied: list[tuple[int, Bucket]] = []
         self._tied_checked = False
         self._hooks = []
-        for g, pb in enumerate(params_bufs):
-            for b in pb.layout.buckets:
+        for g, layout in enumerate(layouts):
+            for b in layout.buckets:
                 if b.tied:
                     self._tied.append((g, b))
                 for i, s in enumerate(b.slots):
                     self._where[id(s.param)] = (g, b, i)
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook))
         self._is_last = True
-        self._finished = False
-        self._completed = False
+        self._finalized = False
         self._closed: set[int] = set()  # params whose last microbatch's gradient has arrived this step
+        self._observers: list[GradObserver] = []
 
     # ---- engine-facing API ---------------------------------------------------------
     def prepare(self, is_last_microbatch: bool) -> None:
         """Before each backward: whether it completes its chunk's gradient accumulation."""
         self._is_last = bool(is_last_microbatch)
 
-    def finish(self) -> None:
-        """Start the reduction of whatever is left (``dp`` group only; safe before pipeline sends)."""
-        if self._finished:
+    def finalize(self) -> None:
+        """Make this step's gradients final (module doc); every rank of the job calls it once per
+        step after its last backward and pipeline send. Idempotent until ``reset``."""
+        if self._finalized:
             return
+        self._finalized = True  # from here on a late gradient raises
         self._launch_leftovers()
-        self._finished = True
-
-    def complete(self) -> None:
-        """``finish``, wait for every collective, sum tied embeddings over ``embedding``. Idempotent per step."""
-        if self._completed:
-            return
-        self.finish()
         self.pending.drain()
         self._sum_tied()
-        self._completed = True
+        for obs in self._observers:
+            obs.grads_finalized()
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    def add_observer(self, observer: GradObserver) -> None:
+        """``observer`` hears of every consumed gradient (after this object's own hook) and of ``finalize``."""
+        self._observers.append(observer)
 
     def reset(self) -> None:
         """Start a new step (the previous step's reduced gradients have been consumed)."""
         self.pending.drain()  # nothing may still write into buffers the next step reuses
         self._is_last = True
-        self._finished = False
-        self._completed = False
+        self._finalized = False
         self._closed = set()
         self._reset_step()
 
@@ -142,7 +167,7 @@ class GradSync(ABC):
     # ---- what the optimizer reads ------------------------------------------------------
     @abstractmethod
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
-        """The DP-mean gradient of the piece of ``bucket`` this rank owns (valid after ``complete``)."""
+        """The DP-mean gradient of the piece of ``bucket`` this rank owns (valid after ``finalize``)."""
 
     @abstractmethod
     def gradient_tensors(self) -> list[torch.Tensor]:
@@ -158,7 +183,7 @@ class GradSync(ABC):
 
     @abstractmethod
     def _launch_leftovers(self) -> None:
-        """Called once by ``finish``: launch every reduction not started yet, in bucket order."""
+        """Called once by ``finalize``: launch every reduction not started yet, in bucket order."""
 
     @abstractmethod
     def _reset_step(self) -> None: ...
@@ -169,8 +194,8 @@ class GradSync(ABC):
     # ---- shared machinery -------------------------------------------------------------
     def _hook(self, param: torch.nn.Parameter) -> None:
         g, b, i = self._where[id(param)]
-        if self._finished or id(param) in self._closed:
-            when = "finish()" if self._finished else "its last microbatch's backward"
+        if self._finalized or id(param) in self._closed:
+            when = "finalize()" if self._finalized else "its last microbatch's backward"
             raise RuntimeError(
                 f"ZeRO: gradient of {b.slots[i].name} arrived after {when} in this step (its bucket may "
                 f"already be reducing); with gradient accumulation call "
@@ -179,6 +204,8 @@ class GradSync(ABC):
         if self._is_last:
             self._closed.add(id(param))
         self._on_grad_ready(g, b, i, param)
+        for obs in self._observers:
+            obs.grad_consumed(param, self._is_last)
 
     def _sum_tied(self) -> None:
         """Sum the reduced tied-embedding pieces over the ``embedding`` group (first + last stage)."""
@@ -200,8 +227,7 @@ class GradSync(ABC):
             sig[2] += k * b.used
             sig[3] += k * b.size
             sig[4] += k * (b.piece_start - b.start)
-        device = self.params_bufs[0].data.device
-        hi = torch.tensor(sig, dtype=torch.int64, device=device)
+        hi = torch.tensor(sig, dtype=torch.int64, device=self.device)
         lo = hi.clone()
         comm.all_reduce(hi, self.pstate, "embedding", op=dist.ReduceOp.MAX)
         comm.all_reduce(lo, self.pstate, "embedding", op=dist.ReduceOp.MIN)

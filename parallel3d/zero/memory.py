@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-MEMORY_CATEGORIES = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets")
+# Device-resident model states, then what offloading keeps in host memory and on disk.
+MEMORY_CATEGORIES = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets",
+                     "offload_host", "offload_disk")
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -1,43 +1,49 @@
-"""``ZeroOptimizer``: AdamW over DP-sharded flat buffers (ZeRO stages 0, 1 and 2).
+"""``ZeroOptimizer``: AdamW over DP-sharded flat buffers (ZeRO stages 0-3, optional offload).
 
 Who holds what, per rank, at the peak of a step (Ψ = this model-parallel rank's
 parameter count, N = dp, g = bytes per gradient element: 4 for fp32 main grads,
 the default, or 2 with ``grad_reduce_dtype`` equal to bf16/fp16):
 
-| stage | model weights | gradients (g bytes each)         | fp32 master + Adam moments |
-|-------|---------------|----------------------------------|----------------------------|
-| 0     | Ψ (all)       | Ψ (flat buffer)                  | Ψ (replicated)             |
-| 1     | Ψ (all)       | Ψ (flat buffer)                  | Ψ/N (own shard)            |
-| 2     | Ψ (all)       | Ψ/N (own shard), every microbatch | Ψ/N (own shard)           |
+| stage | model weights                          | gradients (g bytes each)          | fp32 master + Adam moments |
+|-------|----------------------------------------|-----------------------------------|----------------------------|
+| 0     | Ψ (all)                                | Ψ (flat buffer)                   | Ψ (replicated)             |
+| 1     | Ψ (all)                                | Ψ (flat buffer)                   | Ψ/N (own shard)            |
+| 2     | Ψ (all)                                | Ψ/N (own shard), every microbatch | Ψ/N (own shard)            |
+| 3     | Ψ/N (own shard) + the gathered units   | Ψ/N (own shard), every microbatch | Ψ/N (own shard)            |
 
-In bytes with mixed precision and stage 2: 2Ψ + gΨ/N + 12Ψ/N, plus the
-``buckets`` (a few staging buffers of one bucket in the gradient dtype, and
-in-flight reduce-scatter outputs of 1/N of a bucket) and the one ``.grad`` a
-hook is consuming. With ``precision=fp32`` the parameters are their own master
-weights (no extra copy) and ``.grad`` is a view of the gradient buffer (stages
-0/1). Parameters stay in the model's dtype as views into one flat buffer per
-dtype (see ``buffers``). ``memory_bytes`` reports what is held now,
+In bytes with mixed precision and stage 3: 2Ψ/N + gΨ/N + 12Ψ/N (16Ψ/N with
+bf16 gradients), plus the gather window (``params_sharded``: the chunk's root
+unit and 1 + ``zero3_prefetch`` units whole at a time, or the whole stage during
+a step with ``zero3_reshard=step``), the ``buckets`` (a few staging buffers of
+one bucket in the gradient dtype, and in-flight reduce-scatter outputs of 1/N
+bucket) and the one ``.grad`` a hook is consuming. With ``offload`` the 12 bytes
+(master + moments) move to host memory (``cpu``) or disk (``disk``;
+``states``/``offload``). With ``precision=fp32`` and no offload the parameters
+are their own master weights. ``memory_bytes`` reports what is held now,
 ``memory_peak_bytes`` the high-water mark since ``reset_memory_peak`` (running
-counts updated at every allocation and inside the gradient hooks, ``memory``).
+counts updated at every allocation, gather and release, and inside the gradient
+hooks, ``memory``).
 
-Gradient reduction (``grad_sync``: ``ReplicatedGradSync`` for stages 0/1,
-``ShardedGradSync`` for stage 2): accumulated over microbatches and reduced over
-dp in the gradient dtype, each bucket divided by dp right before its collective,
-so ``grad_piece`` is already the DP mean. Stage 0/1 reduce once per step (in the
-last backward); stage 2 reduce-scatters each bucket in every backward.
+The pieces, one per concept: ``params`` (``ReplicatedParams`` for stages 0-2,
+``ShardedParams`` for stage 3) holds the parameters; ``grad_sync``
+(``ReplicatedGradSync`` for stages 0/1, ``ShardedGradSync`` for 2/3) reduces the
+gradients and owns their finalisation (``GradSync.finalize``, once per step);
+``states`` (``DeviceStates``, ``HostStates``, ``DiskStates``) holds masters and
+moments and streams the update. All share one ``buffers.BufferLayout`` per dtype,
+so every rank's optimizer state is the same "owned pieces" in shard coordinates
+whatever the stage and offload (``read_state_piece`` / ``write_state_piece``).
 
-A step: wait for the reduction -> scale by ``1/loss_scale`` -> global norm
+A step: finalize the gradients -> scale by ``1/loss_scale`` -> global norm
 (TP/PP/DP, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
--> clip -> AdamW on the owned shard -> write the shard back into the parameters
-and all-gather them (stages 1-2), bucket by bucket. Communication per step equals
-DDP's (reduce-scatter + all-gather) for stages 0/1 and for stage 2 without
-accumulation; stage 2 sends one reduce-scatter per microbatch.
+-> clip -> AdamW chunk by chunk where the state lives -> the updated pieces go
+into the parameters; stages 1-2 all-gather them, stage 3 gathers at next use.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,30 +52,36 @@ import torch
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero import clip
-from parallel3d.zero.adamw import resolve_backend
-from parallel3d.zero.buffers import BufferLayout, FlatBuffer, shard_slice
+from parallel3d.zero.adamw import host_adamw_flat_, resolve_backend
+from parallel3d.zero.buffers import Bucket, BufferLayout
 from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
-from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker, nbytes
+from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker
 from parallel3d.zero.owned import OwnedSegment, owned_segments
+from parallel3d.zero.params_replicated import ReplicatedParams
+from parallel3d.zero.params_sharded import RESHARD_MODES, ShardedParams, resolve_reshard
 from parallel3d.zero.precision import LossScaler, precision_dtype
+from parallel3d.zero.states import OFFLOAD_MODES, OptimizerStates, StateChunk, make_states
+from parallel3d.zero.units import find_units, unit_index_of
 
 log = logging.getLogger(__name__)
 
-ZERO_STAGES = (0, 1, 2)
-__all__ = ["MEMORY_CATEGORIES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer", "make_grad_sync"]
+ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_OFFLOAD_BUFFER_MB = 256.0
+__all__ = ["MEMORY_CATEGORIES", "OFFLOAD_MODES", "RESHARD_MODES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer",
+           "make_grad_sync"]
 
 
-def make_grad_sync(modules: list[torch.nn.Module], param_bufs: list[FlatBuffer], pstate: ParallelState, *,
-                   zero_stage: int, grad_dtype: torch.dtype, reduce_scatter: str,
+def make_grad_sync(modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
+                   zero_stage: int, device: torch.device, grad_dtype: torch.dtype, reduce_scatter: str,
                    memory: MemoryTracker) -> GradSync:
     """The gradient-synchronisation strategy of ``zero_stage``."""
-    common = dict(grad_dtype=grad_dtype, reduce_scatter=reduce_scatter, memory=memory)
+    common = dict(device=device, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter, memory=memory)
     if zero_stage in (0, 1):
-        return ReplicatedGradSync(modules, param_bufs, pstate, zero_stage=zero_stage, **common)
-    if zero_stage == 2:
-        return ShardedGradSync(modules, param_bufs, pstate, **common)
+        return ReplicatedGradSync(modules, layouts, pstate, zero_stage=zero_stage, **common)
+    if zero_stage in (2, 3):
+        return ShardedGradSync(modules, layouts, pstate, **common)
     raise ValueError(f"no gradient synchronisation for ZeRO stage {zero_stage}")
 
 
@@ -95,16 +107,20 @@ def _named_params(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Pa
 class ZeroOptimizer:
     """Sharded mixed-precision AdamW for ``modules`` (this rank's model chunks).
 
-    Invariants: every trainable parameter is a view into ``self.param_bufs``;
-    after ``step`` all DP ranks hold identical parameters; master weights and
-    moments cover exactly this rank's shard (``layout.shard_numel`` elements).
-    ``reduce_scatter``: how stages 1-2 reduce a bucket: "reduce_scatter" (default; ZeRO's
+    Invariants: every trainable parameter is a view into ``self.params``' storage;
+    after ``step`` all DP ranks hold identical parameters (stage 3: identical shards of
+    them); master weights and moments cover exactly this rank's shard
+    (``layout.shard_numel`` elements), wherever ``offload`` keeps them.
+    ``reduce_scatter``: how stages 1-3 reduce a bucket: "reduce_scatter" (default; ZeRO's
     volume, equal to DDP's), or "auto" (opt-in: an all-reduce on gloo, where it is the
     faster collective though it sends more bytes, else a reduce-scatter; see ``grad_sync``).
     ``grad_reduce_dtype``: "fp32" (default: fp32 main grads, accumulated and reduced in fp32)
     or the training precision ("bf16"/"fp16": half the gradient bytes and bandwidth).
     ``bucket_size_mb`` sizes buckets in parameter-dtype bytes (fp32 staging buffers of a
-    bf16 model are twice that).
+    bf16 model are twice that). ``offload``: "none", "cpu" or "disk" (stages 1-3; with
+    ``offload_dir`` and ``offload_buffer_mb`` of host staging for "disk"). ``zero3_prefetch``
+    and ``zero3_reshard``: stage 3's prefetch depth (units) and when it frees gathered
+    parameters ("auto", "microbatch", "step"; see ``params_sharded``).
     """
 
     def __init__(
@@ -129,6 +145,11 @@ class ZeroOptimizer:
         fused_adamw_backend: str = "auto",
         reduce_scatter: str = "reduce_scatter",
         grad_reduce_dtype: str = "fp32",
+        offload: str = "none",
+        offload_dir: str | None = None,
+        offload_buffer_mb: float = DEFAULT_OFFLOAD_BUFFER_MB,
+        zero3_prefetch: int = 1,
+        zero3_reshard: str = "auto",
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
@@ -141,6 +162,15 @@ class ZeroOptimizer:
         if not lr >= 0 or not eps > 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW hyper-parameters out of range: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"parallel.offload={offload!r} is not one of {OFFLOAD_MODES}")
+        if offload != "none" and zero_stage == 0:
+            raise ValueError(f"parallel.offload={offload!r} needs parallel.zero_stage >= 1 (stage 0 would keep and "
+                             f"update the whole optimizer state on every rank's host)")
+        if offload == "disk" and not offload_dir:
+            raise ValueError("parallel.offload=disk needs parallel.offload_dir")
+        if not isinstance(offload_buffer_mb, (int, float)) or not offload_buffer_mb > 0:
+            raise ValueError(f"parallel.offload_buffer_mb={offload_buffer_mb!r} must be a number > 0")
         dtype = precision_dtype(precision)
         if grad_reduce_dtype not in ("fp32", precision):
             raise ValueError(f"parallel.grad_reduce_dtype={grad_reduce_dtype!r} must be 'fp32' or the training "
@@ -157,6 +187,7 @@ class ZeroOptimizer:
         self.zero_stage = zero_stage
         self.precision = precision
         self.grad_reduce_dtype = grad_reduce_dtype
+        self.offload = offload
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule
@@ -172,38 +203,38 @@ class ZeroOptimizer:
 
         bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
         sharded = zero_stage > 0
+        units = find_units(modules) if zero_stage == 3 else None
+        unit_of = None
+        if units is not None:
+            index = unit_index_of(units)
+            unit_of = lambda p: index[id(p)]  # noqa: E731 - a bucket never spans two gather units
         layout = BufferLayout(
             named, bucket_numel=bucket_numel, dp=self.dp,
             owner_count=self.dp if sharded else 1,
             owner_index=comm.group_rank(pstate, "dp") if sharded else 0,
             count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
+            unit_of=unit_of,
         )
-        device = named[0][1].device
+        self.device = named[0][1].device
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
-        self.param_bufs = [FlatBuffer(layout, dtype, device)]
-        self.param_bufs[0].adopt_params()
-        self.memory.add("model_weights", sum(nbytes(pb.data) for pb in self.param_bufs))
+        if units is not None:
+            self.params: ReplicatedParams | ShardedParams = ShardedParams(
+                [layout], units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
+                reshard=resolve_reshard(zero3_reshard, pstate.pp_size))
+        else:
+            self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory)
+        grad_dtype = precision_dtype(grad_reduce_dtype)
         self.grad_sync: GradSync = make_grad_sync(
-            modules, self.param_bufs, pstate, zero_stage=zero_stage, grad_dtype=precision_dtype(grad_reduce_dtype),
+            modules, [layout], pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
             reduce_scatter=reduce_scatter, memory=self.memory,
         )
-        # fp32 master weights of the owned shard (the parameters themselves when training in fp32).
-        self.masters: list[torch.Tensor | None] = []
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []
-        for pb in self.param_bufs:
-            n = pb.layout.shard_numel
-            if dtype == torch.float32:
-                self.masters.append(None)
-            else:
-                master = torch.empty(n, dtype=torch.float32, device=device)
-                for b in pb.layout.buckets:
-                    shard_slice(master, b).copy_(pb.piece_view(b))
-                self.masters.append(master)
-            self.exp_avgs.append(torch.zeros(n, dtype=torch.float32, device=device))
-            self.exp_avg_sqs.append(torch.zeros(n, dtype=torch.float32, device=device))
-        self.memory.add("master_weights", sum(nbytes(m) for m in self.masters if m is not None))
-        self.memory.add("optimizer_moments", sum(nbytes(t) for t in self.exp_avgs + self.exp_avg_sqs))
+        if isinstance(self.params, ShardedParams):
+            self.grad_sync.add_observer(self.params)
+        self.states: OptimizerStates = make_states(
+            offload, [layout], self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
+            offload_dir=offload_dir, buffer_bytes=int(offload_buffer_mb * 2**20),
+            tag=f"tp{pstate.tp_rank}_pp{pstate.pp_rank}_dp{pstate.dp_rank}",
+        )
 
     # ---- public API ----------------------------------------------------------------
     @property
@@ -213,7 +244,20 @@ class ZeroOptimizer:
 
     @property
     def layouts(self) -> list[BufferLayout]:
-        return [pb.layout for pb in self.param_bufs]
+        return self.params.layouts
+
+    @property
+    def masters(self) -> list[torch.Tensor | None]:
+        """Flat fp32 master shards (None: fp32 parameters are their own master); absent with disk offload."""
+        return getattr(self.states, "masters", [])
+
+    @property
+    def exp_avgs(self) -> list[torch.Tensor]:
+        return getattr(self.states, "exp_avgs", [])
+
+    @property
+    def exp_avg_sqs(self) -> list[torch.Tensor]:
+        return getattr(self.states, "exp_avg_sqs", [])
 
     def current_lr(self) -> float:
         return self.lr_schedule(self.iteration) if self.lr_schedule is not None else self.lr
@@ -221,22 +265,39 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
 
-    def master_piece(self, group: int, bucket) -> torch.Tensor:
-        """fp32 master weights of this rank's piece of ``bucket``."""
-        master = self.masters[group]
-        if master is None:
-            return self.param_bufs[group].piece_view(bucket)
-        return shard_slice(master, bucket)
+    def gathered_params(self) -> AbstractContextManager:
+        """Inside the block every parameter is whole (stage 3 gathers them; read-only), e.g. to export weights."""
+        return self.params.gathered()
+
+    # ---- the owned pieces (checkpoints) -------------------------------------------------
+    def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 (master, exp_avg, exp_avg_sq) of this rank's piece of ``bucket`` in shard coordinates, in every
+        stage and offload mode, as in-place views (disk: of the memory-mapped state files)."""
+        return self.states.read_piece(group, bucket)
+
+    @torch.no_grad()
+    def write_state_piece(self, group: int, bucket: Bucket, master: torch.Tensor, exp_avg: torch.Tensor,
+                          exp_avg_sq: torch.Tensor) -> None:
+        """Store a piece's state and refresh this rank's parameter piece from the master (call
+        ``gather_params`` after the last piece)."""
+        self.states.write_piece(group, bucket, master, exp_avg, exp_avg_sq)
+        piece = self.params.piece(group, bucket)
+        if piece.data_ptr() != master.data_ptr():
+            piece.copy_(master)
+
+    def master_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
+        """fp32 master weights of this rank's piece of ``bucket`` (a copy with disk offload)."""
+        return self.read_state_piece(group, bucket)[0]
 
     @torch.no_grad()
     def step(self) -> StepInfo:
-        self.grad_sync.complete()
+        self.grad_sync.finalize()
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        local_sq = torch.zeros((), dtype=torch.float32, device=self.param_bufs[0].data.device)
-        for g, pb in enumerate(self.param_bufs):
-            for b in pb.layout.buckets:
+        local_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g, layout in enumerate(self.layouts):
+            for b in layout.buckets:
                 piece = self.grad_sync.grad_piece(g, b)
                 local_sq += clip.piece_sq_sum(piece, b, inv)
                 if not clip.uncounted_all_finite(piece, b):
@@ -253,46 +314,41 @@ class ZeroOptimizer:
             return StepInfo(grad_norm=norm, skipped=True, loss_scale=used_scale, lr=lr)
         coef = inv * clip.clip_coefficient(norm, self.clip_grad)
         self.adam_step += 1
-        beta1, beta2 = self.betas
-        for g, pb in enumerate(self.param_bufs):
-            for b in pb.layout.buckets:
-                grad = self.grad_sync.grad_piece(g, b).float() * coef
-                master = self.master_piece(g, b)
-                if self.weight_decay and lr:
-                    for seg in b.segments:
-                        if seg.slot.decay:  # decoupled decay, before the Adam update (as torch does)
-                            lo = seg.shard_start - b.shard_offset
-                            master[lo : lo + seg.length].mul_(1 - lr * self.weight_decay)
-                self._adamw(master, grad, shard_slice(self.exp_avgs[g], b), shard_slice(self.exp_avg_sqs[g], b),
-                            step=self.adam_step, lr=lr, beta1=beta1, beta2=beta2, eps=self.eps)
-                if self.masters[g] is not None:
-                    pb.piece_view(b).copy_(master)
-        self.gather_params()
+        update = host_adamw_flat_ if self.states.on_host else self._adamw
+        for chunk in self.states.update_chunks(self.grad_sync.grad_piece, self.params.piece):
+            self._update_chunk(chunk, coef, lr, update)
+        self.params.publish()
         self.scaler.update(overflow=False)
         self.grad_sync.reset()
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=used_scale, lr=lr)
 
+    def _update_chunk(self, chunk: StateChunk, coef: float, lr: float, update: Callable[..., None]) -> None:
+        b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
+        grad = chunk.grad.float() * coef
+        if self.weight_decay and lr:
+            for seg in b.segments:
+                if not seg.slot.decay:
+                    continue
+                start = max(seg.shard_start - b.shard_offset, lo)
+                end = min(seg.shard_end - b.shard_offset, hi)
+                if start < end:  # decoupled decay, before the Adam update (as torch does)
+                    chunk.master[start - lo : end - lo].mul_(1 - lr * self.weight_decay)
+        beta1, beta2 = self.betas
+        update(chunk.master, grad, chunk.exp_avg, chunk.exp_avg_sq, step=self.adam_step, lr=lr, beta1=beta1,
+               beta2=beta2, eps=self.eps)
+
     @torch.no_grad()
     def gather_params(self) -> None:
-        """All-gather every bucket's updated pieces into the full parameter buffer (stages 1-2)."""
-        if self.zero_stage == 0:
-            return
-        works = []
-        for pb in self.param_bufs:
-            for b in pb.layout.buckets:
-                # The collective must not read its own output buffer: send a copy of the piece.
-                works.append(comm.all_gather_into_tensor(pb.bucket_view(b), pb.piece_view(b).clone(),
-                                                         self.pstate, "dp", async_op=True))
-        for w in works:
-            if w is not None:
-                w.wait()
+        """Make the parameters whole after their pieces changed: all-gather (stages 1-2); stage 3 gathers at use."""
+        self.params.publish()
 
     def memory_peak_bytes(self) -> dict[str, int]:
         """The most bytes held per category since construction or ``reset_memory_peak``.
 
         Includes what ``memory_bytes`` cannot see after the fact: the ``.grad`` a gradient hook
-        is consuming and reduce-scatter outputs in flight (``buckets``). Each category has its
-        own high-water mark (their sum can exceed the peak of the total)."""
+        is consuming, reduce-scatter outputs in flight (``buckets``) and stage 3's gathered
+        units. Each category has its own high-water mark (their sum can exceed the peak of the
+        total). ``offload_host`` / ``offload_disk`` are offloaded state (host memory / files)."""
         return dict(self.memory.peak)
 
     def reset_memory_peak(self) -> None:
@@ -309,23 +365,27 @@ class ZeroOptimizer:
                 if t is None:
                     continue
                 st = t.untyped_storage()
-                if st.data_ptr() in seen:
+                if st.data_ptr() in seen or not st.nbytes():
                     continue
                 seen.add(st.data_ptr())
                 total += st.nbytes()
             return total
 
-        params = [s.param for pb in self.param_bufs for s in pb.layout.slots]
-        out = {"model_weights": size([pb.data for pb in self.param_bufs] + params)}
+        params = [s.param for layout in self.layouts for s in layout.slots]
+        masters, moments = self.states.device_tensors()
+        out = {"model_weights": size(self.params.storage_tensors() + params)}
         out["gradients"] = size(self.grad_sync.gradient_tensors() + [p.grad for p in params])
-        out["master_weights"] = size(self.masters)
-        out["optimizer_moments"] = size(self.exp_avgs + self.exp_avg_sqs)
+        out["master_weights"] = size(masters)
+        out["optimizer_moments"] = size(moments)
         out["buckets"] = size(self.grad_sync.staging_buffers())
+        out["offload_host"] = self.states.host_bytes()
+        out["offload_disk"] = self.states.disk_bytes()
         return out
 
     # ---- checkpoints -------------------------------------------------------------------
     def owned_segments(self) -> list[OwnedSegment]:
-        """This rank's master weights and moments per parameter range, as in-place views (``owned``)."""
+        """This rank's master weights and moments per parameter range, as in-place views (``owned``),
+        in every stage and offload mode (disk: views of the memory-mapped state files)."""
         return owned_segments(self)
 
     @property
@@ -335,11 +395,17 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def params_from_master(self) -> None:
-        """Make the parameters equal their (rounded) master weights after the masters were
-        overwritten in place (checkpoint load, HF import); all ranks of the dp group call it."""
-        for g, pb in enumerate(self.param_bufs):
-            if self.masters[g] is None:
-                continue  # fp32: the parameters are the masters
-            for b in pb.layout.buckets:
-                pb.piece_view(b).copy_(self.master_piece(g, b))
+        """Make the parameters (stage 3: this rank's parameter shard) equal their (rounded) master
+        weights after the masters were overwritten in place (checkpoint load, HF import); all ranks
+        of the dp group call it."""
+        for g, layout in enumerate(self.layouts):
+            for b in layout.buckets:
+                master = self.read_state_piece(g, b)[0]
+                piece = self.params.piece(g, b)
+                if piece.data_ptr() != master.data_ptr():
+                    piece.copy_(master)
         self.gather_params()
+
+    def close(self) -> None:
+        """Release offload files and threads (also done when the optimizer is garbage-collected)."""
+        self.states.close()

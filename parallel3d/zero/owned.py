@@ -5,7 +5,11 @@ inside one parameter, the parameter's layout-independent name and metadata, the 
 range of the (tp-local) parameter it covers, and in-place views of the fp32 master
 weights and both Adam moments of that range. Checkpoint code reads and writes state
 only through these views (and ``ZeroOptimizer.params_from_master`` afterwards), so it
-never depends on how a ZeRO stage or an offload scheme stores its buffers.
+never depends on how a ZeRO stage or an offload scheme stores its buffers: the views
+come from ``ZeroOptimizer.read_state_piece`` (device tensors, host tensors with
+``offload=cpu``, memory-mapped state files with ``offload=disk``, so a checkpoint of a
+disk-offloaded run streams through the page cache instead of materialising the state),
+and stage 3's master is this rank's parameter shard's source like in any other stage.
 
 Invariants: the segments of one rank never overlap; the union of the segments over the
 dp group covers every element of every parameter of this model-parallel rank once
@@ -18,8 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from parallel3d.zero.buffers import shard_slice
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.zero.optimizer import ZeroOptimizer
@@ -51,8 +53,7 @@ def owned_segments(opt: "ZeroOptimizer") -> list[OwnedSegment]:
     out = []
     for g, layout in enumerate(opt.layouts):
         for b in layout.buckets:
-            master = opt.master_piece(g, b)
-            m, v = shard_slice(opt.exp_avgs[g], b), shard_slice(opt.exp_avg_sqs[g], b)
+            master, m, v = opt.read_state_piece(g, b)
             for seg in b.segments:
                 lo, hi = seg.shard_start - b.shard_offset, seg.shard_end - b.shard_offset
                 out.append(OwnedSegment(
