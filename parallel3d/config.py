@@ -97,6 +97,9 @@ class TrainConfig:
     stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
     async_save: bool = True  # write checkpoints in a background thread while training goes on
     init_from: str | None = None  # hf:<dir>: start (step 0) from a transformers checkpoint directory
+    # Signals that stop the run at the next step boundary with a checkpoint (parallel3d/preemption.py).
+    preempt_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    max_minutes: float | None = None  # wall-clock budget: save and stop before it runs out; null = none
     # Validation (parallel3d/eval.py): eval_iters global batches of the validation set, forward
     # only, every eval_every steps (0 = only at the end); eval_iters=0 = no evaluation.
     eval_every: int = 0
@@ -339,6 +342,9 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    from parallel3d.preemption import check_stop_settings
+
+    check_stop_settings(t.preempt_signal, t.max_minutes)
     if not isinstance(t.async_save, bool):
         raise ConfigError(f"train.async_save={t.async_save!r}: must be true or false")
     if t.init_from is not None:
