@@ -217,6 +217,19 @@ def _check_range(key: str, value: Any, lo: float, hi: float | None = None, *, lo
     return float(value)
 
 
+def _check_writable_dir(key: str, path: str) -> None:
+    """``path`` is a directory this process can create or write into (checked without creating it)."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{key}={path!r}: exists and is not a directory")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path!r}: cannot be created or written ({parent} is "
+                          f"{'not a directory' if not os.path.isdir(parent) else 'not writable'})")
+
+
 def world_size_from_env() -> int:
     """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run."""
     raw = os.environ.get("WORLD_SIZE", "1")
@@ -330,6 +343,7 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
         _check_int("train.stop_after", t.stop_after, 1)
     if not isinstance(t.out_dir, str) or not t.out_dir.strip():
         raise ConfigError(f"train.out_dir={t.out_dir!r}: must be a non-empty path")
+    _check_writable_dir("train.out_dir", t.out_dir)
     if t.resume not in ("auto", "none") and not os.path.isdir(t.resume):
         raise ConfigError(f"train.resume={t.resume!r}: must be auto, none or an existing checkpoint directory")
     if t.resume == "none":
@@ -401,7 +415,8 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
     if d.source == "indexed" and not paths:
         raise ConfigError("data.paths=[]: data.source=indexed needs at least one dataset prefix (or data.blend)")
     if d.source == "default" and paths:
-        raise ConfigError(f"data.paths={list(d.paths)}: only used with data.source=indexed")
+        given = f"data.blend={d.blend!r}" if d.blend else f"data.paths={list(d.paths)}"
+        raise ConfigError(f"{given}: only used with data.source=indexed")
     if d.source == "default" and weights is not None:
         raise ConfigError(f"data.weights={weights}: only used with data.source=indexed")
     if d.source == "default" and valid_paths:
