@@ -66,17 +66,18 @@ def _train(values: dict) -> object:
 
 
 def test_max_minutes_saves_and_stops_in_time_then_resumes_bit_identically(tmp_path, cache_dir):
-    steps = 10_000  # the same in every run: the LR schedule depends on it
+    steps, until = 10_000, 12  # steps the same in every run: the LR schedule depends on it
+    full = _train(job_values(str(tmp_path / "full"), cache_dir, train={"steps": steps, "stop_after": until}))
     out = str(tmp_path / "budget")
-    budget_min = 0.05  # 3 s, set-up included
+    budget_min = 0.03  # 1.8 s, set-up included (the corpus is cached by the run above)
     t0 = time.monotonic()
     first = _train(job_values(out, cache_dir, train={"steps": steps, "max_minutes": budget_min}))
     took = time.monotonic() - t0
-    assert first.stopped is not None and "train.max_minutes=0.05" in first.stopped
-    assert took < budget_min * 60 + 2  # stopped (and saved) before the budget, give or take one step
+    assert first.stopped is not None and f"train.max_minutes={budget_min}" in first.stopped
+    assert took < budget_min * 60 + 3  # stopped (and saved) by the budget, give or take a step on a busy machine
     assert first.checkpoints == [first.last_step] and 1 <= first.last_step < steps
-    until = first.last_step + 3
-    full = _train(job_values(str(tmp_path / "full"), cache_dir, train={"steps": steps, "stop_after": until}))
+    if first.last_step >= until:
+        pytest.skip(f"{first.last_step} steps fit in the budget: nothing left to compare")
     second = _train(job_values(out, cache_dir, train={"steps": steps, "stop_after": until}))
     assert second.start_step == first.last_step and second.stopped is None
     assert losses_of(out) == {r["step"]: r["loss"] for r in full.records}

@@ -114,7 +114,7 @@ def test_an_unknown_key_is_one_line_and_exit_2_whatever_the_flags(tmp_path, flag
     assert proc.stderr.strip().splitlines() == [
         "config error: train.no_such_key: unknown key; train accepts: steps, global_batch_size, micro_batch_size, "
         "seq_len, seed, precision, recompute, out_dir, save_every, keep_last, resume, device, timeout_s, "
-        "peak_tflops, stop_after, eval_every, eval_iters"]
+        "peak_tflops, stop_after, async_save, init_from, preempt_signal, max_minutes, eval_every, eval_iters"]
 
 
 @pytest.fixture
