@@ -53,6 +53,10 @@ def _config_exit(exc: ConfigError) -> None:
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun
+        import signal
+
+        # torchrun stops the others with SIGTERM once rank 0 exits: they still exit 2, not -15.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CONFIG))
         time.sleep(CONFIG_EXIT_DELAY_S)
     sys.exit(EXIT_CONFIG)
 

@@ -87,7 +87,7 @@ def test_max_minutes_saves_and_stops_in_time_then_resumes_bit_identically(tmp_pa
 def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_path, cache_dir):
     """2 ranks (pp=2). First SIGTERM mid-step; after a resume, SIGTERM while an async save is
     in flight (the disk made slow on rank 1 by the ``checkpoint.write`` fault point)."""
-    steps = 30
+    steps = 16
     layout = ["parallel.pp=2", "train.async_save=true"]
     ref = run_to_end(_args(tmp_path / "ref", cache_dir, steps, *layout), nproc=2)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
