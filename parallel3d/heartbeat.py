@@ -94,10 +94,14 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def diagnose(out_dir: str, world_size: int, now: float | None = None) -> str | None:
-    """One clause naming the silent ranks with every rank's last completed step; None if all beat."""
+def diagnose(out_dir: str, world_size: int, rank: int, now: float | None = None) -> str | None:
+    """One clause naming the silent ranks with every rank's last completed step; None if all beat,
+    or if ``rank`` (this process) has not beaten yet: the files are then another run's."""
     now = time.time() if now is None else now
     beats = read_beats(out_dir, world_size)
+    mine = beats.get(rank)
+    if mine is None or mine.get("pid") != os.getpid():
+        return None
     silent, by_step = [], {}
     for rank, beat in beats.items():
         if beat is None:

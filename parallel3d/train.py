@@ -123,7 +123,7 @@ def _failure_line(rank: int, exc: BaseException, rj: Any) -> str:
     if rj.world_size > 1:
         from parallel3d.heartbeat import diagnose
 
-        found = diagnose(rj.job.train.out_dir, rj.world_size)
+        found = diagnose(rj.job.train.out_dir, rj.world_size, rank)
         if found:
             line += f"; {found}"
     return line
