@@ -48,14 +48,14 @@ def _rank() -> int:
 
 
 def _config_exit(exc: ConfigError) -> None:
-    """Rank 0 prints the one line; the others exit a moment later, so torchrun (which
-    stops the job at the first failed rank) does not kill rank 0 before it prints."""
+    """Rank 0 prints the one line; every rank exits 2. Under torchrun (which stops the job at
+    the first rank that exits) each rank waits a moment, exiting 2 on torchrun's SIGTERM, so
+    rank 0 is not killed before it prints and no rank is reported killed by a signal."""
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import signal
 
-        # torchrun stops the others with SIGTERM once rank 0 exits: they still exit 2, not -15.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CONFIG))
         time.sleep(CONFIG_EXIT_DELAY_S)
     sys.exit(EXIT_CONFIG)
