@@ -83,8 +83,9 @@ class ModelConfig:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.kernel_backend not in ("auto", "triton", "apex", "torch"):
             raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of auto, triton, apex, torch")
-        if self.norm_eps <= 0 or self.init_std <= 0:
-            raise ValueError("model.norm_eps and model.init_std must be > 0")
+        for key in ("norm_eps", "init_std", "rope_base"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a number > 0")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         unknown = set(changes) - {f.name for f in fields(self)}

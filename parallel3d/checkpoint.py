@@ -3,7 +3,7 @@
 Layout (``root`` = ``<train.out_dir>/checkpoints``, on a filesystem every rank sees)::
 
     root/step_00000100/            a complete checkpoint (only ever created by a rename)
-        meta.json                  step, format, model, layout, config, every file with its size
+        meta.json                  step, format, model, layout, config, every file with its size and CRC-32
         state/                     what the ranks wrote (``parallel3d.checkpoint_io``: layout-free)
     root/step_00000200.tmp/        a save in progress or a failed one: never resumed from
 
@@ -20,6 +20,9 @@ Invariants:
   training goes on.
 - Only after a new checkpoint is complete does rank 0 delete older ones beyond the
   newest ``keep_last``.
+- ``find("auto")`` verifies sizes and checksums (``checkpoint_verify``, spread over the
+  ranks) and falls back to the previous complete checkpoint with a warning naming the
+  damaged file; an explicit ``train.resume=<dir>`` that is damaged fails in one line.
 What each rank stores is the caller's business (``write_rank`` / ``read_rank``).
 """
 
@@ -37,6 +40,8 @@ import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
+from parallel3d.checkpoint_verify import crc32_of, damage, gather, my_share
+from parallel3d.faults import inject
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -137,15 +142,18 @@ class CheckpointManager:
         """
         final = step_dir(self.root, step)
         tmp = final + ".tmp"
-        ok = self._attempt(step, lambda: os.makedirs(tmp, exist_ok=True))
+        rank = self.pstate.rank
+        ok = self._attempt(step, lambda: (inject("checkpoint.mkdir", rank), os.makedirs(tmp, exist_ok=True)))
         if _world_all_true(ok, self.pstate, self.group):
             ok = self._attempt(step, lambda: write_rank(tmp))
             all_ok = _world_all_true(ok, self.pstate, self.group)
         else:
             all_ok = False
+        crcs = self._checksums(step, tmp) if all_ok else None  # collective when all_ok (same on all ranks)
+        all_ok = all_ok and crcs is not None
         committed = False
         if self.pstate.rank == 0:
-            committed = all_ok and self._commit(step, tmp, final, meta)
+            committed = all_ok and self._commit(step, tmp, final, dict(meta, file_crc32=crcs))
             if not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
         committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate, self.group)
@@ -167,8 +175,24 @@ class CheckpointManager:
             warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}", stacklevel=3)
             return False
 
+    def _checksums(self, step: int, tmp: str) -> dict[str, int] | None:
+        """Collective: CRC-32 of every file of ``tmp``, each rank reading its share; None if any failed."""
+        mine: dict[str, int] | None = {}
+        try:
+            for f in my_share(_relative_files(tmp), self.pstate.rank, self.pstate.world_size):
+                mine[f] = crc32_of(os.path.join(tmp, f))
+        except OSError as exc:
+            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step}: checksum failed: {exc}",
+                          stacklevel=3)
+            mine = None
+        parts = gather(mine, self.pstate.world_size, self.group)
+        if any(p is None for p in parts):
+            return None
+        return {f: c for p in parts for f, c in p.items()}
+
     def _commit(self, step: int, tmp: str, final: str, meta: dict[str, Any]) -> bool:
         try:
+            inject("checkpoint.commit", 0)
             files = _relative_files(tmp)
             sizes = {f: os.path.getsize(os.path.join(tmp, f)) for f in files}
             body = dict(meta, step=step, files=files, file_bytes=sizes, world_size=self.pstate.world_size)
@@ -203,6 +227,35 @@ class CheckpointManager:
                 return path
         return None
 
+    def _damage(self, directory: str) -> str | None:
+        """Collective: the first damaged file of ``directory`` found by any rank (each checks its share)."""
+        try:
+            meta = read_meta(directory)
+            files = meta.get("files", [])
+            mine = damage(directory, meta, my_share(files, self.pstate.rank, self.pstate.world_size))
+        except (OSError, ValueError) as exc:
+            mine = f"{os.path.join(directory, META)}: unreadable ({exc})"
+        found = [d for d in gather(mine, self.pstate.world_size, self.group) if d]
+        return found[0] if found else None
+
+    def _newest_intact(self) -> str | None:
+        """Collective: the newest complete checkpoint whose files verify; warns about each damaged one.
+
+        Raises when checkpoints exist but none verifies (starting over silently would lose the run)."""
+        damaged = []
+        for _, path in reversed(complete_checkpoints(self.root)):
+            bad = self._damage(path)
+            if bad is None:
+                return path
+            damaged.append(bad)
+            if self.pstate.rank == 0:
+                warnings.warn(f"checkpoint {path} is damaged, not resuming from it: {bad}; "
+                              f"falling back to the previous complete checkpoint", stacklevel=3)
+        if damaged:
+            raise CheckpointError(f"no intact checkpoint under {self.root} (newest damage: {damaged[0]}); "
+                                  f"move the damaged ones away to start over")
+        return None
+
     def find(self, resume: str) -> str | None:
         """The checkpoint ``train.resume`` asks for: ``auto``, ``none`` or a directory.
 
@@ -212,10 +265,15 @@ class CheckpointManager:
         if resume == "none":
             path = None
         elif resume == "auto":
-            path = self.latest()
+            path = self._newest_intact()
         else:
             if not is_loadable(resume):
-                raise CheckpointError(f"train.resume={resume!r}: not a complete checkpoint directory")
+                bad = self._damage(resume) if os.path.isfile(os.path.join(resume, META)) else None
+                raise CheckpointError(f"train.resume={resume!r}: " + (f"damaged checkpoint: {bad}" if bad else
+                                      "not a complete checkpoint directory"))
+            bad = self._damage(resume)
+            if bad:
+                raise CheckpointError(f"train.resume={resume!r}: damaged checkpoint: {bad}")
             path = resume
         step = -1 if path is None else int(read_meta(path)["step"])
         t = torch.tensor([step, -step], dtype=torch.int64, device=self.pstate.device)

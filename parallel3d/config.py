@@ -106,6 +106,9 @@ class TrainConfig:
     stop_after: int | None = None  # stop (and checkpoint) after this step, as if killed; resumable
     async_save: bool = True  # write checkpoints in a background thread while training goes on
     init_from: str | None = None  # hf:<dir>: start (step 0) from a transformers checkpoint directory
+    # Signals that stop the run at the next step boundary with a checkpoint (parallel3d/preemption.py).
+    preempt_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    max_minutes: float | None = None  # wall-clock budget: save and stop before it runs out; null = none
     # Validation (parallel3d/eval.py): eval_iters global batches of the validation set, forward
     # only, every eval_every steps (0 = only at the end); eval_iters=0 = no evaluation.
     eval_every: int = 0
@@ -221,6 +224,19 @@ def _check_range(key: str, value: Any, lo: float, hi: float | None = None, *, lo
         bound = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
         raise ConfigError(f"{key}={value!r}: must be a number {bound}")
     return float(value)
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """``path`` is a directory this process can create or write into (checked without creating it)."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{key}={path!r}: exists and is not a directory")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path!r}: cannot be created or written ({parent} is "
+                          f"{'not a directory' if not os.path.isdir(parent) else 'not writable'})")
 
 
 def world_size_from_env() -> int:
@@ -379,6 +395,7 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
         _check_int("train.stop_after", t.stop_after, 1)
     if not isinstance(t.out_dir, str) or not t.out_dir.strip():
         raise ConfigError(f"train.out_dir={t.out_dir!r}: must be a non-empty path")
+    _check_writable_dir("train.out_dir", t.out_dir)
     if t.resume not in ("auto", "none") and not os.path.isdir(t.resume):
         raise ConfigError(f"train.resume={t.resume!r}: must be auto, none or an existing checkpoint directory")
     if t.resume == "none":
@@ -391,6 +408,9 @@ def _check_train(t: TrainConfig, model: ModelConfig, topo: Topology, p: Parallel
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
     _check_range("train.timeout_s", t.timeout_s, 0.0, lo_open=True)
+    from parallel3d.preemption import check_stop_settings
+
+    check_stop_settings(t.preempt_signal, t.max_minutes)
     if not isinstance(t.async_save, bool):
         raise ConfigError(f"train.async_save={t.async_save!r}: must be true or false")
     if t.init_from is not None:
@@ -447,7 +467,8 @@ def _check_data(d: DataConfig, model: ModelConfig) -> None:
     if d.source == "indexed" and not paths:
         raise ConfigError("data.paths=[]: data.source=indexed needs at least one dataset prefix (or data.blend)")
     if d.source == "default" and paths:
-        raise ConfigError(f"data.paths={list(d.paths)}: only used with data.source=indexed")
+        given = f"data.blend={d.blend!r}" if d.blend else f"data.paths={list(d.paths)}"
+        raise ConfigError(f"{given}: only used with data.source=indexed")
     if d.source == "default" and weights is not None:
         raise ConfigError(f"data.weights={weights}: only used with data.source=indexed")
     if d.source == "default" and valid_paths:

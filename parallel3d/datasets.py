@@ -37,7 +37,12 @@ def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDa
     if d.valid_fraction > 0:
         train = data.GPTDataset(paths, weights, split="train", valid_fraction=d.valid_fraction, **common)
         valid = data.GPTDataset(paths, weights, split="valid", valid_fraction=d.valid_fraction, **common)
-        return train, valid, tokenizer
-    train = data.GPTDataset(paths, weights, **common)
-    valid = data.GPTDataset(valid_paths, valid_weights, **common) if valid_paths else None
+    else:
+        train = data.GPTDataset(paths, weights, **common)
+        valid = data.GPTDataset(valid_paths, valid_weights, **common) if valid_paths else None
+    for name, dataset in (("training", train), ("validation", valid)):
+        if dataset is not None and dataset.samples_per_epoch < t.global_batch_size:
+            raise data.DataError(
+                f"{name} data {[ds.prefix for ds in dataset.datasets]} has {dataset.samples_per_epoch} samples of "
+                f"seq_len={t.seq_len}: fewer than one global batch (train.global_batch_size={t.global_batch_size})")
     return train, valid, tokenizer

@@ -14,7 +14,11 @@ Order of events on every rank, so a bad value never hangs a job:
    rank); ranks other than 0 pass ``hydra.output_subdir=null`` so only rank 0 writes
    ``.hydra/``; Hydra never changes the working directory;
 3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1
-   (torchrun then stops the job; collectives time out after ``train.timeout_s``).
+   (torchrun then stops the job; collectives time out after ``train.timeout_s``, and the
+   line then names the ranks whose heartbeat stopped: ``parallel3d.heartbeat``);
+4. a run stopped early by ``train.preempt_signal`` or ``train.max_minutes`` has saved a
+   checkpoint and exits with status 3 (``preemption.EXIT_STOPPED``); rank 0 also creates the
+   file named by ``$P3D_REQUEUE_FILE``, if set, so a batch script knows to requeue the job.
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ def _rank() -> int:
 
 
 def _config_exit(exc: ConfigError) -> None:
-    """Rank 0 prints the one line; the others exit a moment later, so torchrun (which
-    stops the job at the first failed rank) does not kill rank 0 before it prints."""
+    """Rank 0 prints the one line; every rank exits 2. Under torchrun (which stops the job at
+    the first rank that exits) each rank waits a moment, exiting 2 on torchrun's SIGTERM, so
+    rank 0 is not killed before it prints and no rank is reported killed by a signal."""
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CONFIG))
         time.sleep(CONFIG_EXIT_DELAY_S)
     sys.exit(EXIT_CONFIG)
 
@@ -87,9 +95,9 @@ def hydra_app(cfg: DictConfig) -> None:
     _configure_threads(rj.device)
     try:
         pstate = make_parallel_state(rj)
-        train(rj, pstate, full_config=plain)
+        result = train(rj, pstate, full_config=plain)
     except Exception as exc:  # noqa: BLE001 - one clear line, non-zero exit, torchrun ends the job
-        print(f"[rank {rank}] failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(_failure_line(rank, exc, rj), file=sys.stderr, flush=True)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
@@ -98,6 +106,27 @@ def hydra_app(cfg: DictConfig) -> None:
     if dist.is_initialized():
         pstate.destroy()
         dist.destroy_process_group()
+    if result.stopped is not None:
+        from parallel3d.preemption import EXIT_STOPPED
+
+        marker = os.environ.get("P3D_REQUEUE_FILE")
+        if rank == 0 and marker:
+            with open(marker, "w") as fh:
+                fh.write(f"{result.last_step} {result.stopped}\n")
+        sys.exit(EXIT_STOPPED)
+
+
+def _failure_line(rank: int, exc: BaseException, rj: Any) -> str:
+    """``[rank R] failed: <type>: <first line>``, plus the ranks whose heartbeat stopped, if any."""
+    cause = (str(exc).strip().splitlines() or [""])[0]
+    line = f"[rank {rank}] failed: {type(exc).__name__}: {cause}"
+    if rj.world_size > 1:
+        from parallel3d.heartbeat import diagnose
+
+        found = diagnose(rj.job.train.out_dir, rj.world_size, rank)
+        if found:
+            line += f"; {found}"
+    return line
 
 
 def _multirun_job_dir(job: JobConfig, plain: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.datasets import build_datasets
 from parallel3d.eval import EvalResult, Evaluator
+from parallel3d.heartbeat import Heartbeat, beat_interval
 from parallel3d.metrics import (
     JsonlSink,
     StepTimer,
@@ -51,6 +52,7 @@ from parallel3d.metrics import (
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
@@ -68,6 +70,7 @@ class TrainResult:
     checkpoints: list[int] = field(default_factory=list)  # steps saved successfully
     wall_time: float = 0.0
     summary: RunSummary | None = None  # logging rank only
+    stopped: str | None = None  # why the run stopped before its end (signal, time budget), checkpointed
 
 
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
@@ -113,6 +116,8 @@ class Trainer:
 
     def __init__(self, rj: ResolvedJob, pstate: ParallelState, full_config: dict[str, Any] | None = None) -> None:
         self.rj, self.pstate = rj, pstate
+        # Constructed first, so the time budget counts the set-up too.
+        self.stop_policy = StopPolicy(pstate, list(rj.job.train.preempt_signal), rj.job.train.max_minutes)
         self.full_config = full_config or {}
         t, o, p = rj.job.train, rj.job.optimizer, rj.job.parallel
         self.chunks = build_chunks(rj, pstate)
@@ -264,6 +269,20 @@ class Trainer:
 
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:
+        """Train to ``train.steps`` (or ``stop_after``, or until ``StopPolicy`` stops the run)."""
+        heartbeat = None
+        if self.pstate.world_size > 1:  # names a hung rank when a collective times out (heartbeat.py)
+            heartbeat = Heartbeat(self.rj.job.train.out_dir, self.pstate.rank, beat_interval(self.rj.job.train.timeout_s))
+            heartbeat.start()
+        self.stop_policy.install()
+        try:
+            return self._train(heartbeat)
+        finally:
+            self.stop_policy.uninstall()
+            if heartbeat is not None:
+                heartbeat.stop()
+
+    def _train(self, heartbeat: Heartbeat | None) -> TrainResult:
         t, lg = self.rj.job.train, self.rj.job.logging
         t0 = time.perf_counter()
         resume_dir = self.restore()
@@ -295,6 +314,8 @@ class Trainer:
             timer.stop()  # synchronises the device so the interval below is honest
             comm_bytes = self._comm_delta(before)
             self.step += 1
+            if heartbeat is not None:
+                heartbeat.completed(self.step)
             interval_steps += 1
             evaluation = self._maybe_evaluate(end)
             if evaluation is not None:
@@ -313,10 +334,18 @@ class Trainer:
                     print(format_console(record, t.steps), flush=True)
                 interval_start, interval_steps, interval_eval = time.perf_counter(), 0, 0.0
                 self.optimizer.reset_memory_peak()
-            if (t.save_every and self.step % t.save_every == 0) or self.step == end:
+            saving = (t.save_every and self.step % t.save_every == 0) or self.step == end
+            stop = None if self.step == end else self.stop_policy.should_stop(time.perf_counter() - iteration_start)
+            if saving or stop is not None:
                 self._save_started[self.step] = time.perf_counter()
                 self.save_checkpoint()
             result.checkpoints += self._report_saves(self.checkpoints.completed())
+            if stop is not None:
+                result.stopped = stop
+                if self.is_logging_rank:
+                    print(f"stopping at step {self.step} of {t.steps}: {stop}; saving a checkpoint "
+                          f"(train.resume=auto continues from it)", flush=True)
+                break
             clock.add_step(time.perf_counter() - iteration_start - (evaluation.seconds if evaluation else 0.0))
         result.checkpoints += self._report_saves(self.checkpoints.close())
         result.last_step = self.step

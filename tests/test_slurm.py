@@ -23,7 +23,9 @@ OVERRIDES = ["model=gpt3_175b", "parallel.tp=8", "parallel.pp=16", "train.out_di
 def _fake_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 1\necho node017\necho node018\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"$2\" > \"$REQUEUED\"; exit 0; fi\n"
+        "[ \"$1 $2\" = 'show hostnames' ] || exit 1\necho node017\necho node018\n")
     # Drop srun's own options, then run the command (one node's task).
     (bin_dir / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
     # A "python" that prints its arguments, one per line, so we see what torchrun would get.
@@ -85,3 +87,25 @@ def test_missing_allocation_fails_with_a_message(tmp_path):
 def test_no_nccl_setting_is_hard_coded():
     code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
     assert not any("NCCL_" in line for line in code)
+
+
+def test_a_run_stopped_by_a_signal_is_requeued(tmp_path):
+    """The ranks exit 3 after their preemption checkpoint and rank 0 leaves $P3D_REQUEUE_FILE:
+    the script requeues the job; a run that failed (no marker) is not requeued."""
+    script = SCRIPT.read_text()
+    assert "#SBATCH --signal=USR1@" in script and "#SBATCH --requeue" in script
+    for stopped in (True, False):
+        body = 'echo "42 received SIGUSR1" > "$P3D_REQUEUE_FILE"; exit 3' if stopped else "exit 1"
+        stub = tmp_path / f"stub_{stopped}"
+        stub.write_text(f"#!/usr/bin/env bash\n{body}\n")
+        stub.chmod(0o755)
+        requeued = tmp_path / f"requeued_{stopped}"
+        (tmp_path / str(stopped)).mkdir()
+        env = _env(tmp_path / str(stopped), PYTHON=str(stub), REQUEUED=str(requeued),
+                   P3D_REQUEUE_FILE=str(tmp_path / f"marker_{stopped}"))
+        proc = subprocess.run(["bash", str(SCRIPT), *OVERRIDES], env=env, capture_output=True, text=True)
+        if stopped:
+            assert proc.returncode == 0 and requeued.read_text().strip() == "4242", proc.stderr
+            assert "requeueing job 4242" in proc.stderr and not (tmp_path / "marker_True").exists()
+        else:
+            assert proc.returncode == 1 and not requeued.exists()

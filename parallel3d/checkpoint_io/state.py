@@ -26,6 +26,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 from parallel3d.checkpoint_io.boxes import Box
 from parallel3d.checkpoint_io.pieces import TensorPiece
 from parallel3d.checkpoint_io.planners import CheckpointMismatch, PieceLoadPlanner, PieceSavePlanner
+from parallel3d.faults import inject
+
+
+class _FileWriter(FileSystemWriter):
+    """DCP's file writer with the ``checkpoint.write`` fault point (``parallel3d.faults``) inside
+    its write step, where DCP exchanges a failure with every rank."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        super().__init__(directory, single_file_per_rank=True, sync_files=True)
+        self.rank = rank
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        inject("checkpoint.write", self.rank)
+        return super().write_data(plan, planner)
 
 
 class StateIOError(RuntimeError):
@@ -48,7 +62,7 @@ def write_state(directory: str, pieces: list[TensorPiece], objects: dict[str, An
 
     A rank passing ``failure`` (it could not prepare its pieces) still takes part, and the
     save fails on every rank with that cause."""
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+    writer = _FileWriter(directory, dist.get_rank() if group is not None else 0)
     planner = PieceSavePlanner(pieces, objects, failure)
     try:
         with warnings.catch_warnings():

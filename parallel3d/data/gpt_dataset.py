@@ -115,9 +115,11 @@ class GPTDataset:
                     f"seq_len={seq_len} (needs seq_len + 1 = {seq_len + 1}); use a shorter seq_len or more data"
                 )
         if model_vocab_size is not None:
-            for ds in self.datasets:  # recorded at write time; unknown ones are checked per sample read
+            for ds in self.datasets:  # recorded at write time (sidecar), else sampled
                 top = ds.max_token_id
-                if top is not None and top >= model_vocab_size:
+                if top is None:  # no sidecar: a bounded sample now, every sample when it is read
+                    top = ds.sampled_max_token_id()
+                if top >= model_vocab_size:
                     raise DataError(
                         f"dataset {ds.prefix!r} holds token id {top} >= model vocab_size={model_vocab_size}"
                     )

@@ -202,8 +202,13 @@ class IndexedDataset:
             if bin_bytes
             else np.zeros(0, dtype=self.dtype)
         )
-        if n_seq and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize > bin_bytes:
-            raise DataError(f"{bin_path(self.prefix)!r}: index points past the end of the data file")
+        end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        if end > bin_bytes:
+            raise DataError(f"{bin_path(self.prefix)!r}: truncated or not the data of {idx_path(self.prefix)!r}: "
+                            f"the index points to byte {end}, the file has {bin_bytes}")
+        if end < bin_bytes:  # a writer's .bin is exactly the sequences the .idx lists
+            raise DataError(f"{bin_path(self.prefix)!r} does not match {idx_path(self.prefix)!r}: the index "
+                            f"describes {end} bytes, the file has {bin_bytes} (another dataset's index?)")
 
     @property
     def max_token_id(self) -> int | None:
@@ -255,6 +260,16 @@ class IndexedDataset:
         expected = np.zeros(self.num_sequences, dtype=np.int64)
         expected[1:] = np.cumsum(self.sequence_lengths[:-1], dtype=np.int64) * self.dtype.itemsize
         return bool(np.array_equal(expected, self.sequence_pointers)) and self.num_tokens == len(self.tokens)
+
+    def sampled_max_token_id(self, head: int = 1 << 20, strided: int = 1 << 16) -> int:
+        """The largest token id among the first ``head`` tokens and ``strided`` evenly spaced ones: a
+        bounded start-up check for data without a stats sidecar (every sample is checked when read)."""
+        n = len(self.tokens)
+        if n == 0:
+            return -1
+        top = int(np.asarray(self.tokens[: min(n, head)]).max())
+        step = max(1, n // strided)
+        return max(top, int(np.asarray(self.tokens[::step]).max()))
 
     def token_stream(self) -> np.ndarray:
         """All tokens in sequence order (the memmap itself when contiguous; else a copy)."""

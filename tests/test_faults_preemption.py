@@ -1,0 +1,123 @@
+"""Preemption and time limits, injected for real: SIGTERM to the launcher by PID (mid-step and
+mid-save), the wall-clock budget; the newest complete checkpoint is intact and the resumed
+losses are bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from parallel3d.checkpoint import complete_checkpoints, is_loadable
+from parallel3d.config import job_from_dict, resolve
+from parallel3d.parallel_state import ParallelState
+from parallel3d.preemption import EXIT_STOPPED
+from parallel3d.trainer import train
+from tests.fault_runs import TINY, Run, losses_of, run_to_end
+from tests.test_train_e2e import job_values
+
+pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
+STOP_BOUND_S = 30.0  # signal -> every process gone (a step + a checkpoint of a tiny model, on a loaded machine)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+def _args(out, cache_dir, steps: int, *extra: str) -> list[str]:
+    return [*TINY, f"train.steps={steps}", f"train.out_dir={out}", f"data.cache_dir={cache_dir}", *extra]
+
+
+def test_sigterm_mid_step_checkpoints_exits_3_and_resumes_bit_identically(tmp_path, cache_dir):
+    steps = 40
+    reference = run_to_end(_args(tmp_path / "ref", cache_dir, steps))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    out = tmp_path / "run"
+    marker = tmp_path / "requeue"
+    run = Run(_args(out, cache_dir, steps, "train.save_every=0"), P3D_REQUEUE_FILE=str(marker))
+    try:
+        run.wait_for(r"^step +3/")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        status, seconds = run.finish(timeout=120)
+    finally:
+        run.kill()
+    assert status == EXIT_STOPPED, "\n".join(run.lines[-30:])
+    assert seconds < STOP_BOUND_S
+    stop = [line for line in run.lines if line.startswith("stopping at step")]
+    assert len(stop) == 1 and "received SIGTERM" in stop[0], run.lines[-20:]
+    assert "Traceback" not in "\n".join(run.lines)
+    stopped_at = int(stop[0].split()[3])
+    assert 3 <= stopped_at < steps
+    ckpts = complete_checkpoints(str(out / "checkpoints"))
+    assert [s for s, _ in ckpts] == [stopped_at] and is_loadable(ckpts[0][1])
+    assert marker.read_text().split()[0] == str(stopped_at)  # the batch script's cue to requeue
+    resumed = run_to_end(_args(out, cache_dir, steps))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {ckpts[0][1]} at step {stopped_at}" in resumed.stdout
+    assert losses_of(str(out)) == losses_of(str(tmp_path / "ref"))  # bit-identical, every step
+
+
+def _train(values: dict) -> object:
+    rj = resolve(job_from_dict(values, model="gpt_tiny"), 1)
+    return train(rj, ParallelState.single_process())
+
+
+def test_max_minutes_saves_and_stops_in_time_then_resumes_bit_identically(tmp_path, cache_dir):
+    steps, until = 10_000, 12  # steps the same in every run: the LR schedule depends on it
+    full = _train(job_values(str(tmp_path / "full"), cache_dir, train={"steps": steps, "stop_after": until}))
+    out = str(tmp_path / "budget")
+    budget_min = 0.03  # 1.8 s, set-up included (the corpus is cached by the run above)
+    t0 = time.monotonic()
+    first = _train(job_values(out, cache_dir, train={"steps": steps, "max_minutes": budget_min}))
+    took = time.monotonic() - t0
+    assert first.stopped is not None and f"train.max_minutes={budget_min}" in first.stopped
+    assert took < budget_min * 60 + 3  # stopped (and saved) by the budget, give or take a step on a busy machine
+    assert first.checkpoints == [first.last_step] and 1 <= first.last_step < steps
+    if first.last_step >= until:
+        pytest.skip(f"{first.last_step} steps fit in the budget: nothing left to compare")
+    second = _train(job_values(out, cache_dir, train={"steps": steps, "stop_after": until}))
+    assert second.start_step == first.last_step and second.stopped is None
+    assert losses_of(out) == {r["step"]: r["loss"] for r in full.records}
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_path, cache_dir):
+    """2 ranks (pp=2). First SIGTERM mid-step; after a resume, SIGTERM while an async save is
+    in flight (the disk made slow on rank 1 by the ``checkpoint.write`` fault point)."""
+    steps = 16
+    layout = ["parallel.pp=2", "train.async_save=true"]
+    ref = run_to_end(_args(tmp_path / "ref", cache_dir, steps, *layout), nproc=2)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+    out = tmp_path / "run"
+    stops = []
+    for fault, pattern in (("", r"^step +3/"), ("checkpoint.write@1=sleep:4", r"^step +\d+/")):
+        run = Run(_args(out, cache_dir, steps, *layout, "train.save_every=2"), nproc=2, P3D_FAULT=fault)
+        try:
+            if fault:  # wait until a save is in flight (its write sleeps 4 s on rank 1)
+                run.wait_for(r"resumed from")
+                run.wait_for(r"^step +\d*[02468]/")
+                time.sleep(1.0)
+            else:
+                run.wait_for(pattern)
+            t0 = time.monotonic()
+            os.kill(run.proc.pid, signal.SIGTERM)
+            status, _ = run.finish(timeout=120)
+            seconds = time.monotonic() - t0
+        finally:
+            run.kill()
+        text = "\n".join(run.lines)
+        assert status != 0 and seconds < STOP_BOUND_S, text[-3000:]
+        stop = [line for line in run.lines if line.startswith("stopping at step")]
+        assert len(stop) == 1, text[-3000:]
+        assert f"exitcode: {EXIT_STOPPED}" in text or "SIGTERM" in text
+        stops.append((int(stop[0].split()[3]), seconds))
+        ckpts = [s for s, _ in complete_checkpoints(str(out / "checkpoints"))]
+        assert ckpts[-1] == stops[-1][0] and all(is_loadable(p) for _, p in complete_checkpoints(str(out / "checkpoints")))
+        assert not [n for n in os.listdir(out / "checkpoints") if n.endswith(".tmp")]
+    final = run_to_end(_args(out, cache_dir, steps, *layout, "train.save_every=2"), nproc=2)
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
+    assert losses_of(str(out)) == losses_of(str(tmp_path / "ref"))
+    print(f"SIGTERM -> all processes gone: mid-step {stops[0][1]:.1f}s, mid-save {stops[1][1]:.1f}s")
