@@ -295,7 +295,7 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        local_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        local_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g, layout in enumerate(self.layouts):
             for b in layout.buckets:
                 piece = self.grad_sync.grad_piece(g, b)
