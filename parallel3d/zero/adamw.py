@@ -18,6 +18,7 @@ through its public functional form ``torch.optim.adamw.adamw(fused=True)``.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -44,8 +45,15 @@ def host_adamw_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
                            beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=eps, maximize=False)
 
 
-def resolve_backend(name: str) -> Callable[..., None]:
-    """The flat-update function for ``fused_adamw_backend=name``."""
+def resolve_backend(name: str, device: torch.device | None = None) -> Callable[..., None]:
+    """The flat-update function for ``fused_adamw_backend=name`` on ``device``.
+
+    ``"auto"`` on a CPU device (no Triton interpreter) is torch's fused CPU kernel: the torch
+    reference makes ~6 passes over each shard with temporaries, the fused kernel one."""
     if name not in BACKENDS:
         raise ValueError(f"fused_adamw_backend={name!r} is not one of {BACKENDS}")
-    return adamw_flat_ if name == "torch" else kernel_adamw.adamw_flat_
+    if name == "torch":
+        return adamw_flat_
+    if name == "auto" and device is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return host_adamw_flat_
+    return kernel_adamw.adamw_flat_

@@ -196,7 +196,7 @@ class ZeroOptimizer:
             backoff_factor=loss_scale_backoff_factor, growth_interval=loss_scale_growth_interval,
             min_scale=loss_scale_min,
         )
-        self._adamw = resolve_backend(fused_adamw_backend)
+        self._adamw = resolve_backend(fused_adamw_backend)  # validates early; device-specific below
         self.dp = comm.group_size(pstate, "dp")
         self.iteration = 0  # step() calls, skipped or not (drives the LR schedule)
         self.adam_step = 0  # applied updates (drives bias correction)
@@ -216,6 +216,7 @@ class ZeroOptimizer:
             unit_of=unit_of,
         )
         self.device = named[0][1].device
+        self._adamw = resolve_backend(fused_adamw_backend, self.device)
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
         if units is not None:
             self.params: ReplicatedParams | ShardedParams = ShardedParams(
