@@ -138,11 +138,12 @@ PEAK_WIDTH, PEAK_DEPTH = 48, 128  # ~301k parameters in 256 small tensors: one t
 PEAK_BUCKET_ELEMS = 8192
 
 
-def make_deep_model() -> nn.Module:
+def make_deep_model(width: int = PEAK_WIDTH, depth: int = PEAK_DEPTH) -> nn.Module:
+    """``depth`` bf16 Linear(width, width) + Tanh pairs, seeded: many small tensors."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(PEAK_DEPTH):
-        layers += [nn.Linear(PEAK_WIDTH, PEAK_WIDTH), nn.Tanh()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers).to(torch.bfloat16)
 
 

@@ -17,6 +17,7 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
 from tests.harness import run_on_ranks
+from tests.test_zero_memory_comm import make_deep_model as make_deep_tanh_model
 from tests.test_zero_optimizer import BETAS, EPS, LR, TINY_BUCKET_MB, WD, global_batch, make_mlp, max_rel_error
 from tests.test_zero_optimizer import train_reference
 
@@ -142,11 +143,7 @@ PEAK_WIDTH, PEAK_DEPTH, PEAK_BUCKET_ELEMS = 96, 32, 8192  # 32 units of 9312 par
 
 
 def make_deep_model() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(PEAK_DEPTH):
-        layers += [nn.Linear(PEAK_WIDTH, PEAK_WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers).to(torch.bfloat16)
+    return make_deep_tanh_model(PEAK_WIDTH, PEAK_DEPTH)
 
 
 def _peak(rank, world_size, cases):
