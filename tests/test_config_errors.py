@@ -208,6 +208,7 @@ SUBPROCESS_SAMPLE = ["train.steps:range", "model.vocab_size:type", "unknown:key"
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the in-process matrix runs the same entry function; test_train_cli runs torchrun
 def test_a_sample_through_real_processes_and_torchrun_ranks(tmp_config_paths):
     cases = {c[0]: (c[1], c[2], 1) for c in GENERATED}
     cases.update({c[0]: (c[1], c[2], c[3]) for c in hand_cases(tmp_config_paths)})
@@ -223,7 +224,7 @@ def test_a_sample_through_real_processes_and_torchrun_ranks(tmp_config_paths):
         _check_output(outs[0][1], outs[0][0], expect)
         assert all(o == e == "" for o, e in outs[1:]), name  # silence on the other ranks
         assert time.monotonic() - t0 < 60, name
-    # torchrun with 3 ranks: every rank exits 2, one line in all the output.
+    # torchrun with 3 ranks: ranks exit 2 (or are stopped by torchrun), one line in all the output.
     for overrides, expect in ((["train.global_batch_size=4", "train.micro_batch_size=4"], "train.global_batch_size=4"),
                               (["train.max_minutes=-1", "train.global_batch_size=48"], "train.max_minutes=-1")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
@@ -233,6 +234,8 @@ def test_a_sample_through_real_processes_and_torchrun_ranks(tmp_config_paths):
         ours = [line for line in text.splitlines() if line.startswith("config error:")]
         assert len(ours) == 1 and expect in ours[0], text[-3000:]
         codes = [line for line in text.splitlines() if line.strip().startswith("exitcode")]
-        assert len(codes) == 3 and all(line.split(":")[1].split()[0] == "2" for line in codes), text[-3000:]
+        # Each rank exits 2 on its own, unless torchrun stopped it (SIGTERM, -15) after the first rank's 2.
+        exits = [line.split(":")[1].split()[0] for line in codes]
+        assert len(exits) == 3 and "2" in exits and set(exits) <= {"2", "-15"}, text[-3000:]
         # The only traceback is torchrun's own failure report (ChildFailedError), none from a rank.
         assert "parallel3d" not in "".join(line for line in text.splitlines() if line.startswith("  File"))

@@ -108,8 +108,9 @@ def _train(args: list[str], cwd, timeout: float = 120) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--cfg", "job"], ["-m"], ["--config-name", "config"], ["--help"],
-                                   ["--cfg", "all", "--resolve"]])
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["-m"],
+                                   *(pytest.param(f, marks=pytest.mark.extended)  # the same code path
+                                     for f in (["--config-name", "config"], ["--help"], ["--cfg", "all", "--resolve"]))])
 def test_an_unknown_key_is_one_line_and_exit_2_whatever_the_flags(tmp_path, flags):
     proc = _train([*flags, "train.no_such_key=1"], tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]

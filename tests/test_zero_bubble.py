@@ -169,7 +169,7 @@ def _zb_grad_sync_case(rank, world):
 
 def test_zb_h1_grads_arrive_in_w_and_sync_flags_follow_the_last_w():
     for calls, halves, nparams in run_on_ranks(_zb_grad_sync_case, 2):
-        assert calls[-1] == ("finish",)
+        assert calls[-1] == ("finalize",)  # once per step, after the last W
         prepares = [i for i, c in enumerate(calls) if c[0] == "prepare"]
         assert len(prepares) == len(halves)
         last_w = max(i for i, h in enumerate(halves) if h[0] == "W")

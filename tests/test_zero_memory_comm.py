@@ -106,9 +106,9 @@ def test_communication_bytes_equal_ddp(dp):
         for stage in (1, 2):
             comm = per_stage[stage]["comm"]
             assert comm[("dp", "reduce_scatter")] + comm[("dp", "all_gather")] == pytest.approx(ddp, abs=2)
-            # Everything else on the dp group is the grad-norm scalar.
+            # Everything else on the dp group is the grad-norm scalar (fp64: 2 * 8 * (dp - 1) / dp bytes).
             rest = sum(v for (kind, op), v in comm.items() if kind == "dp" and op == "all_reduce")
-            assert rest <= 8
+            assert rest <= 16
 
 
 def test_gloo_reduce_scatter_as_all_reduce_counts_what_it_sends():
