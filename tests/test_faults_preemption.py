@@ -84,6 +84,7 @@ def test_max_minutes_saves_and_stops_in_time_then_resumes_bit_identically(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the single-process SIGTERM test takes the same path through StopPolicy
 def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_path, cache_dir):
     """2 ranks (pp=2). First SIGTERM mid-step; after a resume, SIGTERM while an async save is
     in flight (the disk made slow on rank 1 by the ``checkpoint.write`` fault point)."""
