@@ -23,6 +23,7 @@ from parallel3d.zero import ZeroOptimizer
 from tests.harness import run_on_ranks
 from tests.test_zero_memory_comm import make_deep_model
 from tests.test_zero_optimizer import (
+    accumulate_rank_batch,
     BETAS,
     BF16_NORM_TOLERANCE,
     BF16_PARAM_TOLERANCE,
@@ -47,12 +48,7 @@ def _train_case(ps, rank, dp, stage, offload, precision, directory):
                         offload_buffer_mb=7 * 24 * 2 / 2**20)  # disk: chunks of 7 elements, several per piece
     norms = []
     for step in range(STEPS):
-        x, y = global_batch(step, BATCH)
-        rows = BATCH // dp // ACC
-        for mb in range(ACC):
-            lo = (rank * ACC + mb) * rows
-            opt.grad_sync.prepare(is_last_microbatch=mb == ACC - 1)
-            (F.cross_entropy(model(x[lo : lo + rows].to(dtype)).float(), y[lo : lo + rows]) / ACC).backward()
+        accumulate_rank_batch(model, opt, *global_batch(step, BATCH), rank, dp, ACC, dtype)
         info = opt.step()
         assert not info.skipped
         norms.append(info.grad_norm)

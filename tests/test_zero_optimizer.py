@@ -107,6 +107,17 @@ def matrix_cases() -> list[tuple[int, str, str, int]]:
             for stage in ZERO_STAGES for precision, grad_dtype in DTYPE_CASES for acc in (1, 4)]
 
 
+def accumulate_rank_batch(model: nn.Module, opt: ZeroOptimizer, x: torch.Tensor, y: torch.Tensor, rank: int,
+                          dp: int, acc: int, dtype: torch.dtype) -> None:
+    """Backward of this DP rank's share of the global batch ``(x, y)`` in ``acc`` microbatches,
+    announcing each to ``opt.grad_sync`` as the pipeline engine does."""
+    rows = len(x) // dp // acc
+    for mb in range(acc):
+        lo = (rank * acc + mb) * rows
+        opt.grad_sync.prepare(is_last_microbatch=mb == acc - 1)
+        (F.cross_entropy(model(x[lo : lo + rows].to(dtype)).float(), y[lo : lo + rows]) / acc).backward()
+
+
 def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str, int],
                 ref: nn.Module) -> tuple[float, list[float]]:
     stage, precision, grad_dtype, acc = case
@@ -116,12 +127,7 @@ def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str
                         precision=precision, grad_reduce_dtype=grad_dtype, bucket_size_mb=TINY_BUCKET_MB)
     norms = []
     for step in range(MATRIX_STEPS):
-        x, y = global_batch(step, MATRIX_BATCH)
-        rows = MATRIX_BATCH // dp // acc
-        for mb in range(acc):
-            lo = (rank * acc + mb) * rows
-            opt.grad_sync.prepare(is_last_microbatch=mb == acc - 1)
-            (F.cross_entropy(model(x[lo : lo + rows].to(dtype)).float(), y[lo : lo + rows]) / acc).backward()
+        accumulate_rank_batch(model, opt, *global_batch(step, MATRIX_BATCH), rank, dp, acc, dtype)
         opt.grad_sync.finalize()
         info = opt.step()
         assert not info.skipped
