@@ -20,7 +20,7 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
   pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
   schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1 and
-  dp > 1, disk offload with dp > 1.
+  dp > 1, disk offload with dp > 1 (coverage draws within ``affordable_for_ci``).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
@@ -207,10 +207,22 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
 COVER_BASE = 10_000  # id COVER_BASE + k: a layout drawn under property k of CI_MUST_COVER
 
 
+CI_MAX_MICROBATCHES = 6  # per rank and step
+
+
+def affordable_for_ci(case: LayoutCase, label: str) -> bool:
+    """Coverage draws stay cheap on 2 cores: few microbatches, and disk offload (slow in small
+    chunks) only where the property asks for it. The whole matrix has no such budget."""
+    p, t = case.parallel, case.train
+    microbatches = t["global_batch_size"] // (t["micro_batch_size"] * p["dp"])
+    return microbatches <= CI_MAX_MICROBATCHES and (p["offload"] != "disk" or "disk" in label)
+
+
 def case_by_id(case_id: int) -> LayoutCase:
     """The case of any id, coverage ids included."""
     if case_id >= COVER_BASE:
-        return generate_case(case_id, list(CI_MUST_COVER.values())[case_id - COVER_BASE])
+        label, where = list(CI_MUST_COVER.items())[case_id - COVER_BASE]
+        return generate_case(case_id, lambda c: where(c) and affordable_for_ci(c, label))
     return generate_case(case_id)
 
 
