@@ -111,13 +111,14 @@ def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
 
 
 def _compute_medians(results: list) -> dict[tuple[str, int], float]:
-    """Per (kind, chunk): the median measured time of our F / B / W computations."""
+    """Per (kind, chunk): the mean measured time of our F / B / W computations (the mean, so that a
+    stage's simulated busy time equals its measured one: the bubbles then differ only by waiting)."""
     own: dict[tuple[str, int], list[float]] = {}
     for res in results:
         for action, start, end in res.timeline:
             if action.is_compute:
                 own.setdefault((action.kind, action.chunk), []).append(end - start)
-    return {k: statistics.median(vals) for k, vals in own.items()}
+    return {k: statistics.fmean(vals) for k, vals in own.items()}
 
 
 def _group_round(args, pstate, v: int) -> dict:
@@ -177,6 +178,7 @@ def _group_round(args, pstate, v: int) -> dict:
         out["ours"][name] = {
             "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
             "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
+            "busy_s": [r.busy_time for r in measured], "step_s": [r.step_time for r in measured],
             "comm": statistics.median(r.comm_time / r.step_time for r in measured),
             "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
                                       for r in measured),
@@ -279,7 +281,11 @@ def _simulated(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> tup
     schedule = build_schedule(sched, p, m, v)
     sim = simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt)
     sim0 = simulate(schedule, fwd, bwd, wgrad_time=wgt)
-    measured = statistics.mean(o["bubble"] for o in per_stage.values())
+    # Like simulate(): each stage's idle share of the step's global end (the slowest rank's step),
+    # averaged over stages, per step; the median over the round's steps.
+    steps = zip(*(zip(o["busy_s"], o["step_s"]) for o in per_stage.values()))
+    measured = statistics.median(
+        statistics.mean(1.0 - busy / max(st for _, st in step) for busy, _ in step) for step in steps)
     return measured, sim.bubble_fraction, sim0.bubble_fraction
 
 
@@ -291,17 +297,22 @@ def _stats(values: list[float]) -> dict:
 def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
     """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
     times: dict[str, list[float]] = {}
+    per_round: list[dict[str, list[float]]] = []  # per round: system -> its step times in that round
     per_round_stats = []
     for r in range(args.rounds):
         order = ["group", "deepspeed"] if r % 2 == 0 else ["deepspeed", "group"]
+        per_round.append({})
         for what in order:
             if what == "group":
                 got = run_group(args, p)
                 for name, ts in got["times"].items():
                     times.setdefault(name, []).extend(ts)
+                    per_round[-1][name] = ts
                 per_round_stats.append(got["per_rank"])
             elif ds_py is not None:
-                times.setdefault("deepspeed PipelineModule 1f1b", []).extend(run_deepspeed(args, ds_py, p))
+                ts = run_deepspeed(args, ds_py, p)
+                times.setdefault("deepspeed PipelineModule 1f1b", []).extend(ts)
+                per_round[-1]["deepspeed PipelineModule 1f1b"] = ts
         print(f"[bench] pp={p} round {r + 1}/{args.rounds} done", flush=True)
     base = statistics.median(times["ours 1f1b"])
     peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
@@ -310,7 +321,12 @@ def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
     for name, ts in times.items():
         row = {"stages": p, "microbatches": args.microbatches, "system": name, **_stats(ts),
                "vs_ours_1f1b": statistics.median(ts) / base,
-               "vs_fastest_1f1b_peer": statistics.median(ts) / fastest_peer if fastest_peer else None}
+               "vs_fastest_1f1b_peer": statistics.median(ts) / fastest_peer if fastest_peer else None,
+               # Load on a shared machine drifts between launches: the ratio within each round, then
+               # the median over rounds, compares systems under the same background load.
+               "paired_vs_ours_1f1b": statistics.median(
+                   statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                   for rnd in per_round if name in rnd)}
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)
@@ -361,7 +377,8 @@ def main() -> None:
     for p in args.stages:
         rows += bench_stages(args, p, ds_py)
     unit = {p: _simulated_unit_bubbles(p, args.microbatches) for p in sorted({*args.stages, 4})}
-    header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'/peer':>6} "
+    header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
+              f"{'/peer':>6} "
               f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8}")
     print(header)
     print("-" * len(header))
@@ -370,9 +387,10 @@ def main() -> None:
                f" {r['bubble_rel_diff']:>8.1%}") if "bubble_measured" in r else ""
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
-              f"{r['vs_ours_1f1b']:>9.2f} {peer} {bub}")
+              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} {peer} {bub}")
     print(f"m={args.microbatches}; {args.rounds} rounds x {args.steps} measured steps per system, alternating; "
-          "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; sim: simulate() with our "
+          "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; paired: median over rounds of "
+          "the same ratio within one round; bubble meas: idle share of the slowest rank's step; sim: simulate() with our "
           "measured per-chunk F/B/W and message times; sim0: zero message latency; deepspeed's step includes its "
           "(SGD) optimizer step")
     for p, b in unit.items():

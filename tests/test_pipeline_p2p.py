@@ -10,7 +10,7 @@ from torch import nn
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.param_meta import set_meta
-from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
+from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P, ReceiveBuffers
 from parallel3d.pipeline.schedules import Action
 from parallel3d.pipeline.tied import sync_tied_embedding_grads
 from parallel3d.topology import Topology
@@ -167,3 +167,25 @@ def test_tied_grads_summed_over_embedding_group(tp, pp):
             assert torch.equal(word, torch.full((3, 2), float(sum(r + 1 for r in group))))
         else:
             assert synced == 0 and torch.equal(word, torch.full((3, 2), float(rank + 1)))
+
+
+def test_receive_buffers_reused_only_once_nothing_uses_them():
+    """A buffer comes back only when no tensor shares its storage: not while a received
+    activation is saved by a live autograd graph, nor while a view of it lives."""
+    pool = ReceiveBuffers(SPEC, torch.device("cpu"))
+    first = pool.acquire()
+    first.fill_(1.0)
+    x = pool.hand_out(first).requires_grad_(True)  # a received activation, input of the stage graph
+    w = torch.randn(SPEC.shape, requires_grad=True)
+    loss = (x * w).sum()  # autograd saves x for w's gradient
+    del x
+    second = pool.acquire()
+    assert second is not first and pool.allocated == 2
+    pool.hand_out(second)  # dropped at once: free again
+    assert pool.acquire() is second
+    loss.backward()  # the graph (and its saved x) goes
+    assert torch.equal(w.grad, torch.ones(SPEC.shape))
+    view = first[0]
+    assert pool.acquire() is not first  # a view keeps the storage busy
+    del view
+    assert pool.acquire() is first and pool.allocated == 3

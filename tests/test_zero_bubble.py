@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from parallel3d.parallel_state import ParallelState
+from parallel3d.pipeline import backward_split
 from parallel3d.pipeline.backward_split import input_grad
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
@@ -136,6 +137,42 @@ def test_split_backward_equals_one_backward(seed):
     assert sorted(fired) == sorted(ref)  # each parameter's hook fired exactly once
     for n, p in net.named_parameters():
         torch.testing.assert_close(p.grad, ref[n])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_w_computes_matmul_and_bias_grads_without_graph_walks(seed, monkeypatch):
+    """Under identity saved-tensor hooks (the engine's), ``W`` of Linear/bias layers calls no
+    ``autograd.grad`` (direct formulas) and leaves bitwise the grads of one ``backward``."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(rng.choice((3, 5)), 6, bias=rng.random() < 0.5)]
+    for _ in range(rng.randint(1, 3)):
+        layers += [torch.nn.Tanh(), torch.nn.Linear(6, 6, bias=rng.random() < 0.5)]
+    net = torch.nn.Sequential(*layers)
+    shape = (rng.randint(1, 3), 4, layers[0].in_features)[-rng.choice((2, 3)):]  # 2-D (addmm) or 3-D (mm)
+    x, bias = torch.randn(*shape), torch.randn(6, requires_grad=True)  # plus a broadcast bias add
+
+    def forward(inp):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, backward_split.plain_unpack):
+            return net(inp) + bias
+
+    g = torch.randn(*shape[:-1], 6)
+    ref_in = x.clone().requires_grad_()
+    forward(ref_in).backward(g)
+    params = [*net.parameters(), bias]
+    ref = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    inp = x.clone().requires_grad_()
+    g_in, weight = input_grad(forward(inp), g, inp)
+    calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    weight.run()
+    assert calls == []
+    assert torch.equal(g_in, ref_in.grad)
+    for p, want in zip(params, ref):
+        assert torch.equal(p.grad, want)
 
 
 # ---- the executor ---------------------------------------------------------------------------

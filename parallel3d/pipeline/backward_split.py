@@ -23,7 +23,10 @@ custom ``autograd.Function``s, tied weights and non-reentrant recompute):
   off-path edges (one ``autograd.grad`` per node: one call for all nodes would
   also push gradient down ``P`` into later cut nodes and count it twice), then
   back-propagates all off-path gradients in one ``backward``, which
-  accumulates into ``.grad``. That is exact when the subgraphs hanging off ``P``
+  accumulates into ``.grad``. The common cut nodes get their off-path gradient
+  without an autograd call (``_direct_weight_grads``: a matrix multiply's weight
+  operand, a bias add; the same formula autograd uses), so ``W`` costs about the
+  weight-gradient FLOPs plus one ``backward`` rather than one graph task per cut node. That is exact when the subgraphs hanging off ``P``
   share no node; when they do (one weight used at two places of a chunk), ``B``
   does the whole backward and ``W`` nothing. The two halves together do one backward's work
   (a cut node runs twice, each time computing only its own half); with activation
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["WeightGrad", "input_grad", "full_backward"]
+__all__ = ["WeightGrad", "input_grad", "full_backward", "plain_unpack"]
 
 
 def _input_path(root: Any, target: Any) -> tuple[list[Any], set[int]]:
@@ -87,6 +90,77 @@ def _disjoint_off_paths(cuts: list[tuple[Any, list[int]]], leads: set[int]) -> b
     return True
 
 
+def plain_unpack(t: torch.Tensor) -> torch.Tensor:
+    """The identity unpack hook: a caller that observes saved tensors (e.g. counts their bytes) and
+    uses this as its unpack hook keeps ``W``'s direct formulas (they read saved tensors)."""
+    return t
+
+
+def _saved(node: Any, name: str) -> torch.Tensor | None:
+    """``node``'s saved tensor ``name`` if reading it is free: no unpack hook, or ``plain_unpack``
+    (recompute's hooks would re-run the forward region on every read: those nodes go generic)."""
+    raw = getattr(node, "_raw_saved_" + name, None)
+    if raw is None or raw.unpack_hook not in (None, plain_unpack):
+        return None
+    t = getattr(node, "_saved_" + name)
+    return t if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_complex() else None
+
+
+def _mat2_grad(node: Any, grad: torch.Tensor, mat1: torch.Tensor) -> torch.Tensor:
+    """d(mat1 @ mat2)/d mat2 for a real strided mm; laid out column-major when mat2 was (as autograd does)."""
+    sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+def _leaf_shape(node: Any, k: int, grad: torch.Tensor) -> torch.Tensor | None:
+    """``grad`` summed to the shape of the leaf parameter behind edge ``k`` (autograd reduces a
+    broadcast gradient the same way), or None if that edge is not a leaf of matching dtype."""
+    leaf = node.next_functions[k][0]
+    var = getattr(leaf, "variable", None)
+    if var is None or var.dtype != grad.dtype:
+        return None
+    return grad if grad.shape == var.shape else grad.sum_to_size(var.shape)
+
+
+def _direct_weight_grads(node: Any, off: list[int], into: tuple) -> list[tuple[int, torch.Tensor]] | None:
+    """The off-path gradients of a cut node computed by formula, or None (then ``W`` asks autograd).
+
+    Covered: ``mm`` whose weight operand is off the path, ``addmm`` with its bias and/or weight off
+    the path (alpha = beta = 1), ``add`` of a bias (alpha = 1). Exactly what autograd computes.
+    """
+    name = node.name()
+    if name not in ("MmBackward0", "AddmmBackward0", "AddBackward0") or len(into) != 1 or into[0] is None:
+        return None
+    grad = into[0]
+    if grad.layout != torch.strided or grad.is_complex():
+        return None
+    out: list[tuple[int, torch.Tensor]] = []
+    if name == "MmBackward0":
+        mat1 = _saved(node, "self") if off == [1] else None
+        if mat1 is None:
+            return None
+        return [(1, _mat2_grad(node, grad, mat1))]
+    if name == "AddmmBackward0":
+        if not set(off) <= {0, 2} or node._saved_alpha != 1 or node._saved_beta != 1:
+            return None
+        for k in off:
+            if k == 0:
+                g = _leaf_shape(node, 0, grad)
+            else:
+                mat1 = _saved(node, "mat1")
+                g = None if mat1 is None else _mat2_grad(node, grad, mat1)
+            if g is None:
+                return None
+            out.append((k, g))
+        return out
+    if len(off) != 1 or (off[0] == 1 and node._saved_alpha != 1):  # AddBackward0
+        return None
+    g = _leaf_shape(node, off[0], grad)
+    return None if g is None else [(off[0], g)]
+
+
 class WeightGrad:
     """The deferred weight-gradient half of one backward (see the module doc). Run exactly once."""
 
@@ -113,6 +187,12 @@ class WeightGrad:
         for node, off in self._cuts:
             into = self._captured.pop(id(node), None)
             if into is None:  # no gradient reached this node in B (e.g. a branch unused by the loss)
+                continue
+            direct = _direct_weight_grads(node, off, into)
+            if direct is not None:
+                for k, g in direct:
+                    edges.append(GradientEdge(*node.next_functions[k]))
+                    grads.append(g)
                 continue
             outputs = [GradientEdge(node, i) for i, g in enumerate(into) if g is not None]
             if not outputs:

@@ -127,27 +127,40 @@ def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
 
 
 class _SavedBytes:
-    """Counts storage bytes autograd saves during one forward (parameters excluded)."""
+    """Counts storage bytes autograd saves during one forward (parameters excluded).
+
+    The pack hook only collects the tensors (it runs once per saved tensor, so it stays
+    minimal); their storages are deduplicated and summed once, in ``total``/``storages``.
+    """
 
     def __init__(self, param_storages: set[int]) -> None:
         self.param_storages = param_storages
-        self.storages: dict[int, int] = {}
+        self._seen: list[torch.Tensor] = []  # not yet counted
+        self._counted: dict[int, int] = {}
 
     def add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            return
-        key = storage_key(t)
-        if key not in self.param_storages:
-            self.storages[key] = t.untyped_storage().nbytes()
+        self._seen.append(t)
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            self.add(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # plain_unpack: split backwards may then read saved tensors directly (backward_split)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, backward_split.plain_unpack):
             yield
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._seen.append(t)
+        return t
+
+    @property
+    def storages(self) -> dict[int, int]:
+        """storage key -> bytes of each non-parameter storage seen (tensors are dropped once counted)."""
+        for t in self._seen:
+            if t.device.type != "meta":
+                key = storage_key(t)
+                if key not in self.param_storages and key not in self._counted:
+                    self._counted[key] = t.untyped_storage().nbytes()
+        self._seen = []
+        return self._counted
 
     @property
     def total(self) -> int:

@@ -19,6 +19,14 @@ referenced until the batch is complete. Sends are waited for at the end of the
 step (``wait_sends``), so a send never blocks the sender's next computation;
 ``release_sent`` forgets the batches already complete (without blocking) so
 sent storage can be freed early.
+
+Receive buffers are preallocated on first need and reused (``ReceiveBuffers``):
+a buffer takes a new receive only once nothing outside the pool shares its
+storage any more (the received activation, saved by autograd for the backward,
+or the received gradient, consumed by it), so reuse never overwrites data the
+stage still needs, whatever the model keeps. On NCCL the receive that refills a
+buffer is enqueued after the compute that last read it (ProcessGroupNCCL orders
+its stream after the current one), so the reuse is stream-safe too.
 """
 
 from __future__ import annotations
@@ -62,6 +70,50 @@ class MessageSpec:
         return cls((micro_batch_size, local_seq, hidden_size), dtype)
 
 
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (and storage handles) share ``t``'s storage right now."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class ReceiveBuffers:
+    """Receive buffers of one message shape and dtype, reused across receives and steps.
+
+    Invariant: ``acquire`` returns a buffer that is either new or shares its storage with no
+    tensor outside this pool; receivers get a ``detach()``ed alias (``hand_out``), so their
+    tensor (its ``requires_grad``, ``.grad``, saved-for-backward references) keeps the storage
+    busy exactly as long as anything uses it. Holds at most the peak number of receives alive
+    at once (what allocating per receive holds at its peak too).
+    """
+
+    def __init__(self, spec: "MessageSpec", device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        self._buffers: list[torch.Tensor] = []
+        self._posted: set[int] = set()  # ids of buffers a receive is posted into, not yet handed out
+        self._alone: int | None = None  # _storage_users of a buffer nobody else uses
+        self.allocated = 0
+
+    def acquire(self) -> torch.Tensor:
+        for buf in self._buffers if self._alone is not None and self._alone >= 0 else ():
+            if id(buf) not in self._posted and _storage_users(buf) == self._alone:
+                self._posted.add(id(buf))
+                return buf
+        buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.device)
+        if self._alone is None:
+            try:
+                self._alone = _storage_users(buf)
+            except (AttributeError, RuntimeError):  # no use count in this torch: never reuse
+                self._alone = -1
+        self.allocated += 1
+        self._buffers.append(buf)
+        self._posted.add(id(buf))
+        return buf
+
+    def hand_out(self, buf: torch.Tensor) -> torch.Tensor:
+        """The received tensor for the caller (an alias: the pool can tell when it is dropped)."""
+        self._posted.discard(id(buf))
+        return buf.detach()
+
+
 @dataclass
 class P2PBatch:
     """One posted batch: the backend's Works for it and the tensors they read and write.
@@ -102,9 +154,17 @@ class PipelineP2P:
         self.num_virtual_stages = num_virtual_stages
         self._sending: list[P2PBatch] = []  # batches with sends not known complete, in posting order
         self._posted: dict[Action, P2PBatch] = {}  # receives posted and not yet handed out
+        self.buffers = ReceiveBuffers(spec, pstate.device)
+        self._peers: dict[tuple[str, int], int] = {}  # (kind, chunk) -> global rank, asked once
 
     def peer(self, action: Action) -> int:
         """Global rank on the other end of a communication action."""
+        key = (action.kind, action.chunk)
+        if key not in self._peers:
+            self._peers[key] = self._peer(action)
+        return self._peers[key]
+
+    def _peer(self, action: Action) -> int:
         p = self.pstate.pp_size
         vs = virtual_stage(self.pstate.pp_rank, action.chunk, p)
         other = vs + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
@@ -124,7 +184,7 @@ class PipelineP2P:
             self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
         buffers = {}
         for action in recvs:
-            buffers[action] = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.pstate.device)
+            buffers[action] = self.buffers.acquire()
             ops.append(dist.P2POp(dist.irecv, buffers[action], self.peer(action), group=group))
         if not ops:
             return
@@ -162,7 +222,7 @@ class PipelineP2P:
             for action in recvs:
                 batch = self._posted.pop(action)
                 batch.wait()
-                received[action] = batch.recvs.pop(action)
+                received[action] = self.buffers.hand_out(batch.recvs.pop(action))
         except RuntimeError as exc:
             what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
             raise RuntimeError(
