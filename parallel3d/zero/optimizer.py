@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_OFFLOAD_BUFFER_MB = 256.0
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
 __all__ = ["MEMORY_CATEGORIES", "OFFLOAD_MODES", "RESHARD_MODES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer",
            "make_grad_sync"]
 
@@ -228,6 +229,7 @@ class ZeroOptimizer:
         self.adam_step = 0  # applied updates (drives bias correction)
 
         bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
+        first_bucket_numel = min(bucket_numel, FIRST_BUCKET_BYTES // dtype.itemsize)
         sharded = zero_stage > 0
         units = find_units(modules) if zero_stage == 3 else None
         unit_of = None
@@ -239,7 +241,7 @@ class ZeroOptimizer:
             owner_count=self.dp if sharded else 1,
             owner_index=comm.group_rank(pstate, "dp") if sharded else 0,
             count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
-            unit_of=unit_of,
+            unit_of=unit_of, first_bucket_numel=first_bucket_numel,
         )
         self.device = named[0][1].device
         self._adamw = resolve_backend(fused_adamw_backend, self.device)
