@@ -66,8 +66,8 @@ from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, m
 METHODS = ("ddp", "fsdp2", "fsdp2_rs", "zero0", "zero1", "zero1_ar", "zero2", "zero2_ar", "zero3", "zero3_ar",
            "zero2_cpu", "zero3_cpu", "zero3_disk", "fsdp2_rs_bf16", "zero3_bf16", "zero3_bf16_cpu")
 PEERS = {"zero1": "deepspeed_zero1", "zero1_ar": "deepspeed_zero1", "zero2": "deepspeed_zero2",
-         "zero2_ar": "deepspeed_zero2", "zero3": "fsdp2_rs", "zero3_ar": "fsdp2_rs", "zero3_bf16": "fsdp2_rs_bf16", "zero2_cpu": "zero2",
-         "zero3_cpu": "zero3", "zero3_disk": "zero3", "zero3_bf16_cpu": "zero3_bf16"}
+         "zero2_ar": "deepspeed_zero2", "zero3": "fsdp2_rs", "zero3_ar": "fsdp2_rs", "zero3_bf16": "fsdp2_rs_bf16",
+         "zero2_cpu": "zero2", "zero3_cpu": "zero3", "zero3_disk": "zero3", "zero3_bf16_cpu": "zero3_bf16"}
 
 
 def _storage_bytes(tensors) -> int:
@@ -242,7 +242,8 @@ def run_deepspeed(py: str, n: int, rounds: int, steps: int) -> dict:
                           env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
     out = json.loads(lines[-1])
     for r in out.values():
         r["sent_bytes"] = sum(r["bytes_per_step"].values())
@@ -266,7 +267,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                         help="our methods and torch's (ddp is always run: every ratio is to it)")
     parser.add_argument("--peers", nargs="*", default=["deepspeed"], choices=["deepspeed"])
-    parser.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
+    parser.add_argument("--peer-venv",
+                        default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
     parser.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     parser.add_argument("--out", default="bench_results/zero.json")
     args = parser.parse_args()

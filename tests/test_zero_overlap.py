@@ -49,7 +49,8 @@ def _overlap_run(rank: int, world: int, stage: int, ref: list[dict[str, torch.Te
     ps = ParallelState(Topology(1, 1, world))
     model = _model()
     # One bucket per Linear (weight + bias = 72 fp32 elements), so each layer waits for its own.
-    opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, weight_decay=WD, betas=(0.9, 0.999), bucket_size_mb=72 * 4 / 2**20,
+    opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, weight_decay=WD, betas=(0.9, 0.999),
+                        bucket_size_mb=72 * 4 / 2**20,
                         overlap_param_gather=True)
     buckets = len(opt.layouts[0].buckets)
     seen: list[tuple[int, int, float]] = []  # (layer, gathers in flight, error of its weights) at its pre-hook
@@ -110,3 +111,10 @@ def test_overlapped_param_gather_is_async_and_exact(stage):
         assert out["state_dict_in_flight"] == 0 and out["state_dict_err"] < 1e-6
         assert out["segments_in_flight"] == 0 and out["segments_err"] < 1e-6
         assert out["final_err"] < 1e-6
+
+
+def test_overlap_param_gather_is_a_config_key_on_by_default():
+    from tests.test_config import _resolve_fast
+
+    assert _resolve_fast([]).job.parallel.overlap_param_gather is True
+    assert _resolve_fast(["parallel.overlap_param_gather=false"]).job.parallel.overlap_param_gather is False

@@ -254,8 +254,9 @@ class ZeroOptimizer:
                 [layout], units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
                 reshard=resolve_reshard(zero3_reshard, pstate.pp_size))
         else:
+            overlap_units = find_units(modules) if overlap_param_gather and sharded else None
             self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory,
-                                           overlap_units=find_units(modules) if overlap_param_gather else None)
+                                           overlap_units=overlap_units)
         grad_dtype = precision_dtype(grad_reduce_dtype)
         self.grad_sync: GradSync = make_grad_sync(
             modules, [layout], pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
