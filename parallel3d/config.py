@@ -85,6 +85,9 @@ class ParallelConfig:
     offload_buffer_mb: float = 256.0  # offload=disk: host memory the state streams through
     zero3_prefetch: int = 1  # zero_stage=3: gather units issued ahead of the one computing
     zero3_reshard: str = "auto"  # zero_stage=3: free gathered params per microbatch | per step (auto: step if pp > 1)
+    # zero_stage=1/2: the post-step parameter all-gather runs while the next forward computes
+    # (each bucket waited for right before its first layer) instead of blocking in step().
+    overlap_param_gather: bool = True
 
 
 @dataclass
@@ -353,6 +356,8 @@ def _check_zero3_and_offload(p: ParallelConfig) -> None:
     _check_range("parallel.offload_buffer_mb", p.offload_buffer_mb, 0.0, lo_open=True)
     _check_int("parallel.zero3_prefetch", p.zero3_prefetch, 0)
     _check_choice("parallel.zero3_reshard", p.zero3_reshard, ZERO3_RESHARD)
+    if not isinstance(p.overlap_param_gather, bool):
+        raise ConfigError(f"parallel.overlap_param_gather={p.overlap_param_gather!r}: must be true or false")
     if p.zero_stage != 3 and p.zero3_reshard != "auto":
         raise ConfigError(f"parallel.zero3_reshard={p.zero3_reshard}: only used with parallel.zero_stage=3 "
                           f"(zero_stage is {p.zero_stage})")

@@ -126,7 +126,7 @@ class Trainer:
             weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, bucket_size_mb=p.bucket_size_mb,
             precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, offload=p.offload,
             offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb, zero3_prefetch=p.zero3_prefetch,
-            zero3_reshard=p.zero3_reshard,
+            zero3_reshard=p.zero3_reshard, overlap_param_gather=p.overlap_param_gather,
             # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
             fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
             lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),
@@ -347,6 +347,7 @@ class Trainer:
                           f"(train.resume=auto continues from it)", flush=True)
                 break
             clock.add_step(time.perf_counter() - iteration_start - (evaluation.seconds if evaluation else 0.0))
+        self.optimizer.finish_param_sync()  # whoever reads the model after training sees final weights
         result.checkpoints += self._report_saves(self.checkpoints.close())
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0

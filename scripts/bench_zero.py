@@ -1,13 +1,25 @@
 """Benchmark ZeRO stages 0-3 and optimizer offload against torch DDP and FSDP2 on gloo/CPU ranks.
 
-    python scripts/bench_zero.py [--dp 2 4] [--rounds 5] [--steps 4] [--out bench_results/zero.json]
+    python scripts/bench_zero.py [--dp 2 4] [--rounds 5] [--steps 4] [--methods ddp zero0 ...]
+        [--peers deepspeed] [--peer-venv .cache/peers/deepspeed-venv] [--no-install] [--out bench_results/zero.json]
 
 Same model (a stack of Linear + LayerNorm + GELU blocks), batch and AdamW for every
 method; each block is one unit for both stage 3 and FSDP2 (``fully_shard`` per block,
-then the root). Methods are run alternating: ``rounds`` rounds of ``steps`` steps of
-each method, so slow phases of the shared machine hit all of them; a method's time
-is the median over rounds of its median step (forward + backward + optimizer step),
-its ratio to a peer is taken per round (median and range reported).
+then the root). Methods are run alternating: each of ``rounds`` rounds launches our
+methods (``steps`` steps of each, in turn) and DeepSpeed ZeRO-1/2
+(``peer_deepspeed_zero.py`` under DeepSpeed's own venv, created on first use as
+``bench_pipeline.py`` does; ``--no-install`` skips the peer when it is missing), the
+launch order alternating per round, so slow phases of the shared machine hit all of
+them; a method's time is the median over rounds of its median step (forward +
+backward + optimizer step), its ratio to a peer is taken per round (median and range).
+Our stages 1-2 run with ``overlap_param_gather`` (the Trainer's default).
+
+Bytes sent per rank and step (``sent MiB``): ours counted by ``parallel3d.comm``; DeepSpeed's
+counted at ``torch.distributed`` with the same conventions (all-reduce 2(n-1)/n of the
+tensor, reduce-scatter / all-gather (n-1)/n of the full tensor); DDP's from its all-reduce
+of every fp32 gradient (its reducer calls gloo from C++). With fp32 gradients a
+reduce-scatter plus all-gather (stages 1-2) sends what DDP's all-reduce sends; the ``_ar``
+variants all-reduce on gloo (faster collective, the same bytes plus the all-gather).
 
 Memory per rank, model states only (weights + gradients + optimizer state, on the
 device; offloaded state shown apart): ours is ``ZeroOptimizer.memory_peak_bytes``
@@ -29,9 +41,11 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,9 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallel3d.parallel_state import ParallelState  # noqa: E402
 from parallel3d.topology import Topology  # noqa: E402
 from parallel3d.zero import ZeroOptimizer  # noqa: E402
-
-WIDTH, DEPTH, BATCH, LR = 512, 8, 32, 1e-3
-BUCKET_MB = 1.0
+from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, make_model  # noqa: E402
 # zeroN: ZeroOptimizer defaults (a true reduce-scatter per bucket: DDP's byte volume);
 # zeroN_ar: reduce_scatter="auto", where gloo reduces each bucket with its faster all-reduce;
 # zero3 / fsdp2_rs: parameters sharded and gathered per block (FSDP2's reshard_after_forward=True);
@@ -53,22 +65,9 @@ BUCKET_MB = 1.0
 # *_bf16: bf16 parameters with bf16 gradient reduction (ZeRO's 16 bytes per parameter).
 METHODS = ("ddp", "fsdp2", "fsdp2_rs", "zero0", "zero1", "zero1_ar", "zero2", "zero2_ar", "zero3", "zero3_ar",
            "zero2_cpu", "zero3_cpu", "zero3_disk", "fsdp2_rs_bf16", "zero3_bf16", "zero3_bf16_cpu")
-PEERS = {"zero3": "fsdp2_rs", "zero3_ar": "fsdp2_rs", "zero3_bf16": "fsdp2_rs_bf16", "zero2_cpu": "zero2",
-         "zero3_cpu": "zero3", "zero3_disk": "zero3", "zero3_bf16_cpu": "zero3_bf16"}
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc, self.norm = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.gelu(self.norm(self.fc(x)))
-
-
-def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(DEPTH)]).to(dtype)
+PEERS = {"zero1": "deepspeed_zero1", "zero1_ar": "deepspeed_zero1", "zero2": "deepspeed_zero2",
+         "zero2_ar": "deepspeed_zero2", "zero3": "fsdp2_rs", "zero3_ar": "fsdp2_rs", "zero3_bf16": "fsdp2_rs_bf16",
+         "zero2_cpu": "zero2", "zero3_cpu": "zero3", "zero3_disk": "zero3", "zero3_bf16_cpu": "zero3_bf16"}
 
 
 def _storage_bytes(tensors) -> int:
@@ -108,7 +107,7 @@ class Runner:
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.model = make_model(dtype)
         self.psi = sum(p.numel() for p in self.model.parameters())
-        self.x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        self.x = batch_for(rank, dtype)
         self.zero = None
         if method == "ddp":
             self.model = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=BUCKET_MB,
@@ -127,16 +126,28 @@ class Runner:
             fully_shard(self.model, reshard_after_forward=reshard, mp_policy=mp_policy)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         else:
-            ps = ParallelState(Topology(1, 1, n))
+            ps = self.pstate = ParallelState(Topology(1, 1, n))
             parts = method.removeprefix("zero").split("_")
             offload = "cpu" if "cpu" in parts else "disk" if "disk" in parts else "none"
             self.zero = ZeroOptimizer(
                 [self.model], ps, zero_stage=int(parts[0]), lr=LR, bucket_size_mb=BUCKET_MB,
                 reduce_scatter="auto" if "ar" in parts else "reduce_scatter", precision="bf16" if bf16 else "fp32",
                 grad_reduce_dtype="bf16" if bf16 else "fp32", offload=offload,
-                offload_dir=os.path.join(offload_root, method) if offload == "disk" else None)
+                offload_dir=os.path.join(offload_root, method) if offload == "disk" else None,
+                overlap_param_gather=True)
             self.opt = self.zero
         self.peak = self.after = self.offloaded = 0
+        self.sent_bytes: float | None = None
+        if method == "ddp":  # its reducer all-reduces every fp32 gradient once per step (ring: 2(n-1)/n)
+            self.sent_bytes = 2 * 4 * self.psi * (n - 1) / n
+
+    def count_bytes(self) -> None:
+        """One untimed step counting what ours sends (``parallel3d.comm``)."""
+        if self.zero is None:
+            return
+        before = self.pstate.comm_stats.total()
+        self.step()
+        self.sent_bytes = self.pstate.comm_stats.total() - before
 
     def step(self) -> float:
         dist.barrier()
@@ -160,22 +171,25 @@ class Runner:
         return elapsed
 
 
-def _worker(rank: int, n: int, port: int, rounds: int, steps: int, queue) -> None:
+def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list[str], queue) -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
     with tempfile.TemporaryDirectory(prefix=f"p3d-bench-offload-{rank}-") as root:
-        runners = {m: Runner(m, rank, n, root) for m in METHODS}
+        runners = {m: Runner(m, rank, n, root) for m in methods}
         for runner in runners.values():  # warm-up (first steps allocate state, record stage-3 orders)
             runner.step()
             runner.step()
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        times: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(rounds):
             for m, runner in runners.items():
                 times[m].append(statistics.median(runner.step() for _ in range(steps)))
         out = {m: {"round_s": times[m], "peak_bytes": r.peak, "after_bytes": r.after, "offloaded_bytes": r.offloaded,
                    "params": r.psi} for m, r in runners.items()}
+        for m, r in runners.items():
+            r.count_bytes()
+            out[m]["sent_bytes"] = r.sent_bytes
         for r in runners.values():
             if r.zero is not None:
                 r.zero.close()
@@ -193,52 +207,122 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def deepspeed_python(args) -> str | None:
+    """The peer's own interpreter (created on first use, as ``bench_pipeline.py`` does); None: skipped."""
+    venv = Path(args.peer_venv)
+    py = venv / "bin" / "python"
+    if not py.exists():
+        if args.no_install:
+            print(f"[bench] no DeepSpeed environment at {venv} (--no-install): DeepSpeed skipped", flush=True)
+            return None
+        print(f"[bench] installing DeepSpeed into its own environment {venv} (once; torch==2.13.0 CPU)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
+                        "deepspeed"], check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
+    return str(py)
+
+
+def run_ours(n: int, rounds: int, steps: int, methods: list[str]) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, n, port, rounds, steps, methods, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+    return result
+
+
+def run_deepspeed(py: str, n: int, rounds: int, steps: int) -> dict:
+    cmd = [py, str(Path(__file__).resolve().parent / "peer_deepspeed_zero.py"), "--port", str(_free_port()),
+           "--dp", str(n), "--rounds", str(rounds), "--steps", str(steps), "--bucket-mb", str(BUCKET_MB)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    out = json.loads(lines[-1])
+    for r in out.values():
+        r["sent_bytes"] = sum(r["bytes_per_step"].values())
+        r["peak_bytes"] = r["after_bytes"] = r["offloaded_bytes"] = 0
+    return out
+
+
+def _merge(total: dict, part: dict) -> None:
+    for m, r in part.items():
+        if m not in total:
+            total[m] = dict(r, round_s=list(r["round_s"]))
+        else:
+            total[m]["round_s"] += r["round_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="our methods and torch's (ddp is always run: every ratio is to it)")
+    parser.add_argument("--peers", nargs="*", default=["deepspeed"], choices=["deepspeed"])
+    parser.add_argument("--peer-venv",
+                        default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
+    parser.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     parser.add_argument("--out", default="bench_results/zero.json")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
+    methods = ["ddp"] + [m for m in args.methods if m != "ddp"]
+    ds_py = deepspeed_python(args) if "deepspeed" in args.peers else None
     rows = []
     for n in args.dp:
-        queue = ctx.SimpleQueue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, n, port, args.rounds, args.steps, queue)) for r in range(n)]
-        for p in procs:
-            p.start()
-        result = queue.get()
-        for p in procs:
-            p.join()
-        for method in METHODS:
+        result: dict = {}
+        for r in range(args.rounds):  # one launch of each per round, the order alternating
+            order = ["ours", "deepspeed"] if r % 2 == 0 else ["deepspeed", "ours"]
+            for who in order:
+                if who == "ours":
+                    _merge(result, run_ours(n, 1, args.steps, methods))
+                elif ds_py is not None:
+                    _merge(result, run_deepspeed(ds_py, n, 1, args.steps))
+            print(f"[bench] dp={n} round {r + 1}/{args.rounds} done", flush=True)
+        names = methods + [m for m in ("deepspeed_zero1", "deepspeed_zero2") if m in result]
+        for method in names:
             r = result[method]
             ratios = [a / b for a, b in zip(r["round_s"], result["ddp"]["round_s"])]
             peer = PEERS.get(method)
+            peer = peer if peer in result else None
             peer_ratios = [a / b for a, b in zip(r["round_s"], result[peer]["round_s"])] if peer else []
-            formula = formula_bytes(method, r["params"], n)
+            psi = result["ddp"]["params"]
+            formula = formula_bytes(method, psi, n) if not method.startswith("deepspeed") else None
             rows.append({"dp": n, "method": method, "median_step_s": statistics.median(r["round_s"]),
                          "ratio_to_ddp": statistics.median(ratios), "peer": peer,
                          "ratio_to_peer": statistics.median(peer_ratios) if peer else None,
                          "ratio_to_peer_range": [min(peer_ratios), max(peer_ratios)] if peer else None,
+                         "sent_bytes_per_step": r.get("sent_bytes"), "bytes_by_op": r.get("bytes_per_step"),
                          "peak_bytes": r["peak_bytes"], "after_bytes": r["after_bytes"],
                          "offloaded_bytes": r["offloaded_bytes"], "formula_bytes": formula,
-                         "after_vs_formula": r["after_bytes"] / formula, "peak_vs_formula": r["peak_bytes"] / formula,
-                         "params": r["params"], "round_s": r["round_s"]})
+                         "after_vs_formula": r["after_bytes"] / formula if formula else None,
+                         "peak_vs_formula": r["peak_bytes"] / formula if formula else None,
+                         "params": psi, "round_s": r["round_s"]})
     print(f"params: {rows[0]['params']:,} ({DEPTH} blocks of Linear {WIDTH}x{WIDTH} + LayerNorm), batch {BATCH}/rank, "
-          f"bucket {BUCKET_MB} MiB, gloo/CPU, 1 thread/rank; {args.rounds} alternating rounds x {args.steps} steps")
-    print(f"{'dp':>3} {'method':<15} {'step ms':>8} {'x DDP':>6} {'x peer (range)':>22} {'states MiB':>10} "
-          f"{'peak MiB':>9} {'formula MiB':>11} {'after/formula':>13} {'offloaded MiB':>13}")
+          f"bucket {BUCKET_MB} MiB, fp32, gloo/CPU, 1 thread/rank; {args.rounds} alternating rounds x {args.steps} "
+          f"steps ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)")
+    print(f"{'dp':>3} {'method':<16} {'step ms':>8} {'x DDP':>6} {'x peer (range)':>30} {'sent MiB':>8} "
+          f"{'states MiB':>10} {'peak MiB':>9} {'formula MiB':>11} {'after/formula':>13} {'offloaded MiB':>13}")
     for r in rows:
         peer = "" if r["peer"] is None else (f"{r['ratio_to_peer']:.2f} [{r['ratio_to_peer_range'][0]:.2f}-"
                                              f"{r['ratio_to_peer_range'][1]:.2f}] {r['peer']}")
-        print(f"{r['dp']:>3} {r['method']:<15} {1000 * r['median_step_s']:>8.1f} {r['ratio_to_ddp']:>6.2f} {peer:>22} "
-              f"{r['after_bytes'] / 2**20:>10.2f} {r['peak_bytes'] / 2**20:>9.2f} {r['formula_bytes'] / 2**20:>11.2f} "
-              f"{r['after_vs_formula']:>13.3f} {r['offloaded_bytes'] / 2**20:>13.2f}")
+        sent = "" if r["sent_bytes_per_step"] is None else f"{r['sent_bytes_per_step'] / 2**20:.2f}"
+        mem = "" if r["formula_bytes"] is None else (
+            f"{r['after_bytes'] / 2**20:>10.2f} {r['peak_bytes'] / 2**20:>9.2f} {r['formula_bytes'] / 2**20:>11.2f} "
+            f"{r['after_vs_formula']:>13.3f} {r['offloaded_bytes'] / 2**20:>13.2f}")
+        print(f"{r['dp']:>3} {r['method']:<16} {1000 * r['median_step_s']:>8.1f} {r['ratio_to_ddp']:>6.2f} {peer:>30} "
+              f"{sent:>8} {mem}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": {"width": WIDTH, "depth": DEPTH, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,
-                              "rounds": args.rounds, "steps": args.steps}, "rows": rows}, f, indent=1)
+                              "rounds": args.rounds, "steps": args.steps, "methods": methods,
+                              "peers": args.peers if ds_py else []}, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 

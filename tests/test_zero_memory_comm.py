@@ -68,6 +68,7 @@ def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter", grad_
             opt.zero_grad()
         out[stage] = dict(mem=mem_after_backward, mem_after_step=opt.memory_bytes(), comm=stats,
                           rs_in_backward=calls_during_backward, buckets=len(opt.layouts[0].buckets),
+                          max_bucket=opt.layouts[0].max_bucket_size,
                           live_grads=live_grads, padded=opt.layouts[0].numel, esize=esize,
                           grad_esize=opt.grad_sync.grad_dtype.itemsize)
     return out
@@ -81,7 +82,10 @@ def test_measured_memory_matches_formula(precision, dp, grad_reduce_dtype):
     for rank, per_stage in enumerate(results):
         for stage, r in per_stage.items():
             assert r["grad_esize"] == (4 if grad_reduce_dtype == "fp32" else 2)
-            bucket_bytes = BUCKET_ELEMS * r["grad_esize"]  # staging buffers hold the gradient dtype
+            # Staging buffers hold the gradient dtype, sized to the largest bucket (which may exceed
+            # bucket_size_mb by a parameter, see buffers).
+            assert r["max_bucket"] <= BUCKET_ELEMS + BUCKET_ELEMS // 4 + dp
+            bucket_bytes = r["max_bucket"] * r["grad_esize"]
             want = expected_bytes(stage, precision, dp, psi, bucket_bytes, r["grad_esize"])
             assert set(r["mem"]) == set(MEMORY_CATEGORIES)
             got_total, want_total = sum(r["mem"].values()), sum(want.values())

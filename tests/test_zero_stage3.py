@@ -22,6 +22,9 @@ from tests.test_zero_optimizer import BETAS, EPS, LR, TINY_BUCKET_MB, WD, global
 from tests.test_zero_optimizer import train_reference
 
 ACC, STEPS = 2, 4
+# ~20 fp32 elements: every unit spans several buckets (with TINY_BUCKET_MB a bucket under a
+# quarter full takes the next parameter, so a small unit becomes one bucket; see buffers)
+UNIT_SPLIT_BUCKET_MB = 20 * 4 / 2**20
 
 
 def _train(rank, world_size, settings):
@@ -32,7 +35,7 @@ def _train(rank, world_size, settings):
     for reshard, prefetch in settings:
         model = make_mlp()
         opt = ZeroOptimizer([model], ps, zero_stage=3, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, clip_grad=0.05,
-                            bucket_size_mb=TINY_BUCKET_MB, zero3_reshard=reshard, zero3_prefetch=prefetch)
+                            bucket_size_mb=UNIT_SPLIT_BUCKET_MB, zero3_reshard=reshard, zero3_prefetch=prefetch)
         norms, gathers = [], []
         for step in range(STEPS):
             x, y = global_batch(step)

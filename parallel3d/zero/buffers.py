@@ -5,9 +5,17 @@ Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
 - Parameters are packed into one contiguous buffer in *reverse* registration
   order, which approximates the order backward produces gradients, so the
   first bucket filled during backward is the first one reduced.
-- The buffer is cut into buckets of about ``bucket_numel`` elements (a parameter
-  is never split; one larger than a bucket gets a bucket of its own). Every
-  bucket is padded with zeros to a multiple of ``dp`` so it divides evenly.
+- The buffer is cut into buckets of at most ``bucket_numel`` elements (a
+  parameter is never split; one larger than a bucket gets a bucket of its own),
+  except that a bucket still holding less than a quarter of the size takes the
+  next parameter even when it overflows (so at most ``max(bucket_numel, largest
+  parameter) + bucket_numel / 4``): cutting before it would leave a small
+  leftover bucket (e.g. a LayerNorm and a bias before a large weight) paying a
+  whole collective's latency, where DDP's buckets would hold the whole layer.
+  The first bucket (the first gradients backward produces) is limited to
+  ``first_bucket_numel`` (DDP's 1 MiB), so the first reduction starts early.
+  Every bucket is padded with zeros to a multiple of
+  ``dp`` so it divides evenly.
 - In bucket ``b`` (flat range ``[start, start + size)``), DP rank ``r`` owns the
   contiguous piece ``[start + r*size/dp, start + (r+1)*size/dp)``. The rank's
   *shard* is the concatenation of its pieces over all buckets, in bucket order;
@@ -115,6 +123,7 @@ class BufferLayout:
         owner_index: int,
         count_in_norm,
         unit_of: Callable[[torch.nn.Parameter], Hashable] | None = None,
+        first_bucket_numel: int | None = None,
     ) -> None:
         if bucket_numel <= 0:
             raise ValueError(f"bucket_numel={bucket_numel} must be > 0")
@@ -135,7 +144,9 @@ class BufferLayout:
             current_numel = 0
             for name, p in group:
                 new_unit = unit_of is not None and current and unit_of(current[-1][1]) != unit_of(p)
-                if current and (new_unit or current_numel + p.numel() > bucket_numel):
+                limit = bucket_numel if self.buckets or first_bucket_numel is None else first_bucket_numel
+                overflows = current_numel + p.numel() > limit and current_numel >= limit // 4
+                if current and (new_unit or overflows):
                     offset = self._add_bucket(current, offset, is_tied, count_in_norm)
                     current, current_numel = [], 0
                 current.append((name, p))

@@ -36,7 +36,9 @@ def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torc
     larger than every difference between layouts, so the norm would depend on the layout."""
     total = torch.zeros((), dtype=torch.float64, device=grad_piece.device)
     if bucket.segments and all(seg.slot.norm_counted for seg in bucket.segments):
-        g = grad_piece.float() * scale  # padding is zero, so the whole piece can be summed at once
+        # Padding is zero, so the whole piece can be summed at once; at scale 1 (no loss scaling)
+        # an fp32 piece is squared as it is (no scaled copy: one pass fewer over the gradients).
+        g = grad_piece if scale == 1.0 and grad_piece.dtype == torch.float32 else grad_piece.float() * scale
         return total + torch.square(g).sum(dtype=torch.float64)
     for seg in bucket.segments:
         if seg.slot.norm_counted:

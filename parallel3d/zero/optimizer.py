@@ -35,14 +35,25 @@ whatever the stage and offload (``read_state_piece`` / ``write_state_piece``).
 
 A step: finalize the gradients -> scale by ``1/loss_scale`` -> global norm
 (TP/PP/DP, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
--> clip -> AdamW chunk by chunk where the state lives -> the updated pieces go
+-> clip -> AdamW where the state lives (on the device: one vectorised update of
+every piece, ``adamw_multi``; offloaded: chunk by chunk) -> the updated pieces go
 into the parameters; stages 1-2 all-gather them, stage 3 gathers at next use.
+
+``overlap_param_gather`` (stages 1-2): ``step`` only launches the all-gathers and
+each bucket is waited for just before its first layer's forward (``param_gather``).
+Every other reader of the parameters must call ``finish_param_sync`` first; this
+class does so itself in ``step``, ``gather_params``, ``gathered_params``, the
+state-piece accessors (checkpoints, HF import/export) and ``params_from_master``,
+and a model ``state_dict()`` waits too. Off by default here (a caller reading
+``p.data`` right after ``step`` sees final values); the Trainer turns it on
+(``parallel.overlap_param_gather``) because every one of its readers is covered.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
@@ -53,7 +64,8 @@ from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero import clip
 from parallel3d.zero.adamw import host_adamw_flat_, resolve_backend
-from parallel3d.zero.buffers import Bucket, BufferLayout
+from parallel3d.zero.adamw_multi import TensorLists, build_lists, multi_tensor_adamw_
+from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
@@ -62,13 +74,14 @@ from parallel3d.zero.owned import OwnedSegment, owned_segments
 from parallel3d.zero.params_replicated import ReplicatedParams
 from parallel3d.zero.params_sharded import RESHARD_MODES, ShardedParams, resolve_reshard
 from parallel3d.zero.precision import LossScaler, precision_dtype
-from parallel3d.zero.states import OFFLOAD_MODES, OptimizerStates, StateChunk, make_states
+from parallel3d.zero.states import OFFLOAD_MODES, DeviceStates, OptimizerStates, StateChunk, make_states
 from parallel3d.zero.units import find_units, unit_index_of
 
 log = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_OFFLOAD_BUFFER_MB = 256.0
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
 __all__ = ["MEMORY_CATEGORIES", "OFFLOAD_MODES", "RESHARD_MODES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer",
            "make_grad_sync"]
 
@@ -104,6 +117,17 @@ def _named_params(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Pa
     return out
 
 
+def _multi_kind(backend: str, device: torch.device) -> str:
+    """How the vectorised update runs for ``fused_adamw_backend=backend`` (``adamw_multi``): "torch" is
+    torch's foreach ops in the reference's order; "auto" torch's fused AdamW (CPU or CUDA) unless the
+    Triton interpreter is on; "kernels" our Triton kernel per tensor."""
+    if backend == "torch":
+        return "foreach"
+    if backend == "auto" and device.type in ("cpu", "cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return "fused"
+    return "per_tensor"
+
+
 class ZeroOptimizer:
     """Sharded mixed-precision AdamW for ``modules`` (this rank's model chunks).
 
@@ -121,6 +145,8 @@ class ZeroOptimizer:
     ``offload_dir`` and ``offload_buffer_mb`` of host staging for "disk"). ``zero3_prefetch``
     and ``zero3_reshard``: stage 3's prefetch depth (units) and when it frees gathered
     parameters ("auto", "microbatch", "step"; see ``params_sharded``).
+    ``overlap_param_gather``: stages 1-2 overlap the post-step all-gather with the next
+    forward (module doc; ignored by stages 0 and 3, which have none after the step).
     """
 
     def __init__(
@@ -150,6 +176,7 @@ class ZeroOptimizer:
         offload_buffer_mb: float = DEFAULT_OFFLOAD_BUFFER_MB,
         zero3_prefetch: int = 1,
         zero3_reshard: str = "auto",
+        overlap_param_gather: bool = False,
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
@@ -202,6 +229,7 @@ class ZeroOptimizer:
         self.adam_step = 0  # applied updates (drives bias correction)
 
         bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
+        first_bucket_numel = min(bucket_numel, FIRST_BUCKET_BYTES // dtype.itemsize)
         sharded = zero_stage > 0
         units = find_units(modules) if zero_stage == 3 else None
         unit_of = None
@@ -213,17 +241,22 @@ class ZeroOptimizer:
             owner_count=self.dp if sharded else 1,
             owner_index=comm.group_rank(pstate, "dp") if sharded else 0,
             count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
-            unit_of=unit_of,
+            unit_of=unit_of, first_bucket_numel=first_bucket_numel,
         )
         self.device = named[0][1].device
         self._adamw = resolve_backend(fused_adamw_backend, self.device)
+        self._multi_kind = _multi_kind(fused_adamw_backend, self.device)
+        self._lists: TensorLists | None = None
+        self._lists_key: tuple[int, ...] = ()
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
         if units is not None:
             self.params: ReplicatedParams | ShardedParams = ShardedParams(
                 [layout], units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
                 reshard=resolve_reshard(zero3_reshard, pstate.pp_size))
         else:
-            self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory)
+            overlap_units = find_units(modules) if overlap_param_gather and sharded else None
+            self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory,
+                                           overlap_units=overlap_units)
         grad_dtype = precision_dtype(grad_reduce_dtype)
         self.grad_sync: GradSync = make_grad_sync(
             modules, [layout], pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
@@ -266,6 +299,16 @@ class ZeroOptimizer:
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
 
+    def finish_param_sync(self) -> None:
+        """Wait for the post-step parameter all-gathers still in flight (``overlap_param_gather``):
+        call before reading parameters outside a module forward. Cheap when nothing is pending."""
+        self.params.finish()
+
+    @property
+    def param_gathers_in_flight(self) -> int:
+        """Buckets whose post-step all-gather has not been waited for yet."""
+        return self.params.gathers_in_flight
+
     def gathered_params(self) -> AbstractContextManager:
         """Inside the block every parameter is whole (stage 3 gathers them; read-only), e.g. to export weights."""
         return self.params.gathered()
@@ -274,6 +317,7 @@ class ZeroOptimizer:
     def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 (master, exp_avg, exp_avg_sq) of this rank's piece of ``bucket`` in shard coordinates, in every
         stage and offload mode, as in-place views (disk: of the memory-mapped state files)."""
+        self.finish_param_sync()
         return self.states.read_piece(group, bucket)
 
     @torch.no_grad()
@@ -281,6 +325,7 @@ class ZeroOptimizer:
                           exp_avg_sq: torch.Tensor) -> None:
         """Store a piece's state and refresh this rank's parameter piece from the master (call
         ``gather_params`` after the last piece)."""
+        self.finish_param_sync()
         self.states.write_piece(group, bucket, master, exp_avg, exp_avg_sq)
         piece = self.params.piece(group, bucket)
         if piece.data_ptr() != master.data_ptr():
@@ -292,6 +337,7 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepInfo:
+        self.finish_param_sync()  # a step without a forward since the last one: the update reads the pieces
         self.grad_sync.finalize()
         lr = self.current_lr()
         used_scale = self.scaler.scale
@@ -315,13 +361,35 @@ class ZeroOptimizer:
             return StepInfo(grad_norm=norm, skipped=True, loss_scale=used_scale, lr=lr)
         coef = inv * clip.clip_coefficient(norm, self.clip_grad)
         self.adam_step += 1
-        update = host_adamw_flat_ if self.states.on_host else self._adamw
-        for chunk in self.states.update_chunks(self.grad_sync.grad_piece, self.params.piece):
-            self._update_chunk(chunk, coef, lr, update)
-        self.params.publish()
+        if isinstance(self.states, DeviceStates):
+            self._update_all(coef, lr)
+        else:  # offloaded: streamed chunk by chunk through host memory
+            update = host_adamw_flat_ if self.states.on_host else self._adamw
+            for chunk in self.states.update_chunks(self.grad_sync.grad_piece, self.params.piece):
+                self._update_chunk(chunk, coef, lr, update)
+        self.params.publish(asynchronous=True)
         self.scaler.update(overflow=False)
         self.grad_sync.reset()
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=used_scale, lr=lr)
+
+    def _update_all(self, coef: float, lr: float) -> None:
+        """One vectorised AdamW over every piece (``adamw_multi``); masters of bf16/fp16 models are
+        copied into the parameters' pieces afterwards."""
+        states = self.states
+        assert isinstance(states, DeviceStates)
+        key = tuple(self.grad_sync.grad_piece(g, layout.buckets[0]).data_ptr() for g, layout in enumerate(self.layouts))
+        if self._lists is None or key != self._lists_key:  # views of persistent tensors: built once
+            self._lists = build_lists(self.layouts, states.read_piece, self.grad_sync.grad_piece,
+                                      bool(self.weight_decay))
+            self._lists_key = key
+        beta1, beta2 = self.betas
+        multi_tensor_adamw_(self._lists, coef=coef, step=self.adam_step, lr=lr, beta1=beta1, beta2=beta2,
+                            eps=self.eps, weight_decay=self.weight_decay, kind=self._multi_kind,
+                            per_tensor=self._adamw)
+        for g, master in enumerate(states.masters):
+            if master is not None:
+                for b in self.layouts[g].buckets:
+                    self.params.piece(g, b).copy_(shard_slice(master, b))
 
     def _update_chunk(self, chunk: StateChunk, coef: float, lr: float, update: Callable[..., None]) -> None:
         b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
@@ -340,7 +408,9 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Make the parameters whole after their pieces changed: all-gather (stages 1-2); stage 3 gathers at use."""
+        """Make the parameters whole after their pieces changed: all-gather (stages 1-2; waited for
+        here); stage 3 gathers at use."""
+        self.finish_param_sync()
         self.params.publish()
 
     def memory_peak_bytes(self) -> dict[str, int]:

@@ -132,9 +132,14 @@ class ShardedParams:
         """This rank's piece of ``bucket`` in the model dtype: the shard the next gather reads."""
         return shard_slice(self.shards[group], bucket)
 
-    def publish(self) -> None:
+    def publish(self, *, asynchronous: bool = False) -> None:
         """After an update: nothing to send (the next forward gathers); stale whole buckets go."""
         self.release_all()
+
+    def finish(self) -> None:
+        """Stage 3 has no post-step gather to finish (units are gathered and waited at use)."""
+
+    gathers_in_flight = 0
 
     def release_all(self) -> None:
         for u in self.units:
