@@ -183,9 +183,11 @@ def test_receive_buffers_reused_only_once_nothing_uses_them():
     assert second is not first and pool.allocated == 2
     pool.hand_out(second)  # dropped at once: free again
     assert pool.acquire() is second
-    loss.backward()  # the graph (and its saved x) goes
+    loss.backward()
     assert torch.equal(w.grad, torch.ones(SPEC.shape))
+    assert pool.acquire() is not first  # the graph (its AccumulateGrad holds x) is still alive
+    del loss  # the graph and its references to x go, as the engine drops a chunk's output after W
     view = first[0]
     assert pool.acquire() is not first  # a view keeps the storage busy
     del view
-    assert pool.acquire() is first and pool.allocated == 3
+    assert pool.acquire() is first and pool.allocated == 4

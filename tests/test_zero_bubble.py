@@ -215,3 +215,34 @@ def test_zb_h1_grads_arrive_in_w_and_sync_flags_follow_the_last_w():
             end = prepares[k + 1] if k + 1 < len(prepares) else len(calls) - 1
             grads = sum(1 for c in calls[i + 1:end] if c == ("grad",))
             assert grads == (nparams if halves[k][0] == "W" else 0), (halves[k], grads)
+
+
+def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
+    """B keeps the graph for W and W runs only off the input path, so nothing releases the input
+    path's saved tensors: the graph must go by reference counting alone. The engine's pack hook
+    once returned saved outputs as themselves (tensor -> grad_fn -> saved tensor: a cycle), and
+    zb_h1 kept every microbatch's activations for the whole run."""
+    import weakref
+
+    from parallel3d.pipeline.engine import _SavedBytes
+    from parallel3d.pipeline.p2p import _storage_users
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(),
+                              torch.nn.Linear(8, 1))
+    kept: list[weakref.ref] = []
+    for layer in (net[1], net[3]):  # tanh and sigmoid save their own outputs
+        layer.register_forward_hook(lambda m, i, o: kept.append(weakref.ref(o)))
+    received = torch.randn(4, 8)
+    alone = _storage_users(received)
+    x = received.detach().requires_grad_(True)
+    saved = _SavedBytes(set())
+    with saved.recording():
+        out = net(x).sum()
+    assert saved.total > 0
+    g, work = input_grad(out, None, x)
+    del out, x, g
+    work.run()
+    del work
+    assert all(ref() is None for ref in kept), "a split backward's activations outlived it"
+    assert _storage_users(received) == alone

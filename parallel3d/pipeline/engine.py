@@ -149,7 +149,11 @@ class _SavedBytes:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._seen.append(t)
-        return t
+        # A saved output returned as itself would hold its own grad_fn (tensor -> node -> saved
+        # tensor): a cycle of C++ references no GC can see. A plain backward breaks it by releasing
+        # the saved tensors; a split backward (B with retain_graph, W off the input path) never
+        # releases the input path's, so every graph would leak. A detached alias has no grad_fn.
+        return t.detach() if t.grad_fn is not None else t
 
     @property
     def storages(self) -> dict[int, int]:
