@@ -33,9 +33,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -48,11 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from peer_env import deepspeed_python, free_port, run_peer  # noqa: E402
 
 
 class _TorchStage(nn.Module):
@@ -214,7 +208,7 @@ def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
 def run_group(args, world: int) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for proc in procs:
         proc.start()
@@ -231,33 +225,10 @@ def run_group(args, world: int) -> dict:
     return got[0]
 
 
-def deepspeed_python(args) -> str | None:
-    """The peer's own interpreter: ``.cache/peers/deepspeed-venv`` (created here on first use)."""
-    venv = Path(args.peer_venv)
-    py = venv / "bin" / "python"
-    if not py.exists():
-        if args.no_install:
-            return None
-        print(f"[bench] installing DeepSpeed into its own environment {venv} (once; torch==2.13.0 CPU)",
-              flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        env = dict(os.environ, DS_BUILD_OPS="0")
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
-                        "deepspeed"], check=True, env=env)
-    return str(py)
-
-
 def run_deepspeed(args, py: str, world: int) -> list[float]:
-    cmd = [py, str(Path(__file__).resolve().parent / "peer_deepspeed_pipeline.py"), "--port", str(_free_port())]
-    for key in ("microbatches", "layers", "hidden", "seq", "mbs", "vocab", "steps", "warmup"):
-        cmd += [f"--{key}", str(getattr(args, key))]
-    cmd += ["--stages", str(world)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1])["step_times_s"]
+    cmd = [f"--{key}={getattr(args, key)}" for key in ("microbatches", "layers", "hidden", "seq", "mbs", "vocab",
+                                                         "steps", "warmup")]
+    return run_peer(py, "peer_deepspeed_pipeline.py", [*cmd, f"--stages={world}"])["step_times_s"]
 
 
 def _simulated(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> tuple[float, float, float]:
@@ -372,7 +343,7 @@ def main() -> None:
     ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()
-    ds_py = deepspeed_python(args) if "deepspeed" in args.peers else None
+    ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
     rows = []
     for p in args.stages:
         rows += bench_stages(args, p, ds_py)

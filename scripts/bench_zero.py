@@ -41,7 +41,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallel3d.parallel_state import ParallelState  # noqa: E402
 from parallel3d.topology import Topology  # noqa: E402
 from parallel3d.zero import ZeroOptimizer  # noqa: E402
+from peer_env import deepspeed_python, free_port, run_peer  # noqa: E402
 from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, make_model  # noqa: E402
 # zeroN: ZeroOptimizer defaults (a true reduce-scatter per bucket: DDP's byte volume);
 # zeroN_ar: reduce_scatter="auto", where gloo reduces each bucket with its faster all-reduce;
@@ -199,33 +199,10 @@ def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_python(args) -> str | None:
-    """The peer's own interpreter (created on first use, as ``bench_pipeline.py`` does); None: skipped."""
-    venv = Path(args.peer_venv)
-    py = venv / "bin" / "python"
-    if not py.exists():
-        if args.no_install:
-            print(f"[bench] no DeepSpeed environment at {venv} (--no-install): DeepSpeed skipped", flush=True)
-            return None
-        print(f"[bench] installing DeepSpeed into its own environment {venv} (once; torch==2.13.0 CPU)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "torch==2.13.0",
-                        "deepspeed"], check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
-    return str(py)
-
-
 def run_ours(n: int, rounds: int, steps: int, methods: list[str]) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, n, port, rounds, steps, methods, queue)) for r in range(n)]
     for p in procs:
         p.start()
@@ -236,15 +213,8 @@ def run_ours(n: int, rounds: int, steps: int, methods: list[str]) -> dict:
 
 
 def run_deepspeed(py: str, n: int, rounds: int, steps: int) -> dict:
-    cmd = [py, str(Path(__file__).resolve().parent / "peer_deepspeed_zero.py"), "--port", str(_free_port()),
-           "--dp", str(n), "--rounds", str(rounds), "--steps", str(steps), "--bucket-mb", str(BUCKET_MB)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    out = json.loads(lines[-1])
+    out = run_peer(py, "peer_deepspeed_zero.py", ["--dp", str(n), "--rounds", str(rounds), "--steps", str(steps),
+                                                 "--bucket-mb", str(BUCKET_MB)])
     for r in out.values():
         r["sent_bytes"] = sum(r["bytes_per_step"].values())
         r["peak_bytes"] = r["after_bytes"] = r["offloaded_bytes"] = 0
@@ -273,7 +243,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/zero.json")
     args = parser.parse_args()
     methods = ["ddp"] + [m for m in args.methods if m != "ddp"]
-    ds_py = deepspeed_python(args) if "deepspeed" in args.peers else None
+    ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
     rows = []
     for n in args.dp:
         result: dict = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -22,6 +21,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from peer_env import rank_zero_result  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
@@ -97,23 +98,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.stages, args.port, args, out)) for r in range(args.stages)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    for _ in procs:
-        rank, status, payload = out.get(timeout=1800)
-        if status == "err":
-            for proc in procs:
-                proc.kill()
-            print(json.dumps({"error": f"rank {rank}: {payload}"}))
-            sys.exit(1)
-        got[rank] = payload
-    for proc in procs:
-        proc.join()
-    print(json.dumps({"step_times_s": got[0]}))
+    print(json.dumps({"step_times_s": rank_zero_result(_worker, args.stages, args.port, args)}))
 
 
 if __name__ == "__main__":

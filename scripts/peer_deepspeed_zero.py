@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections import defaultdict
 
 import torch
 import torch.nn as nn
+
+from peer_env import rank_zero_result
 
 WIDTH, DEPTH, BATCH, LR = 512, 8, 32, 1e-3
 BUCKET_MB = 1.0
@@ -152,23 +152,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB)
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.dp, args.port, args, out)) for r in range(args.dp)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    for _ in procs:
-        rank, status, payload = out.get(timeout=1800)
-        if status == "err":
-            for proc in procs:
-                proc.kill()
-            print(json.dumps({"error": f"rank {rank}: {payload}"}))
-            sys.exit(1)
-        got[rank] = payload
-    for proc in procs:
-        proc.join()
-    print(json.dumps(got[0]))
+    print(json.dumps(rank_zero_result(_worker, args.dp, args.port, args)))
 
 
 if __name__ == "__main__":
