@@ -45,6 +45,14 @@ from parallel3d.zero.units import GatherUnit
 Key = tuple[int, int]  # (group, bucket index)
 
 
+def launch_gather(buf: FlatBuffer, bucket: Any, pstate: ParallelState, in_place: bool) -> tuple[Any, torch.Tensor]:
+    """Start the async dp all-gather of ``bucket``'s pieces into the bucket; returns (work, source).
+    ``in_place`` only on NCCL; otherwise the source is a copy of the piece (gloo must not read its own
+    output), which must stay alive until the work is waited for."""
+    src = buf.piece_view(bucket) if in_place else buf.piece_view(bucket).clone()
+    return comm.all_gather_into_tensor(buf.bucket_view(bucket), src, pstate, "dp", async_op=True), src
+
+
 class ParamGatherOverlap:
     """Async per-bucket all-gathers of ``bufs`` over dp, each waited for by the first unit reading it."""
 
@@ -90,9 +98,7 @@ class ParamGatherOverlap:
         self.wait_all()  # a bucket is never gathered twice at once
         for g, i in self.launch_order:
             buf = self.bufs[g]
-            b = buf.layout.buckets[i]
-            src = buf.piece_view(b) if self.in_place else buf.piece_view(b).clone()
-            work = comm.all_gather_into_tensor(buf.bucket_view(b), src, self.pstate, "dp", async_op=True)
+            work, src = launch_gather(buf, buf.layout.buckets[i], self.pstate, self.in_place)
             if work is not None:
                 self._pending[(g, i)] = (work, src)
 

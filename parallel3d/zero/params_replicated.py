@@ -16,11 +16,10 @@ from typing import Iterator
 
 import torch
 
-from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, BufferLayout, FlatBuffer
 from parallel3d.zero.memory import MemoryTracker, nbytes
-from parallel3d.zero.param_gather import ParamGatherOverlap
+from parallel3d.zero.param_gather import ParamGatherOverlap, launch_gather
 from parallel3d.zero.units import GatherUnit
 
 
@@ -56,15 +55,10 @@ class ReplicatedParams:
             if not asynchronous:
                 self.overlap.wait_all()
             return
-        works = []
-        for buf in self.bufs:
-            for b in buf.layout.buckets:
-                # The collective must not read its own output buffer: send a copy of the piece.
-                works.append(comm.all_gather_into_tensor(buf.bucket_view(b), buf.piece_view(b).clone(),
-                                                         self.pstate, "dp", async_op=True))
-        for w in works:
-            if w is not None:
-                w.wait()
+        launched = [launch_gather(buf, b, self.pstate, in_place=False) for buf in self.bufs for b in buf.layout.buckets]
+        for work, _ in launched:
+            if work is not None:
+                work.wait()
 
     def finish(self) -> None:
         """Wait for every parameter gather still in flight (a no-op without overlap)."""
