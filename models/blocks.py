@@ -135,7 +135,7 @@ class Attention(nn.Module):
 
     def __init__(self, ctx: BuildContext, layer: int) -> None:
         super().__init__()
-        c, tp = ctx.config, ctx.pstate.tp_size
+        c, tp = ctx.config, ctx.pstate.size("tp")
         self.head_dim = c.head_dim
         self.kv_local = c.kv_heads // tp
         self.q_per_kv = c.num_heads // c.kv_heads

@@ -536,7 +536,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     p = job.parallel
     dp = _resolve_dp(p, world)
     try:
-        topo = Topology(p.tp, p.pp, dp, order=p.order)
+        topo = Topology(tp=p.tp, pp=p.pp, dp=dp, order=p.order)
     except LayoutError as exc:
         raise ConfigError(f"parallel.order={p.order!r}: {exc}") from None
     _check_parallel(p, model, topo)

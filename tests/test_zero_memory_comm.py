@@ -48,7 +48,7 @@ def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: i
 
 def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter", grad_reduce_dtype="fp32"):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage in (0, 1, 2):
         model = make_model(dtype)
@@ -154,7 +154,7 @@ def make_deep_model(width: int = PEAK_WIDTH, depth: int = PEAK_DEPTH) -> nn.Modu
 def _peak(rank, world_size, cases):
     """Per case (stage, grad_reduce_dtype): the optimizer's peak over a step with PEAK_ACC
     microbatches, and, independently, ``memory_bytes()`` sampled after every backward."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage, grad_reduce_dtype in cases:
         model = make_deep_model()

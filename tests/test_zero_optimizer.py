@@ -59,7 +59,7 @@ def max_rel_error(model: nn.Module, ref: nn.Module) -> float:
 
 
 def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     schedule = WarmupCosine(max_lr=LR, min_lr=LR / 10, warmup_steps=3, decay_steps=steps) if use_schedule else None
     ref, ref_norms = train_reference(steps, clip, schedule)
     out = {}
@@ -138,7 +138,7 @@ def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str
 
 
 def _matrix(rank, world_size, cases):
-    ps = ParallelState(Topology(1, 1, world_size)) if world_size > 1 else ParallelState.single_process()
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size)) if world_size > 1 else ParallelState.single_process()
     ref, ref_norms = train_reference(MATRIX_STEPS, 0.05, batch=MATRIX_BATCH)
     return {case: _train_case(ps, rank, world_size, case, ref) for case in cases}, ref_norms
 
@@ -175,7 +175,7 @@ def test_single_process_matches_torch_adamw_without_clipping(backend):
 
 def _accumulate(rank, world_size, stage, reduce_scatter="reduce_scatter"):
     """Two microbatches per step through grad_sync.prepare/finish, as the pipeline engine drives it."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     ref, _ = train_reference(4, 0.05)
     model = make_mlp()
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -205,9 +205,9 @@ def test_gradient_accumulation_reduction_counts():
     for per_stage in results:
         for stage, ((err, calls), (err_ar, calls_ar)) in per_stage.items():
             assert err < 1e-5 and err_ar < 1e-5, (stage, err, err_ar)
-            buckets = calls[("dp", "all_gather")] // 4
+            buckets = calls[("dp_cp", "all_gather")] // 4
             per_step = 1 if stage == 1 else 2
-            assert calls[("dp", "reduce_scatter")] == 4 * buckets * per_step, stage
+            assert calls[("dp_cp", "reduce_scatter")] == 4 * buckets * per_step, stage
             # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
             assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets * per_step
 

@@ -98,7 +98,7 @@ class Layout:
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.tp, self.pp, self.dp)
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
 
     @property
     def world_size(self) -> int:
