@@ -209,7 +209,7 @@ def test_gradient_accumulation_reduction_counts():
             per_step = 1 if stage == 1 else 2
             assert calls[("dp_cp", "reduce_scatter")] == 4 * buckets * per_step, stage
             # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
-            assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets * per_step
+            assert calls_ar[("dp_cp", "all_reduce")] - calls[("dp_cp", "all_reduce")] == 4 * buckets * per_step
 
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)

@@ -100,7 +100,7 @@ def full_mean_grad(opt: ZeroOptimizer) -> torch.Tensor:
     flat = torch.zeros(layout.numel)
     for b in layout.buckets:
         flat[b.piece_start : b.piece_start + b.piece_size] = opt.grad_sync.grad_piece(0, b).float()
-    comm.all_reduce(flat, opt.pstate, "dp")  # the pieces are disjoint (stage 2): the sum assembles them
+    comm.all_reduce(flat, opt.pstate, opt.layouts[0].reduce_kind)  # the pieces are disjoint (stage 2): the sum assembles them
     by_name = {s.name: flat[s.start : s.end] for s in layout.slots}
     return torch.cat([by_name[name] for name, _ in opt.named_params]) / opt.loss_scale
 
