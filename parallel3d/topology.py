@@ -199,8 +199,8 @@ class Topology:
     def _sizes(self, grid: str) -> dict[str, int]:
         """Sizes at each order position (keyed by the dense name of the position)."""
         if grid == "dense":
-            return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
-        return {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+            return {d: getattr(self, d) if d in DENSE_DIMS else 1 for d in ORDER_DIMS}
+        return {d: getattr(self, e) if e else 1 for d, e in EXPERT_AT.items()}
 
     def _check_fold(self) -> None:
         """Refuse a fold where the dense and expert grids disagree on the pipeline groups."""
