@@ -58,8 +58,11 @@ def max_rel_error(model: nn.Module, ref: nn.Module) -> float:
                for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
-    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
+def _train_dp(rank, world_size, stages, steps, clip, use_schedule, layout=None):
+    """``layout``: the data-parallel dimensions (default dp = world); every rank that holds a replica of
+    the parameters (its dp_cp index) takes its own slice of the global batch."""
+    ps = ParallelState(Topology(**(layout or {"dp": world_size})))
+    replica = ps.ranks("dp_cp").index(rank)
     schedule = WarmupCosine(max_lr=LR, min_lr=LR / 10, warmup_steps=3, decay_steps=steps) if use_schedule else None
     ref, ref_norms = train_reference(steps, clip, schedule)
     out = {}
@@ -70,7 +73,7 @@ def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
         norms = []
         for step in range(steps):
             x, y = global_batch(step)
-            local = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+            local = slice(replica * len(x) // world_size, (replica + 1) * len(x) // world_size)
             F.cross_entropy(model(x[local]), y[local]).backward()
             info = opt.step()
             assert isinstance(info, StepInfo) and not info.skipped
@@ -91,6 +94,16 @@ def test_zero_stages_match_torch_adamw(dp):
             assert norms == pytest.approx(ref_norms, rel=1e-5), f"stage={stage}: grad norms differ"
             assert len(bucket_sizes) > 1 and all(s % dp == 0 for s in bucket_sizes)
     assert sum(bucket_sizes) > 131 or 131 % dp == 0  # padding was needed for an odd parameter count
+
+
+def test_zero_reduces_over_every_replica_dp_and_cp():
+    """cp ranks hold the same weights as dp ranks: ZeRO must reduce and shard over dp x cp, not dp."""
+    results = run_on_ranks(_train_dp, 4, ZERO_STAGES, 4, 0.05, False, {"cp": 2, "dp": 2}, timeout=120)
+    for rank, (per_stage, ref_norms) in enumerate(results):
+        for stage, (err, norms, bucket_sizes) in per_stage.items():
+            assert err < 1e-5, f"cp=2 dp=2 stage={stage} rank={rank}: rel. error {err:.2e}"
+            assert norms == pytest.approx(ref_norms, rel=1e-5), f"stage={stage}: grad norms differ"
+            assert all(s % 4 == 0 for s in bucket_sizes)
 
 
 # ---- the matrix: every stage x gradient dtype x accumulation x dp against torch AdamW ------------
