@@ -205,17 +205,23 @@ class Topology:
     def _check_fold(self) -> None:
         """Refuse a fold where the dense and expert grids disagree on the pipeline groups."""
         before = self._order[: self._order.index("pp")]
-        dense = [self._sizes("dense")[d] for d in before]
-        expert = [self._sizes("expert")[d] for d in before]
-        if self.pp > 1 and _product(dense) != _product(expert):
-            names = lambda grid, ds: "*".join(  # noqa: E731 - the dimension names at each position
-                d if grid == "dense" else EXPERT_AT[d] for d in ds if EXPERT_AT[d] or grid == "dense") or "1"
+        dense, expert = self._span("dense", before), self._span("expert", before)
+        if self.pp > 1 and dense[1] != expert[1]:
             raise LayoutError(
                 f"{self.describe()}: the dense and expert grids would give different pipeline groups: "
-                f"in order {self.order!r} the dimensions before pp span {names('dense', before)} = "
-                f"{_product(dense)} ranks in the dense grid but {names('expert', before)} = {_product(expert)} "
-                f"in the expert grid; put pp last in the order or make these products equal"
+                f"in order {self.order!r} the dimensions before pp span {dense[0]} = {dense[1]} ranks in the "
+                f"dense grid but {expert[0]} = {expert[1]} in the expert grid; put pp last in the order or "
+                f"make these products equal"
             )
+
+    def _span(self, grid: str, positions: tuple[str, ...]) -> tuple[str, int]:
+        """``("tp*dp", 4)``: the dimensions of ``grid`` at ``positions`` with size > 1, and their product."""
+        sizes = self._sizes(grid)
+        names = [d if grid == "dense" else EXPERT_AT[d] for d in positions if sizes[d] > 1]
+        product = 1
+        for d in positions:
+            product *= sizes[d]
+        return "*".join(names) or "1", product
 
     # ---- sizes -----------------------------------------------------------
     @property
@@ -381,9 +387,3 @@ class Topology:
         expert = f", etp={self.etp}, edp={self.edp}" if self.ep > 1 or self.etp != self.tp else ""
         return f"Topology({sizes}{expert}, order={self.order!r}, world_size={self.world_size})"
 
-
-def _product(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
