@@ -8,6 +8,7 @@ import torch
 
 from models import build_model, get_config
 from models.hf import from_hf, hf_config, to_hf
+from models.hf_formats import hf_format
 from models.state import full_state_dict
 from parallel3d.parallel_state import ParallelState
 from parallel3d.tensor_parallel import gather_last_dim
@@ -25,7 +26,7 @@ NAMES = ["gpt_tiny", "llama_tiny"]
 def _hf_model(name: str, seed: int = 0):
     cfg = get_config(name)
     transformers = _transformers()
-    cls = transformers.GPT2LMHeadModel if cfg.arch == "gpt" else transformers.LlamaForCausalLM
+    cls = getattr(transformers, hf_format(cfg).architecture)
     torch.manual_seed(seed)
     return cfg, cls(hf_config(cfg)).eval()
 
