@@ -24,7 +24,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.hf_formats import hf_format, hf_format_of_model_type
-from models.shape import Tensor
+from models.shape import ParamShape
 from models.state import check_keys, full_state_dict, load_full_state_dict
 from models.transformer import TransformerLM, build_model
 from parallel3d.parallel_state import ParallelState
@@ -90,7 +90,7 @@ def hf_unit_of(key: str) -> object:
     return GLOBALS
 
 
-def _unit_tensors(cfg: ModelConfig, unit: object) -> tuple[Tensor, ...]:
+def _unit_tensors(cfg: ModelConfig, unit: object) -> tuple[ParamShape, ...]:
     shape = cfg.shape
     if unit == GLOBALS:
         return (*shape.embedding, *shape.final_norm, *shape.head)

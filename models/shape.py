@@ -6,7 +6,7 @@ model (``parallel3d.planning``) and pipeline partitioning (``parallel3d.pipeline
 it. Tests hold it equal to the built model (names, shapes, tp sharding, every rank's shard) and to
 torch's ``FlopCounterMode``.
 
-Parameters. ``ModelShape.tensors()`` lists every parameter once as a ``Tensor`` whose ``name`` is
+Parameters. ``ModelShape.tensors()`` lists every parameter once as a ``ParamShape`` whose ``name`` is
 the built parameter's ``global_name``. Sharding classes (``Params``): ``tp_split`` (column-parallel
 weights and biases, row-parallel weights, the vocabulary rows of the word embedding and head: each
 tp rank holds 1/tp, the vocabulary padded to a multiple of tp) and ``replicated`` (norms,
@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable
+from typing import Callable, Iterable
 
-from models.spec import BlockSpec, ModelSpec, NormSpec
+from models.spec import BlockSpec, MLPSpec, ModelSpec, NormSpec
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 SHARDING_CLASSES: tuple[str, ...] = ("tp_split", "replicated")
@@ -56,7 +56,7 @@ MLP_MATRICES: dict[str, tuple[tuple[str, str], ...]] = {
 
 
 @dataclass(frozen=True)
-class Tensor:
+class ParamShape:
     """One parameter: its full, unpadded shape and how a tp group holds it."""
 
     name: str  # the built parameter's global_name
@@ -107,7 +107,7 @@ class Params:
     replicated: int = 0  # every tp rank holds all of it
 
     @classmethod
-    def of(cls, tensors: Iterable[Tensor], *, active: bool = False) -> "Params":
+    def of(cls, tensors: Iterable[ParamShape], *, active: bool = False) -> "Params":
         """The tensors' elements by class (``active``: weighted by the fraction of tokens using each)."""
         split = replicated = 0.0
         for t in tensors:
@@ -187,7 +187,7 @@ class LayerShape:
 
     index: int
     block: BlockSpec
-    tensors: tuple[Tensor, ...]
+    tensors: tuple[ParamShape, ...]
 
     @cached_property
     def params(self) -> Params:
@@ -219,29 +219,42 @@ class LayerShape:
         return 2.0 * sum(t.numel * t.active for t in self.tensors if t.matmul)
 
 
-def _linear(name: str, fan_in: int, fan_out: int, parallel: str, bias: bool) -> list[Tensor]:
+def _linear(name: str, fan_in: int, fan_out: int, parallel: str, bias: bool) -> list[ParamShape]:
     column = parallel == COLUMN
-    weight = Tensor(f"{name}.weight", (fan_out, fan_in), split_dim=0 if column else 1, matmul=True)
+    weight = ParamShape(f"{name}.weight", (fan_out, fan_in), split_dim=0 if column else 1, matmul=True)
     # A row-parallel bias is added after the sum over tp, so every rank holds it whole.
-    return [weight, Tensor(f"{name}.bias", (fan_out,), split_dim=0 if column else None)] if bias else [weight]
+    return [weight, ParamShape(f"{name}.bias", (fan_out,), split_dim=0 if column else None)] if bias else [weight]
 
 
-def _norm(name: str, norm: NormSpec) -> list[Tensor]:
-    weight = Tensor(f"{name}.weight", (norm.size,))
-    return [weight, Tensor(f"{name}.bias", (norm.size,))] if norm.bias else [weight]
+def _norm(name: str, norm: NormSpec) -> list[ParamShape]:
+    weight = ParamShape(f"{name}.weight", (norm.size,))
+    return [weight, ParamShape(f"{name}.bias", (norm.size,))] if norm.bias else [weight]
+
+
+def dense_mlp_params(prefix: str, hidden_size: int, mlp: MLPSpec) -> list[ParamShape]:
+    """The parameters of a dense MLP (``MLP_MATRICES[mlp.kind]``) under ``prefix`` (``layers.<i>.mlp``)."""
+    out: list[ParamShape] = []
+    for name, parallel in MLP_MATRICES[mlp.kind]:
+        fan_in, fan_out = (hidden_size, mlp.ffn_size) if parallel == COLUMN else (mlp.ffn_size, hidden_size)
+        out += _linear(f"{prefix}.{name}", fan_in, fan_out, parallel, mlp.bias)
+    return out
+
+
+# The parameters of each models.spec.MLP_KINDS kind: (prefix, hidden size, MLPSpec) -> ParamShapes.
+MLP_PARAMS: dict[str, Callable[[str, int, MLPSpec], list[ParamShape]]] = {
+    "gelu": dense_mlp_params, "swiglu": dense_mlp_params,
+}
 
 
 def layer_shape(index: int, block: BlockSpec) -> LayerShape:
-    """The tensors ``models.blocks.TransformerBlock`` builds for ``block`` as layer ``index``."""
+    """The parameters ``models.blocks.TransformerBlock`` builds for ``block`` as layer ``index``."""
     p, h, a, mlp = f"layers.{index}.", block.hidden_size, block.attention, block.mlp
-    tensors = [*_norm(p + "norm1", block.norm),
-               *_linear(p + "attn.qkv", h, a.q_size + 2 * a.kv_size, COLUMN, a.qkv_bias),
-               *_linear(p + "attn.out", a.q_size, h, ROW, a.out_bias),
-               *_norm(p + "norm2", block.norm)]
-    for name, parallel in MLP_MATRICES[mlp.kind]:
-        fan_in, fan_out = (h, mlp.ffn_size) if parallel == COLUMN else (mlp.ffn_size, h)
-        tensors += _linear(f"{p}mlp.{name}", fan_in, fan_out, parallel, mlp.bias)
-    return LayerShape(index, block, tuple(tensors))
+    params = [*_norm(p + "norm1", block.norm),
+              *_linear(p + "attn.qkv", h, a.q_size + 2 * a.kv_size, COLUMN, a.qkv_bias),
+              *_linear(p + "attn.out", a.q_size, h, ROW, a.out_bias),
+              *_norm(p + "norm2", block.norm),
+              *MLP_PARAMS[mlp.kind](p + "mlp", h, mlp)]
+    return LayerShape(index, block, tuple(params))
 
 
 @dataclass(frozen=True)
@@ -249,18 +262,18 @@ class ModelShape:
     """Every parameter and the FLOPs per token of one ``ModelSpec`` (module docstring)."""
 
     spec: ModelSpec
-    embedding: tuple[Tensor, ...]  # the word table first, then learned positions
+    embedding: tuple[ParamShape, ...]  # the word table first, then learned positions
     layers: tuple[LayerShape, ...]  # layers[i] is global layer i
-    final_norm: tuple[Tensor, ...]
-    head: tuple[Tensor, ...]  # empty when tied to the word embedding
+    final_norm: tuple[ParamShape, ...]
+    head: tuple[ParamShape, ...]  # empty when tied to the word embedding
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> "ModelShape":
         h = spec.hidden_size
-        embedding = [Tensor("embedding.word.weight", (spec.vocab_size, h), split_dim=0, vocab=True)]
+        embedding = [ParamShape("embedding.word.weight", (spec.vocab_size, h), split_dim=0, vocab=True)]
         if spec.learned_positions:
-            embedding.append(Tensor("embedding.position.weight", (spec.max_seq_len, h)))
-        head = () if spec.tied_head else (Tensor("head.weight", (spec.vocab_size, h), split_dim=0, vocab=True,
+            embedding.append(ParamShape("embedding.position.weight", (spec.max_seq_len, h)))
+        head = () if spec.tied_head else (ParamShape("head.weight", (spec.vocab_size, h), split_dim=0, vocab=True,
                                                  matmul=True),)
         return cls(spec=spec, embedding=tuple(embedding),
                    layers=tuple(layer_shape(i, block) for i, block in enumerate(spec.blocks)),
@@ -268,7 +281,7 @@ class ModelShape:
 
     # ---- parameters ------------------------------------------------------------------
     @property
-    def word_embedding(self) -> Tensor:
+    def word_embedding(self) -> ParamShape:
         return self.embedding[0]
 
     @cached_property
@@ -276,7 +289,7 @@ class ModelShape:
         """Every layer has the same block (dense models): per-layer numbers do not depend on the index."""
         return len({layer.block for layer in self.layers}) <= 1
 
-    def tensors(self) -> tuple[Tensor, ...]:
+    def tensors(self) -> tuple[ParamShape, ...]:
         """Every parameter of the whole model once (a tied head is the word embedding)."""
         return (*self.embedding, *(t for layer in self.layers for t in layer.tensors), *self.final_norm, *self.head)
 
@@ -288,11 +301,11 @@ class ModelShape:
         """Parameters one token uses (equal to ``total_params()`` for a dense model)."""
         return sum(t.numel * t.active for t in self.tensors())
 
-    def held_tensors(self, layers: Iterable[int], pre_process: bool, post_process: bool) -> tuple[Tensor, ...]:
+    def held_tensors(self, layers: Iterable[int], pre_process: bool, post_process: bool) -> tuple[ParamShape, ...]:
         """The tensors a model chunk built by ``build_model`` holds: its ``layers``, the embedding when
         ``pre_process``, the final norm and head when ``post_process`` (a tied head on a chunk without
         the embedding holds its own copy of the word table)."""
-        held: list[Tensor] = list(self.embedding) if pre_process else []
+        held: list[ParamShape] = list(self.embedding) if pre_process else []
         held += [t for i in layers for t in self.layers[i].tensors]
         if post_process:
             held += [*self.final_norm, *self.head]
@@ -302,7 +315,7 @@ class ModelShape:
 
     def held_params(self, tp: int, layers: Iterable[int], pre_process: bool, post_process: bool) -> HeldParams:
         """Parameters on one of ``tp`` ranks of a chunk (``held_tensors``), by part."""
-        def count(tensors: Iterable[Tensor]) -> int:
+        def count(tensors: Iterable[ParamShape]) -> int:
             return sum(t.local_numel(tp) for t in tensors)
 
         head = count(self.head) if post_process else 0
