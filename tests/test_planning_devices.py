@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import yaml
 
 from parallel3d.planning.cli import ClusterConfig, cluster_from
 from parallel3d.planning.cluster import DEVICES, ClusterSpec, get_device
-from parallel3d.planning.devices import DEVICE_DIR, DeviceSpec, device_from_dict, load_device_catalogue, load_device_file
+from parallel3d.planning.devices import (
+    DEVICE_DIR,
+    DeviceSpec,
+    device_from_dict,
+    load_device_catalogue,
+    load_device_file,
+)
 
 GiB = 2**30
 DEVICE_FILES = sorted(DEVICE_DIR.glob("*.yaml"))

@@ -6,7 +6,8 @@ import re
 
 GiB = 2**30
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}
 
 
 def parse_bytes(text: str | int | float, key: str = "device_mem") -> float:
