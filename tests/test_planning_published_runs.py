@@ -25,7 +25,8 @@ from parallel3d.planning.published import (
 )
 
 RUNS = load_published_runs()
-RAW = {item["id"]: item for item in yaml.safe_load(RUNS_FILE.read_text())["runs"]}
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+RAW = {item["id"]: item for item in yaml.load(RUNS_FILE.read_text(), Loader=_LOADER)["runs"]}
 SCORED = [r for r in RUNS if r.split != "reference"]
 
 
@@ -207,10 +208,9 @@ def test_loader_rejects_an_inconsistent_row(run_id, mutate, words):
 
 
 def test_duplicate_ids_are_rejected(tmp_path):
-    document = yaml.safe_load(RUNS_FILE.read_text())
-    document["runs"].append(document["runs"][0])
+    row = RAW["narayanan21_gpt_18.4b"]
     path = tmp_path / "runs.yaml"
-    path.write_text(yaml.safe_dump(document))
+    path.write_text(yaml.safe_dump({"schema_version": 1, "runs": [row, row]}))
     with pytest.raises(ValueError, match="duplicate"):
         load_published_runs(path)
 

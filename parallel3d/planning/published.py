@@ -99,7 +99,8 @@ def parse_run(data: Mapping[str, Any]) -> PublishedRun:
 
 def load_published_runs(path: Path | str = RUNS_FILE) -> tuple[PublishedRun, ...]:
     """Every run of the data file, validated; ids are unique."""
-    document = yaml.safe_load(Path(path).read_text())
+    # The C loader when PyYAML has it: the file is long and this runs on every planner check.
+    document = yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     if not isinstance(document, Mapping) or not isinstance(document.get("runs"), list):
         raise ValueError(f"{path}: expected a mapping with a 'runs' list")
     unknown = sorted(set(document) - {"schema_version", "conventions", "runs"})
