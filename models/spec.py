@@ -7,9 +7,10 @@ into a ``ModelSpec``: the embedding, one ``BlockSpec`` per layer (``blocks[i]`` 
 shape (``models.shape``: parameters and FLOPs) and HF interop (``models.hf_formats``) read the
 spec, never ``arch``.
 
-Adding an architecture is data: a preset here, and for a new *kind* one entry in each table that
-builds or counts kinds (``models.transformer.MLP_CLASSES``, ``models.blocks.NORM_FUNCTIONS``,
-``models.shape.MLP_MATRICES``, ``parallel3d.planning.activations`` kept-tensor tables).
+Adding an architecture is data: a preset here (and an ``HFFormat`` for HF interop), and for a new
+*kind* one entry in each table that builds or counts kinds (``models.transformer.MLP_CLASSES``,
+``models.blocks.NORM_FUNCTIONS``, ``models.shape.MLP_PARAMS``, the kept-tensor tables of
+``parallel3d.planning.activations``).
 """
 
 from __future__ import annotations
