@@ -78,7 +78,11 @@ def schema_of(name: str, sources: tuple[type, ...], order: tuple[str, ...] | Non
     found: dict[str, tuple[Any, dataclasses.Field]] = {}
     for cls in sources:
         hints = typing.get_type_hints(cls)
-        found.update({f.name: (hints[f.name], f) for f in dataclasses.fields(cls) if f.name not in skip})
+        for f in dataclasses.fields(cls):
+            if f.name in found:
+                raise TypeError(f"{name}: key {f.name!r} is stated by two options classes")
+            if f.name not in skip:
+                found[f.name] = (hints[f.name], f)
     names = order or tuple(found)
     if sorted(names) != sorted(found):
         raise TypeError(f"{name}: order {names} does not list the fields {sorted(found)} once each")
@@ -112,6 +116,8 @@ def options_of(cls: type, section: Any) -> Any:
 # kernels.backend is the public name of ModelConfig.kernel_backend, so the model group
 # does not carry it (one key per setting).
 ModelSchema = schema_of("ModelSchema", (ModelConfig,), skip=("kernel_backend",))
+# Sections built from several packages list their keys in the order they always had (the order
+# "<section> accepts: ..." errors print); schema_of checks the order names every key once.
 ParallelConfig = schema_of("ParallelConfig", (ParallelDims, PipelineOptions, ZeroOptions), order=(
     "tp", "pp", "dp", "cp", "ep", "etp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages", "order",
     "bucket_size_mb", "grad_reduce_dtype", "pp_layers", "offload", "offload_dir", "offload_buffer_mb",
