@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
+from kernels.runtime import BACKENDS
 from models.shape import ModelShape
 from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
@@ -107,8 +108,8 @@ class ModelConfig:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.kernel_backend not in ("auto", "triton", "apex", "torch"):
-            raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of auto, triton, apex, torch")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of {', '.join(BACKENDS)}")
         for key in ("norm_eps", "init_std", "rope_base"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a number > 0")

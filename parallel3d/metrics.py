@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from models.config import ModelConfig
+from parallel3d.logging_options import WandbOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -235,7 +236,8 @@ class WandbSink:
 
     def __init__(
         self, *, mode: str, project: str, entity: str | None, name: str | None, run_dir: str,
-        config: dict[str, Any], resume_id: str | None = None, init_timeout_s: float = 60.0,
+        config: dict[str, Any], resume_id: str | None = None,
+        init_timeout_s: float = WandbOptions.init_timeout_s,
     ) -> None:
         self.run = None
         self.run_id: str | None = None

@@ -314,7 +314,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     p, v = layout.pp, layout.virtual_stages
     if stage_layers is None:
         stage_layers = stage_layer_counts(config, p, v)
-    topo = Topology(layout.tp, p, layout.dp)
+    topo = layout.topology
     comm = CommModel(cluster, topo)
     lt = layer_times(config, layout, cluster, comm, options)
     emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config)
