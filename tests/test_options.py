@@ -296,6 +296,10 @@ KEY_IN_MESSAGE = re.compile(r"\b((?:parallel|train|optimizer|data|logging|kernel
                             r"(?:\.[a-z_][a-z0-9_]*)*)=")
 
 
+# Modules whose messages name the fields of another file format, not config keys.
+OTHER_FORMATS = {"parallel3d/planning/published_checks.py"}  # rows of planning/published_runs.yaml
+
+
 def test_every_key_an_error_message_names_is_a_config_key():
     """A message naming ``<section>.<key>=`` must name a real key (``parallel.pp_schedule`` and
     ``data.seq_len`` were not). Scans every string literal of parallel3d/, models/, kernels/."""
@@ -307,6 +311,8 @@ def test_every_key_an_error_message_names_is_a_config_key():
     unknown = []
     for package in ("parallel3d", "models", "kernels"):
         for path in sorted((root / package).rglob("*.py")):
+            if path.relative_to(root).as_posix() in OTHER_FORMATS:
+                continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     unknown += [f"{path.relative_to(root)}:{node.lineno}: {m.group(1)}"
