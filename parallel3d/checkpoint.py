@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
+from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.checkpoint_verify import crc32_of, damage, gather, my_share
 from parallel3d.faults import inject
 
@@ -116,7 +117,7 @@ def is_loadable(directory: str) -> bool:
 class CheckpointManager:
     """Saves and finds checkpoints under ``root`` for one job (all ranks construct it)."""
 
-    def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = 2,
+    def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = CheckpointOptions.keep_last,
                  group: "dist.ProcessGroup | None" = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")

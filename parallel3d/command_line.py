@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel3d.config import ConfigError, one_line_omegaconf_error
+from parallel3d.config import ConfigError, check_no_extra_keys, one_line_omegaconf_error, resolve
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 MAX_CHECKED_JOBS = 256  # a bigger sweep is checked on its first jobs only (each compose costs ~0.1 s)
@@ -153,8 +153,6 @@ def to_job(cfg: Any) -> tuple[Any, dict[str, Any]]:
     """A composed DictConfig as ``(JobConfig, plain resolved dict)`` (raises ConfigError)."""
     from omegaconf import OmegaConf
 
-    from parallel3d.config import check_no_extra_keys
-
     check_no_extra_keys(cfg)
     try:
         job = OmegaConf.to_object(cfg)
@@ -209,8 +207,6 @@ def one_line(exc: BaseException) -> str:
 
 def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan | None:
     """Compose and resolve every job of ``args`` (raises ConfigError); the multirun plan, or None."""
-    from parallel3d.config import resolve
-
     cmd = parse(args, default_config_dir)
     if cmd is None or not cmd.check:
         return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from parallel3d import data
-from parallel3d.config import ResolvedJob, data_blends
+from parallel3d.config import ResolvedJob
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDataset, data.GPTDataset | None, Any]:
     """``(train, valid or None, tokenizer or None)`` for this job; see module doc. The tokenizer
     is the one the tokens come from (None for indexed data that names none: ``data.tokenizer_file``)."""
-    d, t = rj.job.data, rj.job.train
+    d, t = rj.data, rj.train
     if d.source == "default":
         prefix, tokenizer = data.build_default_corpus(
             d.cache_dir, vocab_size=rj.model.vocab_size, corpus=d.corpus, tokenizer=d.tokenizer,
@@ -31,7 +31,7 @@ def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDa
         )
         (paths, weights), (valid_paths, valid_weights) = ([prefix], None), ([], None)
     else:
-        (paths, weights), (valid_paths, valid_weights) = data_blends(d)
+        (paths, weights), (valid_paths, valid_weights) = rj.data.blends()
         tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, paths)
     common = dict(seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
     if d.valid_fraction > 0:

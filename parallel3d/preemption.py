@@ -23,12 +23,14 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import comm
+from parallel3d.option_checks import ConfigError, as_tuples
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -41,18 +43,31 @@ def signal_names() -> list[str]:
     return sorted(s.name for s in signal.Signals if s.name not in UNCATCHABLE)
 
 
-def check_stop_settings(preempt_signal: Any, max_minutes: Any) -> None:
-    """Raise ConfigError (one line) for bad ``train.preempt_signal`` / ``train.max_minutes``."""
-    from parallel3d.config import ConfigError
+@dataclass(frozen=True)
+class StopOptions:
+    """``train.preempt_signal`` / ``train.max_minutes``, validated (``ConfigError`` naming the key)."""
 
-    names = signal_names()
-    if not isinstance(preempt_signal, (list, tuple)) or any(s not in names for s in preempt_signal):
-        raise ConfigError(f"train.preempt_signal={preempt_signal!r}: must be a list of signal names from "
-                          f"{', '.join(n for n in names if n in ('SIGTERM', 'SIGUSR1', 'SIGUSR2', 'SIGINT', 'SIGHUP'))} "
-                          f"... (not SIGKILL/SIGSTOP), or [] for none")
-    if max_minutes is not None and (isinstance(max_minutes, bool) or not isinstance(max_minutes, (int, float))
-                                    or not max_minutes > 0):
-        raise ConfigError(f"train.max_minutes={max_minutes!r}: must be a number > 0 (minutes), or null for no budget")
+    # Signals that stop the run at the next step boundary with a checkpoint.
+    preempt_signal: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    max_minutes: float | None = None  # wall-clock budget: save and stop before it runs out; null = none
+
+    def __post_init__(self) -> None:
+        as_tuples(self)
+        names = signal_names()
+        signals = self.preempt_signal
+        if not isinstance(signals, tuple) or any(s not in names for s in signals):
+            raise ConfigError(f"train.preempt_signal={_as_given(signals)!r}: must be a list of signal names from "
+                              f"{', '.join(n for n in names if n in ('SIGTERM', 'SIGUSR1', 'SIGUSR2', 'SIGINT', 'SIGHUP'))} "
+                              f"... (not SIGKILL/SIGSTOP), or [] for none")
+        minutes = self.max_minutes
+        if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
+                                    or not minutes > 0):
+            raise ConfigError(f"train.max_minutes={minutes!r}: must be a number > 0 (minutes), or null for no budget")
+
+
+def _as_given(value: Any) -> Any:
+    """A value as the user wrote it (a list), for messages."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 class StopPolicy:

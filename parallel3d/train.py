@@ -7,7 +7,8 @@ against ``parallel3d.config.JobConfig``.
 Order of events on every rank, so a bad value never hangs a job:
 1. compose every job the command line asks for (``parallel3d.command_line``: any flags,
    ``--config-dir``/``--config-name``/``hydra.searchpath``, each job of a ``-m`` sweep)
-   and ``resolve`` it (types, ranges, batch arithmetic, layout against ``WORLD_SIZE``);
+   and ``resolve`` it (types, ranges, batch arithmetic, layout against ``WORLD_SIZE``, then
+   ``preflight``: directories, checkpoints, data files, CUDA);
    a problem prints ONE line (rank 0) and every rank exits with status 2, before any
    process group exists;
 2. run the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every

@@ -21,6 +21,7 @@ summary (``summary.RunSummary``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -118,16 +119,13 @@ class Trainer:
     def __init__(self, rj: ResolvedJob, pstate: ParallelState, full_config: dict[str, Any] | None = None) -> None:
         self.rj, self.pstate = rj, pstate
         # Constructed first, so the time budget counts the set-up too.
-        self.stop_policy = StopPolicy(pstate, list(rj.job.train.preempt_signal), rj.job.train.max_minutes)
+        self.stop_policy = StopPolicy(pstate, list(rj.stop.preempt_signal), rj.stop.max_minutes)
         self.full_config = full_config or {}
-        t, o, p = rj.job.train, rj.job.optimizer, rj.job.parallel
+        t, o, p = rj.job.train, rj.optimizer, rj.job.parallel
         self.chunks = build_chunks(rj, pstate)
         self.optimizer = ZeroOptimizer(
-            self.chunks, pstate, zero_stage=p.zero_stage, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, bucket_size_mb=p.bucket_size_mb,
-            precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, offload=p.offload,
-            offload_dir=p.offload_dir, offload_buffer_mb=p.offload_buffer_mb, zero3_prefetch=p.zero3_prefetch,
-            zero3_reshard=p.zero3_reshard, overlap_param_gather=p.overlap_param_gather,
+            self.chunks, pstate, **dataclasses.asdict(rj.zero), lr=o.lr, betas=o.betas, eps=o.eps,
+            weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, precision=t.precision,
             # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
             fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
             lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),

@@ -100,7 +100,7 @@ class LayoutCase:
             bits.append(f"rc-{t['recompute']}")
         if p["pp_layers"] is not None:
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
-        if p["order"] != "tp-dp-pp":
+        if p["order"] != "tp-dp-pp":  # the same layout as the default order tp-cp-ep-dp-pp (cp = ep = 1)
             bits.append(p["order"])
         if self.emulate_nccl:
             bits.append("nccl")

@@ -71,7 +71,7 @@ def test_message_spec_and_shape_checks():
     spec = MessageSpec.from_config(micro_batch_size=2, seq_len=8, hidden_size=16, dtype=torch.bfloat16,
                                    tp_size=2, sequence_parallel=True)
     assert spec.shape == (2, 4, 16) and spec.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="data.seq_len=7 is not divisible by parallel.tp=2"):
+    with pytest.raises(ValueError, match="train.seq_len=7 is not divisible by parallel.tp=2"):
         MessageSpec.from_config(micro_batch_size=2, seq_len=7, hidden_size=16, dtype=torch.float32,
                                 tp_size=2, sequence_parallel=True)
     pstate = ParallelState.without_groups(Topology(tp=1, pp=2, dp=1), 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from models import ModelConfig, get_config
+from parallel3d.pipeline.options import SCHEDULES
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
 from parallel3d.planning.activations import (
     ActivationAssumptions,
@@ -26,7 +27,6 @@ from parallel3d.planning.activations import (
 )
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory, model_state_bytes
-from parallel3d.planning.params import layer_params
 from parallel3d.topology import LayoutError
 
 GB = 1e9
@@ -85,13 +85,22 @@ def test_korthikanti_175b_numbers_in_gigabytes():
     assert layer_activation_bytes(_gpt(), full, ActivationAssumptions.korthikanti()) == pytest.approx(2 * 2048 * 12288 / 8)
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [
-    ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("gpipe", 3, 5, 1),
-    ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 3), ("interleaved_1f1b", 4, 4, 2),
-])
+def _inflight_cases() -> list[tuple[str, int, int, int]]:
+    """Every schedule the config accepts, over small pipelines and microbatch counts."""
+    cases = []
+    for schedule in SCHEDULES:
+        for p in (1, 2, 3, 4):
+            for m in (1, 2, 3, 5, 8):
+                for v in ((2, 3) if schedule == "interleaved_1f1b" else (1,)):
+                    if schedule != "interleaved_1f1b" or (p > 1 and m % p == 0):
+                        cases.append((schedule, p, m, v))
+    return cases
+
+
+@pytest.mark.parametrize("schedule, p, m, v", _inflight_cases())
 def test_inflight_counts_equal_the_built_schedule(schedule, p, m, v):
     peaks = peak_in_flight(build_schedule(schedule, p, m, v))
-    layout = Layout(pp=p, schedule=schedule, virtual_stages=v, global_batch_size=m)
+    layout = Layout(pp=p, schedule=schedule, virtual_stages=v, micro_batch_size=1, global_batch_size=m)
     assert [inflight_chunks(layout, stage) for stage in range(p)] == [peaks[s] for s in range(p)]
 
 
@@ -100,7 +109,7 @@ def test_interleaved_first_stage_matches_korthikanti_factor(p, v):
     config = ModelConfig(arch="gpt", num_layers=p * v * 2, hidden_size=1024, num_heads=16, vocab_size=512,
                          max_seq_len=512)
     layout = Layout(tp=2, pp=p, schedule="interleaved_1f1b", virtual_stages=v, global_batch_size=4 * p,
-                    seq_len=512, recompute="selective", sequence_parallel=True)
+                    micro_batch_size=1, seq_len=512, recompute="selective", sequence_parallel=True)
     korth = ActivationAssumptions(hidden_dropout=False)  # no embedding-dropout term on the first stage
     estimate = estimate_memory(config, layout, korth)
     per_layer = layer_activation_bytes(config, layout, korth)
@@ -111,7 +120,7 @@ def test_interleaved_first_stage_matches_korthikanti_factor(p, v):
 def test_one_f_one_b_first_stage_holds_all_layers_worth():
     config = get_config("gpt3_175b")
     layout = Layout(tp=8, pp=16, dp=8, sequence_parallel=True, recompute="selective", global_batch_size=1536,
-                    seq_len=2048)
+                    micro_batch_size=1, seq_len=2048)
     estimate = estimate_memory(config, layout, ActivationAssumptions.korthikanti())
     # 16 microbatches in flight x 6 layers = all 96 layers' worth, plus the embedding dropout
     # mask of each in-flight microbatch (s*b*h*p/t bytes, the paper's section 4.3).
@@ -122,7 +131,8 @@ def test_one_f_one_b_first_stage_holds_all_layers_worth():
 
 def test_zero_stages_shrink_states_and_stage2_grads_stay_sharded_with_accumulation():
     config = get_config("llama3_8b")
-    base = Layout(tp=2, pp=2, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, grad_reduce_dtype="bf16")
+    base = Layout(tp=2, pp=2, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, precision="bf16",
+                  grad_reduce_dtype="bf16")
     s0, s1, s2 = (estimate_memory(config, base.replace(zero_stage=z)).stages[0] for z in (0, 1, 2))
     assert s1.optimizer_moments == pytest.approx(s0.optimizer_moments / 8, rel=1e-6)
     # Stage 2: the shard plus the one gradient a hook is moving (the embedding slice here).
@@ -148,8 +158,9 @@ def test_zero3_shards_the_16_bytes_per_parameter():
 
 def test_zero3_window_and_offload_in_the_estimate():
     config = get_config("llama3_8b")
-    base = Layout(tp=1, pp=1, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, zero_stage=3)
-    layer = 2 * layer_params(config).per_rank(1)  # bf16 bytes of one transformer layer
+    base = Layout(tp=1, pp=1, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, zero_stage=3,
+                  precision="bf16")
+    layer = 2 * config.shape.layers[0].params.per_rank(1)  # bf16 bytes of one transformer layer
     shard2 = estimate_memory(config, base.replace(zero_stage=2)).stages[0]
     mb = {d: estimate_memory(config, base.replace(zero3_prefetch=d)).stages[0] for d in (0, 1, 2)}
     assert mb[1].weights - mb[0].weights == pytest.approx(layer)
@@ -181,7 +192,8 @@ def test_zero3_window_and_offload_in_the_estimate():
     (dict(schedule="zb"), "parallel.schedule"),
     (dict(virtual_stages=2), "parallel.virtual_stages"),
     (dict(dp=2, micro_batch_size=2, global_batch_size=6), "train.global_batch_size"),
-    (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, global_batch_size=3), "interleaved_1f1b"),
+    (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch_size=1, global_batch_size=3),
+     "interleaved_1f1b"),
 ])
 def test_bad_layout_values_name_the_key(changes, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):

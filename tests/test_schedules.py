@@ -165,7 +165,7 @@ def test_validator_catches_unreceived_send_and_memory_limit():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("zero_bubble", 2, 2), "pp_schedule='zero_bubble' is not one of"),
+        (("zero_bubble", 2, 2), "parallel.schedule='zero_bubble': must be one of 1f1b, gpipe, interleaved_1f1b, zb_h1"),
         (("1f1b", 0, 2), "num_stages=0"),
         (("1f1b", 2, 0), "num_microbatches=0"),
         (("1f1b", 2, 2, 2), "has no virtual stages"),

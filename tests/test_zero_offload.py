@@ -44,7 +44,8 @@ def _train_case(ps, rank, dp, stage, offload, precision, directory):
     dtype = DTYPES[precision]
     model = make_mlp(dtype=dtype)
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, clip_grad=0.05,
-                        precision=precision, bucket_size_mb=TINY_BUCKET_MB, offload=offload, offload_dir=directory,
+                        precision=precision, bucket_size_mb=TINY_BUCKET_MB, offload=offload,
+                        offload_dir=directory if offload == "disk" else None,
                         offload_buffer_mb=7 * 24 * 2 / 2**20)  # disk: chunks of 7 elements, several per piece
     norms = []
     for step in range(STEPS):
@@ -108,7 +109,8 @@ def _disk_budget(rank, world_size, root):
     for offload in ("cpu", "disk"):
         model = make_deep_model()
         opt = ZeroOptimizer([model], ps, zero_stage=3, lr=1e-3, precision="bf16", bucket_size_mb=0.05,
-                            offload=offload, offload_dir=os.path.join(root, offload), offload_buffer_mb=BUDGET_MB)
+                            offload=offload, offload_dir=os.path.join(root, offload) if offload == "disk" else None,
+                            offload_buffer_mb=BUDGET_MB)
         opt.reset_memory_peak()
         for step in range(3):
             x = torch.randn(4, 48, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -139,8 +141,8 @@ def test_disk_offload_streams_a_state_larger_than_its_host_budget(tmp_path):
 def _make(ps, stage, offload, directory, seed=0):
     model = make_mlp(seed)
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=1e-2, weight_decay=0.1, clip_grad=0.05,
-                        bucket_size_mb=TINY_BUCKET_MB, offload=offload, offload_dir=directory,
-                        offload_buffer_mb=5 * 24 * 2 / 2**20)
+                        bucket_size_mb=TINY_BUCKET_MB, offload=offload,
+                        offload_dir=directory if offload == "disk" else None, offload_buffer_mb=5 * 24 * 2 / 2**20)
     return model, opt
 
 

@@ -244,24 +244,25 @@ def test_second_backward_without_prepare_fails_loudly(stage):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(zero_stage=4), r"parallel.zero_stage=4 is not one of \(0, 1, 2, 3\)"),
-        (dict(zero_stage=1, offload="nvme"), r"parallel.offload='nvme' is not one of \('none', 'cpu', 'disk'\)"),
-        (dict(zero_stage=0, offload="cpu"), r"parallel.offload='cpu' needs parallel.zero_stage >= 1"),
-        (dict(zero_stage=3, offload="disk"), r"parallel.offload=disk needs parallel.offload_dir"),
-        (dict(zero_stage=3, zero3_prefetch=-1), r"parallel.zero3_prefetch=-1 must be an integer >= 0"),
-        (dict(zero_stage=3, zero3_reshard="layer"), r"parallel.zero3_reshard='layer' is not one of"),
-        (dict(zero_stage=1, bucket_size_mb=0), r"parallel.bucket_size_mb=0 must be a number > 0"),
+        (dict(zero_stage=4), r"parallel.zero_stage=4: must be one of 0, 1, 2, 3"),
+        (dict(zero_stage=1, offload="nvme"), r"parallel.offload='nvme': must be one of none, cpu, disk"),
+        (dict(zero_stage=0, offload="cpu"), r"parallel.offload=cpu: needs parallel.zero_stage >= 1"),
+        (dict(zero_stage=3, offload="disk"), r"parallel.offload_dir=null: parallel.offload=disk needs a directory"),
+        (dict(zero_stage=3, zero3_prefetch=-1), r"parallel.zero3_prefetch=-1: must be an integer >= 0"),
+        (dict(zero_stage=3, zero3_reshard="layer"), r"parallel.zero3_reshard='layer': must be one of"),
+        (dict(zero_stage=1, bucket_size_mb=0), r"parallel.bucket_size_mb=0: must be a number > 0"),
         (dict(zero_stage=1, bucket_size_mb=-2.5), r"parallel.bucket_size_mb=-2.5"),
-        (dict(zero_stage=1, precision="fp8"), r"train.precision='fp8' is not one of"),
+        (dict(zero_stage=1, precision="fp8"), r"train.precision='fp8': must be one of fp32, bf16, fp16"),
         (dict(zero_stage=1, precision="bf16"), r"needs torch.bfloat16 parameters, but 0.weight is torch.float32"),
         (dict(zero_stage=1, clip_grad=0.0), r"optim.clip_grad=0.0 must be > 0"),
         (dict(zero_stage=1, fused_adamw_backend="cuda"), r"fused_adamw_backend='cuda' is not one of"),
         (dict(zero_stage=2, reduce_scatter="ring"), r"reduce_scatter='ring' is not one of \('auto', "),
         (dict(zero_stage=2, grad_reduce_dtype="bf16"),
-         r"parallel.grad_reduce_dtype='bf16' must be 'fp32' or the training precision 'fp32'"),
+         r"parallel.grad_reduce_dtype='bf16': must be fp32 or the training precision \(train.precision='fp32'\)"),
     ],
 )
 def test_bad_settings_fail_fast(kwargs, match):
+    """ZeroOptimizer checks its settings with ZeroOptions: the config's one-line messages."""
     with pytest.raises(ValueError, match=match):
         ZeroOptimizer(make_mlp(), ParallelState.single_process(), lr=LR, **kwargs)
 

@@ -66,6 +66,7 @@ def _overflow(rank, world_size, bad_rank, bad_step):
             loss = loss * math.inf
         loss.backward()
         infos.append(opt.step())
+        opt.finish_param_sync()  # parameters are read outside a forward (overlap_param_gather is on)
         opt.zero_grad()
         after = torch.cat([p.detach().flatten() for p in model.parameters()])
         changed.append(not torch.equal(before, after))
@@ -191,6 +192,7 @@ def _fp16_trains(rank, world_size, grad_dtype, steps):
         (loss * opt.loss_scale).backward()
         infos.append(opt.step())
         opt.zero_grad()
+    opt.finish_param_sync()  # parameters are read outside a forward (overlap_param_gather is on)
     return infos, torch.cat([p.detach().flatten().float() for p in model.parameters()])
 
 

@@ -20,19 +20,12 @@ import torch
 from models.config import ModelConfig
 from models.hf import config_from_hf, expected_hf_shapes, from_hf_unit, hf_unit_of, unit_of
 from parallel3d.checkpoint_io.compat import model_signature
+from parallel3d.checkpoint_io.options import hf_dir_of
 from parallel3d.checkpoint_io.pieces import pieces_to_read, zero_owned_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
     from parallel3d.zero.optimizer import ZeroOptimizer
-
-PREFIX = "hf:"
-
-
-def hf_dir_of(spec: str) -> str:
-    if not isinstance(spec, str) or not spec.startswith(PREFIX) or not spec[len(PREFIX):]:
-        raise ValueError("must be hf:<directory of a transformers checkpoint>")
-    return spec[len(PREFIX):]
 
 
 class HFWeights:

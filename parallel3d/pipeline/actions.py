@@ -22,7 +22,6 @@ COMM_KINDS = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 SEND_KINDS = ("SEND_ACT", "SEND_GRAD")
 RECV_KINDS = ("RECV_ACT", "RECV_GRAD")
 ACTION_KINDS = COMPUTE_KINDS + COMM_KINDS
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 Schedule = dict[int, list["Action"]]
 CostFn = Union[float, int, Callable[[int, int], float]]

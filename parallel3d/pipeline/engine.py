@@ -63,6 +63,7 @@ import torch
 from parallel3d.pipeline import backward_split
 from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, splits_backward, virtual_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
+from parallel3d.pipeline.options import PipelineOptions
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
 from parallel3d.pipeline.tied import TiedGradFinalizer
@@ -184,7 +185,7 @@ class PipelineEngine:
         chunks: Sequence[torch.nn.Module],
         pstate: "ParallelState",
         *,
-        schedule: str = "1f1b",
+        schedule: str = PipelineOptions.schedule,
         num_microbatches: int,
         micro_batch_size: int,
         seq_len: int,

@@ -64,7 +64,7 @@ class MessageSpec:
     ) -> "MessageSpec":
         if sequence_parallel and seq_len % tp_size:
             raise ValueError(
-                f"data.seq_len={seq_len} is not divisible by parallel.tp={tp_size}, which sequence parallel needs"
+                f"train.seq_len={seq_len} is not divisible by parallel.tp={tp_size}, which sequence parallel needs"
             )
         local_seq = seq_len // tp_size if sequence_parallel else seq_len
         return cls((micro_batch_size, local_seq, hidden_size), dtype)

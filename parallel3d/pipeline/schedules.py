@@ -54,7 +54,6 @@ from parallel3d.pipeline.actions import (
     ACTION_KINDS,
     COMM_KINDS,
     COMPUTE_KINDS,
-    SCHEDULE_NAMES,
     Action,
     CommStep,
     Schedule,
@@ -65,10 +64,14 @@ from parallel3d.pipeline.actions import (
     stage_and_chunk,
     virtual_stage,
 )
+from parallel3d.option_checks import check_choice
+from parallel3d.pipeline.options import SCHEDULES
 from parallel3d.pipeline.zero_bubble import zb_h1_order
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
 
-# The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
+# The schedule vocabulary (actions.py), the schedule names (options.py) and the simulator (simulate.py)
+# are re-exported here.
+SCHEDULE_NAMES = SCHEDULES
 __all__ = [
     "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "CommStep", "Schedule",
     "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
@@ -79,8 +82,7 @@ __all__ = [
 
 # ---- building ----------------------------------------------------------------------
 def _check_args(name: str, p: int, m: int, v: int) -> None:
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"parallel.pp_schedule={name!r} is not one of {SCHEDULE_NAMES}")
+    check_choice("parallel.schedule", name, SCHEDULES)
     for key, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual_stages", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")

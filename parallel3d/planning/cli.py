@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from models.config import ModelConfig
-from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
+from parallel3d.config import ConfigError, JobConfig, build_model_config, options_of, register_schema, resolve
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
@@ -24,6 +24,7 @@ from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.planner import Plan, PlanRequest, plan
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import LayoutError
+from parallel3d.train_options import TrainOptions
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -113,18 +114,18 @@ def cluster_from(cfg: ClusterConfig) -> ClusterSpec:
 
 def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, Layout, list[int]]:
     """The model, the layout and the layers per stage that training would use on ``cluster``."""
-    resolved = resolve(job, world_size=cluster.gpus)
-    p, t, topo = job.parallel, job.train, resolved.topology
+    rj = resolve(job, world_size=cluster.gpus)
+    dims, pipe, zero, t = rj.dims, rj.pipeline, rj.zero, rj.train
     layout = Layout(
-        tp=topo.tp, pp=topo.pp, dp=topo.dp, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
-        schedule=p.schedule, virtual_stages=p.virtual_stages, micro_batch_size=t.micro_batch_size,
+        tp=dims.tp, pp=dims.pp, dp=int(dims.dp), zero_stage=zero.zero_stage, sequence_parallel=dims.sequence_parallel,
+        schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
-        grad_reduce_dtype=p.grad_reduce_dtype, offload=p.offload, zero3_prefetch=p.zero3_prefetch,
-        zero3_reshard=p.zero3_reshard,
+        grad_reduce_dtype=zero.grad_reduce_dtype, offload=zero.offload, zero3_prefetch=zero.zero3_prefetch,
+        zero3_reshard=zero.zero3_reshard,
     )
-    model = resolved.model
-    ranges = partition_layers(model, topo.pp, p.virtual_stages, p.pp_layers)
-    stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, topo.pp, s)) for s in range(topo.pp)]
+    model = rj.model
+    ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers)
+    stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, dims.pp, s)) for s in range(dims.pp)]
     return model, layout, stage_layers
 
 
@@ -231,11 +232,9 @@ def run_plan(job: PlanningJob) -> str:
 
 
 def resolve_model_only(job: JobConfig) -> ModelConfig:
-    from parallel3d.config import build_model_config
-
+    """The model, and the train.* values the planner keeps fixed, checked (the layout is searched)."""
     model = build_model_config(job)
-    if job.train.seq_len > model.max_seq_len:
-        raise ConfigError(f"train.seq_len={job.train.seq_len}: must be <= model.max_seq_len={model.max_seq_len}")
+    options_of(TrainOptions, job.train).check_sequence(model.max_seq_len, tp=1, sequence_parallel=False)
     return model
 
 

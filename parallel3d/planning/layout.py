@@ -1,10 +1,17 @@
 """One candidate way to run a model: parallel degrees plus per-step batch settings.
 
 A ``Layout`` uses the same key names as the training config (``parallel.*`` and
-``train.*``), so a layout the planner prints can be pasted as Hydra overrides.
-Invariant: a constructed ``Layout`` is self-consistent (valid enum values,
-``global_batch_size`` divisible by ``dp * micro_batch_size``); whether it fits a
-*model* is checked separately by ``check_fits_model``.
+``train.*``), so a layout the planner prints can be pasted as Hydra overrides. Its
+values are those of the options the training job is built from (``ParallelDims``,
+``PipelineOptions``, ``ZeroOptions``, ``TrainOptions``): the same defaults, the same
+allowed values, validated by them (``dims`` / ``pipeline`` / ``zero`` / ``train``).
+Two differences, both because a layout is concrete: ``dp`` is a number (1 unless given;
+"auto" needs a world size), and ``global_batch_size=None`` means one microbatch per
+data-parallel rank. ``sequence_parallel`` at tp = 1 is accepted and dropped, so tp sweeps
+can keep the flag on.
+Invariant: a constructed ``Layout`` is self-consistent (valid values, ``global_batch_size``
+divisible by ``dp * micro_batch_size``); whether it fits a *model* is checked separately by
+``check_fits_model``.
 """
 
 from __future__ import annotations
@@ -13,92 +20,73 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from models.config import ModelConfig
+from parallel3d.option_checks import check_int
+from parallel3d.parallel_dims import ParallelDims
+from parallel3d.pipeline.options import PipelineOptions
 from parallel3d.topology import LayoutError, Topology
+from parallel3d.train_options import TrainOptions
+from parallel3d.zero.options import ZeroOptions, resolve_reshard
 
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
-ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
-OFFLOAD_MODES: tuple[str, ...] = ("none", "cpu", "disk")
-ZERO3_RESHARD: tuple[str, ...] = ("auto", "microbatch", "step")
-# Schedule names as parallel3d.pipeline.schedules and the training config spell them.
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+# offload=disk is priced without a directory; the one the job will use is chosen at launch.
+UNCHOSEN_OFFLOAD_DIR = "<parallel.offload_dir>"
 
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
+    tp: int = ParallelDims.tp
+    pp: int = ParallelDims.pp
     dp: int = 1
-    zero_stage: int = 1
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    micro_batch_size: int = 1
-    seq_len: int = 2048
+    zero_stage: int = ZeroOptions.zero_stage
+    sequence_parallel: bool = ParallelDims.sequence_parallel
+    schedule: str = PipelineOptions.schedule
+    virtual_stages: int = PipelineOptions.virtual_stages
+    micro_batch_size: int = TrainOptions.micro_batch_size
+    seq_len: int = TrainOptions.seq_len
     global_batch_size: int | None = None  # None: one microbatch per data-parallel rank
-    recompute: str = "none"
-    precision: str = "bf16"
-    grad_reduce_dtype: str = "fp32"  # parallel.grad_reduce_dtype: fp32 main grads, or the precision's own
-    offload: str = "none"  # parallel.offload: where master weights + Adam moments live (none | cpu | disk)
-    zero3_prefetch: int = 1  # parallel.zero3_prefetch: units gathered ahead (stage 3)
-    zero3_reshard: str = "auto"  # parallel.zero3_reshard: microbatch | step (auto: step if pp > 1)
+    recompute: str = TrainOptions.recompute
+    precision: str = TrainOptions.precision
+    grad_reduce_dtype: str = ZeroOptions.grad_reduce_dtype  # fp32 main grads, or the precision's own
+    offload: str = ZeroOptions.offload  # where master weights + Adam moments live (none | cpu | disk)
+    zero3_prefetch: int = ZeroOptions.zero3_prefetch  # units gathered ahead (stage 3)
+    zero3_reshard: str = ZeroOptions.zero3_reshard  # microbatch | step (auto: step if pp > 1)
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size", "seq_len"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_qualified(key)}={value!r} must be an integer >= 1")
-        if self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={self.zero_stage!r} is not one of {ZERO_STAGES}")
-        if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"parallel.offload={self.offload!r} is not one of {OFFLOAD_MODES}")
-        if self.offload != "none" and self.zero_stage == 0:
-            raise ValueError(f"parallel.offload={self.offload!r} needs parallel.zero_stage >= 1")
-        if isinstance(self.zero3_prefetch, bool) or not isinstance(self.zero3_prefetch, int) or self.zero3_prefetch < 0:
-            raise ValueError(f"parallel.zero3_prefetch={self.zero3_prefetch!r} must be an integer >= 0")
-        if self.zero3_reshard not in ZERO3_RESHARD:
-            raise ValueError(f"parallel.zero3_reshard={self.zero3_reshard!r} is not one of {ZERO3_RESHARD}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"train.recompute={self.recompute!r} is not one of {RECOMPUTE_MODES}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"train.precision={self.precision!r} is not one of {PRECISIONS}")
-        if self.grad_reduce_dtype not in ("fp32", self.precision):
-            raise ValueError(f"parallel.grad_reduce_dtype={self.grad_reduce_dtype!r} must be fp32 or "
-                             f"train.precision={self.precision!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"parallel.schedule={self.schedule!r} is not one of {SCHEDULES}")
-        if self.schedule == "interleaved_1f1b" and (self.virtual_stages < 2 or self.pp < 2):
-            raise ValueError(
-                f"parallel.schedule='interleaved_1f1b' needs parallel.pp >= 2 and parallel.virtual_stages >= 2, "
-                f"got pp={self.pp}, virtual_stages={self.virtual_stages}"
-            )
-        if self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
-            raise ValueError(
-                f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved_1f1b', "
-                f"got {self.schedule!r}"
-            )
-        if self.sequence_parallel and self.tp == 1:
-            # Harmless but meaningless; accepted so tp sweeps can keep the flag on.
+        if self.sequence_parallel is True and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
-        gbs = self.global_batch_size
-        if gbs is None:
-            object.__setattr__(self, "global_batch_size", self.dp * self.micro_batch_size)
-        elif isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
-            raise ValueError(f"train.global_batch_size={gbs!r} must be an integer >= 1")
-        elif gbs % (self.dp * self.micro_batch_size):
-            raise ValueError(
-                f"train.global_batch_size={gbs} is not divisible by parallel.dp * train.micro_batch_size "
-                f"= {self.dp} * {self.micro_batch_size}"
-            )
-        if self.schedule == "interleaved_1f1b" and self.num_microbatches % self.pp:
-            raise ValueError(
-                f"parallel.schedule='interleaved_1f1b' needs the microbatch count {self.num_microbatches} "
-                f"(train.global_batch_size / (dp * micro_batch_size)) to be a multiple of parallel.pp={self.pp}"
-            )
+        check_int("parallel.dp", self.dp, 1)
+        dims, pipeline = self.dims, self.pipeline
+        if self.global_batch_size is None:
+            mbs = check_int("train.micro_batch_size", self.micro_batch_size, 1)
+            object.__setattr__(self, "global_batch_size", self.dp * mbs)
+        train = self.train
+        self.zero.check_precision(train.precision)
+        pipeline.check_layout(dims.pp)
+        pipeline.check_microbatches(dims.pp, train.grad_accum(self.dp))
+
+    # ---- the options this layout stands for ----------------------------------------------
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def pipeline(self) -> PipelineOptions:
+        return PipelineOptions(schedule=self.schedule, virtual_stages=self.virtual_stages)
+
+    @property
+    def zero(self) -> ZeroOptions:
+        return ZeroOptions(zero_stage=self.zero_stage, grad_reduce_dtype=self.grad_reduce_dtype, offload=self.offload,
+                           offload_dir=UNCHOSEN_OFFLOAD_DIR if self.offload == "disk" else None,
+                           zero3_prefetch=self.zero3_prefetch, zero3_reshard=self.zero3_reshard)
+
+    @property
+    def train(self) -> TrainOptions:
+        return TrainOptions(micro_batch_size=self.micro_batch_size, seq_len=self.seq_len,
+                            global_batch_size=self.global_batch_size, recompute=self.recompute,
+                            precision=self.precision)
 
     @property
     def topology(self) -> Topology:
-        return Topology(tp=self.tp, pp=self.pp, dp=self.dp)
+        return self.dims.build_topology()
 
     @property
     def world_size(self) -> int:
@@ -112,9 +100,7 @@ class Layout:
     @property
     def zero3_mode(self) -> str:
         """When stage 3 frees gathered parameters: ``microbatch`` or ``step`` (``auto``: step if pp > 1)."""
-        if self.zero3_reshard != "auto":
-            return self.zero3_reshard
-        return "step" if self.pp > 1 else "microbatch"
+        return resolve_reshard(self.zero3_reshard, self.pp)
 
     @property
     def num_chunks(self) -> int:
@@ -155,10 +141,6 @@ PARALLEL_KEYS: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage", "sequence_para
                                   "grad_reduce_dtype", "offload", "zero3_prefetch", "zero3_reshard")
 OPTIONAL_PARALLEL_KEYS: tuple[str, ...] = ("offload", "zero3_prefetch", "zero3_reshard")  # printed when they matter
 TRAIN_KEYS: tuple[str, ...] = ("micro_batch_size", "seq_len", "global_batch_size", "recompute", "precision")
-
-
-def _qualified(key: str) -> str:
-    return f"parallel.{key}" if key in PARALLEL_KEYS else f"train.{key}"
 
 
 def layout_keys() -> tuple[str, ...]:

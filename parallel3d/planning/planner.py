@@ -5,8 +5,10 @@ tp a power of two up to ``gpus_per_node`` that divides the heads, the KV
 heads and the FFN width (tensor parallelism stays inside a node's NVLink);
 pp a divisor of ``num_layers`` (or, with ``uneven_stages``, any depth whose
 balanced stages differ by at most ~10%) whose tp*pp divides the GPUs; dp the rest;
-micro-batch sizes that divide the per-replica batch; 1F1B, and interleaved
-1F1B with v chunks per stage when v*pp divides the layers. Sequence
+micro-batch sizes that divide the per-replica batch; 1F1B, zero-bubble zb_h1
+(pp > 1: same activation peak on the first stage, a smaller bubble, its split
+backward priced by the simulator), and interleaved 1F1B with v chunks per stage
+when v*pp divides the layers (GPipe is not searched: 1F1B's time with more memory). Sequence
 parallelism is on whenever tp > 1 (same communication volume, less memory).
 For each, the cheapest recompute mode (none < selective < full) and the fastest
 ZeRO stage (1, 2, 3 by default) and offload mode (``none``; ``cpu`` when asked:
@@ -26,13 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.config import ModelConfig
+from models.transformer import RECOMPUTE_MODES
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, estimate_step
-from parallel3d.planning.layout import ZERO_STAGES, Layout
+from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
+from parallel3d.zero.options import ZERO_STAGES
 
-RECOMPUTE_ORDER: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_ORDER: tuple[str, ...] = RECOMPUTE_MODES  # cheapest first
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
                 if gbs % (dp * mbs):
                     continue
                 m = gbs // (dp * mbs)
-                schedules = [("1f1b", 1)]
+                schedules = [("1f1b", 1)] + ([("zb_h1", 1)] if pp > 1 else [])
                 if pp > 1 and m % pp == 0:
                     schedules += [("interleaved_1f1b", v) for v in range(2, request.max_virtual_stages + 1)
                                   if config.num_layers % (pp * v) == 0]

@@ -24,16 +24,22 @@ from typing import Callable
 import torch
 from torch.optim.adamw import adamw as torch_functional_adamw
 
-from kernels import adamw as kernel_adamw
-
 BACKENDS = ("auto", "torch", "kernels")
+
+
+def _kernel_adamw():  # noqa: ANN202 - the kernels.adamw module
+    """``kernels.adamw``, imported on first use as ``kernels.dispatch`` imports its kernels: it imports
+    triton, which importing this package (the planner reads ``zero.options``) must not need."""
+    from kernels import adamw
+
+    return adamw
 
 
 def adamw_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 **hyper: float) -> None:
     """One Adam update of the flat fp32 tensors in place with torch ops (weight decay applied by
     the caller); ``hyper`` are ``step, lr, beta1, beta2, eps``."""
-    kernel_adamw.adamw_flat_(param, grad, exp_avg, exp_avg_sq, backend="torch", **hyper)
+    _kernel_adamw().adamw_flat_(param, grad, exp_avg, exp_avg_sq, backend="torch", **hyper)
 
 
 def host_adamw_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -56,4 +62,4 @@ def resolve_backend(name: str, device: torch.device | None = None) -> Callable[.
         return adamw_flat_
     if name == "auto" and device is not None and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return host_adamw_flat_
-    return kernel_adamw.adamw_flat_
+    return _kernel_adamw().adamw_flat_

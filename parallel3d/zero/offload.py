@@ -41,7 +41,8 @@ import torch
 
 from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.memory import MemoryTracker, nbytes
-from parallel3d.zero.states import OptimizerStates, PieceOf, StateChunk, pieces
+from parallel3d.zero.options import OFFLOAD_MODES
+from parallel3d.zero.states import DeviceStates, OptimizerStates, PieceOf, StateChunk, pieces
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 FP32 = 4
@@ -312,3 +313,19 @@ class DiskStates(OptimizerStates):
     def close(self) -> None:
         self._maps = None
         self._finalizer()
+
+
+def make_states(offload: str, layouts: list[BufferLayout], param_piece: PieceOf, *, device: torch.device,
+                grad_dtype: torch.dtype, memory: MemoryTracker, offload_dir: str | None = None,
+                buffer_bytes: int = 0, tag: str = "rank0") -> OptimizerStates:
+    """The state store of ``offload`` (``none``, ``cpu``, ``disk``); ``tag`` names this rank's files."""
+    if offload == "none":
+        return DeviceStates(layouts, param_piece, device=device, memory=memory)
+    if offload == "cpu":
+        return HostStates(layouts, param_piece, device=device, grad_dtype=grad_dtype, memory=memory)
+    if offload == "disk":
+        if not offload_dir:
+            raise ValueError("parallel.offload=disk needs parallel.offload_dir (a directory for optimizer state files)")
+        return DiskStates(layouts, param_piece, device=device, grad_dtype=grad_dtype, memory=memory,
+                          directory=offload_dir, buffer_bytes=buffer_bytes, tag=tag)
+    raise ValueError(f"parallel.offload={offload!r} is not one of {', '.join(OFFLOAD_MODES)}")

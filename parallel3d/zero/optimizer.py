@@ -48,9 +48,10 @@ each bucket is waited for just before its first layer's forward (``param_gather`
 Every other reader of the parameters must call ``finish_param_sync`` first; this
 class does so itself in ``step``, ``gather_params``, ``gathered_params``, the
 state-piece accessors (checkpoints, HF import/export) and ``params_from_master``,
-and a model ``state_dict()`` waits too. Off by default here (a caller reading
-``p.data`` right after ``step`` sees final values); the Trainer turns it on
-(``parallel.overlap_param_gather``) because every one of its readers is covered.
+and a model ``state_dict()`` waits too. On by default (``ZeroOptions``, the same default as
+``parallel.overlap_param_gather``): a caller reading ``p.data`` right after ``step``
+without a forward in between calls ``finish_param_sync`` first, or passes
+``overlap_param_gather=False``.
 """
 
 from __future__ import annotations
@@ -75,21 +76,20 @@ from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker
+from parallel3d.zero.offload import make_states
+from parallel3d.zero.options import ZeroOptions, resolve_reshard
 from parallel3d.zero.owned import OwnedSegment, owned_segments
 from parallel3d.zero.params_replicated import ReplicatedParams
-from parallel3d.zero.params_sharded import RESHARD_MODES, ShardedParams, resolve_reshard
+from parallel3d.zero.params_sharded import ShardedParams
 from parallel3d.zero.precision import LossScaler, precision_dtype
-from parallel3d.zero.states import OFFLOAD_MODES, DeviceStates, OptimizerStates, StateChunk, make_states
+from parallel3d.zero.states import DeviceStates, OptimizerStates, StateChunk
 from parallel3d.zero.units import find_units, unit_index_of
 
 log = logging.getLogger(__name__)
 
-ZERO_STAGES = (0, 1, 2, 3)
-DEFAULT_OFFLOAD_BUFFER_MB = 256.0
 DENSE_REDUCE_KIND = "dp_cp"  # the group holding the replicas of a dense parameter
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
-__all__ = ["MEMORY_CATEGORIES", "OFFLOAD_MODES", "RESHARD_MODES", "StepInfo", "ZERO_STAGES", "ZeroOptimizer",
-           "make_grad_sync"]
+__all__ = ["StepInfo", "ZeroOptimizer", "make_grad_sync"]
 
 
 def make_grad_sync(modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
@@ -166,7 +166,7 @@ class ZeroOptimizer:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         clip_grad: float | None = None,
-        bucket_size_mb: float = 25.0,
+        bucket_size_mb: float = ZeroOptions.bucket_size_mb,
         precision: str = "fp32",
         lr_schedule: Callable[[int], float] | None = None,
         loss_scale_init: float = 2.0**16,
@@ -176,38 +176,27 @@ class ZeroOptimizer:
         loss_scale_min: float = 1.0,
         fused_adamw_backend: str = "auto",
         reduce_scatter: str = "reduce_scatter",
-        grad_reduce_dtype: str = "fp32",
-        offload: str = "none",
-        offload_dir: str | None = None,
-        offload_buffer_mb: float = DEFAULT_OFFLOAD_BUFFER_MB,
-        zero3_prefetch: int = 1,
-        zero3_reshard: str = "auto",
-        overlap_param_gather: bool = False,
+        grad_reduce_dtype: str = ZeroOptions.grad_reduce_dtype,
+        offload: str = ZeroOptions.offload,
+        offload_dir: str | None = ZeroOptions.offload_dir,
+        offload_buffer_mb: float = ZeroOptions.offload_buffer_mb,
+        zero3_prefetch: int = ZeroOptions.zero3_prefetch,
+        zero3_reshard: str = ZeroOptions.zero3_reshard,
+        overlap_param_gather: bool = ZeroOptions.overlap_param_gather,
     ) -> None:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
-        if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-            raise ValueError(f"parallel.zero_stage={zero_stage!r} is not one of {ZERO_STAGES}")
-        if not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-            raise ValueError(f"parallel.bucket_size_mb={bucket_size_mb!r} must be a number > 0")
+        self.options = ZeroOptions(
+            zero_stage=zero_stage, bucket_size_mb=bucket_size_mb, grad_reduce_dtype=grad_reduce_dtype,
+            offload=offload, offload_dir=offload_dir, offload_buffer_mb=offload_buffer_mb,
+            zero3_prefetch=zero3_prefetch, zero3_reshard=zero3_reshard, overlap_param_gather=overlap_param_gather)
         if clip_grad is not None and not clip_grad > 0:
             raise ValueError(f"optim.clip_grad={clip_grad!r} must be > 0 or None (no clipping)")
         if not lr >= 0 or not eps > 0 or not weight_decay >= 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW hyper-parameters out of range: lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
-        if offload not in OFFLOAD_MODES:
-            raise ValueError(f"parallel.offload={offload!r} is not one of {OFFLOAD_MODES}")
-        if offload != "none" and zero_stage == 0:
-            raise ValueError(f"parallel.offload={offload!r} needs parallel.zero_stage >= 1 (stage 0 would keep and "
-                             f"update the whole optimizer state on every rank's host)")
-        if offload == "disk" and not offload_dir:
-            raise ValueError("parallel.offload=disk needs parallel.offload_dir")
-        if not isinstance(offload_buffer_mb, (int, float)) or not offload_buffer_mb > 0:
-            raise ValueError(f"parallel.offload_buffer_mb={offload_buffer_mb!r} must be a number > 0")
         dtype = precision_dtype(precision)
-        if grad_reduce_dtype not in ("fp32", precision):
-            raise ValueError(f"parallel.grad_reduce_dtype={grad_reduce_dtype!r} must be 'fp32' or the training "
-                             f"precision {precision!r}")
+        self.options.check_precision(precision)
         named = _named_params(modules)
         if not named:
             raise ValueError("ZeroOptimizer: the modules have no trainable parameters")

@@ -20,12 +20,19 @@ every rank of that group (stage 0: the segment's ``replica_kind`` names the grou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.zero.optimizer import ZeroOptimizer
+from parallel3d.zero.buffers import Bucket, BufferLayout
+
+
+class StateReader(Protocol):
+    """What ``owned_segments`` reads of an optimizer (``ZeroOptimizer`` is one)."""
+
+    layouts: list[BufferLayout]
+
+    def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class OwnedSegment:
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def owned_segments(opt: "ZeroOptimizer") -> list[OwnedSegment]:
+def owned_segments(opt: StateReader) -> list[OwnedSegment]:
     """Every segment of ``opt``'s shard, in shard order (see module doc)."""
     out = []
     for g, layout in enumerate(opt.layouts):

@@ -56,18 +56,6 @@ from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.memory import MemoryTracker, nbytes
 from parallel3d.zero.units import GatherUnit
 
-RESHARD_MODES = ("auto", "microbatch", "step")
-
-
-def resolve_reshard(mode: str, pp: int) -> str:
-    """``auto`` -> ``step`` with pipeline parallelism, else ``microbatch`` (module doc)."""
-    if mode not in RESHARD_MODES:
-        raise ValueError(f"parallel.zero3_reshard={mode!r} is not one of {RESHARD_MODES}")
-    if mode == "auto":
-        return "step" if pp > 1 else "microbatch"
-    return mode
-
-
 def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output] if output.requires_grad else []

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from parallel3d.option_checks import check_choice
+from parallel3d.zero.options import PRECISIONS
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def precision_dtype(precision: str) -> torch.dtype:
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision={precision!r} is not one of {tuple(PRECISIONS)}")
-    return PRECISIONS[precision]
+    """The torch dtype of ``train.precision`` (or a gradient dtype spelled the same way)."""
+    return DTYPES[check_choice("train.precision", precision, PRECISIONS)]
 
 
 @dataclass

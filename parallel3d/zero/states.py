@@ -31,7 +31,6 @@ import torch
 from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.memory import MemoryTracker, nbytes
 
-OFFLOAD_MODES = ("none", "cpu", "disk")
 PieceOf = Callable[[int, Bucket], torch.Tensor]  # (group, bucket) -> this rank's piece (grad or param)
 
 
@@ -139,21 +138,3 @@ class DeviceStates(OptimizerStates):
 
     def device_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [m for m in self.masters if m is not None], self.exp_avgs + self.exp_avg_sqs
-
-
-def make_states(offload: str, layouts: list[BufferLayout], param_piece: PieceOf, *, device: torch.device,
-                grad_dtype: torch.dtype, memory: MemoryTracker, offload_dir: str | None = None,
-                buffer_bytes: int = 0, tag: str = "rank0") -> OptimizerStates:
-    """The state store of ``offload`` (``none``, ``cpu``, ``disk``); ``tag`` names this rank's files."""
-    if offload == "none":
-        return DeviceStates(layouts, param_piece, device=device, memory=memory)
-    from parallel3d.zero.offload import DiskStates, HostStates
-
-    if offload == "cpu":
-        return HostStates(layouts, param_piece, device=device, grad_dtype=grad_dtype, memory=memory)
-    if offload == "disk":
-        if not offload_dir:
-            raise ValueError("parallel.offload=disk needs parallel.offload_dir (a directory for optimizer state files)")
-        return DiskStates(layouts, param_piece, device=device, grad_dtype=grad_dtype, memory=memory,
-                          directory=offload_dir, buffer_bytes=buffer_bytes, tag=tag)
-    raise ValueError(f"parallel.offload={offload!r} is not one of {OFFLOAD_MODES}")

@@ -1,0 +1,67 @@
+"""``PipelineOptions``: which schedule runs the pipeline and how the layers are split into chunks.
+
+``SCHEDULES`` is the one list of schedule names: the config (``parallel.schedule``),
+``build_schedule`` and the planner's ``Layout`` all read it. Invariant: a constructed
+``PipelineOptions`` holds valid values on its own; ``check_layout`` / ``check_microbatches``
+add what needs the pipeline depth, the model or the batch. Errors are ``ConfigError``
+naming ``parallel.<key>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel3d.option_checks import ConfigError, as_tuples, check_choice, check_int
+
+# zb_h1: zero bubble (Qi et al. 2023), backwards split into input and weight gradients.
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+INTERLEAVED = "interleaved_1f1b"  # the one schedule with more than one model chunk per stage
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 (zero bubble, split backward)
+    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
+    pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
+
+    def __post_init__(self) -> None:
+        as_tuples(self)
+        check_choice("parallel.schedule", self.schedule, SCHEDULES)
+        v = check_int("parallel.virtual_stages", self.virtual_stages, 1)
+        if v > 1 and self.schedule != INTERLEAVED:
+            raise ConfigError(
+                f"parallel.virtual_stages={v}: only parallel.schedule={INTERLEAVED} uses more than one "
+                f"chunk per stage (schedule is {self.schedule!r})"
+            )
+
+    def num_chunks(self, pp: int) -> int:
+        """Model chunks in the whole pipeline."""
+        return pp * self.virtual_stages
+
+    def check_layout(self, pp: int, num_layers: int | None = None) -> None:
+        """The schedule fits ``pp`` stages; ``pp_layers`` lists one count per chunk summing to ``num_layers``."""
+        v = self.virtual_stages
+        if self.schedule == INTERLEAVED and (v < 2 or pp < 2):
+            raise ConfigError(
+                f"parallel.schedule={INTERLEAVED} needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "
+                f"(got pp={pp}, virtual_stages={v})"
+            )
+        if self.pp_layers is None:
+            return
+        layers = list(self.pp_layers)
+        if len(layers) != self.num_chunks(pp) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                     for n in layers):
+            raise ConfigError(
+                f"parallel.pp_layers={layers}: must list {self.num_chunks(pp)} positive layer counts "
+                f"(one per pipeline chunk = pp*virtual_stages = {pp}*{v}), or be null"
+            )
+        if num_layers is not None and sum(layers) != num_layers:
+            raise ConfigError(f"parallel.pp_layers={layers}: sums to {sum(layers)} but model.num_layers={num_layers}")
+
+    def check_microbatches(self, pp: int, microbatches: int) -> None:
+        """Interleaved 1F1B advances microbatches in groups of ``pp``."""
+        if self.schedule == INTERLEAVED and microbatches % pp:
+            raise ConfigError(
+                f"parallel.schedule={INTERLEAVED}: grad_accum={microbatches} micro-batches must be a multiple of "
+                f"parallel.pp={pp} (grad_accum = global_batch_size / (micro_batch_size*dp))"
+            )
