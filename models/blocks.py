@@ -149,7 +149,7 @@ class Attention(nn.Module):
 
     def __init__(self, ctx: BuildContext, layer: int, spec: AttentionSpec) -> None:
         super().__init__()
-        h, tp = ctx.config.hidden_size, ctx.pstate.tp_size
+        h, tp = ctx.config.hidden_size, ctx.pstate.size("tp")
         self.head_dim = spec.head_dim
         self.kv_local = spec.num_kv_heads // tp
         self.q_per_kv = spec.num_heads // spec.num_kv_heads

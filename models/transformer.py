@@ -56,7 +56,7 @@ class TransformerLM(nn.Module):
         self.config, self.pstate, self.seed = c, ctx.pstate, ctx.seed
         self.layer_range, self.pre_process, self.post_process = layer_range, pre_process, post_process
         self.sequence_parallel, self.recompute = ctx.sequence_parallel, ctx.recompute
-        self.padded_vocab_size = padded_vocab_size(c.vocab_size, ctx.pstate.tp_size)
+        self.padded_vocab_size = padded_vocab_size(c.vocab_size, ctx.pstate.size("tp"))
         self.embedding: Embedding | None = None
         if pre_process:
             self.embedding = Embedding(ctx, with_positions=spec.learned_positions)
@@ -209,7 +209,7 @@ def build_model(
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    tp = pstate.tp_size
+    tp = pstate.size("tp")
     pstate.topology.check_model(num_layers=config.num_layers, num_heads=config.num_heads,
                                 num_kv_heads=config.kv_heads, hidden_size=config.hidden_size)
     if config.ffn_size % tp:

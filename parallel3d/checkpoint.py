@@ -14,7 +14,7 @@ Invariants:
   succeeded (a MIN all-reduce of their success flags, which is also the barrier), then
   rank 0 wrote ``meta.json`` and renamed the directory. A kill at any earlier point
   leaves only ``.tmp``. The agreement runs on ``group`` when given (a gloo group of the
-  whole job, so a save can run in a background thread), else on the tp/pp/dp groups.
+  whole job, so a save can run in a background thread), else on the pstate's world group.
 - A failed save (disk full, permissions) on any rank warns on the ranks that saw it,
   removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
   training goes on.
@@ -60,14 +60,13 @@ def rank_file(directory: str, rank: int) -> str:
 
 
 def _world_all_true(flag: bool, pstate: "ParallelState", group: "dist.ProcessGroup | None" = None) -> bool:
-    """True iff ``flag`` is true on every rank (MIN over ``group``, or over tp, pp, dp: the world)."""
+    """True iff ``flag`` is true on every rank (MIN over ``group``, or over the world group)."""
     if group is not None:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)  # ``group`` is gloo: a host tensor
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return bool(t.item())
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=pstate.device)
-    for kind in ("tp", "pp", "dp"):
-        comm.all_reduce(t, pstate, kind, op=dist.ReduceOp.MIN)
+    comm.all_reduce_world(t, pstate, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
 
@@ -278,8 +277,7 @@ class CheckpointManager:
             path = resume
         step = -1 if path is None else int(read_meta(path)["step"])
         t = torch.tensor([step, -step], dtype=torch.int64, device=self.pstate.device)
-        for kind in ("tp", "pp", "dp"):
-            comm.all_reduce(t, self.pstate, kind, op=dist.ReduceOp.MAX)
+        comm.all_reduce_world(t, self.pstate, op=dist.ReduceOp.MAX)
         if int(t[0]) != step or int(-t[1]) != step:
             raise CheckpointError(
                 f"[rank {self.pstate.rank}] ranks disagree on the checkpoint to resume "

@@ -15,6 +15,10 @@ batch). ``ParallelState(emulate_nccl=True)`` makes gloo behave like NCCL here
 (``CoalescedWork``, ``EmulatedP2PStreams``) so that CPU tests catch code that
 only works with one Work per op.
 
+Every agreement between all ranks of the job (the stop decision, checkpoint commit
+and damage checks, metrics, the run summary) goes through ``all_reduce_world``: one
+collective over the ``world`` group, whatever dimensions the layout has.
+
 Byte convention (``CommStats``): bytes *sent by this rank* under the ring
 algorithm, for a payload of N bytes on n ranks: all-reduce 2N(n-1)/n,
 reduce-scatter and all-gather N(n-1)/n (N = the full, unsharded size),
@@ -24,49 +28,28 @@ what DDP's all-reduce costs, as the ZeRO paper says.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.parallel_state import ParallelState
+from parallel3d.comm_stats import CommStats
+from parallel3d.p2p_emulation import CoalescedWork, EmulatedP2PStreams
+from parallel3d.parallel_state import ParallelState
+
+__all__ = ["CoalescedWork", "CommStats", "EmulatedP2PStreams", "all_gather_into_tensor", "all_reduce",
+           "all_reduce_world", "batch_isend_irecv", "broadcast", "group_rank", "group_size",
+           "reduce_scatter_tensor"]
 
 
-class CommStats:
-    """Bytes sent by this rank, keyed by (group kind, op)."""
-
-    def __init__(self) -> None:
-        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
-
-    def add(self, kind: str, op: str, nbytes: float) -> None:
-        self.bytes[(kind, op)] += int(nbytes)
-        self.calls[(kind, op)] += 1
-
-    def total(self, kind: str | None = None) -> int:
-        return sum(v for (k, _), v in self.bytes.items() if kind is None or k == kind)
-
-    def by_kind(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (k, _), v in self.bytes.items():
-            out[k] += v
-        return dict(out)
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-
-
-def group_size(pstate: "ParallelState", kind: str) -> int:
+def group_size(pstate: ParallelState, kind: str) -> int:
     """Members of this rank's ``kind`` group that take part in collectives (1 without groups)."""
     return len(pstate.ranks(kind)) if pstate.distributed else 1
 
 
 @contextmanager
-def _named_failure(pstate: "ParallelState", kind: str, op: str) -> Iterator[None]:
+def _named_failure(pstate: ParallelState, kind: str, op: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:  # gloo/NCCL errors (timeouts, dead peers) are RuntimeErrors
@@ -87,7 +70,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def all_reduce(
     tensor: torch.Tensor,
-    pstate: "ParallelState",
+    pstate: ParallelState,
     kind: str,
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     async_op: bool = False,
@@ -101,8 +84,13 @@ def all_reduce(
         return dist.all_reduce(tensor, op=op, group=pstate.group(kind), async_op=async_op)
 
 
+def all_reduce_world(tensor: torch.Tensor, pstate: ParallelState, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce over every rank of the job (every rank must call it; a no-op on one rank)."""
+    all_reduce(tensor, pstate, "world", op=op)
+
+
 def all_gather_into_tensor(
-    output: torch.Tensor, shard: torch.Tensor, pstate: "ParallelState", kind: str, async_op: bool = False
+    output: torch.Tensor, shard: torch.Tensor, pstate: ParallelState, kind: str, async_op: bool = False
 ):
     """Concatenate every member's ``shard`` (dim 0, group-rank order) into ``output``."""
     n = group_size(pstate, kind)
@@ -117,7 +105,7 @@ def all_gather_into_tensor(
 def reduce_scatter_tensor(
     output: torch.Tensor,
     full: torch.Tensor,
-    pstate: "ParallelState",
+    pstate: ParallelState,
     kind: str,
     op: dist.ReduceOp = dist.ReduceOp.SUM,
     async_op: bool = False,
@@ -134,7 +122,7 @@ def reduce_scatter_tensor(
         )
 
 
-def broadcast(tensor: torch.Tensor, pstate: "ParallelState", kind: str, src_global_rank: int):
+def broadcast(tensor: torch.Tensor, pstate: ParallelState, kind: str, src_global_rank: int):
     """Broadcast ``tensor`` in place from global rank ``src_global_rank`` of the ``kind`` group."""
     n = group_size(pstate, kind)
     if n == 1:
@@ -145,63 +133,13 @@ def broadcast(tensor: torch.Tensor, pstate: "ParallelState", kind: str, src_glob
         return dist.broadcast(tensor, src=src_global_rank, group=pstate.group(kind))
 
 
-def group_rank(pstate: "ParallelState", kind: str) -> int:
+def group_rank(pstate: ParallelState, kind: str) -> int:
     """This rank's index inside its ``kind`` group (0 when not distributed)."""
     ranks = pstate.ranks(kind)
     return ranks.index(pstate.rank) if pstate.distributed and ranks else 0
 
 
-# ---- point-to-point batches ------------------------------------------------------------------
-class CoalescedWork:
-    """One Work for every op of a batch, as NCCL's coalescing manager returns.
-
-    ``wait`` waits for all of the batch's ops, each Work once (a second ``wait`` on a
-    gloo p2p Work blocks until the group's timeout); ``is_completed`` is true once all
-    are (gloo's op Works report completion only from ``wait``).
-    """
-
-    def __init__(self, works: Sequence[Any]) -> None:
-        self._works = list(works)
-        self._done = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        if not self._done:
-            for work in self._works:
-                work.wait() if timeout is None else work.wait(timeout)
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or all(work.is_completed() for work in self._works)
-
-
-class EmulatedP2PStreams:
-    """NCCL's FIFO order of batched p2p on one group, emulated on the host.
-
-    torch's ProcessGroupNCCL runs a batch (``ncclGroupStart``/``End`` around the ops) on the
-    group's communicator and its one NCCL stream, the same key as the group's collectives
-    (``getKeyFromDevice``: "for batch P2P, we need to treat it like a collective when
-    selecting communicator"), and the coalesced Work records one end event on that stream.
-    Kernels on one stream run in order, so a rank's batch starts only after its earlier
-    batches on that group completed. The emulation waits for the previous batch before
-    posting the next (the host blocks where NCCL's stream would; nothing a peer needs can
-    be sent in between, since later sends queue behind that batch on NCCL too).
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[str, CoalescedWork] = {}
-
-    def before_post(self, kind: str) -> None:
-        """Wait for this rank's previous batch on the ``kind`` group (and so for all earlier ones)."""
-        last = self._last.pop(kind, None)
-        if last is not None:
-            last.wait()
-
-    def posted(self, kind: str, work: CoalescedWork) -> None:
-        self._last[kind] = work
-
-
-def batch_isend_irecv(ops: list[dist.P2POp], pstate: "ParallelState", kind: str = "pp") -> list[Any]:
+def batch_isend_irecv(ops: list[dist.P2POp], pstate: ParallelState, kind: str = "pp") -> list[Any]:
     """Post ``ops`` (all on this rank's ``kind`` group) as one batch; return the backend's Works.
 
     gloo returns one Work per op, NCCL one Work for the whole batch, so the list is one

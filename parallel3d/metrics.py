@@ -23,15 +23,15 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from models.config import ModelConfig
+from parallel3d import comm
 from parallel3d.logging_options import WandbOptions
-
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.parallel_state import ParallelState
+from parallel3d.parallel_state import ParallelState
 
 # Dense peaks in TFLOP/s: (bf16/fp16 tensor core, fp32 without TF32). Matched as
 # substrings of torch.cuda.get_device_name(), most specific first.
@@ -363,22 +363,13 @@ class Reduced:
 
 
 def reduce_over_world(values: dict[str, float], pstate: "ParallelState") -> dict[str, Reduced]:
-    """Max, min, sum and mean of per-rank ``values`` over all ranks (every rank must call it).
-
-    Reducing over the tp, then pp, then dp group covers the world, because each
-    kind of group partitions the ranks.
-    """
-    import torch.distributed as dist
-
-    from parallel3d import comm
-
+    """Max, min, sum and mean of per-rank ``values`` over all ranks (every rank must call it)."""
     keys = sorted(values)
     hi = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=pstate.device)
     lo, total = hi.clone(), hi.clone()
-    for kind in ("tp", "pp", "dp"):
-        comm.all_reduce(hi, pstate, kind, op=dist.ReduceOp.MAX)
-        comm.all_reduce(lo, pstate, kind, op=dist.ReduceOp.MIN)
-        comm.all_reduce(total, pstate, kind, op=dist.ReduceOp.SUM)
+    comm.all_reduce_world(hi, pstate, op=dist.ReduceOp.MAX)
+    comm.all_reduce_world(lo, pstate, op=dist.ReduceOp.MIN)
+    comm.all_reduce_world(total, pstate, op=dist.ReduceOp.SUM)
     world = pstate.world_size
     return {
         k: Reduced(hi[i].item(), lo[i].item(), total[i].item(), total[i].item() / world) for i, k in enumerate(keys)

@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parallel3d.option_checks import ConfigError, check_bool, check_int
-from parallel3d.topology import LayoutError, Topology
+from parallel3d.topology import DEFAULT_ORDER, LayoutError, Topology
 
 AUTO = "auto"
-# Topology's default order (fastest-varying first); "tp-cp-ep-dp-pp" with the N-dimensional Topology.
-DEFAULT_ORDER = "tp-dp-pp"
 NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}  # dimensions that may only be 1 for now
 
 
@@ -124,6 +122,7 @@ class ParallelDims:
     def build_topology(self) -> Topology:
         """The job's rank grid (``with_world`` first: dp must be an integer)."""
         try:
-            return Topology(self.tp, self.pp, self._concrete_dp(), order=self.order)
+            return Topology(tp=self.tp, cp=self.cp, ep=self.ep, dp=self._concrete_dp(), pp=self.pp, etp=self.etp,
+                            order=self.order)
         except LayoutError as exc:
             raise ConfigError(f"parallel.order={self.order!r}: {exc}") from None

@@ -2,8 +2,10 @@
 
 ``ParallelState`` is created once per process from a ``Topology`` and the rank,
 and handed to every component that communicates (no module globals). It
-creates *every* group of *every* kind with ``new_group`` in the same order on
-all ranks, as torch.distributed requires, and keeps the ones this rank is in.
+creates every group of more than one rank of every kind (``topology.GROUP_KINDS``)
+with ``new_group``, in the same order on all ranks as torch.distributed requires,
+once per distinct rank list, and keeps the ones this rank is in. Sizes and
+coordinates are asked by dimension name: ``size("tp")``, ``coord("dp")``.
 
 A single-process state (world size 1, torch.distributed not initialised) is
 valid: all groups are ``None`` and every size is 1, and the communication
@@ -16,13 +18,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from parallel3d.comm import CommStats, EmulatedP2PStreams
-from parallel3d.topology import GROUP_KINDS, Coords, LayoutError, Topology
+from parallel3d.comm_stats import CommStats
+from parallel3d.p2p_emulation import EmulatedP2PStreams
+from parallel3d.topology import DENSE_DIMS, GROUP_KINDS, Coords, LayoutError, Topology
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +59,18 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
-@dataclass
-class _GroupHandle:
-    ranks: list[int]
-    group: "dist.ProcessGroup | None"
-
-
 class ParallelState:
     """Coordinates and process groups of one rank.
 
-    Invariant: ``groups`` and ``ranks`` come from ``topology`` alone; this
-    class never does rank arithmetic of its own. ``emulate_nccl`` (tests on gloo)
-    gives p2p batches NCCL's semantics (``comm.batch_isend_irecv``).
+    Invariants: sizes, coordinates and group members come from ``topology`` alone
+    (this class does no rank arithmetic of its own). Only groups with more than one
+    member are created, and one process group serves every kind with the same rank
+    list (e.g. ``etp`` and ``tp`` when etp = tp), so no communicator is duplicated;
+    every rank calls ``new_group`` for the same lists in the same order.
+    ``group(kind)`` is ``None`` for a one-member group: go through ``comm``, which
+    treats it as a no-op (torch would read ``None`` as the whole world).
+    ``emulate_nccl`` (tests on gloo) gives p2p batches NCCL's semantics
+    (``comm.batch_isend_irecv``).
     """
 
     def __init__(
@@ -106,25 +108,30 @@ class ParallelState:
         # Tests on gloo: p2p batches behave as on NCCL (one Work per batch, FIFO per group).
         self.emulate_nccl = bool(emulate_nccl)
         self.emulated_p2p_streams = EmulatedP2PStreams() if self.emulate_nccl else None
-        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-        self._handles: dict[str, _GroupHandle] = {}
+        self._ranks = {kind: topology.group_of(kind, rank) for kind in GROUP_KINDS}
+        self._groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(GROUP_KINDS)
         self._created: list[dist.ProcessGroup] = []
-        for kind in GROUP_KINDS:
-            mine: _GroupHandle = _GroupHandle(topology.group_of(kind, rank), None)
-            for ranks in topology.groups(kind):
-                if not distributed:
-                    continue
-                # Every rank must call new_group for every group, in the same order.
-                pg = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
-                self._created.append(pg)
-                if rank in ranks:
-                    mine = _GroupHandle(ranks, pg)
-            self._handles[kind] = mine
+        if distributed:
+            self._create_groups(datetime.timedelta(seconds=timeout_s) if timeout_s else None, backend)
         if distributed and self.p2p_coalesces and len(self.ranks("pp")) > 1:
             # NCCL creates a group's communicator at its first call, and torch documents a
             # first batch_isend_irecv that not all members join as undefined; the pipeline's
             # first batches involve neighbours only. So connect the pp group here, all together.
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group("pp"))
+
+    def _create_groups(self, timeout: datetime.timedelta | None, backend: str | None) -> None:
+        by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for kind in GROUP_KINDS:
+            for ranks in self.topology.groups(kind):
+                if len(ranks) == 1:
+                    continue
+                key = tuple(ranks)
+                if key not in by_ranks:
+                    # Every rank must call new_group for every group, in the same order.
+                    by_ranks[key] = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+                    self._created.append(by_ranks[key])
+                if self.rank in ranks:
+                    self._groups[kind] = by_ranks[key]
 
     @property
     def p2p_coalesces(self) -> bool:
@@ -136,57 +143,27 @@ class ParallelState:
 
     # ---- groups ------------------------------------------------------------
     def group(self, kind: str) -> "dist.ProcessGroup | None":
-        """This rank's process group of ``kind`` (``None`` when not distributed or not a member)."""
-        return self._handles[kind].group
+        """This rank's process group of ``kind``: ``None`` when not distributed, not a member or alone in it."""
+        self._check_kind(kind)
+        return self._groups[kind]
 
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of this rank's group of ``kind`` ([] for a middle stage's embedding group)."""
-        return list(self._handles[kind].ranks)
+        self._check_kind(kind)
+        return list(self._ranks[kind])
 
-    @property
-    def tp_group(self):
-        return self.group("tp")
-
-    @property
-    def dp_group(self):
-        return self.group("dp")
-
-    @property
-    def pp_group(self):
-        return self.group("pp")
-
-    @property
-    def model_group(self):
-        return self.group("model")
-
-    @property
-    def embedding_group(self):
-        return self.group("embedding")
+    def _check_kind(self, kind: str) -> None:
+        if kind not in self._ranks:
+            raise LayoutError(f"unknown group kind {kind!r}; expected one of {tuple(GROUP_KINDS)}")
 
     # ---- sizes and coordinates -------------------------------------------------
-    @property
-    def tp_size(self) -> int:
-        return self.topology.tp
+    def size(self, dim: str) -> int:
+        """The layout's size along ``dim`` (``tp cp dp pp ep etp edp``), distributed or not."""
+        return self.topology.size(dim)
 
-    @property
-    def pp_size(self) -> int:
-        return self.topology.pp
-
-    @property
-    def dp_size(self) -> int:
-        return self.topology.dp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coords.tp
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords.pp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords.dp
+    def coord(self, dim: str) -> int:
+        """This rank's coordinate along ``dim``: its index inside its ``dim`` group."""
+        return self.topology.coord(dim, self.rank)
 
     @property
     def is_first_stage(self) -> bool:
@@ -206,11 +183,11 @@ class ParallelState:
 
     @property
     def in_embedding_group(self) -> bool:
-        return self.rank in self._handles["embedding"].ranks
+        return self.rank in self._ranks["embedding"]
 
     def is_logging_rank(self) -> bool:
-        """The rank that owns the loss: last stage, tp=0, dp=0."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that owns the loss: last stage, coordinate 0 in every other dense dimension."""
+        return self.is_last_stage and all(self.coord(d) == 0 for d in DENSE_DIMS if d != "pp")
 
     def destroy(self) -> None:
         """Destroy the groups this state created (all ranks must call it)."""
@@ -219,10 +196,10 @@ class ParallelState:
         self._created.clear()
 
     def __repr__(self) -> str:
-        c = self.coords
+        dims = ", ".join(f"{d}={self.coord(d)}/{self.size(d)}" for d in DENSE_DIMS + ("ep",) if self.size(d) > 1)
         return (
-            f"ParallelState(rank={self.rank}, tp={c.tp}/{self.tp_size}, pp={c.pp}/{self.pp_size}, "
-            f"dp={c.dp}/{self.dp_size}, backend={self.backend}{', emulating nccl' if self.emulate_nccl else ''})"
+            f"ParallelState(rank={self.rank}{', ' if dims else ''}{dims}, backend={self.backend}"
+            f"{', emulating nccl' if self.emulate_nccl else ''})"
         )
 
     @classmethod
@@ -232,7 +209,7 @@ class ParallelState:
         Usable inside a distributed job too (e.g. a test's single-process
         reference model on every rank): it never touches the default group.
         """
-        return cls(Topology(1, 1, 1), rank=0, distributed=False, backend="gloo", device=device)
+        return cls(Topology(), rank=0, distributed=False, backend="gloo", device=device)
 
     @classmethod
     def without_groups(cls, topology: Topology, rank: int) -> "ParallelState":

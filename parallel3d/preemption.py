@@ -7,7 +7,7 @@ Schedulers announce the end of a job with a signal (SLURM: SIGTERM, then SIGKILL
 - the signal handler only records the signal (it may arrive on some ranks only, in the
   middle of a step or of a background save; nothing unsafe runs inside it);
 - ``should_stop`` is collective and runs at every step boundary: a MAX all-reduce over
-  the tp, pp and dp groups (so the world) of "this rank wants to stop", so all ranks
+  the world (``comm.all_reduce_world``) of "this rank wants to stop", so all ranks
   agree on the step, save it and leave the loop together;
 - the budget asks to stop while there is still time for one more step and the save:
   when ``elapsed + 2 * longest iteration so far`` would pass ``max_minutes``.
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from parallel3d import comm
 from parallel3d.option_checks import ConfigError, as_tuples
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,11 +118,8 @@ class StopPolicy:
         reason = self.local_reason(iteration_s)
         code = 0 if reason is None else (2 if self.received is not None else 1)
         if self.pstate.world_size > 1:
-            from parallel3d import comm
-
             flag = torch.tensor([code], dtype=torch.int32, device=self.pstate.device)
-            for kind in ("tp", "pp", "dp"):
-                comm.all_reduce(flag, self.pstate, kind, op=dist.ReduceOp.MAX)
+            comm.all_reduce_world(flag, self.pstate, op=dist.ReduceOp.MAX)
             code = int(flag.item())
         if code == 0:
             return None

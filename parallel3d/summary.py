@@ -1,8 +1,7 @@
 """The end-of-run summary: what the run did, how fast, its best eval loss, memory, where the outputs are.
 
 ``per_rank_values`` is collective (every rank calls it): each rank's value lands in its
-own slot of a world-sized vector summed over the tp, pp and dp groups (each kind of
-group partitions the ranks, so the three sums cover the world). ``RunSummary`` is built
+own slot of a world-sized vector summed over the world (``comm.all_reduce_world``). ``RunSummary`` is built
 and printed by the logging rank; its ``wandb`` dict is the W&B run summary.
 
 Numbers (this run only, a resumed run counts from its resume step):
@@ -33,8 +32,7 @@ def per_rank_values(value: float, pstate: "ParallelState") -> list[float]:
     """Collective: every rank's ``value``, indexed by global rank (float64: exact for byte counts < 2**53)."""
     slots = torch.zeros(pstate.world_size, dtype=torch.float64, device=pstate.device)
     slots[pstate.rank] = float(value)
-    for kind in ("tp", "pp", "dp"):
-        comm.all_reduce(slots, pstate, kind)
+    comm.all_reduce_world(slots, pstate)
     return slots.tolist()
 
 

@@ -56,6 +56,7 @@ from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.summary import RunSummary, per_rank_values
+from parallel3d.topology import GROUP_KINDS
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
@@ -100,8 +101,8 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=t.seq_len)
     last = len(ranges) - 1
     chunks = []
-    for c, layer_range in enumerate(stage_layer_ranges(ranges, p.pp, pstate.pp_rank)):
-        k = pstate.pp_rank + c * p.pp
+    for c, layer_range in enumerate(stage_layer_ranges(ranges, p.pp, pstate.coord("pp"))):
+        k = pstate.coord("pp") + c * p.pp
         chunks.append(build_model(
             rj.model, pstate, seed=t.seed, layer_range=layer_range, pre_process=k == 0, post_process=k == last,
             sequence_parallel=p.sequence_parallel, recompute=t.recompute, dtype=precision_dtype(t.precision),
@@ -262,8 +263,11 @@ class Trainer:
         return record
 
     def _comm_delta(self, before: dict[str, int]) -> dict[str, int]:
+        """Bytes this rank sent in the step per group kind: every kind whose groups have more than one
+        rank (the same keys on every rank), ``world`` (the agreements between steps) excepted."""
         now = self.pstate.comm_stats.by_kind()
-        return {k: now.get(k, 0) - before.get(k, 0) for k in ("tp", "pp", "dp", "embedding")}
+        kinds = [k for k in GROUP_KINDS if k != "world" and self.pstate.topology.group_size(k) > 1]
+        return {k: now.get(k, 0) - before.get(k, 0) for k in kinds}
 
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:

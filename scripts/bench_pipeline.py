@@ -66,7 +66,7 @@ def _build_chunks(args, pstate, v: int) -> list[nn.Module]:
 
     cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
                      vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
-    ranges = stage_layer_ranges(partition_layers(cfg, pstate.pp_size, v), pstate.pp_size, pstate.pp_rank)
+    ranges = stage_layer_ranges(partition_layers(cfg, pstate.size("pp"), v), pstate.size("pp"), pstate.coord("pp"))
     return [build_model(cfg, pstate, seed=0, layer_range=r) for r in ranges]
 
 
@@ -90,11 +90,11 @@ def _timed(fn) -> float:
 
 def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
     """Mean seconds of one activation-sized send/recv between neighbouring stages (pp ring)."""
-    p, s = pstate.pp_size, pstate.pp_rank
+    p, s = pstate.size("pp"), pstate.coord("pp")
     nxt = pstate.topology.stage_rank(pstate.rank, (s + 1) % p)
     prev = pstate.topology.stage_rank(pstate.rank, (s - 1) % p)
     out, buf = torch.randn(shape), torch.empty(shape)
-    group = pstate.pp_group
+    group = pstate.group("pp")
     dist.barrier()
     start = time.perf_counter()
     for _ in range(reps):
@@ -121,7 +121,7 @@ def _group_round(args, pstate, v: int) -> dict:
 
     from parallel3d.pipeline.engine import PipelineEngine
 
-    p, m, s = pstate.pp_size, args.microbatches, pstate.pp_rank
+    p, m, s = pstate.size("pp"), args.microbatches, pstate.coord("pp")
     microbatches, inputs, labels = _batch(args, m)
     vocab = args.vocab
 
@@ -142,7 +142,7 @@ def _group_round(args, pstate, v: int) -> dict:
     if "torch" in args.peers:
         for vs in sorted({1, v}):
             chunks = _build_chunks(args, pstate, vs)
-            stages = [PipelineStage(_TorchStage(c), s + k * p, p * vs, torch.device("cpu"), group=pstate.pp_group)
+            stages = [PipelineStage(_TorchStage(c), s + k * p, p * vs, torch.device("cpu"), group=pstate.group("pp"))
                       for k, c in enumerate(chunks)]
             theirs = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if vs == 1
                       else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
@@ -192,12 +192,12 @@ def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
         from parallel3d.parallel_state import ParallelState
         from parallel3d.topology import Topology
 
-        pstate = ParallelState(Topology(1, world, 1))
+        pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
         v = args.virtual if args.virtual > 1 and args.layers >= world * args.virtual and \
             args.microbatches % world == 0 and "interleaved_1f1b" in args.schedules else 1
         result = _group_round(args, pstate, v)
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (pstate.pp_rank, result["ours"], result["msg_s"]))
+        dist.all_gather_object(gathered, (pstate.coord("pp"), result["ours"], result["msg_s"]))
         rows = {"times": result["times"], "per_rank": gathered}
         out.put((rank, "ok", rows))
         dist.destroy_process_group()

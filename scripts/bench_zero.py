@@ -126,7 +126,7 @@ class Runner:
             fully_shard(self.model, reshard_after_forward=reshard, mp_policy=mp_policy)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         else:
-            ps = self.pstate = ParallelState(Topology(1, 1, n))
+            ps = self.pstate = ParallelState(Topology(tp=1, pp=1, dp=n))
             parts = method.removeprefix("zero").split("_")
             offload = "cpu" if "cpu" in parts else "disk" if "disk" in parts else "none"
             self.zero = ZeroOptimizer(

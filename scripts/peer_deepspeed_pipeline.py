@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
         from parallel3d.topology import Topology
 
-        pstate = ParallelState(Topology(1, world, 1))
+        pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
         cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
                          vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
         ranges = partition_layers(cfg, world, 1)

@@ -110,7 +110,7 @@ def test_an_inflight_save_is_never_resumed_and_only_one_runs_at_a_time(tmp_path,
 
 
 def _disk_full_on_rank_1(rank: int, world: int, root: str) -> list:
-    pstate = ParallelState(Topology(1, 1, world))
+    pstate = ParallelState(Topology(tp=1, pp=1, dp=world))
     model, opt, writer = _toy_writer(root, pstate)
     outcomes = []
     writer.save(1, pieces_to_write(opt, pstate), {}, {"format": "x"})

@@ -70,14 +70,14 @@ GPT = get_config("gpt_tiny", vocab_size=510)  # tied embedding: a copy on the la
 
 def _rank_optimizers(cfg, tp: int, pp: int, zero_stage: int, precision: str, seed: int = 3):
     """(pstate, optimizer) of every rank of tp x pp (dp = 1), built here without process groups."""
-    topo = Topology(tp, pp, 1)
+    topo = Topology(tp=tp, pp=pp, dp=1)
     ranges = partition_layers(cfg, pp, 1, None)
     out = []
     for rank in range(topo.world_size):
         ps = ParallelState(topo, rank=rank, distributed=False, backend="gloo", device="cpu")
         chunks = [build_model(cfg, ps, seed=seed, layer_range=r, pre_process=r[0] == 0,
                               post_process=r[1] == cfg.num_layers, dtype=precision_dtype(precision))
-                  for r in stage_layer_ranges(ranges, pp, ps.pp_rank)]
+                  for r in stage_layer_ranges(ranges, pp, ps.coord("pp"))]
         opt = ZeroOptimizer(chunks, ps, zero_stage=zero_stage, lr=1e-3, precision=precision, bucket_size_mb=0.002)
         out.append((ps, opt))
     return out

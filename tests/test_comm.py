@@ -1,9 +1,17 @@
-"""The comm layer: size-1 no-ops, ring byte accounting, and errors that name rank and op."""
+"""The comm layer: size-1 no-ops, ring byte accounting, errors that name rank and op, and the one
+world reduction every all-rank agreement (metrics, summary, stop, checkpoint commit) uses."""
 
+import os
+import signal
+import warnings
+
+import pytest
 import torch
 
-from parallel3d import comm
+from parallel3d import comm, metrics, summary
+from parallel3d.checkpoint import CheckpointManager
 from parallel3d.parallel_state import ParallelState
+from parallel3d.preemption import StopPolicy
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
 
@@ -94,3 +102,40 @@ def test_coalesced_work_waits_each_op_once_and_streams_keep_fifo_order():
 
 def test_batch_isend_irecv_of_nothing_posts_nothing():
     assert comm.batch_isend_irecv([], ParallelState.single_process()) == []
+
+
+def _agreements(rank, world_size, layout, root):
+    """Every all-rank agreement, on a layout with a dimension (cp) that tp/pp/dp groups alone miss."""
+    ps = ParallelState(Topology(**layout))
+    out = {"slots": summary.per_rank_values(10.0 * rank, ps)}
+    reduced = metrics.reduce_over_world({"v": float(rank)}, ps)["v"]
+    out["reduced"] = (reduced.max, reduced.min, reduced.sum, reduced.mean)
+    policy = StopPolicy(ps, [], None)
+    if rank == world_size - 1:
+        policy.received = signal.SIGTERM
+    out["stop"] = policy.should_stop(0.1)
+
+    def write(tmp):
+        if rank == 2:
+            raise OSError("disk full on purpose")
+        open(os.path.join(tmp, f"rank{rank}"), "w").close()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        manager = CheckpointManager(root, ps)
+        out["saved"] = manager.save(1, write, {})
+    ps.destroy()
+    return out
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, cp=2, dp=2), dict(cp=2, pp=2, ep=2, etp=1, dp=2)],
+                         ids=["tp2-cp2-dp2", "cp2-pp2-dp2-ep2"])
+def test_world_agreements_cover_every_rank(layout, tmp_path):
+    results = run_on_ranks(_agreements, 8, layout, str(tmp_path))
+    for rank, out in enumerate(results):
+        assert out["slots"] == [10.0 * r for r in range(8)]
+        assert out["reduced"] == (7.0, 0.0, 28.0, 3.5)
+        expected_stop = "received SIGTERM" if rank == 7 else "a preemption signal on another rank"
+        assert out["stop"] == expected_stop
+        assert out["saved"] is False  # rank 2's failed write vetoes the commit everywhere
+    assert not os.path.exists(tmp_path / "step_00000001")

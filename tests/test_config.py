@@ -136,7 +136,7 @@ BAD = [
     (["parallel.schedule=zb"], 1, r"parallel\.schedule='zb': must be one of 1f1b, gpipe, interleaved_1f1b"),
     (["parallel.virtual_stages=2"], 1, r"parallel\.virtual_stages=2: only parallel\.schedule=interleaved_1f1b"),
     (["parallel.sequence_parallel=true"], 1, r"parallel\.sequence_parallel=true: needs parallel\.tp > 1"),
-    (["parallel.order=tp-pp"], 1, r"parallel\.order='tp-pp'"),
+    (["parallel.order=tp-pp", "parallel.dp=2"], 2, r"parallel\.order='tp-pp': .*does not name 'dp', but dp=2 > 1"),
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, r"parallel\.pp_layers=\[1, 2\]: sums to 3"),
     (["parallel.pp=8"], 8, r"num_layers=4 is fewer than pipeline chunks"),
     (["model=llama_tiny", "parallel.tp=4"], 4, r"num_kv_heads=2 is not divisible by tp=4"),

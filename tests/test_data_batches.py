@@ -105,10 +105,10 @@ def test_for_rank_gives_each_stage_the_keys_the_engine_reads(dataset):
     for rank in range(topology.world_size):
         pstate = ParallelState.without_groups(topology, rank)
         step = next(DistributedBatchIterator.for_rank(dataset, pstate, 8, 2))
-        want = {"sample_ids"} | ({"input_ids"} if pstate.pp_rank == 0 else set()) | (
-            {"labels"} if pstate.pp_rank == 2 else set())
+        want = {"sample_ids"} | ({"input_ids"} if pstate.coord("pp") == 0 else set()) | (
+            {"labels"} if pstate.coord("pp") == 2 else set())
         assert [set(mb) for mb in step] == [want] * 2
-        first = 4 * pstate.dp_rank
+        first = 4 * pstate.coord("dp")
         assert torch.cat([mb["sample_ids"] for mb in step]).tolist() == list(range(first, first + 4))
 
 
@@ -124,7 +124,7 @@ def _ranks_read_batches(rank: int, world_size: int, cache_dir: str) -> dict:
     it = DistributedBatchIterator.for_rank(dataset, pstate, 8, 2, start_sample=8)
     steps = [next(it) for _ in range(2)]
     return {
-        "dp": pstate.dp_rank, "tp": pstate.tp_rank, "prefix": prefix,
+        "dp": pstate.coord("dp"), "tp": pstate.coord("tp"), "prefix": prefix,
         "vocab": tok.vocab_size, "steps": steps, "state": it.state_dict()["next_sample"],
     }
 

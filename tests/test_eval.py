@@ -79,12 +79,12 @@ def _reference_loss() -> float:
 
 
 def _runner_case(rank: int, world: int, tp: int, pp: int, v: int, emulate_nccl: bool) -> tuple[float | None, bool]:
-    pstate = ParallelState(Topology(tp, pp, world // (tp * pp)), emulate_nccl=emulate_nccl)
+    pstate = ParallelState(Topology(tp=tp, pp=pp, dp=world // (tp * pp)), emulate_nccl=emulate_nccl)
     ranges = partition_layers(CFG, pp, v, None, seq_len=SEQ)
     last = len(ranges) - 1
     chunks = []
-    for c, layer_range in enumerate(stage_layer_ranges(ranges, pp, pstate.pp_rank)):
-        k = pstate.pp_rank + c * pp
+    for c, layer_range in enumerate(stage_layer_ranges(ranges, pp, pstate.coord("pp"))):
+        k = pstate.coord("pp") + c * pp
         chunks.append(build_model(CFG, pstate, seed=5, layer_range=layer_range, pre_process=k == 0,
                                   post_process=k == last))
     runner = ForwardOnlyRunner(chunks, pstate, num_microbatches=M, micro_batch_size=MBS, seq_len=SEQ,

@@ -72,7 +72,7 @@ def test_hf_parity_tp1(name):
 
 
 def _parity_tp2(rank: int, world: int, refs: list[dict]) -> list[tuple[float, float]]:
-    pstate = ParallelState(Topology(2, 1, 1))
+    pstate = ParallelState(Topology(tp=2, pp=1, dp=1))
     return [_parity(pstate, ref) for ref in refs]
 
 

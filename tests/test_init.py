@@ -70,7 +70,7 @@ def test_pipeline_slices_hold_the_same_parameters():
 def _init_on_ranks(rank: int, world: int, names: list[str]) -> list[bool]:
     results = []
     for tp in (2, 4):
-        pstate = ParallelState(Topology(tp, 1, world // tp))
+        pstate = ParallelState(Topology(tp=tp, pp=1, dp=world // tp))
         for name in names:
             overrides = {"num_kv_heads": 4} if (name == "llama_tiny" and tp == 4) else {}
             for vocab in (512, 509):
@@ -91,7 +91,7 @@ def test_meta_shards_of_a_huge_layout_sum_to_the_full_count():
     # How the planner sizes a layout: every (tp, pp) coordinate builds only its own shard.
     for name, tp, pp in (("gpt3_175b", 8, 16), ("llama31_405b", 8, 14)):
         cfg = get_config(name)
-        topology = Topology(tp, pp, 1)
+        topology = Topology(tp=tp, pp=pp, dp=1)
         per_stage = cfg.num_layers // pp
         total = 0
         for stage in range(pp):

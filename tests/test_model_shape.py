@@ -110,7 +110,7 @@ def _layouts(cfg: ModelConfig, rng: random.Random) -> list[tuple[int, int]]:
 
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    shape, topo = cfg.shape, Topology(tp, pp, 1)
+    shape, topo = cfg.shape, Topology(tp=tp, pp=pp, dp=1)
     ranges = partition_layers(cfg, pp)
     whole = 0
     for stage, (a, b) in enumerate(ranges):

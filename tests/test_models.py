@@ -65,7 +65,7 @@ def compare_with_reference(pstate: ParallelState, cfg, *, sequence_parallel: boo
 def _parity_cases(rank: int, world: int, cases: list[tuple[str, int, bool, dict]]) -> list[dict[str, float]]:
     out = []
     for name, tp, sp, overrides in cases:
-        pstate = ParallelState(Topology(tp, 1, world // tp))
+        pstate = ParallelState(Topology(tp=tp, pp=1, dp=world // tp))
         out.append(compare_with_reference(pstate, get_config(name, **overrides), sequence_parallel=sp))
     return out
 
@@ -104,7 +104,7 @@ def test_tp4_matches_tp1():
 
 def _sp_pipeline_slices(rank: int, world: int) -> list[dict[str, float]]:
     """Two pipeline slices under tp=2 sequence parallel: hidden [b, s/2, h] flows between them."""
-    pstate = ParallelState(Topology(2, 1, 1))
+    pstate = ParallelState(Topology(tp=2, pp=1, dp=1))
     out = []
     for name in ("gpt_tiny", "llama_tiny"):
         cfg = get_config(name)
@@ -223,7 +223,7 @@ def test_pipeline_slices_compose_to_the_whole_model(name):
 
 def test_parameter_metadata():
     cfg = get_config("gpt_tiny")
-    topology = Topology(2, 2, 1)
+    topology = Topology(tp=2, pp=2, dp=1)
     first = build_model(cfg, ParallelState.without_groups(topology, 0), device="meta", layer_range=(0, 2))
     last = build_model(cfg, ParallelState.without_groups(topology, topology.rank_of(pp=1)), device="meta",
                        layer_range=(2, 4))
@@ -252,16 +252,16 @@ def test_parameter_metadata():
 # ---- bad input ---------------------------------------------------------------------------
 def test_bad_input_errors():
     single = ParallelState.single_process()
-    tp8 = ParallelState.without_groups(Topology(8, 1, 1), 0)
+    tp8 = ParallelState.without_groups(Topology(tp=8, pp=1, dp=1), 0)
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by tp=8"):
         build_model(get_config("gpt_tiny"), tp8, device="meta")
     with pytest.raises(ValueError, match="num_kv_heads=2 is not divisible by tp=4"):
-        build_model(get_config("llama_tiny"), ParallelState.without_groups(Topology(4, 1, 1), 0), device="meta")
+        build_model(get_config("llama_tiny"), ParallelState.without_groups(Topology(tp=4, pp=1, dp=1), 0), device="meta")
     with pytest.raises(ValueError, match="hidden_size=66 is not divisible by model.num_heads=4"):
         get_config("gpt_tiny", hidden_size=66)
     with pytest.raises(ValueError, match=r"ffn_hidden_size=174 is not divisible by tp=4"):
         build_model(get_config("llama_tiny", num_kv_heads=4, ffn_hidden_size=174),
-                    ParallelState.without_groups(Topology(4, 1, 1), 0), device="meta")
+                    ParallelState.without_groups(Topology(tp=4, pp=1, dp=1), 0), device="meta")
     with pytest.raises(ValueError, match=r"layer_range=\(2, 9\)"):
         build_model(get_config("gpt_tiny"), single, layer_range=(2, 9))
     with pytest.raises(ValueError, match="recompute='some'"):
@@ -274,7 +274,7 @@ def test_bad_input_errors():
 
 
 def _sp_odd_sequence(rank: int, world: int) -> str:
-    model = build_model(get_config("gpt_tiny"), ParallelState(Topology(2, 1, 1)), sequence_parallel=True)
+    model = build_model(get_config("gpt_tiny"), ParallelState(Topology(tp=2, pp=1, dp=1)), sequence_parallel=True)
     try:
         model(torch.zeros(1, 7, dtype=torch.long))
     except ValueError as exc:

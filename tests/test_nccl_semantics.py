@@ -37,7 +37,7 @@ def _ops(pstate: ParallelState, rank: int, sends: int, recvs: int) -> tuple[list
 
 
 def _one_batch(rank, world, emulate):
-    pstate = ParallelState(Topology(1, 2, 1), emulate_nccl=emulate)
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1), emulate_nccl=emulate)
     ops, buffers = _ops(pstate, rank, sends=2, recvs=2)
     works = comm.batch_isend_irecv(ops, pstate)
     kinds = [type(w).__name__ for w in works]
@@ -60,7 +60,7 @@ def test_emulation_returns_one_work_per_batch():
 
 def _naive_pairing(rank, world, emulate):
     """How p2p paired Works with ops before batches were units: one Work per op, zipped."""
-    pstate = ParallelState(Topology(1, 2, 1), emulate_nccl=emulate)
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1), emulate_nccl=emulate)
     ops, buffers = _ops(pstate, rank, sends=2, recvs=2)
     works = comm.batch_isend_irecv(ops, pstate)
     receive_work = dict(zip(range(len(buffers)), works[2:]))  # the send Works are works[:2]
@@ -86,7 +86,7 @@ def test_emulation_catches_pairing_works_with_ops():
 
 def _receive_batched_ahead(rank, world, emulate):
     """Each rank posts a receive, then (as a second batch) the send its peer's receive needs."""
-    pstate = ParallelState(Topology(1, 2, 1), timeout_s=2, emulate_nccl=emulate)
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1), timeout_s=2, emulate_nccl=emulate)
     recv_ops, buffers = _ops(pstate, rank, sends=0, recvs=1)
     send_ops, _ = _ops(pstate, rank, sends=1, recvs=0)
     try:
@@ -106,7 +106,7 @@ def test_emulated_fifo_batches_deadlock_where_nccl_does():
 
 
 def _coordinates_only(backend: str, emulate: bool = False) -> ParallelState:
-    return ParallelState(Topology(1, 2, 1), rank=0, distributed=False, backend=backend, device="cpu",
+    return ParallelState(Topology(tp=1, pp=2, dp=1), rank=0, distributed=False, backend=backend, device="cpu",
                          emulate_nccl=emulate)
 
 

@@ -29,12 +29,12 @@ def _reference(num_layers: int, microbatches: list[dict], tied: bool) -> tuple[f
 
 
 def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied, emulate_nccl=False):
-    pstate = ParallelState(Topology(1, pp, world // pp), emulate_nccl=emulate_nccl)
+    pstate = ParallelState(Topology(tp=1, pp=pp, dp=world // pp), emulate_nccl=emulate_nccl)
     cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     ranges = partition_layers(cfg, pp, v, pp_layers)
     chunks = [
         ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied)
-        for r in stage_layer_ranges(ranges, pp, pstate.pp_rank)
+        for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"))
     ]
     engine = PipelineEngine(
         chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=MBS, seq_len=SEQ, hidden_size=HIDDEN
@@ -53,7 +53,7 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied,
         "loss_err": loss_err,
         "peak": result.peak_live_activations,
         "bytes": result.peak_activation_bytes,
-        "stage": pstate.pp_rank,
+        "stage": pstate.coord("pp"),
         "pp_bytes": pstate.comm_stats.total("pp"),
         "timed_actions": sorted(str(a) for a, _, _ in result.timeline) == sorted(str(a) for a in engine.actions),
         "times_ok": 0 < result.busy_time <= result.step_time and 0 <= result.bubble_fraction < 1,
@@ -138,7 +138,7 @@ def test_engine_rejects_wrong_microbatch_count_and_shape():
     with pytest.raises(ValueError, match=r"input_ids has shape \(3, 4\)"):
         engine.run_step(toy_batch(2, 3, SEQ))
     with pytest.raises(ValueError, match="num_microbatches divisible by num_stages"):
-        PipelineEngine([ToyModel(2)] * 2, ParallelState.without_groups(Topology(1, 2, 1), 0),
+        PipelineEngine([ToyModel(2)] * 2, ParallelState.without_groups(Topology(tp=1, pp=2, dp=1), 0),
                        schedule="interleaved_1f1b", num_microbatches=3, micro_batch_size=MBS, seq_len=SEQ,
                        hidden_size=HIDDEN)
 
@@ -157,9 +157,9 @@ class RecordingGradSync:
 
 
 def _grad_sync_case(rank, world):
-    pstate = ParallelState(Topology(1, 2, 1))
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1))
     cfg = ModelConfig(num_layers=4, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
-    ranges = stage_layer_ranges(partition_layers(cfg, 2, 2), 2, pstate.pp_rank)
+    ranges = stage_layer_ranges(partition_layers(cfg, 2, 2), 2, pstate.coord("pp"))
     chunks = [ToyModel(4, r, tied=True) for r in ranges]
     sync = RecordingGradSync()
     engine = PipelineEngine(chunks, pstate, schedule="interleaved_1f1b", num_microbatches=4, micro_batch_size=MBS,
@@ -188,15 +188,15 @@ def test_grad_sync_prepared_per_backward_and_finalized_once():
 
 
 def _free_sent_case(rank, world, free):
-    pstate = ParallelState(Topology(1, world, 1))
+    pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
     num_layers, m = 4, 6
     cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
-    (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.pp_rank)
+    (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
     chunk = ToyModel(num_layers, r)
     engine = PipelineEngine([chunk], pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=MBS,
                             seq_len=SEQ, hidden_size=HIDDEN, free_sent_activations=free)
     result = engine.run_step(toy_batch(m, MBS, SEQ))
-    return {"stage": pstate.pp_rank, "bytes": result.peak_activation_bytes,
+    return {"stage": pstate.coord("pp"), "bytes": result.peak_activation_bytes,
             "grads": {n: p.grad.clone() for n, p in chunk.named_parameters()}}
 
 

@@ -37,9 +37,9 @@ def _reference(cfg, microbatches) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _case(rank, world, tp, pp, model_name, overrides, schedule, m, v, pp_layers, sp, recompute):
-    pstate = ParallelState(Topology(tp, pp, world // (tp * pp)))
+    pstate = ParallelState(Topology(tp=tp, pp=pp, dp=world // (tp * pp)))
     cfg = get_config(model_name, fused_kernels=False, **overrides)
-    ranges = stage_layer_ranges(partition_layers(cfg, pp, v, pp_layers), pp, pstate.pp_rank)
+    ranges = stage_layer_ranges(partition_layers(cfg, pp, v, pp_layers), pp, pstate.coord("pp"))
     chunks = [build_model(cfg, pstate, seed=0, layer_range=r, sequence_parallel=sp, recompute=recompute)
               for r in ranges]
     engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=MBS,
@@ -61,7 +61,7 @@ def _case(rank, world, tp, pp, model_name, overrides, schedule, m, v, pp_layers,
                 if chunk.embedding is not None and getattr(chunk.embedding.word.weight, "tied_embedding", False):
                     w = chunk.embedding.word.weight
                     tied = (w - 0.1 * w.grad).clone()
-    return {"errors": errors, "graded": names, "stage": pstate.pp_rank, "tp_rank": pstate.tp_rank,
+    return {"errors": errors, "graded": names, "stage": pstate.coord("pp"), "tp_rank": pstate.coord("tp"),
             "loss_err": None if result.loss is None else abs(result.loss - ref_loss) / ref_loss,
             "peak": result.peak_live_activations, "tied": tied}
 

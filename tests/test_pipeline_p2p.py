@@ -25,9 +25,9 @@ def _payload(rank: int, tag: int) -> torch.Tensor:
 
 def _exchange(rank, world, emulate_nccl):
     """Stage 0 sends two activations and receives one gradient in one batch; stage 1 mirrors it."""
-    pstate = ParallelState(Topology(1, 2, world // 2), emulate_nccl=emulate_nccl)
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=world // 2), emulate_nccl=emulate_nccl)
     p2p = PipelineP2P(pstate, SPEC)
-    if pstate.pp_rank == 0:
+    if pstate.coord("pp") == 0:
         got = p2p.exchange([(Action("SEND_ACT", 0), _payload(rank, 0)), (Action("SEND_ACT", 1), _payload(rank, 1))],
                            [Action("RECV_GRAD", 0)])
         out = {"grad0": got[Action("RECV_GRAD", 0)], "peer": pstate.next_stage_rank}
@@ -44,7 +44,7 @@ def _exchange(rank, world, emulate_nccl):
 @pytest.mark.parametrize("world,emulate_nccl", [(2, False), (4, False), (2, True), (4, True)])
 def test_batched_exchange_delivers_in_order_and_counts_bytes(world, emulate_nccl):
     results = run_on_ranks(_exchange, world, emulate_nccl)
-    topo = Topology(1, 2, world // 2)
+    topo = Topology(tp=1, pp=2, dp=world // 2)
     for rank, r in enumerate(results):
         peer = r["peer"]
         if topo.coords(rank).pp == 0:
@@ -57,7 +57,7 @@ def test_batched_exchange_delivers_in_order_and_counts_bytes(world, emulate_nccl
 
 def test_peers_follow_the_interleaved_layout():
     # pp=2, tp=2: stage 1's chunk 0 feeds stage 0's chunk 1 (wrap-around), same tp coordinate.
-    topo = Topology(2, 2, 1)
+    topo = Topology(tp=2, pp=2, dp=1)
     last = ParallelState.without_groups(topo, topo.rank_of(tp=1, pp=1))
     p2p = PipelineP2P(last, SPEC, num_virtual_stages=2)
     assert p2p.peer(Action("SEND_ACT", 0, 0)) == topo.rank_of(tp=1, pp=0)
@@ -74,7 +74,7 @@ def test_message_spec_and_shape_checks():
     with pytest.raises(ValueError, match="train.seq_len=7 is not divisible by parallel.tp=2"):
         MessageSpec.from_config(micro_batch_size=2, seq_len=7, hidden_size=16, dtype=torch.float32,
                                 tp_size=2, sequence_parallel=True)
-    pstate = ParallelState.without_groups(Topology(1, 2, 1), 0)
+    pstate = ParallelState.without_groups(Topology(tp=1, pp=2, dp=1), 0)
     with pytest.raises(ValueError, match=r"sends shape \(2, 3, 5\)"):
         PipelineP2P(pstate, SPEC).exchange([(Action("SEND_ACT", 0), torch.zeros(2, 3, 5))], [])
 
@@ -114,7 +114,7 @@ def test_a_batch_is_one_unit(monkeypatch, per_op):
     backend = _ScriptedBackend(per_op)
     monkeypatch.setattr(comm, "batch_isend_irecv", backend)
     monkeypatch.setattr(dist, "P2POp", _Op)
-    pstate = ParallelState(Topology(1, 2, 1), rank=0, distributed=False, backend="gloo", device="cpu")
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1), rank=0, distributed=False, backend="gloo", device="cpu")
     p2p = PipelineP2P(pstate, SPEC)
     sa0, sa1, rg0, rg1, rg2 = (Action("SEND_ACT", 0), Action("SEND_ACT", 1), Action("RECV_GRAD", 0),
                                Action("RECV_GRAD", 1), Action("RECV_GRAD", 2))
@@ -149,7 +149,7 @@ class _End(nn.Module):
 
 
 def _tied(rank, world, tp, pp):
-    pstate = ParallelState(Topology(tp, pp, world // (tp * pp)))
+    pstate = ParallelState(Topology(tp=tp, pp=pp, dp=world // (tp * pp)))
     end = pstate.is_first_stage or pstate.is_last_stage
     module = _End(float(rank + 1), tied=end)
     synced = sync_tied_embedding_grads([module], pstate)

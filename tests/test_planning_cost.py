@@ -42,14 +42,14 @@ def test_ring_collectives_match_closed_forms():
     inter = cluster.device.inter_node_bytes_per_s * cluster.device.link_efficiency
     n = 1e9
     # tp=8 inside a node: ring all-reduce 2(n-1)/n * N / B_nvlink.
-    comm = CommModel(cluster, Topology(8, 1, 8))
+    comm = CommModel(cluster, Topology(tp=8, pp=1, dp=8))
     assert comm.all_reduce(n, "tp") == pytest.approx(2 * 7 / 8 * n / intra)
     # dp=8, one member per node: every byte crosses the member's own NIC.
     assert comm.all_reduce(n, "dp") == pytest.approx(2 * 7 / 8 * n / inter)
     # dp=64 with tp=1: 8 members per node share 8 NICs; inside-node ring plus 1/8 across.
-    comm = CommModel(cluster, Topology(1, 1, 64))
+    comm = CommModel(cluster, Topology(tp=1, pp=1, dp=64))
     assert comm.reduce_scatter(n, "dp") == pytest.approx(7 / 8 * n / intra + 7 / 8 * n / 8 / inter)
-    assert CommModel(cluster, Topology(1, 1, 64)).all_reduce(n, "tp") == 0.0
+    assert CommModel(cluster, Topology(tp=1, pp=1, dp=64)).all_reduce(n, "tp") == 0.0
 
 
 def test_megatron_flops_formula():

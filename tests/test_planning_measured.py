@@ -35,7 +35,7 @@ def _measure(rank: int, world: int, case: dict) -> dict:
     chunks = [
         build_model(config, pstate, layer_range=r, sequence_parallel=layout.sequence_parallel,
                     recompute=layout.recompute, dtype=dtype, seed=3)
-        for r in stage_layer_ranges(ranges, layout.pp, pstate.pp_rank)
+        for r in stage_layer_ranges(ranges, layout.pp, pstate.coord("pp"))
     ]
     optimizer = ZeroOptimizer(chunks, pstate, zero_stage=layout.zero_stage, lr=1e-3, precision=layout.precision,
                               offload=layout.offload, zero3_prefetch=layout.zero3_prefetch,
@@ -46,7 +46,7 @@ def _measure(rank: int, world: int, case: dict) -> dict:
         micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len, hidden_size=config.hidden_size,
         dtype=dtype, sequence_parallel=layout.sequence_parallel, grad_sync=optimizer.grad_sync,
     )
-    gen = torch.Generator().manual_seed(100 + pstate.dp_rank)
+    gen = torch.Generator().manual_seed(100 + pstate.coord("dp"))
     mbs, s = layout.micro_batch_size, layout.seq_len
     microbatches = []
     for i in range(layout.num_microbatches):
@@ -55,7 +55,7 @@ def _measure(rank: int, world: int, case: dict) -> dict:
                              "sample_ids": torch.arange(i * mbs, (i + 1) * mbs)})
     result = engine.run_step(microbatches)
     optimizer.step()
-    out = {"stage": pstate.pp_rank, "activations": result.peak_activation_bytes, **optimizer.memory_peak_bytes()}
+    out = {"stage": pstate.coord("pp"), "activations": result.peak_activation_bytes, **optimizer.memory_peak_bytes()}
     pstate.destroy()
     return out
 

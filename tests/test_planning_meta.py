@@ -28,7 +28,7 @@ TP, PP, DP = 8, 16, 8
 @pytest.mark.parametrize("name", ["gpt3_175b", "llama3_70b", "llama31_405b"])
 def test_meta_shards_of_a_1024_rank_layout_sum_to_the_full_model(name):
     config = get_config(name)
-    topo = Topology(TP, PP, DP)
+    topo = Topology(tp=TP, pp=PP, dp=DP)
     ranges = partition_layers(config, PP)
     total = 0
     for pp in range(PP):

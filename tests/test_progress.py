@@ -47,7 +47,7 @@ def _peaks(rank: int, world: int) -> list[float]:
     from parallel3d.parallel_state import ParallelState
     from parallel3d.topology import Topology
 
-    pstate = ParallelState(Topology(2, 2, world // 4))
+    pstate = ParallelState(Topology(tp=2, pp=2, dp=world // 4))
     return per_rank_values(1000.0 * (rank + 1) + 0.5, pstate)
 
 

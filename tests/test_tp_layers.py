@@ -37,7 +37,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _chunk(t: torch.Tensor, dim: int, pstate: ParallelState) -> torch.Tensor:
-    return t.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
+    return t.chunk(pstate.size("tp"), dim=dim)[pstate.coord("tp")]
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def check_row(pstate: ParallelState, *, input_is_parallel: bool, sp: bool) -> fl
     yr = F.linear(xr, wr, br)
     (yr * r_full).sum().backward()
     x_grad_ref = _chunk(xr.grad, -1, pstate) if input_is_parallel else xr.grad
-    if pstate.tp_size > 1:  # exactly one collective of the output in forward
+    if pstate.size("tp") > 1:  # exactly one collective of the output in forward
         assert forward_calls == {("tp", "reduce_scatter" if sp else "all_reduce"): 1}, forward_calls
     return max(_rel(y, _chunk(yr, 1, pstate) if sp else yr), _rel(x.grad, x_grad_ref),
                _rel(gather_full(layer.weight, pstate, layer.weight.grad), wr.grad),
@@ -101,13 +101,13 @@ def check_embedding(pstate: ParallelState, *, sp: bool) -> float:
     (yr * r_full).sum().backward()
     grad = gather_full(layer.weight, pstate, layer.weight.grad)
     padding_rows = layer.weight.grad[layer.weight.shape[0] - (layer.padded_vocab_size - VOCAB):] \
-        if pstate.tp_rank == pstate.tp_size - 1 else layer.weight.grad[:0]
+        if pstate.coord("tp") == pstate.size("tp") - 1 else layer.weight.grad[:0]
     assert not padding_rows.any(), "padding rows must get no gradient"
     return max(_rel(y, _chunk(yr, 1, pstate) if sp else yr), _rel(grad, wr.grad))
 
 
 def check_cross_entropy(pstate: ParallelState, dtype: torch.dtype) -> float:
-    padded = -(-VOCAB // pstate.tp_size) * pstate.tp_size
+    padded = -(-VOCAB // pstate.size("tp")) * pstate.size("tp")
     logits_full = torch.cat([_rand(B, S, VOCAB, seed=11) * 3, _rand(B, S, padded - VOCAB, seed=12)], -1)
     logits_full = logits_full.to(dtype)  # padding columns hold junk: they must be ignored
     targets = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(13))
@@ -152,7 +152,7 @@ def column_saved_bytes(pstate: ParallelState) -> dict[bool, int]:
 
 
 def _on_ranks(rank: int, world: int, tp: int) -> tuple[dict[str, float], dict[bool, int]]:
-    pstate = ParallelState(Topology(tp, 1, world // tp))
+    pstate = ParallelState(Topology(tp=tp, pp=1, dp=world // tp))
     return all_checks(pstate), column_saved_bytes(pstate)
 
 
@@ -178,7 +178,7 @@ def test_layers_tp(tp):
 
 
 def test_uneven_split_is_a_clear_error():
-    pstate = ParallelState.without_groups(Topology(4, 1, 1), 0)
+    pstate = ParallelState.without_groups(Topology(tp=4, pp=1, dp=1), 0)
     with pytest.raises(ValueError, match=r"col: output features=10 is not divisible by tp=4"):
         ColumnParallelLinear(8, 10, pstate, global_name="col", device="meta")
     with pytest.raises(ValueError, match=r"row: input features=6 is not divisible by tp=4"):

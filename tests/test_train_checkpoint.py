@@ -90,7 +90,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def _disk_full_on_rank_1(rank: int, world: int, root: str) -> tuple:
-    pstate = ParallelState(Topology(1, 1, world))
+    pstate = ParallelState(Topology(tp=1, pp=1, dp=world))
     mgr = CheckpointManager(root, pstate, keep_last=2)
     big = {"w": torch.zeros(256 * 1024)}  # 1 MiB
     first = mgr.save(1, _writer(big, rank), {})

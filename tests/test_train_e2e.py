@@ -84,7 +84,7 @@ def test_gpt_8_ranks_match_1_rank(tmp_path, cache_dir, gpt_8_ranks):
     out, results = gpt_8_ranks
     assert_close(losses_of(out), ref)
     # Only the logging rank (last stage, tp=0, dp=0) recorded anything.
-    logging_rank = Topology(2, 2, 2).rank_of(tp=0, dp=0, pp=1)
+    logging_rank = Topology(tp=2, pp=2, dp=2).rank_of(tp=0, dp=0, pp=1)
     assert [bool(r) for r in results] == [rank == logging_rank for rank in range(8)]
 
 

@@ -190,9 +190,9 @@ def test_zb_h1_pipeline_grads_match_single_process(pp):
 
 
 def _zb_grad_sync_case(rank, world):
-    pstate = ParallelState(Topology(1, world, 1))
+    pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
     cfg = ModelConfig(num_layers=4, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
-    (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.pp_rank)
+    (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
     chunk = ToyModel(4, r)
     sync = RecordingGradSync()
     for p in chunk.parameters():  # where gradients arrive, relative to the engine's calls

@@ -48,7 +48,7 @@ def expected_bytes(stage: int, precision: str, n: int, psi: int, bucket_bytes: i
 
 def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter", grad_reduce_dtype="fp32"):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage in (0, 1, 2):
         model = make_model(dtype)
@@ -60,7 +60,7 @@ def _measure(rank, world_size, precision, reduce_scatter="reduce_scatter", grad_
             ps.comm_stats.reset()
             x = torch.randn(4, 61, dtype=dtype)
             model(x).float().pow(2).mean().backward()
-            calls_during_backward = sum(ps.comm_stats.calls.get(("dp", op), 0) for op in ("reduce_scatter", "all_reduce"))
+            calls_during_backward = sum(ps.comm_stats.calls.get(("dp_cp", op), 0) for op in ("reduce_scatter", "all_reduce"))
             live_grads = sum(p.grad is not None for p in model.parameters())
             mem_after_backward = opt.memory_bytes()
             opt.step()
@@ -103,15 +103,15 @@ def test_communication_bytes_equal_ddp(dp):
     results = run_on_ranks(_measure, dp, "fp32", timeout=120)
     psi = param_count()
     for per_stage in results:
-        ddp = per_stage[0]["comm"][("dp", "all_reduce")]  # stage 0 is DDP: all-reduce of every gradient
+        ddp = per_stage[0]["comm"][("dp_cp", "all_reduce")]  # stage 0 is DDP: all-reduce of every gradient
         padded = per_stage[0]["padded"]
         assert ddp == int(2 * padded * 4 * (dp - 1) / dp)
         assert padded - psi < dp * per_stage[0]["buckets"]  # padding: < dp elements per bucket
         for stage in (1, 2):
             comm = per_stage[stage]["comm"]
-            assert comm[("dp", "reduce_scatter")] + comm[("dp", "all_gather")] == pytest.approx(ddp, abs=2)
+            assert comm[("dp_cp", "reduce_scatter")] + comm[("dp_cp", "all_gather")] == pytest.approx(ddp, abs=2)
             # Everything else on the dp group is the grad-norm scalar (fp64: 2 * 8 * (dp - 1) / dp bytes).
-            rest = sum(v for (kind, op), v in comm.items() if kind == "dp" and op == "all_reduce")
+            rest = sum(v for (kind, op), v in comm.items() if kind == "dp_cp" and op == "all_reduce")
             assert rest <= 16
 
 
@@ -121,13 +121,13 @@ def test_gloo_reduce_scatter_as_all_reduce_counts_what_it_sends():
     dp = 2
     modes = run_on_ranks(_measure_both_modes, dp, timeout=120)
     for rs_mode, ar_mode in modes:
-        ddp = rs_mode[0]["comm"][("dp", "all_reduce")]
+        ddp = rs_mode[0]["comm"][("dp_cp", "all_reduce")]
         for stage in (1, 2):
             rs, ar = rs_mode[stage]["comm"], ar_mode[stage]["comm"]
-            assert ("dp", "reduce_scatter") not in ar
-            assert ar[("dp", "all_gather")] == rs[("dp", "all_gather")]
-            norm_bytes = rs[("dp", "all_reduce")]  # the grad-norm scalar: the only all-reduce of rs mode
-            assert ar[("dp", "all_reduce")] - norm_bytes == ddp  # every bucket all-reduced once, as in stage 0
+            assert ("dp_cp", "reduce_scatter") not in ar
+            assert ar[("dp_cp", "all_gather")] == rs[("dp_cp", "all_gather")]
+            norm_bytes = rs[("dp_cp", "all_reduce")]  # the grad-norm scalar: the only all-reduce of rs mode
+            assert ar[("dp_cp", "all_reduce")] - norm_bytes == ddp  # every bucket all-reduced once, as in stage 0
         assert ar_mode[2]["rs_in_backward"] == ar_mode[2]["buckets"] > 1
         assert ar_mode[2]["live_grads"] == 0
 
@@ -154,7 +154,7 @@ def make_deep_model(width: int = PEAK_WIDTH, depth: int = PEAK_DEPTH) -> nn.Modu
 def _peak(rank, world_size, cases):
     """Per case (stage, grad_reduce_dtype): the optimizer's peak over a step with PEAK_ACC
     microbatches, and, independently, ``memory_bytes()`` sampled after every backward."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage, grad_reduce_dtype in cases:
         model = make_deep_model()

@@ -55,14 +55,14 @@ def _train_case(ps, rank, dp, stage, offload, precision, directory):
         norms.append(info.grad_norm)
         opt.zero_grad()
     mem = opt.memory_bytes()
-    files = sorted(os.listdir(os.path.join(directory, f"tp0_pp0_dp{rank}"))) if offload == "disk" else []
+    files = sorted(os.listdir(os.path.join(directory, f"tp0_cp0_dp{rank}_pp0"))) if offload == "disk" else []
     with opt.gathered_params():
         params = [p.detach().float().clone() for p in model.parameters()]
     return dict(params=params, norms=norms, mem=mem, shard=opt.layouts[0].shard_numel, files=files)
 
 
 def _cases(rank, world_size, cases, root):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage, offload, precision in cases:
         directory = os.path.join(root, f"s{stage}-{offload}-{precision}")
@@ -104,7 +104,7 @@ BUDGET_MB = 0.02  # 20 KiB of host buffers for ~1.8 MB of optimizer state per ra
 
 
 def _disk_budget(rank, world_size, root):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for offload in ("cpu", "disk"):
         model = make_deep_model()
@@ -149,8 +149,8 @@ def _make(ps, stage, offload, directory, seed=0):
 def _steps(model, opt, ps, steps):
     for step in steps:
         x, y = global_batch(step)
-        n = ps.dp_size
-        local = slice(ps.dp_rank * len(x) // n, (ps.dp_rank + 1) * len(x) // n)
+        n = ps.size("dp")
+        local = slice(ps.coord("dp") * len(x) // n, (ps.coord("dp") + 1) * len(x) // n)
         F.cross_entropy(model(x[local]), y[local]).backward()
         opt.step()
         opt.zero_grad()
@@ -176,7 +176,7 @@ def _load(opt, ps, ckpt):
 
 
 def _save_disk(rank, world_size, root, ckpt):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     model, opt = _make(ps, 2, "disk", os.path.join(root, "straight"))
     straight = _steps(model, opt, ps, range(6))
     model, opt = _make(ps, 2, "disk", os.path.join(root, "first"))
@@ -189,7 +189,7 @@ def _save_disk(rank, world_size, root, ckpt):
 
 
 def _load_elsewhere(rank, world_size, root, ckpt, stage, offload):
-    ps = ParallelState(Topology(1, 1, world_size)) if world_size > 1 else ParallelState.single_process()
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size)) if world_size > 1 else ParallelState.single_process()
     model, opt = _make(ps, stage, offload, os.path.join(root, f"other-{stage}-{offload}"), seed=9)
     _load(opt, ps, ckpt)
     return _steps(model, opt, ps, range(3, 6))
@@ -215,7 +215,7 @@ def test_disk_offload_checkpoint_views_are_the_state_files(tmp_path):
     ps = ParallelState.single_process()
     model, opt = _make(ps, 1, "disk", str(tmp_path))
     _steps(model, opt, ps, range(2))
-    files = {name: str(tmp_path / "tp0_pp0_dp0" / f"group0_{name}.f32") for name in ("master", "exp_avg", "exp_avg_sq")}
+    files = {name: str(tmp_path / "tp0_cp0_dp0_pp0" / f"group0_{name}.f32") for name in ("master", "exp_avg", "exp_avg_sq")}
     on_disk = {name: torch.from_numpy(np.fromfile(path, dtype=np.float32)) for name, path in files.items()}
     segments = opt.owned_segments()
     assert sum(s.length for s in segments) == sum(p.numel() for p in model.parameters())

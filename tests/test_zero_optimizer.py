@@ -58,8 +58,11 @@ def max_rel_error(model: nn.Module, ref: nn.Module) -> float:
                for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
-    ps = ParallelState(Topology(1, 1, world_size))
+def _train_dp(rank, world_size, stages, steps, clip, use_schedule, layout=None):
+    """``layout``: the data-parallel dimensions (default dp = world); every rank that holds a replica of
+    the parameters (its dp_cp index) takes its own slice of the global batch."""
+    ps = ParallelState(Topology(**(layout or {"dp": world_size})))
+    replica = ps.ranks("dp_cp").index(rank)
     schedule = WarmupCosine(max_lr=LR, min_lr=LR / 10, warmup_steps=3, decay_steps=steps) if use_schedule else None
     ref, ref_norms = train_reference(steps, clip, schedule)
     out = {}
@@ -70,7 +73,7 @@ def _train_dp(rank, world_size, stages, steps, clip, use_schedule):
         norms = []
         for step in range(steps):
             x, y = global_batch(step)
-            local = slice(rank * len(x) // world_size, (rank + 1) * len(x) // world_size)
+            local = slice(replica * len(x) // world_size, (replica + 1) * len(x) // world_size)
             F.cross_entropy(model(x[local]), y[local]).backward()
             info = opt.step()
             assert isinstance(info, StepInfo) and not info.skipped
@@ -91,6 +94,16 @@ def test_zero_stages_match_torch_adamw(dp):
             assert norms == pytest.approx(ref_norms, rel=1e-5), f"stage={stage}: grad norms differ"
             assert len(bucket_sizes) > 1 and all(s % dp == 0 for s in bucket_sizes)
     assert sum(bucket_sizes) > 131 or 131 % dp == 0  # padding was needed for an odd parameter count
+
+
+def test_zero_reduces_over_every_replica_dp_and_cp():
+    """cp ranks hold the same weights as dp ranks: ZeRO must reduce and shard over dp x cp, not dp."""
+    results = run_on_ranks(_train_dp, 4, ZERO_STAGES, 4, 0.05, False, {"cp": 2, "dp": 2}, timeout=120)
+    for rank, (per_stage, ref_norms) in enumerate(results):
+        for stage, (err, norms, bucket_sizes) in per_stage.items():
+            assert err < 1e-5, f"cp=2 dp=2 stage={stage} rank={rank}: rel. error {err:.2e}"
+            assert norms == pytest.approx(ref_norms, rel=1e-5), f"stage={stage}: grad norms differ"
+            assert all(s % 4 == 0 for s in bucket_sizes)
 
 
 # ---- the matrix: every stage x gradient dtype x accumulation x dp against torch AdamW ------------
@@ -138,7 +151,7 @@ def _train_case(ps: ParallelState, rank: int, dp: int, case: tuple[int, str, str
 
 
 def _matrix(rank, world_size, cases):
-    ps = ParallelState(Topology(1, 1, world_size)) if world_size > 1 else ParallelState.single_process()
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size)) if world_size > 1 else ParallelState.single_process()
     ref, ref_norms = train_reference(MATRIX_STEPS, 0.05, batch=MATRIX_BATCH)
     return {case: _train_case(ps, rank, world_size, case, ref) for case in cases}, ref_norms
 
@@ -175,7 +188,7 @@ def test_single_process_matches_torch_adamw_without_clipping(backend):
 
 def _accumulate(rank, world_size, stage, reduce_scatter="reduce_scatter"):
     """Two microbatches per step through grad_sync.prepare/finish, as the pipeline engine drives it."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     ref, _ = train_reference(4, 0.05)
     model = make_mlp()
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
@@ -205,11 +218,11 @@ def test_gradient_accumulation_reduction_counts():
     for per_stage in results:
         for stage, ((err, calls), (err_ar, calls_ar)) in per_stage.items():
             assert err < 1e-5 and err_ar < 1e-5, (stage, err, err_ar)
-            buckets = calls[("dp", "all_gather")] // 4
+            buckets = calls[("dp_cp", "all_gather")] // 4
             per_step = 1 if stage == 1 else 2
-            assert calls[("dp", "reduce_scatter")] == 4 * buckets * per_step, stage
+            assert calls[("dp_cp", "reduce_scatter")] == 4 * buckets * per_step, stage
             # gloo mode: the same reductions as all-reduces (beside the grad-norm ones both modes do)
-            assert calls_ar[("dp", "all_reduce")] - calls[("dp", "all_reduce")] == 4 * buckets * per_step
+            assert calls_ar[("dp_cp", "all_reduce")] - calls[("dp_cp", "all_reduce")] == 4 * buckets * per_step
 
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)

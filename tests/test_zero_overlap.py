@@ -46,7 +46,7 @@ def _close(params: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
 
 
 def _overlap_run(rank: int, world: int, stage: int, ref: list[dict[str, torch.Tensor]]) -> dict:
-    ps = ParallelState(Topology(1, 1, world))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world))
     model = _model()
     # One bucket per Linear (weight + bias = 72 fp32 elements), so each layer waits for its own.
     opt = ZeroOptimizer([model], ps, zero_stage=stage, lr=LR, weight_decay=WD, betas=(0.9, 0.999),

@@ -57,9 +57,9 @@ def _reference(steps: int, global_rows: int, cfg: ModelConfig = CFG
 
 def _train(rank, world_size, tp, pp, dp, stages, steps, ref, schedule="1f1b", virtual=1, cfg=CFG, m=M,
            recompute="none", sequence_parallel=False, **zero_kwargs):
-    ps = ParallelState(Topology(tp, pp, dp))
+    ps = ParallelState(Topology(tp=tp, pp=pp, dp=dp))
     rows = dp * m * MBS
-    ranges = stage_layer_ranges(partition_layers(cfg, pp, virtual), pp, ps.pp_rank)
+    ranges = stage_layer_ranges(partition_layers(cfg, pp, virtual), pp, ps.coord("pp"))
     out = {}
     for stage in stages:
         chunks = [build_model(cfg, ps, seed=0, layer_range=r, recompute=recompute,
@@ -73,7 +73,7 @@ def _train(rank, world_size, tp, pp, dp, stages, steps, ref, schedule="1f1b", vi
         norms = []
         for step in range(steps):
             b = _batch(step, rows)
-            mine = slice(ps.dp_rank * m * MBS, (ps.dp_rank + 1) * m * MBS)
+            mine = slice(ps.coord("dp") * m * MBS, (ps.coord("dp") + 1) * m * MBS)
             local = {k: v[mine] for k, v in b.items()}
             mbs = [{k: v[i * MBS : (i + 1) * MBS] for k, v in local.items()} for i in range(m)]
             engine.run_step(mbs, loss_scale=opt.loss_scale, step=step)

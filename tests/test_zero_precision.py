@@ -21,7 +21,7 @@ CFG = ModelConfig(arch="gpt", num_layers=2, hidden_size=32, num_heads=2, vocab_s
 
 
 def _loss_curve(rank, world_size, steps):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     curves = {}
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = build_model(CFG, ps, seed=0, dtype=dtype)
@@ -53,7 +53,7 @@ def test_bf16_loss_curve_follows_fp32():
 
 
 def _overflow(rank, world_size, bad_rank, bad_step):
-    ps = ParallelState(Topology(2, 1, world_size // 2))  # the inf is on one rank of one tp and one dp group
+    ps = ParallelState(Topology(tp=2, pp=1, dp=world_size // 2))  # the inf is on one rank of one tp and one dp group
     model = make_mlp(dtype=torch.float16)
     opt = ZeroOptimizer([model], ps, zero_stage=2, lr=1e-2, precision="fp16", loss_scale_init=1024.0,
                         loss_scale_growth_interval=2, bucket_size_mb=40 * 2 / 2**20)
@@ -101,13 +101,13 @@ def full_mean_grad(opt: ZeroOptimizer) -> torch.Tensor:
     flat = torch.zeros(layout.numel)
     for b in layout.buckets:
         flat[b.piece_start : b.piece_start + b.piece_size] = opt.grad_sync.grad_piece(0, b).float()
-    comm.all_reduce(flat, opt.pstate, "dp")  # the pieces are disjoint (stage 2): the sum assembles them
+    comm.all_reduce(flat, opt.pstate, opt.layouts[0].reduce_kind)  # the pieces are disjoint (stage 2): the sum assembles them
     by_name = {s.name: flat[s.start : s.end] for s in layout.slots}
     return torch.cat([by_name[name] for name, _ in opt.named_params]) / opt.loss_scale
 
 
 def _reduced_grads(rank, world_size):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for precision, grad_dtype in GRAD_DTYPE_CASES:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
@@ -152,7 +152,7 @@ FP16_MAX = 65504.0
 
 def _fp16_mean_not_sum(rank, world_size, cases):
     """Per-rank gradients of ~2e4: their fp16 sum over 8 ranks (~1.6e5) overflows, their mean does not."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for stage, grad_dtype in cases:
         model = torch.nn.Linear(64, 1, bias=False).half()
@@ -180,7 +180,7 @@ def test_fp16_reduction_at_dp8_averages_instead_of_overflowing():
 
 
 def _fp16_trains(rank, world_size, grad_dtype, steps):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     model = make_mlp(dtype=torch.float16)
     opt = ZeroOptimizer([model], ps, zero_stage=2, lr=1e-2, precision="fp16", grad_reduce_dtype=grad_dtype,
                         bucket_size_mb=40 * 2 / 2**20)  # default loss scale 2^16

@@ -29,7 +29,7 @@ UNIT_SPLIT_BUCKET_MB = 20 * 4 / 2**20
 
 def _train(rank, world_size, settings):
     """``settings``: list of (reshard, prefetch); per setting: error vs torch AdamW, norms, all-gathers per step."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     ref, ref_norms = train_reference(STEPS, 0.05)
     out = {}
     for reshard, prefetch in settings:
@@ -40,12 +40,12 @@ def _train(rank, world_size, settings):
         for step in range(STEPS):
             x, y = global_batch(step)
             x, y = x[rank::world_size], y[rank::world_size]
-            before = ps.comm_stats.calls.get(("dp", "all_gather"), 0)
+            before = ps.comm_stats.calls.get(("dp_cp", "all_gather"), 0)
             for mb in range(ACC):
                 opt.grad_sync.prepare(is_last_microbatch=mb == ACC - 1)
                 (F.cross_entropy(model(x[mb::ACC]), y[mb::ACC]) / ACC).backward()
             norms.append(opt.step().grad_norm)
-            gathers.append(ps.comm_stats.calls.get(("dp", "all_gather"), 0) - before)
+            gathers.append(ps.comm_stats.calls.get(("dp_cp", "all_gather"), 0) - before)
             opt.zero_grad()
             assert opt.params.whole_bytes() == 0, "only shards may exist between steps"
         units = [u for u in opt.params.units if u.buckets]
@@ -89,7 +89,7 @@ def make_stack() -> nn.Module:
 
 def _observe(rank, world_size, prefetch, reshard):
     """For each unit: which units are whole (or arriving) when its forward starts and when its backward starts."""
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     model = make_stack()
     opt = ZeroOptimizer([model], ps, zero_stage=3, lr=1e-3, bucket_size_mb=1.0, zero3_prefetch=prefetch,
                         zero3_reshard=reshard)
@@ -150,7 +150,7 @@ def make_deep_model() -> nn.Module:
 
 
 def _peak(rank, world_size, cases):
-    ps = ParallelState(Topology(1, 1, world_size))
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
     out = {}
     for reshard, prefetch in cases:
         model = make_deep_model()  # bf16, 32 Linear units

@@ -12,7 +12,7 @@ Who writes what: every element is written exactly once in the job. A rank writes
 optimizer segments (``ZeroOptimizer.owned_segments``) mapped to global boxes
 (``boxes``), except that copies are split among their holders: a parameter replicated
 over tp is written in ``tp`` equal flat parts (part ``tp_rank``), stage-0 state (replicated
-over dp) in ``dp`` parts, and the last stage's copy of a tied embedding is not written
+over the segment's ``replica_kind`` group, ``dp_cp``) in as many parts as that group has ranks, and the last stage's copy of a tied embedding is not written
 (the first stage's is the same). Readers take every box they hold, copies included.
 """
 
@@ -50,7 +50,7 @@ def key_of(kind: str, name: str) -> str:
 
 
 def _global_shape(seg: OwnedSegment, pstate: "ParallelState") -> tuple[int, ...]:
-    return global_shape(seg.shape, param_meta.tp_split_dim(seg.param), pstate.tp_size,
+    return global_shape(seg.shape, param_meta.tp_split_dim(seg.param), pstate.size("tp"),
                         getattr(seg.param, "unpadded_rows", None))
 
 
@@ -61,7 +61,7 @@ def _pieces(seg: OwnedSegment, lo: int, hi: int, pstate: "ParallelState", kinds:
     shape = _global_shape(seg, pstate)
     out = []
     for local in flat_range_boxes(seg.shape, lo, hi):
-        box = to_global(local, seg.shape, split, pstate.tp_rank, rows)
+        box = to_global(local, seg.shape, split, pstate.coord("tp"), rows)
         if box is None or box.numel == 0:
             continue
         first = lo - seg.start + local.flat_start  # position of the box's data in the segment
@@ -71,15 +71,16 @@ def _pieces(seg: OwnedSegment, lo: int, hi: int, pstate: "ParallelState", kinds:
     return out
 
 
-def _written_part(seg: OwnedSegment, pstate: "ParallelState", replicated_over_dp: bool) -> tuple[int, int] | None:
+def _written_part(seg: OwnedSegment, pstate: "ParallelState") -> tuple[int, int] | None:
     """The flat range of ``seg`` this rank writes (its share among the segment's copies)."""
     if param_meta.is_tied_embedding(seg.param) and not pstate.is_first_stage:
         return None  # the first stage writes the tied embedding
     copies, index = 1, 0
     if param_meta.tp_split_dim(seg.param) is None:
-        copies, index = pstate.tp_size, pstate.tp_rank
-    if replicated_over_dp:
-        copies, index = copies * pstate.dp_size, index * pstate.dp_size + pstate.dp_rank
+        copies, index = pstate.size("tp"), pstate.coord("tp")
+    if seg.replica_kind is not None:
+        holders = pstate.ranks(seg.replica_kind)
+        copies, index = copies * len(holders), index * len(holders) + holders.index(pstate.rank)
     lo = seg.start + seg.length * index // copies
     hi = seg.start + seg.length * (index + 1) // copies
     return (lo, hi) if hi > lo else None
@@ -89,7 +90,7 @@ def pieces_to_write(opt: "ZeroOptimizer", pstate: "ParallelState") -> list[Tenso
     """This rank's share of the job's state, as views (see module doc)."""
     out = []
     for seg in opt.owned_segments():
-        part = _written_part(seg, pstate, opt.replicated_over_dp)
+        part = _written_part(seg, pstate)
         if part is not None:
             out += _pieces(seg, *part, pstate, STATE_KINDS)
     return out

@@ -83,7 +83,7 @@ class DistributedBatchIterator:
     ) -> "DistributedBatchIterator":
         """The iterator of this process: its DP coordinate and its pipeline stage's keys."""
         return cls(
-            dataset, global_batch_size, micro_batch_size, pstate.dp_rank, pstate.dp_size, start_sample,
+            dataset, global_batch_size, micro_batch_size, pstate.coord("dp"), pstate.size("dp"), start_sample,
             keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage),
         )
 

@@ -205,17 +205,17 @@ class PipelineEngine:
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
         self.grad_sync: GradSync = grad_sync if grad_sync is not None else TiedGradFinalizer(self.chunks, pstate)
-        p = pstate.pp_size
+        p = pstate.size("pp")
         self.schedule_name = schedule
         coalesces = pstate.p2p_coalesces
         full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces)
-        self.actions = full[pstate.pp_rank]
+        self.actions = full[pstate.coord("pp")]
         self.spec = MessageSpec.from_config(
             micro_batch_size=micro_batch_size,
             seq_len=seq_len,
             hidden_size=hidden_size,
             dtype=dtype,
-            tp_size=pstate.tp_size,
+            tp_size=pstate.size("tp"),
             sequence_parallel=sequence_parallel,
         )
         self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages)
@@ -246,7 +246,7 @@ class PipelineEngine:
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
-        return virtual_stage(self.pstate.pp_rank, chunk, self.pstate.pp_size)
+        return virtual_stage(self.pstate.coord("pp"), chunk, self.pstate.size("pp"))
 
     def _check_microbatches(self, microbatches: Sequence[dict[str, Any]]) -> None:
         if len(microbatches) != self.num_microbatches:
@@ -259,7 +259,7 @@ class PipelineEngine:
             missing = [k for k in self.microbatch_keys if k not in mb]
             if missing:
                 raise ValueError(
-                    f"rank {self.pstate.rank} (pipeline stage {self.pstate.pp_rank}): microbatch {i} lacks keys "
+                    f"rank {self.pstate.rank} (pipeline stage {self.pstate.coord('pp')}): microbatch {i} lacks keys "
                     f"{missing}; this stage reads {self.microbatch_keys} (pipeline.microbatch.stage_keys)"
                 )
             for key in TOKEN_KEYS:

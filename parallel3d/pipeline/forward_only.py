@@ -67,7 +67,7 @@ class ForwardOnlyRunner:
         self.num_microbatches = num_microbatches
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
-        p, v = pstate.pp_size, len(self.chunks)
+        p, v = pstate.size("pp"), len(self.chunks)
         coalesces = pstate.p2p_coalesces
         full = build_forward_schedule(p, num_microbatches, v, coalesced_p2p=coalesces)
         self.prefetch_recvs = (0 if coalesces else 2) if prefetch_recvs is None else prefetch_recvs
@@ -76,10 +76,10 @@ class ForwardOnlyRunner:
                                      wait_sent_activations=False)
         except ScheduleError as exc:
             raise ValueError(f"forward-only schedule, prefetch_recvs={self.prefetch_recvs}, {pstate}: {exc}") from exc
-        self.actions = full[pstate.pp_rank]
+        self.actions = full[pstate.coord("pp")]
         self.plan = comm_plan(self.actions, self.prefetch_recvs)
         spec = MessageSpec.from_config(micro_batch_size=micro_batch_size, seq_len=seq_len, hidden_size=hidden_size,
-                                       dtype=dtype, tp_size=pstate.tp_size, sequence_parallel=sequence_parallel)
+                                       dtype=dtype, tp_size=pstate.size("tp"), sequence_parallel=sequence_parallel)
         self.p2p = PipelineP2P(pstate, spec, v)
         self.keys = stage_keys(pstate.is_first_stage, pstate.is_last_stage)
         self._last_virtual = p * v - 1
@@ -113,7 +113,7 @@ class ForwardOnlyRunner:
                 action = plan_step.compute
                 if action is None:
                     continue
-                vs = virtual_stage(self.pstate.pp_rank, action.chunk, self.pstate.pp_size)
+                vs = virtual_stage(self.pstate.coord("pp"), action.chunk, self.pstate.size("pp"))
                 mb = microbatches[action.microbatch]
                 key = (action.microbatch, action.chunk)
                 x = mb["input_ids"] if vs == 0 else inputs.pop(key)

@@ -165,8 +165,8 @@ class PipelineP2P:
         return self._peers[key]
 
     def _peer(self, action: Action) -> int:
-        p = self.pstate.pp_size
-        vs = virtual_stage(self.pstate.pp_rank, action.chunk, p)
+        p = self.pstate.size("pp")
+        vs = virtual_stage(self.pstate.coord("pp"), action.chunk, p)
         other = vs + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
         if not (0 <= other < p * self.num_virtual_stages):
             raise ValueError(f"rank {self.pstate.rank}: {action} has no neighbour (model chunk {other})")
@@ -226,7 +226,7 @@ class PipelineP2P:
         except RuntimeError as exc:
             what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
             raise RuntimeError(
-                f"rank {self.pstate.rank} (pipeline stage {self.pstate.pp_rank}): p2p {what} failed: {exc}"
+                f"rank {self.pstate.rank} (pipeline stage {self.pstate.coord('pp')}): p2p {what} failed: {exc}"
             ) from exc
         return received
 

@@ -51,7 +51,7 @@ def sync_tied_embedding_grads(modules: Iterable[torch.nn.Module], pstate: "Paral
         return 0  # untied model (llama): nothing to keep in step
     if len(params) > 1:
         raise ValueError(
-            f"rank {pstate.rank} (stage {pstate.pp_rank}) holds {len(params)} tied-embedding parameters; "
+            f"rank {pstate.rank} (stage {pstate.coord('pp')}) holds {len(params)} tied-embedding parameters; "
             f"an end stage of a tied model must hold exactly one (the word embedding or its copy)"
         )
     param = params[0]

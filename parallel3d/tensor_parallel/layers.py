@@ -115,7 +115,7 @@ class _ShardedLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        tp = pstate.tp_size
+        tp = pstate.size("tp")
         self.pstate, self.sequence_parallel = pstate, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         shape = [out_features, in_features]
@@ -124,7 +124,7 @@ class _ShardedLinear(nn.Module):
         dev = _device(pstate, device)
         self.weight = _parameter(tuple(shape), dtype, dev)
         normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std,
-                     split_dim=split_dim, tp_rank=pstate.tp_rank, tp_size=tp)
+                     split_dim=split_dim, tp_rank=pstate.coord("tp"), tp_size=tp)
         set_meta(self.weight, tp_split_dim=split_dim, global_name=f"{global_name}.weight")
         self.bias = None
         if bias:
@@ -182,15 +182,15 @@ class _VocabShard(nn.Module):
                  seed: int = 0, init_std: float = 0.02, sequence_parallel: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__()
-        tp = pstate.tp_size
+        tp = pstate.size("tp")
         self.pstate, self.sequence_parallel = pstate, sequence_parallel
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab_size, tp)
         self.local_vocab = self.padded_vocab_size // tp
-        self.vocab_start = pstate.tp_rank * self.local_vocab
+        self.vocab_start = pstate.coord("tp") * self.local_vocab
         self.weight = _parameter((self.local_vocab, hidden), dtype, _device(pstate, device))
         normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std, split_dim=0,
-                     tp_rank=pstate.tp_rank, tp_size=tp, logical_rows=vocab_size)
+                     tp_rank=pstate.coord("tp"), tp_size=tp, logical_rows=vocab_size)
         set_meta(self.weight, tp_split_dim=0, global_name=f"{global_name}.weight")
         self.weight.unpadded_rows = vocab_size
 

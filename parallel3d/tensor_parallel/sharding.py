@@ -26,7 +26,7 @@ def full_shape(param: torch.Tensor, pstate: "ParallelState") -> tuple[int, ...]:
     shape = list(param.shape)
     dim = tp_split_dim(param)
     if dim is not None:
-        shape[dim] *= pstate.tp_size
+        shape[dim] *= pstate.size("tp")
     rows = getattr(param, "unpadded_rows", None)
     if rows is not None:
         shape[0] = rows
@@ -38,13 +38,13 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, pstate: "ParallelState") -
     rows = getattr(param, "unpadded_rows", None)
     dim = tp_split_dim(param)
     if rows is not None and dim is not None:
-        padded = param.shape[0] * pstate.tp_size if dim == 0 else param.shape[0]
+        padded = param.shape[0] * pstate.size("tp") if dim == 0 else param.shape[0]
         if padded > full.shape[0]:
             pad = full.new_zeros((padded - full.shape[0], *full.shape[1:]))
             full = torch.cat([full, pad], dim=0)
     if dim is None:
         return full
-    return full.chunk(pstate.tp_size, dim=dim)[pstate.tp_rank]
+    return full.chunk(pstate.size("tp"), dim=dim)[pstate.coord("tp")]
 
 
 def gather_full(param: torch.Tensor, pstate: "ParallelState", value: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,11 @@
-"""Flat parameter / gradient buffers cut into buckets, and each DP rank's share of them.
+"""Flat parameter / gradient buffers cut into buckets, and each data-parallel rank's share of them.
 
-Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
+Layout (shared by ZeRO stages 0-3, one layout per parameter dtype and replica group):
+
+- A layout names the group kind its parameters are replicated over (``reduce_kind``:
+  ``dp_cp`` for dense parameters, later ``edp`` for experts): gradients are reduced,
+  and optimizer states sharded, over that group of ``replicas`` ranks, never an
+  assumed ``dp``.
 
 - Parameters are packed into one contiguous buffer in *reverse* registration
   order, which approximates the order backward produces gradients, so the
@@ -15,9 +20,9 @@ Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
   The first bucket (the first gradients backward produces) is limited to
   ``first_bucket_numel`` (DDP's 1 MiB), so the first reduction starts early.
   Every bucket is padded with zeros to a multiple of
-  ``dp`` so it divides evenly.
-- In bucket ``b`` (flat range ``[start, start + size)``), DP rank ``r`` owns the
-  contiguous piece ``[start + r*size/dp, start + (r+1)*size/dp)``. The rank's
+  ``replicas`` so it divides evenly.
+- In bucket ``b`` (flat range ``[start, start + size)``), replica ``r`` owns the
+  contiguous piece ``[start + r*size/n, start + (r+1)*size/n)``, ``n = replicas``. The rank's
   *shard* is the concatenation of its pieces over all buckets, in bucket order;
   fp32 master weights, Adam moments (and the stage-2 gradient shard) are flat
   tensors in these shard coordinates. Gradient buffers and staging buffers use
@@ -29,8 +34,8 @@ Layout (shared by ZeRO stages 0, 1 and 2, one layout per parameter dtype):
   which stage 3 gathers and frees together (``params_sharded``).
 
 Tied-embedding copies get buckets of their own, after all others, so the first
-and last pipeline stage (same tp/dp coordinates) hold identical tied buckets and
-pieces: ``grad_sync`` sums their DP-reduced pieces element-wise over the
+and last pipeline stage (same coordinates but pp) hold identical tied buckets and
+pieces: ``grad_sync`` sums their replica-reduced pieces element-wise over the
 ``embedding`` group.
 """
 
@@ -85,7 +90,7 @@ class Bucket:
 
     index: int
     start: int
-    size: int  # padded numel, a multiple of dp
+    size: int  # padded numel, a multiple of the layout's replicas
     slots: list[ParamSlot]
     tied: bool
     piece_start: int = 0  # flat offset of the piece this rank owns
@@ -106,8 +111,10 @@ def _param_name(param: torch.nn.Parameter, fallback: str) -> str:
 class BufferLayout:
     """Offsets of a list of same-dtype parameters in a padded, bucketed flat buffer.
 
-    ``named_params`` is in registration order; ``owner_count``/``owner_index``
-    say how buckets are split among owners (``dp``/``dp_rank`` for stages 1-3,
+    ``named_params`` is in registration order; ``reduce_kind`` is the group kind
+    the parameters are replicated over and ``replicas`` its size (the padding
+    multiple); ``owner_count``/``owner_index`` say how buckets are split among
+    owners (``replicas`` and this rank's index in the group for stages 1-3,
     ``1``/``0`` for stage 0). ``count_in_norm(param)`` says whether this rank
     counts a parameter in the global gradient norm. ``unit_of(param)``, if given,
     names the parameter's gather unit: a new bucket starts wherever it changes.
@@ -118,7 +125,8 @@ class BufferLayout:
         named_params: list[tuple[str, torch.nn.Parameter]],
         *,
         bucket_numel: int,
-        dp: int,
+        reduce_kind: str,
+        replicas: int,
         owner_count: int,
         owner_index: int,
         count_in_norm,
@@ -133,7 +141,8 @@ class BufferLayout:
         if len(dtypes) != 1:
             raise ValueError(f"one BufferLayout holds one dtype, got {sorted(map(str, dtypes))}")
         self.dtype: torch.dtype = next(iter(dtypes))
-        self.dp = dp
+        self.reduce_kind = reduce_kind
+        self.replicas = replicas
         self.buckets: list[Bucket] = []
         ordered = list(reversed(named_params))
         plain = [(n, p) for n, p in ordered if not param_meta.is_tied_embedding(p)]
@@ -172,7 +181,7 @@ class BufferLayout:
             )
             cursor += p.numel()
         used = cursor - offset
-        size = -(-used // self.dp) * self.dp
+        size = -(-used // self.replicas) * self.replicas
         self.buckets.append(Bucket(index=len(self.buckets), start=offset, size=size, slots=slots, tied=tied))
         return offset + size
 

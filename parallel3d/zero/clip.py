@@ -1,11 +1,13 @@
-"""Global gradient norm over TP, PP and DP, counting every logical parameter once.
+"""Global gradient norm over the whole job, counting every logical parameter once.
 
-Each rank sums squares over the elements it owns (its DP shard for stages 1-2,
-everything for stage 0) of the parameters it counts: tensor-parallel-split
+Each rank sums squares over the elements it owns (its shard of each layout for
+stages 1-3, everything for stage 0) of the parameters it counts: tensor-parallel-split
 parameters on every TP rank, TP-replicated ones (norms, row-parallel biases)
-only on TP rank 0, the tied embedding only on the first pipeline stage. The
-sum is then all-reduced over ``dp`` (only when shards differ, stages 1-2) and
-over ``model`` (tp x pp), so every rank of the job ends with the same norm.
+only on TP rank 0, the tied embedding only on the first pipeline stage. Per
+replica group (``BufferLayout.reduce_kind``, dense: ``dp_cp``) the sum is then
+all-reduced over that group (only when shards differ, stages 1-3) and over its
+complement (``topology.complement``: ``model`` = tp x pp for ``dp_cp``), so every
+rank of the job ends with the same norm.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import torch
 
 from parallel3d import comm, param_meta
 from parallel3d.parallel_state import ParallelState
+from parallel3d.topology import complement
 from parallel3d.zero.buffers import Bucket
 
 
 def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
     """Whether this rank contributes ``param`` to the global norm."""
-    if not param_meta.is_tp_split(param) and pstate.tp_rank != 0:
+    if not param_meta.is_tp_split(param) and pstate.coord("tp") != 0:
         return False
     if param_meta.is_tied_embedding(param) and not pstate.is_first_stage:
         return False
@@ -48,13 +51,18 @@ def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torc
     return total
 
 
-def reduce_norm(local_sq: torch.Tensor, pstate: ParallelState, *, sharded_over_dp: bool) -> float:
-    """The global L2 norm from each rank's local sum of squares (inf/nan propagate)."""
-    sq = local_sq.reshape(1).clone()
-    if sharded_over_dp:
-        comm.all_reduce(sq, pstate, "dp")
-    comm.all_reduce(sq, pstate, "model")
-    return math.sqrt(sq.item()) if math.isfinite(sq.item()) else float(sq.item())
+def reduce_norm(local_sq: dict[str, torch.Tensor], pstate: ParallelState, *, sharded: bool) -> float:
+    """The global L2 norm from this rank's sums of squares per replica group kind (inf/nan propagate).
+
+    ``sharded``: the replicas hold different shards (stages 1-3), so their sums add up."""
+    total = 0.0
+    for kind in sorted(local_sq):  # the same order on every rank
+        sq = local_sq[kind].reshape(1).clone()
+        if sharded:
+            comm.all_reduce(sq, pstate, kind)
+        comm.all_reduce(sq, pstate, complement(kind))
+        total += sq.item()
+    return math.sqrt(total) if math.isfinite(total) else total
 
 
 def clip_coefficient(norm: float, max_norm: float | None) -> float:

@@ -118,9 +118,9 @@ class ReplicatedGradSync(GradSync):
         gb = self.grad_bufs[group]
         full = gb.bucket_view(bucket)
         if self.stage == 0:
-            self.reducer.all_reduce(full)
+            self.reducer.all_reduce(full, gb.layout.reduce_kind)
         else:  # this rank's piece lies inside `full`: the reducer lands it via a temporary
-            self.reducer.reduce_scatter(full, gb.piece_view(bucket), accumulate=False)
+            self.reducer.reduce_scatter(full, gb.piece_view(bucket), gb.layout.reduce_kind, accumulate=False)
 
     @torch.no_grad()
     def _attach_grad_views(self) -> None:

@@ -145,5 +145,6 @@ class ShardedGradSync(GradSync):
         accumulate = key in self._written
         self._written.add(key)
         pool = self.pools[group]
-        self.reducer.reduce_scatter(ob.view, shard_slice(self.grad_shards[group], bucket), accumulate=accumulate,
+        self.reducer.reduce_scatter(ob.view, shard_slice(self.grad_shards[group], bucket),
+                                    self.layouts[group].reduce_kind, accumulate=accumulate,
                                     on_done=lambda: pool.release(ob.base))

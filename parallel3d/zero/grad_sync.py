@@ -8,7 +8,7 @@ schedules; a plain loop without accumulation may skip it, True is the default)
 and ``finalize()`` once after the step's last backward and the last pipeline
 send. ``finalize`` is the single place where a step's gradients become final,
 in the order Megatron's ``finalize_model_grads`` uses: launch the reductions
-not started yet (dp group), wait for every collective, sum tied-embedding
+not started yet (each over its layout's ``reduce_kind`` group), wait for every collective, sum tied-embedding
 pieces over the ``embedding`` group, then tell observers (stage 3 frees the
 parameters still gathered). It is idempotent per step, so
 ``ZeroOptimizer.step`` calls it too (for loops that did not) and then reads
@@ -17,10 +17,10 @@ parameters still gathered). It is idempotent per step, so
 Scaling, end to end (nobody else scales gradients): the engine multiplies each
 microbatch's loss by ``loss_scale / num_microbatches`` (the loss side: backward
 must see the scaled loss); ``reduction.BucketReducer`` multiplies each bucket by
-``1/dp`` right before its collective; ``ZeroOptimizer.step`` multiplies by
-``1/loss_scale`` (folded into the clipping coefficient). So after
-``finalize``, ``grad_piece(g, b)`` is the DP mean of this rank's piece of bucket
-``b`` times the loss scale.
+``1/n`` (n = the size of its replica group) right before its collective;
+``ZeroOptimizer.step`` multiplies by ``1/loss_scale`` (folded into the clipping
+coefficient). So after ``finalize``, ``grad_piece(g, b)`` is the replica mean of
+this rank's piece of bucket ``b`` times the loss scale.
 
 Invariants every strategy keeps:
 - Gradients live in the gradient dtype: fp32 ("main grads", the default with
@@ -40,10 +40,10 @@ Strategies: ``ReplicatedGradSync`` (stages 0/1, ``grad_replicated``) and
 ``ShardedGradSync`` (stages 2/3, ``grad_sharded``), sharing ``buffers``' layout.
 
 Tied embeddings (pp > 1): the first and last stage each hold a copy in buckets
-of their own; both strategies reduce them over dp like any other bucket, and
+of their own; both strategies reduce them over their replica group like any other bucket, and
 ``finalize`` then all-reduces just this rank's reduced piece over the
 ``embedding`` group (the sum is linear, so the order does not matter). Both
-ends have the same tp/dp coordinates and the same tied parameters, hence the
+ends have the same coordinates but pp and the same tied parameters, hence the
 same tied bucket sizes and pieces; ``finalize`` checks that once. (Without ZeRO
 the engine's finaliser is ``pipeline.tied.TiedGradFinalizer``.)
 """
@@ -82,7 +82,7 @@ class GradObserver(Protocol):
 
 
 class GradSync(ABC):
-    """Reduces the gradients of the parameters in ``layouts`` (one per dtype) over dp.
+    """Reduces the gradients of the parameters in ``layouts`` over each layout's ``reduce_kind`` group.
 
     ``device``: where gradient buffers live. ``grad_dtype``: dtype gradients are accumulated
     and reduced in. ``memory`` receives this object's allocations (``gradients``,
@@ -99,10 +99,8 @@ class GradSync(ABC):
         self.pstate = pstate
         self.grad_dtype = grad_dtype
         self.memory = memory
-        self.dp = comm.group_size(pstate, "dp")
-        as_all_reduce = reduce_scatter == "all_reduce" or (
-            reduce_scatter == "auto" and self.dp > 1 and dist.get_backend(pstate.group("dp")) == "gloo"
-        )
+        # Every group of a ParallelState has its backend, so gloo's fast path is the job's choice.
+        as_all_reduce = reduce_scatter == "all_reduce" or (reduce_scatter == "auto" and pstate.backend == "gloo")
         self.pending = PendingCollectives()
         self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending, memory=memory,
                                      max_temporaries=MAX_STAGING_BUFFERS)

@@ -1,7 +1,11 @@
-"""``ZeroOptimizer``: AdamW over DP-sharded flat buffers (ZeRO stages 0-3, optional offload).
+"""``ZeroOptimizer``: AdamW over flat buffers sharded over each parameter's replicas (ZeRO 0-3, offload).
+
+Which ranks are replicas: every ``BufferLayout`` names its group kind (``reduce_kind``);
+dense parameters are replicated over ``dp_cp`` (``DENSE_REDUCE_KIND``: data and
+context parallel ranks hold the same weights), so ZeRO never assumes ``dp``.
 
 Who holds what, per rank, at the peak of a step (Ψ = this model-parallel rank's
-parameter count, N = dp, g = bytes per gradient element: 4 for fp32 main grads,
+parameter count, N = the replica group's size (dp * cp), g = bytes per gradient element: 4 for fp32 main grads,
 the default, or 2 with ``grad_reduce_dtype`` equal to bf16/fp16):
 
 | stage | model weights                          | gradients (g bytes each)          | fp32 master + Adam moments |
@@ -34,7 +38,7 @@ so every rank's optimizer state is the same "owned pieces" in shard coordinates
 whatever the stage and offload (``read_state_piece`` / ``write_state_piece``).
 
 A step: finalize the gradients -> scale by ``1/loss_scale`` -> global norm
-(TP/PP/DP, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
+(every rank, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
 -> clip -> AdamW where the state lives (on the device: one vectorised update of
 every piece, ``adamw_multi``; offloaded: chunk by chunk) -> the updated pieces go
 into the parameters; stages 1-2 all-gather them, stage 3 gathers at next use.
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import math
+import dataclasses
 import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -82,6 +87,7 @@ from parallel3d.zero.units import find_units, unit_index_of
 
 log = logging.getLogger(__name__)
 
+DENSE_REDUCE_KIND = "dp_cp"  # the group holding the replicas of a dense parameter
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
 __all__ = ["StepInfo", "ZeroOptimizer", "make_grad_sync"]
 
@@ -213,7 +219,8 @@ class ZeroOptimizer:
             min_scale=loss_scale_min,
         )
         self._adamw = resolve_backend(fused_adamw_backend)  # validates early; device-specific below
-        self.dp = comm.group_size(pstate, "dp")
+        # Dense parameters are replicated over dp and cp: their gradients reduce over dp_cp.
+        self.replicas = comm.group_size(pstate, DENSE_REDUCE_KIND)
         self.iteration = 0  # step() calls, skipped or not (drives the LR schedule)
         self.adam_step = 0  # applied updates (drives bias correction)
 
@@ -226,9 +233,9 @@ class ZeroOptimizer:
             index = unit_index_of(units)
             unit_of = lambda p: index[id(p)]  # noqa: E731 - a bucket never spans two gather units
         layout = BufferLayout(
-            named, bucket_numel=bucket_numel, dp=self.dp,
-            owner_count=self.dp if sharded else 1,
-            owner_index=comm.group_rank(pstate, "dp") if sharded else 0,
+            named, bucket_numel=bucket_numel, reduce_kind=DENSE_REDUCE_KIND, replicas=self.replicas,
+            owner_count=self.replicas if sharded else 1,
+            owner_index=comm.group_rank(pstate, DENSE_REDUCE_KIND) if sharded else 0,
             count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
             unit_of=unit_of, first_bucket_numel=first_bucket_numel,
         )
@@ -241,7 +248,7 @@ class ZeroOptimizer:
         if units is not None:
             self.params: ReplicatedParams | ShardedParams = ShardedParams(
                 [layout], units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
-                reshard=resolve_reshard(zero3_reshard, pstate.pp_size))
+                reshard=resolve_reshard(zero3_reshard, pstate.size("pp")))
         else:
             overlap_units = find_units(modules) if overlap_param_gather and sharded else None
             self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory,
@@ -256,7 +263,7 @@ class ZeroOptimizer:
         self.states: OptimizerStates = make_states(
             offload, [layout], self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
             offload_dir=offload_dir, buffer_bytes=int(offload_buffer_mb * 2**20),
-            tag=f"tp{pstate.tp_rank}_pp{pstate.pp_rank}_dp{pstate.dp_rank}",
+            tag="_".join(f"{dim}{index}" for dim, index in dataclasses.asdict(pstate.coords).items()),
         )
 
     # ---- public API ----------------------------------------------------------------
@@ -331,16 +338,17 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        local_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_sq: dict[str, torch.Tensor] = {}
         for g, layout in enumerate(self.layouts):
+            sq = local_sq.setdefault(layout.reduce_kind, torch.zeros((), dtype=torch.float64, device=self.device))
             for b in layout.buckets:
                 piece = self.grad_sync.grad_piece(g, b)
-                local_sq += clip.piece_sq_sum(piece, b, inv)
+                sq += clip.piece_sq_sum(piece, b, inv)
                 if not clip.uncounted_all_finite(piece, b):
                     # Also in elements another rank counts in the norm (e.g. TP replicas):
                     # an inf in the sum makes every rank of the job see the overflow.
-                    local_sq += math.inf
-        norm = clip.reduce_norm(local_sq, self.pstate, sharded_over_dp=self.zero_stage > 0)
+                    sq += math.inf
+        norm = clip.reduce_norm(local_sq, self.pstate, sharded=self.zero_stage > 0)
         self.iteration += 1
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
@@ -449,15 +457,16 @@ class ZeroOptimizer:
         return owned_segments(self)
 
     @property
-    def replicated_over_dp(self) -> bool:
-        """Whether every dp rank holds the whole optimizer state (stage 0) rather than a shard."""
+    def replicated(self) -> bool:
+        """Whether every rank of a layout's replica group holds the whole optimizer state (stage 0)
+        rather than a shard."""
         return self.zero_stage == 0
 
     @torch.no_grad()
     def params_from_master(self) -> None:
         """Make the parameters (stage 3: this rank's parameter shard) equal their (rounded) master
         weights after the masters were overwritten in place (checkpoint load, HF import); all ranks
-        of the dp group call it."""
+        of each layout's replica group call it."""
         for g, layout in enumerate(self.layouts):
             for b in layout.buckets:
                 master = self.read_state_piece(g, b)[0]

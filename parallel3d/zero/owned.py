@@ -11,9 +11,10 @@ come from ``ZeroOptimizer.read_state_piece`` (device tensors, host tensors with
 disk-offloaded run streams through the page cache instead of materialising the state),
 and stage 3's master is this rank's parameter shard's source like in any other stage.
 
-Invariants: the segments of one rank never overlap; the union of the segments over the
-dp group covers every element of every parameter of this model-parallel rank once
-(stages 1 and up) or on every dp rank (stage 0, ``replicated_over_dp``).
+Invariants: the segments of one rank never overlap; the union of the segments over a
+layout's replica group (``BufferLayout.reduce_kind``, dense: ``dp_cp``) covers every
+element of every parameter of this model-parallel rank once (stages 1 and up) or on
+every rank of that group (stage 0: the segment's ``replica_kind`` names the group).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class OwnedSegment:
     master: torch.Tensor  # fp32 [length], a view: writing it changes the optimizer's state
     exp_avg: torch.Tensor  # fp32 [length]
     exp_avg_sq: torch.Tensor  # fp32 [length]
+    replica_kind: str | None = None  # the group kind whose every rank holds this same segment (stage 0)
 
     def state(self, kind: str) -> torch.Tensor:
         """The view of ``kind``: ``"master"``, ``"exp_avg"`` or ``"exp_avg_sq"``."""
@@ -67,5 +69,6 @@ def owned_segments(opt: StateReader) -> list[OwnedSegment]:
                     name=seg.slot.name, param=seg.slot.param, shape=tuple(seg.slot.param.shape),
                     start=seg.param_start, length=seg.length,
                     master=master[lo:hi], exp_avg=m[lo:hi], exp_avg_sq=v[lo:hi],
+                    replica_kind=layout.reduce_kind if opt.replicated else None,
                 ))
     return out

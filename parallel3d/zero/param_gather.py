@@ -1,7 +1,8 @@
 """Stages 1-2: the parameter all-gather after ``step()`` overlapped with the next forward.
 
 After the optimizer has written this rank's updated piece of every bucket, the
-buckets must be all-gathered over dp before anyone reads the parameters. Instead
+buckets must be all-gathered over their layout's replica group (``reduce_kind``)
+before anyone reads the parameters. Instead
 of waiting at the end of ``step()``, ``ParamGatherOverlap.start`` launches one
 async all-gather per bucket, in forward order (the order the next forward needs
 them), and returns; each bucket is waited for just before the first module that
@@ -35,7 +36,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
@@ -46,19 +46,22 @@ Key = tuple[int, int]  # (group, bucket index)
 
 
 def launch_gather(buf: FlatBuffer, bucket: Any, pstate: ParallelState, in_place: bool) -> tuple[Any, torch.Tensor]:
-    """Start the async dp all-gather of ``bucket``'s pieces into the bucket; returns (work, source).
+    """Start the async all-gather of ``bucket``'s pieces into the bucket over ``buf``'s replica group;
+    returns (work, source).
     ``in_place`` only on NCCL; otherwise the source is a copy of the piece (gloo must not read its own
     output), which must stay alive until the work is waited for."""
     src = buf.piece_view(bucket) if in_place else buf.piece_view(bucket).clone()
-    return comm.all_gather_into_tensor(buf.bucket_view(bucket), src, pstate, "dp", async_op=True), src
+    return comm.all_gather_into_tensor(buf.bucket_view(bucket), src, pstate, buf.layout.reduce_kind,
+                                       async_op=True), src
 
 
 class ParamGatherOverlap:
-    """Async per-bucket all-gathers of ``bufs`` over dp, each waited for by the first unit reading it."""
+    """Async per-bucket all-gathers of ``bufs`` over their replica groups, each waited for by the first
+    unit reading it."""
 
     def __init__(self, bufs: list[FlatBuffer], units: list[GatherUnit], pstate: ParallelState) -> None:
         self.bufs, self.pstate = bufs, pstate
-        self.in_place = comm.group_size(pstate, "dp") > 1 and dist.get_backend(pstate.group("dp")) == "nccl"
+        self.in_place = pstate.backend == "nccl"  # every group of a ParallelState has its backend
         where: dict[int, Key] = {}
         for g, buf in enumerate(bufs):
             for b in buf.layout.buckets:

@@ -2,7 +2,7 @@
 
 Parameters are views into one flat buffer per dtype (``buffers.FlatBuffer``). The
 optimizer writes its updated pieces into the buffer (``piece``) and ``publish``
-all-gathers every bucket's pieces over dp (stages 1-2; stage 0 updated the whole
+all-gathers every bucket's pieces over its replica group (stages 1-2; stage 0 updated the whole
 buffer on every rank). With ``overlap`` (``param_gather``) ``publish`` only
 launches the gathers and the next forward waits for each bucket just before its
 first reader; ``finish`` waits for all of them. ``params_sharded.ShardedParams``

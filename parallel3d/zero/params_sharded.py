@@ -250,7 +250,8 @@ class ShardedParams:
             full.untyped_storage().resize_(b.size * full.element_size())
             self.memory.add("model_weights", nbytes(full))
             self._whole.add(key)
-            self._works[key] = comm.all_gather_into_tensor(full, self.piece(g, b), self.pstate, "dp",
+            self._works[key] = comm.all_gather_into_tensor(full, self.piece(g, b), self.pstate,
+                                                           self.layouts[g].reduce_kind,
                                                            async_op=True)
         u.gathered = bool(u.buckets)
         if wait:

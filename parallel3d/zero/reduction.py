@@ -1,10 +1,12 @@
-"""Asynchronous DP reduction of one bucket, and the queue of collectives in flight.
+"""Asynchronous reduction of one bucket over its replica group, and the queue of collectives in flight.
 
-``BucketReducer`` is the one place that divides gradients by ``dp``: it
-multiplies each bucket by ``1/dp`` right before its collective (no pass when
-dp == 1), so every reduced value is already the DP *mean* and a half-precision
-partial sum never exceeds the largest per-rank value (fp16 cannot overflow in
-the reduction at large dp just because it sums). Nobody downstream scales by dp.
+Each call names the group kind it reduces over (the bucket's ``BufferLayout.reduce_kind``:
+``dp_cp`` for dense parameters). ``BucketReducer`` is the one place that divides
+gradients by the group's size ``n``: it multiplies each bucket by ``1/n`` right
+before its collective (no pass when n == 1), so every reduced value is already
+the replica *mean* and a half-precision partial sum never exceeds the largest
+per-rank value (fp16 cannot overflow in the reduction at large n just because it
+sums). Nobody downstream scales by n.
 
 Collectives are launched with ``async_op=True`` and completed in launch order by
 ``PendingCollectives``: ``poll`` uses the non-blocking ``is_completed``; ``wait``
@@ -73,11 +75,11 @@ def _deliver(target: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
 
 
 class BucketReducer:
-    """Starts the ``dp``-group reduction of one padded bucket (``numel % dp == 0``).
+    """Starts the reduction of one padded bucket over the group ``kind`` (``numel % n == 0``).
 
     ``as_all_reduce``: reduce-scatters are done as an in-place all-reduce of the
     whole bucket, keeping this rank's piece (gloo's opt-in fast path, see
-    ``grad_sync``). Temporary reduce-scatter outputs (1/dp of a bucket) are
+    ``grad_sync``). Temporary reduce-scatter outputs (1/n of a bucket) are
     counted as ``buckets``; at most ``max_temporaries`` are in flight (beyond
     that, launching waits for the oldest collective), so stage 1 does not hold
     a temporary for every bucket of the last backward at once.
@@ -86,40 +88,37 @@ class BucketReducer:
     def __init__(self, pstate: ParallelState, *, as_all_reduce: bool, pending: PendingCollectives,
                  memory: MemoryTracker, max_temporaries: int) -> None:
         self.pstate = pstate
-        self.dp = comm.group_size(pstate, "dp")
-        self.dp_rank = comm.group_rank(pstate, "dp")
         self.as_all_reduce = as_all_reduce
         self.pending = pending
         self.memory = memory
         self.max_temporaries = max_temporaries
         self._temporaries = 0
 
-    def _prescale(self, full: torch.Tensor) -> None:
-        if self.dp > 1:
-            full.mul_(1.0 / self.dp)
-
-    def all_reduce(self, full: torch.Tensor, on_done: Callable[[], None] = _noop) -> None:
-        """``full`` becomes the DP mean in place (stage 0)."""
-        if self.dp == 1:
+    def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop) -> None:
+        """``full`` becomes the mean over the ``kind`` group in place (stage 0)."""
+        n = comm.group_size(self.pstate, kind)
+        if n == 1:
             on_done()
             return
-        self._prescale(full)
-        self.pending.add(comm.all_reduce(full, self.pstate, "dp", async_op=True), on_done, (full,))
+        full.mul_(1.0 / n)
+        self.pending.add(comm.all_reduce(full, self.pstate, kind, async_op=True), on_done, (full,))
 
-    def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, *, accumulate: bool,
+    def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, kind: str, *, accumulate: bool,
                        on_done: Callable[[], None] = _noop) -> None:
-        """This rank's piece of the DP mean of ``full`` is written into (or, if ``accumulate``, added to)
-        ``target`` (``full.numel() // dp`` elements; it may be ``full``'s own piece). ``full`` is scaled
-        in place and must not be touched until ``on_done`` runs."""
-        piece = full.numel() // self.dp
-        mine = full[self.dp_rank * piece : (self.dp_rank + 1) * piece]
-        if self.dp == 1:
+        """This rank's piece of the mean of ``full`` over the ``kind`` group is written into (or, if
+        ``accumulate``, added to) ``target`` (``full.numel() // n`` elements; it may be ``full``'s own
+        piece). ``full`` is scaled in place and must not be touched until ``on_done`` runs."""
+        n = comm.group_size(self.pstate, kind)
+        piece = full.numel() // n
+        index = comm.group_rank(self.pstate, kind)
+        mine = full[index * piece : (index + 1) * piece]
+        if n == 1:
             _deliver(target, mine, accumulate)
             on_done()
             return
-        self._prescale(full)
+        full.mul_(1.0 / n)
         if self.as_all_reduce:
-            work = comm.all_reduce(full, self.pstate, "dp", async_op=True)
+            work = comm.all_reduce(full, self.pstate, kind, async_op=True)
 
             def done_all_reduce() -> None:
                 _deliver(target, mine, accumulate)
@@ -129,7 +128,7 @@ class BucketReducer:
             return
         same_storage = target.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
         if not accumulate and not same_storage:  # land straight in the target
-            work = comm.reduce_scatter_tensor(target, full, self.pstate, "dp", async_op=True)
+            work = comm.reduce_scatter_tensor(target, full, self.pstate, kind, async_op=True)
             self.pending.add(work, on_done, (full, target))
             return
         # gloo's reduce-scatter must not write into its own input, and a collective cannot add:
@@ -141,7 +140,7 @@ class BucketReducer:
         size = nbytes(out)
         self.memory.add("buckets", size)
         self._temporaries += 1
-        work = comm.reduce_scatter_tensor(out, full, self.pstate, "dp", async_op=True)
+        work = comm.reduce_scatter_tensor(out, full, self.pstate, kind, async_op=True)
 
         def done_temporary() -> None:
             _deliver(target, out, accumulate)
