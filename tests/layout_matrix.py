@@ -20,7 +20,8 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
   pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
   schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1 and
-  dp > 1, disk offload with dp > 1 (coverage draws within ``affordable_for_ci``).
+  dp > 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3 (coverage
+  draws within ``affordable_for_ci``).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
@@ -40,7 +41,7 @@ from parallel3d.topology import DIMENSIONS
 
 MATRIX_SEED = 20261203
 MAX_WORLD = 8
-STEPS = 3
+STEPS = 4
 SEQ_LEN = 32
 RTOL = 1e-5
 # Adam's first steps turn rounding noise in near-zero gradients into whole-lr updates: at lr 3e-3
@@ -48,7 +49,7 @@ RTOL = 1e-5
 # differed by 3.6e-5 in the step-3 grad norm (llama). At 1e-3 that noise floor is ~2e-7, so a
 # miss of RTOL means the layout, not the reference; test_layout_matrix checks the floor stays low.
 LR = 1e-3
-EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 3 (the end)
+EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 4 (the end)
 ALL_CASES = 64
 CI_HEAD = 1
 DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}
@@ -201,6 +202,9 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "zb_h1_pp>=2_tp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 2 and c.parallel["tp"] > 1,
     "zero3_pp>1_dp>1": lambda c: c.parallel["zero_stage"] == 3 and c.parallel["pp"] > 1 and c.parallel["dp"] > 1,
     "offload_disk_dp>1": lambda c: c.parallel["offload"] == "disk" and c.parallel["dp"] > 1,
+    "zero0_dp>1": lambda c: c.parallel["zero_stage"] == 0 and c.parallel["dp"] > 1,
+    "gpipe_pp>=2": lambda c: c.parallel["schedule"] == "gpipe" and c.parallel["pp"] >= 2,
+    "llama_pp>=3": lambda c: c.model == "llama" and c.parallel["pp"] >= 3,
 }
 
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 
-import megatron.core.datasets.indexed_dataset as megatron_indexed
 import numpy as np
 import pytest
-import torch
 
 from parallel3d.config import job_from_dict, resolve
 from parallel3d.data import DataError, GPTDataset, write_indexed_dataset
@@ -52,6 +50,9 @@ def _ids_over_vocab_no_sidecar(tmp_path) -> tuple[str, str]:
 def _negative_ids_int16(tmp_path) -> tuple[str, str]:
     """What another tool leaves when it writes int16 for a vocabulary above 32,767: ids >= 32,768 wrap
     to negative numbers (here among ids a 512-token model accepts). megatron-core's builder writes it."""
+    import megatron.core.datasets.indexed_dataset as megatron_indexed  # a dev dependency (costly import: only here)
+    import torch
+
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, 2000)
     ids[::97] = 40_000 + np.arange(len(ids[::97]))  # ids of the big vocabulary
