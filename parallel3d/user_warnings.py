@@ -4,16 +4,15 @@ The framework warns through ``warn`` (category ``RunWarning``, a ``UserWarning``
 ``python -W error`` and ``pytest.warns`` treat it as any warning. Python's own display adds the
 framework's file path, line number and source line, which tell a user nothing about their run;
 the entry points (``python -m parallel3d.train``, ``python -m parallel3d.export``) run inside
-``one_line_warnings()``, which prints each ``RunWarning`` as the one line above and leaves every
-other warning (torch's, a library's) as Python prints it.
+``one_line_warnings()``, which formats each ``RunWarning`` as the one line above when it is
+displayed and leaves every other warning (torch's, a library's) as Python prints it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
-from typing import Iterator, TextIO
+from typing import Iterator
 
 PREFIX = "warning: "
 
@@ -34,16 +33,18 @@ def format_line(message: object) -> str:
 
 @contextlib.contextmanager
 def one_line_warnings() -> Iterator[None]:
-    """Inside: a ``RunWarning`` prints as ``format_line`` to stderr; filters and other warnings as before."""
-    with warnings.catch_warnings():  # restores the display hook (and any filter change) on exit
-        python_display = warnings.showwarning
+    """Inside, a displayed ``RunWarning`` reads ``format_line``; other warnings, filters, and whoever
+    records warnings instead of displaying them (``pytest.warns``) are as before."""
+    python_format = warnings.formatwarning
 
-        def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                 file: TextIO | None = None, line: str | None = None) -> None:
-            if issubclass(category, RunWarning):
-                print(format_line(message), file=file or sys.stderr, flush=True)
-            else:
-                python_display(message, category, filename, lineno, file, line)
+    def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       line: str | None = None) -> str:
+        if issubclass(category, RunWarning):
+            return format_line(message) + "\n"
+        return python_format(message, category, filename, lineno, line)
 
-        warnings.showwarning = show
+    warnings.formatwarning = format_warning
+    try:
         yield
+    finally:  # (catch_warnings restores filters and the display hook, not the formatter)
+        warnings.formatwarning = python_format

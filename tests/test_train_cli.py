@@ -77,6 +77,11 @@ def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
         assert key in records[0], key
     assert records[0]["mem_peak_bytes_max"] >= records[0]["mem_peak_bytes_min"] > 0
     assert records[0]["comm_bytes"] > 0  # pipeline sends between the two stages
+    assert all(0 <= r["bubble_fraction"] < 1 for r in records)  # a pipeline: a bubble is measured
+    # A user warning is one line: no framework path, line number, category or source line.
+    assert ("warning: no peak TFLOP/s known for device 'cpu' (fp32): MFU is not reported (set train.peak_tflops "
+            "to enable it)") in proc.stderr.splitlines()
+    assert "RunWarning" not in proc.stderr and "user_warnings.warn(" not in proc.stderr
     # One console line per logged step, from the logging rank only.
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3
     # Hydra's files: one .hydra/ in the shared run dir, no outputs/ dirs, cwd unchanged.
