@@ -15,19 +15,21 @@ single-process run of the same model, data and global batch within ``RTOL``; so 
 validation loss (``EVAL_EVERY``/``EVAL_ITERS``: forward only through the same pipeline
 layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 
-- ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
-  ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
-  ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
-  pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
-  schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1 and
-  dp > 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3 (coverage
-  draws within ``affordable_for_ci``).
+- ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus a greedy cover of the
+  properties in ``CI_MUST_COVER`` (each added case is drawn under the first property not met
+  yet, id ``COVER_BASE + k``, and is the cheapest per property it adds): pp=3 and pp=4 with
+  dp > 1 and ZeRO-2, 1F1B at pp >= 3 with dp > 1, an interleaved schedule with pp >= 3, NCCL
+  semantics at pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the
+  zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1
+  and dp > 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3
+  (coverage draws within ``affordable_for_ci``).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -222,20 +224,62 @@ def affordable_for_ci(case: LayoutCase, label: str) -> bool:
     return microbatches <= CI_MAX_MICROBATCHES and (p["offload"] != "disk" or "disk" in label)
 
 
+CI_CANDIDATES = 300  # coverage draws considered per coverage case (drawing is cheap, validating is not)
+
+
+CI_CASE_OVERHEAD = 4  # a rank's set-up (model, data, groups) and evaluations, in microbatches, roughly
+
+
+def ci_cost(case: LayoutCase) -> int:
+    """What a case costs on a shared 2-core machine, roughly: rank x (microbatches + set-up)."""
+    p, t = case.parallel, case.train
+    return case.world_size * (t["global_batch_size"] // (t["micro_batch_size"] * p["dp"]) + CI_CASE_OVERHEAD)
+
+
+def _cover_draw(k: int, uncovered: list[str]) -> LayoutCase:
+    """The layout covering property ``k``: among the first ``CI_CANDIDATES`` draws of id
+    ``COVER_BASE + k`` that meet it within ``affordable_for_ci``, the valid one of least ``ci_cost``
+    per ``uncovered`` property it meets (the greedy rule for a cheap set cover), then the first drawn."""
+    label, where = list(CI_MUST_COVER.items())[k]
+    rng = random.Random(f"{MATRIX_SEED}:{COVER_BASE + k}")
+    ranked = []
+    for i in range(MAX_DRAWS):
+        case = _draw(rng, COVER_BASE + k)
+        if case.world_size <= MAX_WORLD and where(case) and affordable_for_ci(case, label):
+            ranked.append((ci_cost(case) / sum(CI_MUST_COVER[u](case) for u in uncovered), i, case))
+            if len(ranked) == CI_CANDIDATES:
+                break
+    for *_, case in sorted(ranked, key=lambda r: r[:2]):
+        if is_valid(case):
+            return case
+    raise RuntimeError(f"case {COVER_BASE + k}: no valid layout for {label} in {MAX_DRAWS} draws")
+
+
+@functools.lru_cache(maxsize=1)
+def ci_sample() -> tuple[LayoutCase, ...]:
+    """The first ``CI_HEAD`` ids, then a greedy cover of ``CI_MUST_COVER``: for the first property
+    not met yet, the draw meeting the most properties not met yet (``_cover_draw``); until all are.
+    Ordered by world size (the test harness keeps rank processes per world size)."""
+    cases = [generate_case(i) for i in range(CI_HEAD)]
+    labels = list(CI_MUST_COVER)
+    uncovered = [label for label in labels if not any(CI_MUST_COVER[label](c) for c in cases)]
+    while uncovered:
+        case = _cover_draw(labels.index(uncovered[0]), uncovered)
+        cases.append(case)
+        uncovered = [label for label in uncovered if not CI_MUST_COVER[label](case)]
+    return tuple(sorted(cases, key=lambda c: (c.world_size, c.case_id)))
+
+
 def case_by_id(case_id: int) -> LayoutCase:
-    """The case of any id, coverage ids included."""
+    """The case of any id: a coverage id (``COVER_BASE + k``) is the CI sample's case of that id, or
+    (if the sample did not need property k) the first valid draw under it."""
     if case_id >= COVER_BASE:
+        for case in ci_sample():
+            if case.case_id == case_id:
+                return case
         label, where = list(CI_MUST_COVER.items())[case_id - COVER_BASE]
         return generate_case(case_id, lambda c: where(c) and affordable_for_ci(c, label))
     return generate_case(case_id)
-
-
-def ci_sample() -> list[LayoutCase]:
-    cases = [generate_case(i) for i in range(CI_HEAD)]
-    for k, where in enumerate(CI_MUST_COVER.values()):
-        if not any(where(c) for c in cases):
-            cases.append(case_by_id(COVER_BASE + k))
-    return cases
 
 
 def all_cases() -> list[LayoutCase]:

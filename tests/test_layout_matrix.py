@@ -3,8 +3,9 @@
 Each case (``tests/layout_matrix.py``: drawn from the config schema's choices, kept
 only if the validator accepts it) trains through the real ``Trainer`` on its ranks and
 must give the single-process loss and grad-norm curve within 1e-5 relative (fp32,
-dropout on). CI runs ``layout_matrix.ci_sample()`` (it always covers pp=3 and pp=4 with
-dp > 1 and ZeRO-2, and an interleaved schedule at pp >= 3); the whole matrix runs with
+dropout on). CI runs ``layout_matrix.ci_sample()`` (a greedy cover of ``CI_MUST_COVER``: pp=3
+and pp=4 with dp > 1 and ZeRO-2, every schedule, ZeRO 0-3, offload, Llama at pp >= 3, ...); the
+whole matrix runs with
 ``pytest tests/test_layout_matrix.py --layout-matrix=all`` or, as a table,
 ``python scripts/check_layouts.py --all``.
 """
@@ -39,9 +40,9 @@ def test_ci_sample_covers_what_once_hid_every_failure():
     cases = lm.ci_sample()
     for label, where in lm.CI_MUST_COVER.items():
         assert any(where(c) for c in cases), label
-    assert len(cases) >= 8
+    assert lm.STEPS >= 4
     # Reproducible by id: drawing again gives the same layouts.
-    assert [lm.case_by_id(c.case_id) for c in cases] == cases
+    assert tuple(lm.case_by_id(c.case_id) for c in cases) == cases
 
 
 def test_generator_asks_the_validator():
