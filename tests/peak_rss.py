@@ -3,8 +3,8 @@ memory (peak RSS) of fresh rank processes training through the real ``Trainer``.
 
     peaks = peak_rss_of_job(job_values(tokens, out_dir, model, parallel, train), world_size)
 
-Every rank is a new process forked from a server that imported ``parallel3d.trainer`` once
-(``multiprocessing``'s forkserver: no import cost per rank, no state of earlier tests). It joins a
+Every rank is a new process forked from the test harness's fork server, which imported
+``parallel3d.trainer`` once (no import cost per rank, no state of earlier tests). It joins a
 new gloo group, runs ``train`` and reports ``getrusage(RUSAGE_SELF).ru_maxrss``: the most resident
 memory the process ever held, counted by the kernel over its whole life (start-up, every forward
 and backward, optimizer steps), whatever the code tracks itself. Every rank starts from the same
@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from tests.harness import free_port
+from tests.harness import free_port, rank_context
 
-PRELOAD = ["parallel3d.trainer"]  # what every rank imports: done once, in the fork server
 # The end-of-run save fails at its first step (creating its directory) on every rank, before it
 # copies anything (a blocking save: train.async_save=false, see job_values), and training ends as
 # after any failed save: a save stages the whole state and would set the peak instead of training.
@@ -81,8 +80,7 @@ def _rank(rank: int, world_size: int, port: int, values: dict[str, Any], env: di
 
 def peak_rss_of_job(values: dict[str, Any], world_size: int, timeout: float = 180.0) -> list[int]:
     """Peak RSS in bytes of each rank of ``values``'s job, trained in fresh processes (module doc)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = rank_context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world_size, port, values, SKIP_SAVE_ENV, results), daemon=True)
