@@ -32,13 +32,12 @@ import json
 import os
 import re
 import shutil
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from parallel3d import comm
+from parallel3d import comm, user_warnings
 from parallel3d.atomic_io import atomic_write_bytes, fsync_dir
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.checkpoint_verify import crc32_of, damage, gather, my_share
@@ -160,11 +159,8 @@ class CheckpointManager:
         if committed and self.pstate.rank == 0:
             self._prune()
         if not committed and self.pstate.rank == 0:
-            warnings.warn(
-                f"checkpoint at step {step} was not saved; keeping the previous ones "
-                f"({[s for s, _ in complete_checkpoints(self.root)]})",
-                stacklevel=2,
-            )
+            user_warnings.warn(f"checkpoint at step {step} was not saved; keeping the previous ones "
+                               f"({[s for s, _ in complete_checkpoints(self.root)]})")
         return committed
 
     def _attempt(self, step: int, action: Callable[[], Any]) -> bool:
@@ -172,7 +168,7 @@ class CheckpointManager:
             action()
             return True
         except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
-            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}", stacklevel=3)
+            user_warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step} failed: {exc}")
             return False
 
     def _checksums(self, step: int, tmp: str) -> dict[str, int] | None:
@@ -182,8 +178,7 @@ class CheckpointManager:
             for f in my_share(_relative_files(tmp), self.pstate.rank, self.pstate.world_size):
                 mine[f] = crc32_of(os.path.join(tmp, f))
         except OSError as exc:
-            warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step}: checksum failed: {exc}",
-                          stacklevel=3)
+            user_warnings.warn(f"[rank {self.pstate.rank}] checkpoint at step {step}: checksum failed: {exc}")
             mine = None
         parts = gather(mine, self.pstate.world_size, self.group)
         if any(p is None for p in parts):
@@ -205,7 +200,7 @@ class CheckpointManager:
             shutil.rmtree(final + ".old", ignore_errors=True)
             return True
         except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"[rank 0] committing checkpoint at step {step} failed: {exc}", stacklevel=3)
+            user_warnings.warn(f"[rank 0] committing checkpoint at step {step} failed: {exc}")
             return False
 
     def _prune(self) -> None:
@@ -249,8 +244,8 @@ class CheckpointManager:
                 return path
             damaged.append(bad)
             if self.pstate.rank == 0:
-                warnings.warn(f"checkpoint {path} is damaged, not resuming from it: {bad}; "
-                              f"falling back to the previous complete checkpoint", stacklevel=3)
+                user_warnings.warn(f"checkpoint {path} is damaged, not resuming from it: {bad}; "
+                                   f"falling back to the previous complete checkpoint")
         if damaged:
             raise CheckpointError(f"no intact checkpoint under {self.root} (newest damage: {damaged[0]}); "
                                   f"move the damaged ones away to start over")

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from parallel3d import comm, data
+from parallel3d import comm, data, user_warnings
 from parallel3d.config import ResolvedJob
 from parallel3d.pipeline.forward_only import ForwardOnlyRunner
 from parallel3d.zero.precision import precision_dtype
@@ -60,8 +59,8 @@ class Evaluator:
         )
         wanted = self.iters * t.global_batch_size
         if wanted > dataset.samples_per_epoch and pstate.rank == 0:
-            warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "
-                          f"train.eval_iters={self.iters} reads {wanted}, so some are read twice", stacklevel=2)
+            user_warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "
+                               f"train.eval_iters={self.iters} reads {wanted}, so some are read twice")
 
     def evaluate(self, step: int) -> EvalResult:
         """Collective: the validation loss of the current weights (``step`` only seeds nothing: dropout is off)."""

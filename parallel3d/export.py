@@ -14,6 +14,8 @@ import re
 import sys
 import time
 
+from parallel3d.user_warnings import one_line_warnings
+
 
 def parse_size(text: str) -> int:
     """``5GB``, ``500MB``, ``100KB`` or a byte count -> bytes."""
@@ -44,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        result = export_hf(args.source, args.hf, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                           tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
-                           progress=lambda line: print(line, flush=True))
+        with one_line_warnings():
+            result = export_hf(args.source, args.hf, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                               tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
+                               progress=lambda line: print(line, flush=True))
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"export error: {exc}", file=sys.stderr, flush=True)
         return 2

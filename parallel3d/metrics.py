@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from models.config import ModelConfig
 from parallel3d import comm
 from parallel3d.logging_options import WandbOptions
 from parallel3d.parallel_state import ParallelState
+from parallel3d import user_warnings
 
 # Dense peaks in TFLOP/s: (bf16/fp16 tensor core, fp32 without TF32). Matched as
 # substrings of torch.cuda.get_device_name(), most specific first.
@@ -154,11 +154,8 @@ def resolve_peak_tflops(configured: float | None, device: torch.device, precisio
     peak = detect_peak_tflops(device, precision)
     if peak is None:
         what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        warnings.warn(
-            f"no peak TFLOP/s known for device {what!r} ({precision}): MFU is not reported "
-            f"(set train.peak_tflops to enable it)",
-            stacklevel=2,
-        )
+        user_warnings.warn(f"no peak TFLOP/s known for device {what!r} ({precision}): MFU is not reported "
+                           f"(set train.peak_tflops to enable it)")
     return peak
 
 
@@ -271,11 +268,9 @@ class WandbSink:
                 self._fail(offline_exc)
                 return
             local = self._local_dir()
-            warnings.warn(
+            user_warnings.warn(
                 f"W&B online init failed ({type(exc).__name__}: {_first_line(exc)}; logging.wandb.init_timeout_s="
-                f"{init_timeout_s:g}): logging offline to {local}; upload it later with `wandb sync {local}`",
-                stacklevel=2,
-            )
+                f"{init_timeout_s:g}): logging offline to {local}; upload it later with `wandb sync {local}`")
         self.run_id = self.run.id
         self.run_dir = self._local_dir()
 
@@ -285,8 +280,7 @@ class WandbSink:
         return os.path.dirname(files) if files else None
 
     def _fail(self, exc: BaseException) -> None:
-        warnings.warn(f"W&B disabled ({type(exc).__name__}: {_first_line(exc)}); metrics.jsonl continues",
-                      stacklevel=3)
+        user_warnings.warn(f"W&B disabled ({type(exc).__name__}: {_first_line(exc)}); metrics.jsonl continues")
         self.run = None
 
     def log(self, record: dict[str, Any]) -> None:

@@ -4,8 +4,8 @@ Writes ``RUN_DIR/report.png`` (matplotlib, the ``report`` extra) with six panels
 steps: train loss and eval loss; tokens/s; MFU (or TFLOP/s per device where the
 device's peak is unknown, e.g. CPUs); memory per rank (peak, max and min over ranks,
 plus the tracked model-state categories and activations, max over ranks); the pipeline
-bubble fraction; and a text panel (layout, steps, final and best losses, mean
-throughput). Without matplotlib it writes ``RUN_DIR/report.html``, self-contained with
+bubble fraction ("n/a" without a pipeline: pp = 1); and a text panel (layout, steps, final
+and best losses, mean throughput). Without matplotlib it writes ``RUN_DIR/report.html``, self-contained with
 inline SVG, and says so. Every plotted number is a JSONL value as written; nothing is
 smoothed.
 """
@@ -56,6 +56,7 @@ class Panel:
     ylabel: str
     lines: list[tuple[str, list[int], list[float]]]  # (label, steps, values)
     log_y: bool = False  # values spanning orders of magnitude (memory: RSS vs model states)
+    note: str | None = None  # drawn instead of lines when the panel has nothing to show
 
 
 def panels(records: list[dict[str, Any]]) -> list[Panel]:
@@ -74,6 +75,8 @@ def panels(records: list[dict[str, Any]]) -> list[Panel]:
     out.append(Panel("pipeline bubble", "% of step", [("bubble", *_series(records, "bubble_fraction", 100.0))]))
     for p in out:
         p.lines = [line for line in p.lines if line[1]]
+    if not out[4].lines:  # the trainer records no bubble without a pipeline (pp = 1)
+        out[4].title, out[4].note = "pipeline bubble: n/a", "n/a: no pipeline (pp = 1)"
     positive = [v for _, _, values in out[3].lines for v in values if v > 0]
     out[3].lines = [line for line in out[3].lines if any(v > 0 for v in line[2])]
     out[3].log_y = bool(positive) and max(positive) > 100 * min(positive)
@@ -131,6 +134,8 @@ def build_figure(records: list[dict[str, Any]], run_dir: str):  # noqa: ANN201 -
         for label, steps, values in panel.lines:
             ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
         ax.set_title(panel.title)
+        if panel.note:
+            ax.text(0.5, 0.5, panel.note, ha="center", va="center", fontsize=12, transform=ax.transAxes)
         if panel.log_y:
             ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -165,6 +170,8 @@ def _svg(panel: Panel, width: int = 440, height: int = 260) -> str:
              f'<text x="4" y="{height - pad}" font-size="10">{y0:.4g}</text>',
              f'<text x="{pad}" y="{height - 8}" font-size="10">step {x0}</text>',
              f'<text x="{width - pad}" y="{height - 8}" font-size="10" text-anchor="end">step {x1}</text>']
+    if panel.note:
+        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">{html.escape(panel.note)}</text>')
     for i, (label, steps, values) in enumerate(panel.lines):
         color = colors[i % len(colors)]
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" '

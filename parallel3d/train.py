@@ -34,6 +34,7 @@ import hydra
 from omegaconf import DictConfig
 
 from parallel3d import command_line
+from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     if _rank() != 0:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]
-    hydra_app()
+    with one_line_warnings():
+        hydra_app()
 
 
 if __name__ == "__main__":

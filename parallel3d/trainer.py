@@ -24,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from models import build_model
-from parallel3d import comm, data
+from parallel3d import comm, data, user_warnings
 from parallel3d.checkpoint import step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
 from parallel3d.checkpoint_io.resume import load_training_state, save_request
@@ -145,8 +144,8 @@ class Trainer:
             if tokenizer is not None:
                 data.save_run_tokenizer(tokenizer, t.out_dir)
             else:
-                warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
-                              "so HF export will need --tokenizer", stacklevel=2)
+                user_warnings.warn("data.source=indexed without data.tokenizer_file: the run directory has no tokenizer, "
+                                   "so HF export will need --tokenizer")
         # Async saves stage the whole shard in host memory; a disk-offloaded state does not fit
         # there by assumption, so it is streamed from its memory-mapped files synchronously.
         self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
@@ -208,8 +207,8 @@ class Trainer:
         self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
         if state.get("seed") != self.rj.job.train.seed:
-            warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
-                          f"{self.rj.job.train.seed}: dropout masks and data order change from here", stacklevel=2)
+            user_warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
+                               f"{self.rj.job.train.seed}: dropout masks and data order change from here")
 
     def restore(self) -> str | None:
         """Collective: load ``train.resume``'s checkpoint (returned), else ``train.init_from``'s weights."""
@@ -253,7 +252,9 @@ class Trainer:
         record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": info.lr, "grad_norm": info.grad_norm,
                                   "loss_scale": info.loss_scale, "skipped": info.skipped}
         record.update(self.throughput.step_metrics(step_time))
-        record["bubble_fraction"] = reduced["bubble_fraction"].mean
+        # Without a pipeline there is no bubble: 1 - busy/step would only measure the optimizer step.
+        pipelined = comm.group_size(self.pstate, "pp") > 1
+        record["bubble_fraction"] = reduced["bubble_fraction"].mean if pipelined else None
         record["comm_bytes"] = sum(reduced[f"comm_bytes_{k}"].sum for k in comm_bytes)
         for k in comm_bytes:
             record[f"comm_bytes_{k}"] = reduced[f"comm_bytes_{k}"].sum

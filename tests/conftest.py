@@ -27,6 +27,32 @@ def pytest_addoption(parser):
     )
 
 
+class NoSilentSkips:
+    """A skipped test fails the run: a missing dev dependency (transformers, megatron-core, triton,
+    matplotlib) or a premise a machine does not meet must not pass as green."""
+
+    def __init__(self) -> None:
+        self.skipped: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped:
+            self.skipped.append(report.nodeid)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.skipped and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.skipped:
+            terminalreporter.write_line(f"{len(self.skipped)} skipped test(s) fail this run (no silent skips): "
+                                        + ", ".join(self.skipped), red=True)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(NoSilentSkips(), "no-silent-skips")
+
+
 def pytest_collection_modifyitems(config, items):
     """`extended` tests are deselected unless --extended: CI stays under 15 minutes on 2 cores."""
     if config.getoption("--extended"):

@@ -15,18 +15,21 @@ single-process run of the same model, data and global batch within ``RTOL``; so 
 validation loss (``EVAL_EVERY``/``EVAL_ITERS``: forward only through the same pipeline
 layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 
-- ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus, for each property in
-  ``CI_MUST_COVER`` not met by those, a layout drawn under that property (id
-  ``COVER_BASE + k``): pp=3 and pp=4 with dp > 1 and ZeRO-2, an interleaved schedule with
-  pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the zero-bubble
-  schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1 and
-  dp > 1, disk offload with dp > 1 (coverage draws within ``affordable_for_ci``).
+- ``ci_sample()``: what CI runs: the first ``CI_HEAD`` ids plus a greedy cover of the
+  properties in ``CI_MUST_COVER`` (each added case is drawn under the first property not met
+  yet, id ``COVER_BASE + k``, and is the cheapest per property it adds): pp=3 and pp=4 with
+  dp > 1 and ZeRO-2, 1F1B at pp >= 3 with dp > 1, an interleaved schedule with pp >= 3, NCCL
+  semantics at pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the
+  zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1
+  and dp > 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3
+  (coverage draws within ``affordable_for_ci``).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -39,7 +42,7 @@ from parallel3d.config import ConfigError, job_from_dict, resolve
 
 MATRIX_SEED = 20261203
 MAX_WORLD = 8
-STEPS = 3
+STEPS = 4
 SEQ_LEN = 32
 RTOL = 1e-5
 # Adam's first steps turn rounding noise in near-zero gradients into whole-lr updates: at lr 3e-3
@@ -47,7 +50,7 @@ RTOL = 1e-5
 # differed by 3.6e-5 in the step-3 grad norm (llama). At 1e-3 that noise floor is ~2e-7, so a
 # miss of RTOL means the layout, not the reference; test_layout_matrix checks the floor stays low.
 LR = 1e-3
-EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 3 (the end)
+EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 4 (the end)
 ALL_CASES = 64
 CI_HEAD = 1
 DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}  # the dimensions the config runs today
@@ -200,6 +203,9 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "zb_h1_pp>=2_tp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 2 and c.parallel["tp"] > 1,
     "zero3_pp>1_dp>1": lambda c: c.parallel["zero_stage"] == 3 and c.parallel["pp"] > 1 and c.parallel["dp"] > 1,
     "offload_disk_dp>1": lambda c: c.parallel["offload"] == "disk" and c.parallel["dp"] > 1,
+    "zero0_dp>1": lambda c: c.parallel["zero_stage"] == 0 and c.parallel["dp"] > 1,
+    "gpipe_pp>=2": lambda c: c.parallel["schedule"] == "gpipe" and c.parallel["pp"] >= 2,
+    "llama_pp>=3": lambda c: c.model == "llama" and c.parallel["pp"] >= 3,
 }
 
 
@@ -217,20 +223,62 @@ def affordable_for_ci(case: LayoutCase, label: str) -> bool:
     return microbatches <= CI_MAX_MICROBATCHES and (p["offload"] != "disk" or "disk" in label)
 
 
+CI_CANDIDATES = 300  # coverage draws considered per coverage case (drawing is cheap, validating is not)
+
+
+CI_CASE_OVERHEAD = 4  # a rank's set-up (model, data, groups) and evaluations, in microbatches, roughly
+
+
+def ci_cost(case: LayoutCase) -> int:
+    """What a case costs on a shared 2-core machine, roughly: rank x (microbatches + set-up)."""
+    p, t = case.parallel, case.train
+    return case.world_size * (t["global_batch_size"] // (t["micro_batch_size"] * p["dp"]) + CI_CASE_OVERHEAD)
+
+
+def _cover_draw(k: int, uncovered: list[str]) -> LayoutCase:
+    """The layout covering property ``k``: among the first ``CI_CANDIDATES`` draws of id
+    ``COVER_BASE + k`` that meet it within ``affordable_for_ci``, the valid one of least ``ci_cost``
+    per ``uncovered`` property it meets (the greedy rule for a cheap set cover), then the first drawn."""
+    label, where = list(CI_MUST_COVER.items())[k]
+    rng = random.Random(f"{MATRIX_SEED}:{COVER_BASE + k}")
+    ranked = []
+    for i in range(MAX_DRAWS):
+        case = _draw(rng, COVER_BASE + k)
+        if case.world_size <= MAX_WORLD and where(case) and affordable_for_ci(case, label):
+            ranked.append((ci_cost(case) / sum(CI_MUST_COVER[u](case) for u in uncovered), i, case))
+            if len(ranked) == CI_CANDIDATES:
+                break
+    for *_, case in sorted(ranked, key=lambda r: r[:2]):
+        if is_valid(case):
+            return case
+    raise RuntimeError(f"case {COVER_BASE + k}: no valid layout for {label} in {MAX_DRAWS} draws")
+
+
+@functools.lru_cache(maxsize=1)
+def ci_sample() -> tuple[LayoutCase, ...]:
+    """The first ``CI_HEAD`` ids, then a greedy cover of ``CI_MUST_COVER``: for the first property
+    not met yet, the draw meeting the most properties not met yet (``_cover_draw``); until all are.
+    Ordered by world size (the test harness keeps rank processes per world size)."""
+    cases = [generate_case(i) for i in range(CI_HEAD)]
+    labels = list(CI_MUST_COVER)
+    uncovered = [label for label in labels if not any(CI_MUST_COVER[label](c) for c in cases)]
+    while uncovered:
+        case = _cover_draw(labels.index(uncovered[0]), uncovered)
+        cases.append(case)
+        uncovered = [label for label in uncovered if not CI_MUST_COVER[label](case)]
+    return tuple(sorted(cases, key=lambda c: (c.world_size, c.case_id)))
+
+
 def case_by_id(case_id: int) -> LayoutCase:
-    """The case of any id, coverage ids included."""
+    """The case of any id: a coverage id (``COVER_BASE + k``) is the CI sample's case of that id, or
+    (if the sample did not need property k) the first valid draw under it."""
     if case_id >= COVER_BASE:
+        for case in ci_sample():
+            if case.case_id == case_id:
+                return case
         label, where = list(CI_MUST_COVER.items())[case_id - COVER_BASE]
         return generate_case(case_id, lambda c: where(c) and affordable_for_ci(c, label))
     return generate_case(case_id)
-
-
-def ci_sample() -> list[LayoutCase]:
-    cases = [generate_case(i) for i in range(CI_HEAD)]
-    for k, where in enumerate(CI_MUST_COVER.values()):
-        if not any(where(c) for c in cases):
-            cases.append(case_by_id(COVER_BASE + k))
-    return cases
 
 
 def all_cases() -> list[LayoutCase]:

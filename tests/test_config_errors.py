@@ -8,8 +8,8 @@ arithmetic, schedules, paths, resume targets, blends, Hydra flags).
 
 Most cases go through ``parallel3d.train.main`` in this process (the CLI's entry function,
 with Hydra's app replaced by a failure: a case that got past the checks would start training);
-a sample goes through real subprocesses, and through torchrun on several ranks, where every
-rank must exit 2.
+a sample goes through real subprocesses (test_train_cli: several ranks, and torchrun, where
+every rank must exit 2).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 import typing
 
 import pytest
 
 from parallel3d import train as train_cli
 from parallel3d.config import JobConfig
-from tests.fault_runs import REPO, cli_env
+from tests.fault_runs import cli_env
 
 # Keys whose value is free text: any string of the right type is valid (a path to be created, a name).
 FREE_TEXT = {"model.name", "train.out_dir", "data.cache_dir", "logging.wandb.project", "logging.wandb.entity",
@@ -203,39 +202,21 @@ def test_cross_key_and_launch_errors(index, monkeypatch, capsys, tmp_config_path
     _check_output(err, out, expect)
 
 
-SUBPROCESS_SAMPLE = ["train.steps:range", "model.vocab_size:type", "unknown:key", "hydra:config-name",
-                     "out_dir:under-a-file", "batch:dp"]
+# One case of each kind of check, through a real process: the schema (a value), Hydra's composition
+# (a flag), a filesystem probe. Several ranks of one job without a rendezvous, and torchrun ranks,
+# are test_train_cli's (test_bad_value_exits_nonzero_on_every_rank_before_any_process_group,
+# test_torchrun_config_error_prints_one_line).
+SUBPROCESS_SAMPLE = ["train.steps:range", "hydra:config-name", "out_dir:under-a-file"]
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # CI: the in-process matrix runs the same entry function; test_train_cli runs torchrun
-def test_a_sample_through_real_processes_and_torchrun_ranks(tmp_config_paths):
-    cases = {c[0]: (c[1], c[2], 1) for c in GENERATED}
-    cases.update({c[0]: (c[1], c[2], c[3]) for c in hand_cases(tmp_config_paths)})
-    for name in SUBPROCESS_SAMPLE:  # plain processes, as ranks of a job (no rendezvous exists)
-        overrides, expect, world = cases[name]
-        cmd = [sys.executable, "-m", "parallel3d.train", *overrides]
-        t0 = time.monotonic()
-        procs = [subprocess.Popen(cmd, cwd=tmp_config_paths, env=cli_env(RANK=str(r), WORLD_SIZE=str(world)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in sorted({0, world - 1})]
-        outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [2] * len(procs), (name, outs)
-        _check_output(outs[0][1], outs[0][0], expect)
-        assert all(o == e == "" for o, e in outs[1:]), name  # silence on the other ranks
-        assert time.monotonic() - t0 < 60, name
-    # torchrun with 3 ranks: ranks exit 2 (or are stopped by torchrun), one line in all the output.
-    for overrides, expect in ((["train.global_batch_size=4", "train.micro_batch_size=4"], "train.global_batch_size=4"),
-                              (["train.max_minutes=-1", "train.global_batch_size=48"], "train.max_minutes=-1")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-               "-m", "parallel3d.train", *overrides]
-        proc = subprocess.run(cmd, cwd=tmp_config_paths, env=cli_env(), capture_output=True, text=True, timeout=180)
-        text = proc.stdout + proc.stderr
-        ours = [line for line in text.splitlines() if line.startswith("config error:")]
-        assert len(ours) == 1 and expect in ours[0], text[-3000:]
-        codes = [line for line in text.splitlines() if line.strip().startswith("exitcode")]
-        # Each rank exits 2 on its own, unless torchrun stopped it (SIGTERM, -15) after the first rank's 2.
-        exits = [line.split(":")[1].split()[0] for line in codes]
-        assert len(exits) == 3 and "2" in exits and set(exits) <= {"2", "-15"}, text[-3000:]
-        # The only traceback is torchrun's own failure report (ChildFailedError), none from a rank.
-        assert "parallel3d" not in "".join(line for line in text.splitlines() if line.startswith("  File"))
+def test_a_sample_through_real_processes(tmp_config_paths):
+    cases = {c[0]: (c[1], c[2]) for c in GENERATED}
+    cases.update({c[0]: (c[1], c[2]) for c in hand_cases(tmp_config_paths)})
+    procs = {name: subprocess.Popen([sys.executable, "-m", "parallel3d.train", *cases[name][0]], cwd=tmp_config_paths,
+                                    env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in SUBPROCESS_SAMPLE}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, out, err)
+        _check_output(err, out, cases[name][1])

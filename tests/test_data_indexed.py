@@ -34,8 +34,8 @@ def test_round_trip(tmp_path, dtype, vocab):
 @pytest.mark.slow
 def test_megatron_core_interop(tmp_path):
     """megatron-core reads what we write identically, and we read what its builder writes."""
-    torch = pytest.importorskip("torch")
-    mc = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import megatron.core.datasets.indexed_dataset as mc  # a dev dependency (costly import: only here)
+    import torch
     rng = np.random.default_rng(1)
     docs = _random_docs(rng, 15, 50000)
 

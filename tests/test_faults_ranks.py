@@ -56,7 +56,6 @@ def test_a_stopped_rank_is_named_and_the_job_ends_after_timeout(tmp_path, cache_
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # CI: test_train_cli's failing rank ends its torchrun job the same way
 def test_a_killed_rank_ends_the_whole_torchrun_job(tmp_path, cache_dir):
     args = [*TINY, "train.steps=100000", f"train.out_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
             "parallel.pp=2", "train.timeout_s=60", "train.save_every=0"]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from models.config import ModelConfig
 from models.state import load_full_state_dict
@@ -33,7 +34,6 @@ from tests import layout_matrix as lm
 from tests import reshard_matrix as rm
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
-transformers = pytest.importorskip("transformers")
 
 SAVED_AT = {"gpt": {"tp": 1, "pp": 2, "dp": 2, "zero_stage": 3}, "llama": {"tp": 4, "pp": 1, "dp": 1, "zero_stage": 2}}
 INIT_AT = {"gpt": {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 1},

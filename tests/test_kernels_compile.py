@@ -67,11 +67,9 @@ CASE_NAMES = ["rms_norm_fwd_one_block", "rms_norm_fwd_blocks", "rms_norm_bwd_one
 
 @pytest.fixture(scope="module")
 def sm90(tmp_path_factory: pytest.TempPathFactory):
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as exc:  # pragma: no cover
-        pytest.skip(f"triton's compiler API is not importable here: {exc}")
+    from triton.backends.compiler import GPUTarget  # triton is a dependency on Linux: no skip
+    from triton.compiler import ASTSource
+
     return ASTSource, GPUTarget("cuda", 90, 32), str(tmp_path_factory.mktemp("triton_cache"))
 
 

@@ -5,7 +5,8 @@ runs a rank's batches on a group in FIFO order on one stream. The emulation repr
 both, so code that pairs Works with ops, or that posts a receive ahead of the sends a
 peer waits for, fails here as it would on GPUs. The pipeline engine under emulation is
 checked against the single-process model in ``test_pipeline_engine``; here: the
-wrapper, what it catches, the engine's plan check, and a Trainer run.
+wrapper, the production p2p layer's batches under it, the FIFO deadlock it reproduces,
+the engine's plan check, and a Trainer run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch.distributed as dist
 from parallel3d import comm
 from parallel3d.config import job_from_dict, resolve
 from parallel3d.parallel_state import ParallelState
+from parallel3d.pipeline.actions import Action
 from parallel3d.pipeline.engine import PipelineEngine
+from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.topology import Topology
 from parallel3d.trainer import train
 from tests.harness import run_on_ranks
@@ -25,6 +28,7 @@ from tests.pipeline_toy import HIDDEN, ToyModel
 from tests.test_train_e2e import assert_close, job_values, losses_of, train_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")  # CPU: no MFU, by design
+MESSAGE = MessageSpec((2, 3, 4), torch.float32)
 
 
 def _ops(pstate: ParallelState, rank: int, sends: int, recvs: int) -> tuple[list[dist.P2POp], list[torch.Tensor]]:
@@ -58,30 +62,35 @@ def test_emulation_returns_one_work_per_batch():
             assert received == [[10.0 * peer + k] * 4 for k in range(2)]  # FIFO per pair and direction
 
 
-def _naive_pairing(rank, world, emulate):
-    """How p2p paired Works with ops before batches were units: one Work per op, zipped."""
+def _message(rank: int, kind: str, microbatch: int) -> torch.Tensor:
+    return torch.full(MESSAGE.shape, 1000.0 * rank + 100.0 * ("ACT" in kind) + microbatch)
+
+
+def _steady_state_batches(rank, world, emulate):
+    """Through ``PipelineP2P`` (what the engine posts): batches of two sends and two receives each way,
+    the shape of a steady-state interleaved step; returns what each receive delivered."""
     pstate = ParallelState(Topology(tp=1, pp=2, dp=1), emulate_nccl=emulate)
-    ops, buffers = _ops(pstate, rank, sends=2, recvs=2)
-    works = comm.batch_isend_irecv(ops, pstate)
-    receive_work = dict(zip(range(len(buffers)), works[2:]))  # the send Works are works[:2]
-    waited: list = []
-    try:
-        for i in range(len(buffers)):
-            receive_work[i].wait()
-            waited.append(receive_work[i])
-        outcome = "ok"
-    except KeyError:
-        outcome = "KeyError"
-    for work in works:  # finish the batch either way (a second wait on a gloo p2p Work hangs)
-        if not any(work is w for w in waited):
-            work.wait()
-    return outcome
+    p2p = PipelineP2P(pstate, MESSAGE)
+    send, recv = (("SEND_ACT", "RECV_GRAD") if pstate.coord("pp") == 0 else ("SEND_GRAD", "RECV_ACT"))
+    received = {}
+    for first in (0, 2):
+        got = p2p.exchange([(Action(send, mb), _message(rank, send, mb)) for mb in (first, first + 1)],
+                           [Action(recv, mb) for mb in (first, first + 1)])
+        received.update({f"{a.kind}{a.microbatch}": t.clone() for a, t in got.items()})
+    p2p.wait_sends()
+    return received
 
 
-def test_emulation_catches_pairing_works_with_ops():
-    """The bug class of issue 11: invisible on gloo, a lost receive as soon as a batch is one Work."""
-    assert run_on_ranks(_naive_pairing, 2, False) == ["ok", "ok"]
-    assert run_on_ranks(_naive_pairing, 2, True) == ["KeyError", "KeyError"]
+def test_pipeline_p2p_under_emulated_nccl_treats_a_batch_as_one_unit():
+    """The bug class of issue 11, in the production p2p layer: code that pairs Works with ops
+    (one per op on gloo) loses receives once a batch is one Work (NCCL, and the emulation)."""
+    for emulate in (False, True):
+        for rank, received in enumerate(run_on_ranks(_steady_state_batches, 2, emulate)):
+            peer, recv = 1 - rank, ("RECV_GRAD" if rank == 0 else "RECV_ACT")
+            sent_by_peer = "SEND_ACT" if rank == 1 else "SEND_GRAD"
+            assert sorted(received) == [f"{recv}{mb}" for mb in range(4)], (emulate, rank, sorted(received))
+            for mb in range(4):
+                assert torch.equal(received[f"{recv}{mb}"], _message(peer, sent_by_peer, mb)), (emulate, rank, mb)
 
 
 def _receive_batched_ahead(rank, world, emulate):

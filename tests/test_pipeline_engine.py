@@ -212,3 +212,39 @@ def test_free_sent_activations_drops_peak_bytes_keeps_grads():
         # 1F1B: stage s holds p - s outputs at its peak; freeing keeps only the newest (unsent) one.
         must_free = (world - k["stage"] - 1) * output_bytes
         assert k["bytes"] - f["bytes"] == must_free, f"stage {k['stage']}: {k['bytes']} -> {f['bytes']}"
+
+
+# ---- the activation peak through the Trainer, measured by the kernel (peak RSS of fresh ranks) --
+FEW, MANY = 4, 12  # microbatches per step
+# Activations of one microbatch (16 x 64 tokens, attention probabilities, 4 MiB of logits on the
+# last stage) dwarf its pipeline messages (128 KiB): what a schedule keeps per microbatch shows.
+RSS_PIPE_MODEL = dict(num_layers=4, hidden_size=32, num_heads=4, max_seq_len=64)
+RSS_MBS = 16
+
+
+def test_activation_peak_rss_does_not_grow_with_the_microbatch_count(tmp_path):
+    """pp=2 through the real Trainer: the peak RSS of every rank (counted by the kernel in fresh
+    processes, not by the engine) at MANY microbatches per step against FEW. GPipe keeps every
+    microbatch's activations until its backward, by design: its growth is the yardstick of
+    MANY - FEW microbatches' activations. Every other schedule bounds the microbatches in flight:
+    its growth must stay under a quarter of that (two microbatches' worth), where a schedule that
+    leaked every microbatch's activations (zb_h1 once did) grows like GPipe."""
+    from parallel3d.pipeline.actions import SCHEDULE_NAMES
+    from tests.peak_rss import job_values, peak_rss_of_job, token_file
+
+    tokens = token_file(str(tmp_path))
+    growth = {}
+    for schedule in SCHEDULE_NAMES:
+        parallel = {"pp": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "interleaved_1f1b" else 1}
+        few, many = (peak_rss_of_job(job_values(tokens, str(tmp_path / f"{schedule}-{m}"), RSS_PIPE_MODEL, parallel,
+                                                {"seq_len": 64, "global_batch_size": RSS_MBS * m,
+                                                 "micro_batch_size": RSS_MBS}), 2)
+                     for m in (FEW, MANY))
+        growth[schedule] = [b - a for a, b in zip(few, many)]
+    print("\npeak RSS growth per rank from", FEW, "to", MANY, "microbatches (MiB):",
+          {s: [round(g / 2**20, 1) for g in per_rank] for s, per_rank in growth.items()})
+    yardstick = growth.pop("gpipe")
+    assert min(yardstick) > 2 * (MANY - FEW) * 2**20, yardstick  # activations of a microbatch: MiBs
+    for schedule, per_rank in growth.items():
+        for rank, (grew, gpipe) in enumerate(zip(per_rank, yardstick)):
+            assert grew < gpipe / 4, (schedule, rank, grew / 2**20, gpipe / 2**20)

@@ -47,7 +47,11 @@ def test_figure_plots_the_runs_numbers(run_dir):
     assert list(tps.get_ydata()) == [r["tokens_per_sec"] for r in records]
     mem = {line.get_label(): line for line in by_title["memory per rank"].get_lines()}
     assert list(mem["peak, max over ranks"].get_ydata()) == [r["mem_peak_bytes_max"] / 2**20 for r in records]
-    assert "pipeline bubble" in by_title and any("TFLOP/s" in t or "MFU" in t for t in by_title)
+    assert any("TFLOP/s" in t or "MFU" in t for t in by_title)
+    # pp = 1: no pipeline, no bubble recorded, and the panel says so instead of plotting noise.
+    assert all(r["bubble_fraction"] is None for r in records)
+    bubble = by_title["pipeline bubble: n/a"]
+    assert not bubble.get_lines() and [t.get_text() for t in bubble.texts] == ["n/a: no pipeline (pp = 1)"]
 
 
 def test_cli_writes_a_png_a_person_can_look_at(run_dir):

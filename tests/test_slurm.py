@@ -10,10 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm" / "pretrain.sbatch"
@@ -83,7 +80,6 @@ def test_missing_allocation_fails_with_a_message(tmp_path):
     assert out.returncode == 2 and "SLURM_JOB_NODELIST" in out.stderr
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_no_nccl_setting_is_hard_coded():
     code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
     assert not any("NCCL_" in line for line in code)

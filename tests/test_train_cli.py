@@ -48,8 +48,14 @@ def test_torchrun_config_error_prints_one_line(tmp_path):
            "-m", "parallel3d.train", "train.steps=3"]
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("config error:")]
+    text = proc.stdout + proc.stderr
+    ours = [line for line in text.splitlines() if line.startswith("config error:")]
     assert ours == ["config error: optimizer.warmup_steps=30: must be <= train.steps=3"]
+    # Each rank exits 2 on its own, unless torchrun stopped it (SIGTERM, -15) after the first rank's 2.
+    exits = [line.split(":")[1].split()[0] for line in text.splitlines() if line.strip().startswith("exitcode")]
+    assert len(exits) == 2 and "2" in exits and set(exits) <= {"2", "-15"}, text[-3000:]
+    # The only traceback is torchrun's own failure report (ChildFailedError), none from a rank.
+    assert "parallel3d" not in "".join(line for line in text.splitlines() if line.startswith("  File"))
 
 
 @pytest.mark.slow
@@ -71,6 +77,11 @@ def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
         assert key in records[0], key
     assert records[0]["mem_peak_bytes_max"] >= records[0]["mem_peak_bytes_min"] > 0
     assert records[0]["comm_bytes"] > 0  # pipeline sends between the two stages
+    assert all(0 <= r["bubble_fraction"] < 1 for r in records)  # a pipeline: a bubble is measured
+    # A user warning is one line: no framework path, line number, category or source line.
+    assert ("warning: no peak TFLOP/s known for device 'cpu' (fp32): MFU is not reported (set train.peak_tflops "
+            "to enable it)") in proc.stderr.splitlines()
+    assert "RunWarning" not in proc.stderr and "user_warnings.warn(" not in proc.stderr
     # One console line per logged step, from the logging rank only.
     assert sum(line.startswith("step ") for line in proc.stdout.splitlines()) == 3
     # Hydra's files: one .hydra/ in the shared run dir, no outputs/ dirs, cwd unchanged.

@@ -218,3 +218,36 @@ def test_stage2_peak_memory_with_accumulation_matches_formula():
         stage2, stage1 = per_case[(2, "fp32")]["peak"], per_case[(1, "fp32")]["peak"]
         assert stage1["gradients"] > 3 * stage2["gradients"]  # full fp32 gradients vs a quarter
         assert per_case[(2, "bf16")]["peak"]["gradients"] < 0.55 * stage2["gradients"]
+
+
+# ---- the peak through the Trainer, measured by the kernel (peak RSS of fresh rank processes) -----
+RSS_DP = 2
+# Ψ ≈ 19.2M parameters: 77 MB of fp32 gradients, of which stage 2 keeps half at dp 2. Small
+# parameters next to that (the largest .grad a hook consumes is 4 MB), few tokens (cheap steps).
+RSS_MODEL = dict(num_layers=6, hidden_size=512, num_heads=8, max_seq_len=16)
+
+
+def test_stage2_peak_rss_through_the_trainer_is_a_gradient_shard_not_full_gradients(tmp_path):
+    """ZeRO-2 vs ZeRO-1 through the real Trainer (fp32, accumulation 2, dp 2): everything but the
+    gradients is the same, so the peak RSS of each stage-2 rank (every microbatch's backward, the
+    step; counted by the kernel, not by the optimizer) must be lower by at least half of the
+    full-minus-shard gradient bytes, 4Ψ(1 - 1/dp). A full gradient held anywhere during
+    accumulation (as .grad or in any other buffer) costs all of it."""
+    from models import build_model
+    from models.config import ModelConfig
+    from tests.peak_rss import job_values, peak_rss_of_job, token_file
+
+    tokens = token_file(str(tmp_path))
+    peaks = {}
+    for stage in (1, 2):
+        values = job_values(tokens, str(tmp_path / f"zero{stage}"), RSS_MODEL,
+                            {"dp": RSS_DP, "zero_stage": stage, "bucket_size_mb": 1.0},
+                            {"seq_len": 16, "global_batch_size": 2 * RSS_DP, "micro_batch_size": 1})
+        peaks[stage] = peak_rss_of_job(values, RSS_DP)
+    config = ModelConfig(**{**values["model"], "name": "rss_gpt"})
+    psi = sum(p.numel() for p in build_model(config, ParallelState.single_process()).parameters())
+    saved = 4 * psi * (1 - 1 / RSS_DP)
+    mib = {stage: [round(p / 2**20, 1) for p in per_rank] for stage, per_rank in peaks.items()}
+    print(f"\npeak RSS per rank (MiB): {mib}; full-minus-shard gradients {saved / 2**20:.1f} MiB")
+    for rank in range(RSS_DP):
+        assert peaks[1][rank] - peaks[2][rank] >= saved / 2, (rank, mib, saved / 2**20)

@@ -22,9 +22,11 @@ Invariants:
   ``(1 - f) * tokens`` (at that token if no boundary leaves both sides a sample);
   ``train`` samples come only from the head, ``valid`` only from the tail, so the two
   never share a token. The cut depends on the data and ``f`` alone (not on the layout).
-- Start-up reads only the index: the vocabulary check uses the ``.stats.json``
-  sidecar when there is one and, always, the tokens of every sample read (lazily),
-  so start-up time does not grow with the dataset.
+- Start-up reads only the index: the token-id check (``0 <= id < vocab_size``; a
+  negative id is what a signed dtype too narrow for the vocabulary leaves) uses the
+  ``.stats.json`` sidecar when there is one, else a bounded sample of the tokens, and,
+  always, the tokens of every sample read (lazily), so start-up time does not grow
+  with the dataset.
 """
 
 from __future__ import annotations
@@ -37,13 +39,24 @@ from typing import Sequence, Union
 import numpy as np
 
 from parallel3d.data.errors import DataError
-from parallel3d.data.indexed import IndexedDataset
+from parallel3d.data.indexed import IndexedDataset, bin_path
 
 DEFAULT_BLEND_PERIOD = 10_000
 SPLITS = ("all", "train", "valid")
 _PERM_CACHE_SIZE = 8
 
 DatasetSource = Union[str, os.PathLike, IndexedDataset]
+
+
+def check_token_ids(ds: IndexedDataset, low: int, high: int, vocab_size: int) -> None:
+    """Raise one line naming ``ds``'s file unless its token ids ``low .. high`` lie in ``[0, vocab_size)``
+    (an embedding lookup would otherwise fail mid-step with a bare IndexError)."""
+    if low < 0:
+        wrap = (f": ids above {np.iinfo(ds.dtype).max} wrap to negative numbers in {ds.dtype}; rewrite it with "
+                f"an unsigned or wider dtype (uint16 below 65,536 ids, else int32)") if ds.dtype.kind == "i" else ""
+        raise DataError(f"dataset {bin_path(ds.prefix)!r} holds token id {low} < 0 ({ds.dtype} tokens){wrap}")
+    if high >= vocab_size:
+        raise DataError(f"dataset {ds.prefix!r} holds token id {high} >= model vocab_size={vocab_size}")
 
 
 def blend_pattern(weights: Sequence[float], period: int) -> np.ndarray:
@@ -115,14 +128,11 @@ class GPTDataset:
                     f"seq_len={seq_len} (needs seq_len + 1 = {seq_len + 1}); use a shorter seq_len or more data"
                 )
         if model_vocab_size is not None:
-            for ds in self.datasets:  # recorded at write time (sidecar), else sampled
+            for ds in self.datasets:  # recorded at write time (sidecar; its writer refuses ids < 0), else sampled
                 top = ds.max_token_id
-                if top is None:  # no sidecar: a bounded sample now, every sample when it is read
-                    top = ds.sampled_max_token_id()
-                if top >= model_vocab_size:
-                    raise DataError(
-                        f"dataset {ds.prefix!r} holds token id {top} >= model vocab_size={model_vocab_size}"
-                    )
+                # No sidecar: a bounded sample now, every sample when it is read.
+                low, top = (0, top) if top is not None else ds.sampled_token_range()
+                check_token_ids(ds, low, top, model_vocab_size)
         self.weights = self._normalise_weights(weights)
         period = 1 if len(self.datasets) == 1 else blend_period
         self.pattern = blend_pattern(self.weights, period)
@@ -232,11 +242,8 @@ class GPTDataset:
             sel = d == dd
             starts = chunk[sel] * self.seq_len
             out[sel] = self.streams[int(dd)][starts[:, None] + offsets]
-            if self.model_vocab_size is not None and out[sel].max() >= self.model_vocab_size:
-                raise DataError(
-                    f"dataset {self.datasets[int(dd)].prefix!r} holds token id {int(out[sel].max())} >= model "
-                    f"vocab_size={self.model_vocab_size}"
-                )
+            if self.model_vocab_size is not None:
+                check_token_ids(self.datasets[int(dd)], int(out[sel].min()), int(out[sel].max()), self.model_vocab_size)
         return out
 
     def __getitem__(self, sample_id: int) -> np.ndarray:

@@ -261,15 +261,16 @@ class IndexedDataset:
         expected[1:] = np.cumsum(self.sequence_lengths[:-1], dtype=np.int64) * self.dtype.itemsize
         return bool(np.array_equal(expected, self.sequence_pointers)) and self.num_tokens == len(self.tokens)
 
-    def sampled_max_token_id(self, head: int = 1 << 20, strided: int = 1 << 16) -> int:
-        """The largest token id among the first ``head`` tokens and ``strided`` evenly spaced ones: a
-        bounded start-up check for data without a stats sidecar (every sample is checked when read)."""
+    def sampled_token_range(self, head: int = 1 << 20, strided: int = 1 << 16) -> tuple[int, int]:
+        """(smallest, largest) token id among the first ``head`` tokens and ``strided`` evenly spaced
+        ones: a bounded start-up check for data without a stats sidecar (every sample is checked when
+        read). ``(0, -1)`` for no tokens."""
         n = len(self.tokens)
         if n == 0:
-            return -1
-        top = int(np.asarray(self.tokens[: min(n, head)]).max())
+            return 0, -1
         step = max(1, n // strided)
-        return max(top, int(np.asarray(self.tokens[::step]).max()))
+        parts = [np.asarray(self.tokens[: min(n, head)]), np.asarray(self.tokens[::step])]
+        return min(int(p.min()) for p in parts), max(int(p.max()) for p in parts)
 
     def token_stream(self) -> np.ndarray:
         """All tokens in sequence order (the memmap itself when contiguous; else a copy)."""
