@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.comm import CommStats, EmulatedP2PStreams
+from parallel3d.deferred_grads import WeightGradDeferral
 from parallel3d.topology import GROUP_KINDS, Coords, LayoutError, Topology
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class ParallelState:
                 device = torch.device("cpu")
         self.device = torch.device(device)
         self.comm_stats = CommStats()
+        # Where layers queue weight-gradient GEMMs while a zero-bubble B is open (the engine opens it).
+        self.weight_grads = WeightGradDeferral()
         # Tests on gloo: p2p batches behave as on NCCL (one Work per batch, FIFO per group).
         self.emulate_nccl = bool(emulate_nccl)
         self.emulated_p2p_streams = EmulatedP2PStreams() if self.emulate_nccl else None

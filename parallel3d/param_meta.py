@@ -12,6 +12,10 @@ Attributes set on ``torch.nn.Parameter`` objects (by the layers that create them
   also lives on another pipeline stage; its gradient is summed over the
   ``embedding`` group and it is counted once in the grad norm (on the first stage).
 - ``no_weight_decay`` (bool): norms and biases are excluded from weight decay.
+- ``wgrad_deferrable`` (bool): the parameter is read only by layers that can defer its
+  gradient (``parallel3d.deferred_grads``), so a zero-bubble ``B`` may leave it to ``W``.
+  Set only where that holds: a deferring layer's output feeding anything else is fine,
+  but a second reader of the parameter itself would lose its gradient in ``B``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def set_meta(
     global_name: str | None = None,
     tied_embedding: bool | None = None,
     no_weight_decay: bool | None = None,
+    wgrad_deferrable: bool | None = None,
 ) -> torch.nn.Parameter:
     if tp_split_dim is not None:
         param.tp_split_dim = tp_split_dim
@@ -35,6 +40,8 @@ def set_meta(
         param.tied_embedding = tied_embedding
     if no_weight_decay is not None:
         param.no_weight_decay = no_weight_decay
+    if wgrad_deferrable is not None:
+        param.wgrad_deferrable = wgrad_deferrable
     return param
 
 
@@ -48,6 +55,10 @@ def is_tp_split(param: torch.Tensor) -> bool:
 
 def is_tied_embedding(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tied_embedding", False))
+
+
+def is_wgrad_deferrable(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "wgrad_deferrable", False))
 
 
 def no_weight_decay(param: torch.Tensor) -> bool:

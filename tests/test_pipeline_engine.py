@@ -33,7 +33,8 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied,
     cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     ranges = partition_layers(cfg, pp, v, pp_layers)
     chunks = [
-        ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied)
+        ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied,
+                 deferral=pstate.weight_grads)
         for r in stage_layer_ranges(ranges, pp, pstate.pp_rank)
     ]
     engine = PipelineEngine(

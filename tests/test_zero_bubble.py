@@ -1,8 +1,8 @@
 """Zero-bubble schedules (zb_h1) and the split backward they run (B: input grad, W: weight grads).
 
 Schedules: generated (p, m) shapes; validation, NCCL batch semantics, memory bound, and the
-simulated bubble against the closed form. Split backward: random small networks against one
-unsplit ``backward``. Executor: toy pipelines at pp=2,3,4 against a float64 single process
+simulated bubble against the closed form. The split backward itself: ``test_deferred_grads``.
+Executor: toy pipelines at pp=2,3,4 against a float64 single process
 (the real Trainer is covered by ``tests/layout_matrix.py``, which draws ``zb_h1`` from
 ``config.SCHEDULES``).
 """
@@ -13,12 +13,9 @@ import random
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from parallel3d.parallel_state import ParallelState
-from parallel3d.pipeline import backward_split
-from parallel3d.pipeline.backward_split import input_grad
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.schedules import (
@@ -91,88 +88,7 @@ def test_validator_rejects_w_before_b_and_missing_w():
         validate_schedule({0: schedule[0], 1: [a for a in acts if a != Action("W", 1)]})
 
 
-# ---- the split backward -------------------------------------------------------------------
-class _Net(torch.nn.Module):
-    """Residual MLP blocks; optional recompute and a weight used at every block (no exact split)."""
-
-    def __init__(self, rng: random.Random, recompute: bool, shared: bool) -> None:
-        super().__init__()
-        h = rng.choice((4, 8))
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, 2 * h, bias=rng.random() < 0.5),
-                                torch.nn.GELU(), torch.nn.Linear(2 * h, h))
-            for _ in range(rng.randint(1, 3)))
-        self.scale = torch.nn.Parameter(torch.randn(h)) if shared else None
-        self.recompute, self.hidden = recompute, h
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + (checkpoint(block, x, use_reentrant=False) if self.recompute else block(x))
-            if self.scale is not None:
-                x = x * self.scale
-        return x
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_split_backward_equals_one_backward(seed):
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    net = _Net(rng, recompute=seed % 2 == 1, shared=seed % 3 == 2).double()
-    x = torch.randn(2, 3, net.hidden, dtype=torch.float64)
-    g = torch.randn_like(x)
-    ref_in = x.clone().requires_grad_()
-    net(ref_in).backward(g)
-    ref = {n: p.grad.clone() for n, p in net.named_parameters()}
-    net.zero_grad(set_to_none=True)
-    fired: list[str] = []
-    names = {id(p): n for n, p in net.named_parameters()}
-    for p in net.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: fired.append(names[id(p)]))
-    inp = x.clone().requires_grad_()
-    g_in, weight = input_grad(net(inp), g, inp)
-    torch.testing.assert_close(g_in, ref_in.grad)
-    if net.scale is None:  # an exact split: B leaves every weight gradient to W
-        assert fired == [] and all(p.grad is None for p in net.parameters())
-    weight.run()
-    assert sorted(fired) == sorted(ref)  # each parameter's hook fired exactly once
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n])
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_w_computes_matmul_and_bias_grads_without_graph_walks(seed, monkeypatch):
-    """Under identity saved-tensor hooks (the engine's), ``W`` of Linear/bias layers calls no
-    ``autograd.grad`` (direct formulas) and leaves bitwise the grads of one ``backward``."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    layers = [torch.nn.Linear(rng.choice((3, 5)), 6, bias=rng.random() < 0.5)]
-    for _ in range(rng.randint(1, 3)):
-        layers += [torch.nn.Tanh(), torch.nn.Linear(6, 6, bias=rng.random() < 0.5)]
-    net = torch.nn.Sequential(*layers)
-    shape = (rng.randint(1, 3), 4, layers[0].in_features)[-rng.choice((2, 3)):]  # 2-D (addmm) or 3-D (mm)
-    x, bias = torch.randn(*shape), torch.randn(6, requires_grad=True)  # plus a broadcast bias add
-
-    def forward(inp):
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, backward_split.plain_unpack):
-            return net(inp) + bias
-
-    g = torch.randn(*shape[:-1], 6)
-    ref_in = x.clone().requires_grad_()
-    forward(ref_in).backward(g)
-    params = [*net.parameters(), bias]
-    ref = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    inp = x.clone().requires_grad_()
-    g_in, weight = input_grad(forward(inp), g, inp)
-    calls = []
-    real_grad = torch.autograd.grad
-    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
-    weight.run()
-    assert calls == []
-    assert torch.equal(g_in, ref_in.grad)
-    for p, want in zip(params, ref):
-        assert torch.equal(p.grad, want)
+# The split backward itself (B then W against one backward, on the real model): tests/test_deferred_grads.py.
 
 
 # ---- the executor ---------------------------------------------------------------------------
@@ -193,7 +109,7 @@ def _zb_grad_sync_case(rank, world):
     pstate = ParallelState(Topology(1, world, 1))
     cfg = ModelConfig(num_layers=4, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.pp_rank)
-    chunk = ToyModel(4, r)
+    chunk = ToyModel(4, r, deferral=pstate.weight_grads)
     sync = RecordingGradSync()
     for p in chunk.parameters():  # where gradients arrive, relative to the engine's calls
         p.register_post_accumulate_grad_hook(lambda p: sync.calls.append(("grad",)))
@@ -218,31 +134,39 @@ def test_zb_h1_grads_arrive_in_w_and_sync_flags_follow_the_last_w():
 
 
 def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
-    """B keeps the graph for W and W runs only off the input path, so nothing releases the input
-    path's saved tensors: the graph must go by reference counting alone. The engine's pack hook
-    once returned saved outputs as themselves (tensor -> grad_fn -> saved tensor: a cycle), and
-    zb_h1 kept every microbatch's activations for the whole run."""
+    """Under the engine's saved-tensor hooks, B must free the graph's activations (W keeps only
+    its queue) and W the rest. The engine's pack hook once returned saved outputs as themselves
+    (tensor -> grad_fn -> saved tensor: a cycle), and zb_h1 kept every microbatch's activations."""
     import weakref
 
+    from parallel3d.deferred_grads import WeightGradDeferral, backward_inputs
+    from parallel3d.param_meta import set_meta
+    from parallel3d.pipeline.backward_split import split_backward
     from parallel3d.pipeline.engine import _SavedBytes
     from parallel3d.pipeline.p2p import _storage_users
+    from parallel3d.tensor_parallel.deferrable_linear import deferrable_linear
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(),
-                              torch.nn.Linear(8, 1))
+    deferral = WeightGradDeferral()
+    weights = [set_meta(torch.nn.Parameter(torch.randn(8, 8)), wgrad_deferrable=True) for _ in range(3)]
     kept: list[weakref.ref] = []
-    for layer in (net[1], net[3]):  # tanh and sigmoid save their own outputs
-        layer.register_forward_hook(lambda m, i, o: kept.append(weakref.ref(o)))
     received = torch.randn(4, 8)
     alone = _storage_users(received)
     x = received.detach().requires_grad_(True)
     saved = _SavedBytes(set())
     with saved.recording():
-        out = net(x).sum()
+        h = x
+        for w in weights:
+            h = torch.tanh(deferrable_linear(h, w, None, deferral))  # tanh saves its own output
+            kept.append(weakref.ref(h))
+        out = h.sum()
     assert saved.total > 0
-    g, work = input_grad(out, None, x)
-    del out, x, g
+    g, work = split_backward(out, None, x, deferral, backward_inputs(weights))
+    del out, h
+    held = {id(t) for t in work.held}
+    assert kept[-1]() is None, "B kept an activation W does not need"
+    del x, g
     work.run()
-    del work
+    del work, held
     assert all(ref() is None for ref in kept), "a split backward's activations outlived it"
     assert _storage_users(received) == alone

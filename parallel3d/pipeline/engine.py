@@ -35,12 +35,15 @@ built for FIFO batches (``build_schedule(coalesced_p2p=True)``). The constructor
 proves the resulting plan, waits included, deadlock-free under the backend's
 semantics (``check_coalesced_progress``) and refuses one that is not.
 
-Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B``
-computes only the input gradient to send upstream and keeps the graph, ``W``
-later accumulates the weight gradients into ``.grad`` (so gradient hooks fire
-in ``W``). A microbatch-chunk's activations then live from its ``F`` to its
-``W``; ``grad_sync.prepare`` is called before both halves with the flag of the
-``W`` that completes the chunk's accumulation.
+Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B`` is
+one backward that computes the input gradient to send upstream and the gradients
+of parameters no layer defers (norms), frees the graph, and leaves the deferring
+layers' weight-gradient GEMMs queued (``parallel3d.deferred_grads``); ``W`` runs
+them, and their gradients reach ``.grad`` (and its hooks) then. A microbatch-chunk
+holds its activations from ``F`` to ``B`` and the queue's tensors from ``B`` to
+``W`` (the first model chunk, with no input gradient to send, runs its whole
+backward at ``W``). ``grad_sync.prepare`` is told before ``B`` whether it is the
+chunk's last ``B`` and before ``W`` whether it is its last ``W``.
 
 Gradient finalisation has one owner, called once per step: at the end of
 ``run_step``, after the last send has completed, the engine calls
@@ -60,7 +63,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import torch
 
-from parallel3d.pipeline import backward_split
+from parallel3d.deferred_grads import DeferredWeightGrads, backward_inputs
+from parallel3d.pipeline.backward_split import FullBackward, split_backward
 from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, splits_backward, virtual_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
@@ -126,6 +130,10 @@ def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
     ]
 
 
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _SavedBytes:
     """Counts storage bytes autograd saves during one forward (parameters excluded).
 
@@ -143,8 +151,7 @@ class _SavedBytes:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        # plain_unpack: split backwards may then read saved tensors directly (backward_split)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, backward_split.plain_unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -233,15 +240,10 @@ class PipelineEngine:
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
         self.plan = comm_plan(self.actions, prefetch_recvs)
-        # The action that accumulates weight gradients (W if backwards are split, else B), and per
-        # chunk the microbatch whose accumulation completes the chunk's gradients.
+        # Per chunk, its last B and its last W: after them no more gradients of that kind arrive.
         self.split_backward = splits_backward(self.actions)
-        accumulating = "W" if self.split_backward else "B"
-        last: dict[int, Action] = {}
-        for a in self.actions:
-            if a.kind == accumulating:
-                last[a.chunk] = a
-        self._completing = {(a.microbatch, a.chunk) for a in last.values()}
+        last: dict[tuple[str, int], Action] = {(a.kind, a.chunk): a for a in self.actions if a.kind in ("B", "W")}
+        self._completing = {(a.kind, a.microbatch, a.chunk) for a in last.values()}
 
     # ---- helpers -------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -277,6 +279,8 @@ class PipelineEngine:
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
         param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
         run = _StepRun(self, microbatches, loss_scale, step, param_storages)
+        if self.split_backward:
+            run.undeferred = [backward_inputs(c.parameters()) for c in self.chunks]
         for plan_step in self.plan:
             run.communicate(plan_step)
             action = plan_step.compute
@@ -334,7 +338,8 @@ class _StepRun:
         self.freeable_bytes: dict[tuple[int, int], int] = {}
         self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
         self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
-        self.weight_work: dict[tuple[int, int], backward_split.WeightGrad] = {}  # split backwards: B done, W owed
+        self.weight_work: dict[tuple[int, int], DeferredWeightGrads | FullBackward] = {}  # split: B done, W owed
+        self.undeferred: list[list[torch.Tensor]] = []  # split: per chunk, the parameters B accumulates
         self.losses: list[torch.Tensor] = []
         self.timeline: list[tuple[Action, float, float]] = []
         self.peak_live = self.peak_bytes = 0
@@ -402,6 +407,11 @@ class _StepRun:
         self.outputs[key] = out
         self.stored_bytes[key] = saved.total
 
+    def held_bytes(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Bytes of the distinct non-parameter storages behind ``tensors``."""
+        sizes = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+        return sum(n for k, n in sizes.items() if k not in self.param_storages)
+
     def record_peak(self) -> None:
         """Activations peak right after a forward (before its output is sent)."""
         self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
@@ -411,16 +421,18 @@ class _StepRun:
         e = self.engine
         key = (action.microbatch, action.chunk)
         vs = e._virtual(action.chunk)
-        e.grad_sync.prepare(key in e._completing)
+        e.grad_sync.prepare(("B", *key) in e._completing)
         out = self.outputs.pop(key)
         grad = None if vs == e._last_virtual else self.grads_in.pop(key)
         inp = self.inputs.pop(key, None)
         if e.split_backward:
-            # The graph (and the activations it saved) stays until W; so do their bytes.
-            if vs == 0:  # no input gradient to send: all of the backward is W's
-                self.weight_work[key] = backward_split.WeightGrad.full(out, grad)
-            else:
-                self.grads_out[key], self.weight_work[key] = backward_split.input_grad(out, grad, inp)
+            if vs == 0:  # no input gradient to send: all of the backward is W's (the graph stays)
+                self.weight_work[key] = FullBackward(out, grad)
+                return
+            self.grads_out[key], work = split_backward(out, grad, inp, e.pstate.weight_grads, self.undeferred[action.chunk])
+            self.weight_work[key] = work
+            self.stored_bytes[key] = self.held_bytes(work.held)  # the graph is gone: only W's inputs remain
+            self.freeable_bytes.pop(key, None)
             return
         torch.autograd.backward(out, grad_tensors=grad)
         del out, grad  # the graph and its saved activations go now
@@ -437,7 +449,7 @@ class _StepRun:
         """``W``: accumulate this microbatch-chunk's weight gradients; its graph goes now."""
         e = self.engine
         key = (action.microbatch, action.chunk)
-        e.grad_sync.prepare(key in e._completing)
+        e.grad_sync.prepare(("W", *key) in e._completing)
         self.weight_work.pop(key).run()
         self.stored_bytes.pop(key)
         self.freeable_bytes.pop(key, None)
