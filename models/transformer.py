@@ -62,8 +62,9 @@ class TransformerLM(nn.Module):
             # (same global name, same init); the pipeline sums its grad over the embedding group.
             self.embedding = Embedding(ctx, with_positions=False)
         if c.tie_embeddings and pre_process != post_process and self.embedding is not None:
-            # A copy on a last stage is read only by the head's GEMM, whose gradient can wait (zero bubble).
-            set_meta(self.embedding.word.weight, tied_embedding=True, wgrad_deferrable=not pre_process)
+            # The head's copy is read only by the head's GEMM, whose gradient can wait (zero bubble).
+            set_meta(self.embedding.word.weight, tied_embedding=True, tied_head_copy=not pre_process,
+                     wgrad_deferrable=not pre_process)
         mlp = GeluMLP if c.arch == "gpt" else SwiGLUMLP
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(ctx, i, mlp(ctx, i)) for i in range(*layer_range)}

@@ -22,7 +22,7 @@ from typing import Any
 from models.config import ModelConfig
 from parallel3d.topology import LayoutError, Topology
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
@@ -70,8 +70,8 @@ class ParallelConfig:
     dp: Any = "auto"  # data-parallel replicas, or "auto" = world_size / (tp * pp)
     zero_stage: int = 0  # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads; 3: + sharded params
     sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)
-    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 (zero bubble, split backward)
-    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 | zbv (zero bubble, split backward)
+    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     order: str = "tp-dp-pp"  # rank order, fastest-varying first
     bucket_size_mb: float = 25.0  # gradient bucket size for DP/ZeRO reduction
     # dtype gradients are accumulated over microbatches and reduced over DP in: fp32 (main
@@ -278,11 +278,13 @@ def _check_parallel(p: ParallelConfig, model: ModelConfig, topo: Topology) -> No
     _check_choice("parallel.zero_stage", p.zero_stage, ZERO_STAGES)
     _check_choice("parallel.schedule", p.schedule, SCHEDULES)
     v = _check_int("parallel.virtual_stages", p.virtual_stages, 1)
-    if v > 1 and p.schedule != "interleaved_1f1b":
+    if v > 1 and p.schedule not in ("interleaved_1f1b", "zbv"):
         raise ConfigError(
-            f"parallel.virtual_stages={v}: only parallel.schedule=interleaved_1f1b uses more than one "
+            f"parallel.virtual_stages={v}: only parallel.schedule=interleaved_1f1b or zbv uses more than one "
             f"chunk per stage (schedule is {p.schedule!r})"
         )
+    if p.schedule == "zbv" and v != 2:
+        raise ConfigError(f"parallel.schedule=zbv runs two chunks per stage: set parallel.virtual_stages=2 (got {v})")
     if p.schedule == "interleaved_1f1b" and (v < 2 or topo.pp < 2):
         raise ConfigError(
             f"parallel.schedule=interleaved_1f1b needs parallel.pp >= 2 and parallel.virtual_stages >= 2 "

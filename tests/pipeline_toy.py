@@ -67,7 +67,7 @@ class ToyModel(nn.Module):
             elif not self.pre_process:
                 # The last stage's copy of the tied embedding (same initial values), read by the head only.
                 self.head = set_meta(_init((VOCAB, HIDDEN), seed, "embedding.word.weight"), tied_embedding=True,
-                                     wgrad_deferrable=True)
+                                     tied_head_copy=True, wgrad_deferrable=True)
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding if self.tied and self.pre_process else self.head

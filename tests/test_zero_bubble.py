@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (zb_h1) and the split backward they run (B: input grad, W: weight grads).
+"""Zero-bubble schedules (zb_h1, zbv) and the split backward they run (B: input grad, W: weight grads).
 
 Schedules: generated (p, m) shapes; validation, NCCL batch semantics, memory bound, and the
 simulated bubble against the closed form. The split backward itself: ``test_deferred_grads``.
@@ -18,8 +18,11 @@ from models.config import ModelConfig
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.schedules import (
     Action,
+    Schedule,
+    build_forward_schedule,
     ScheduleError,
     build_schedule,
     check_coalesced_progress,
@@ -142,7 +145,7 @@ def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
     from parallel3d.deferred_grads import WeightGradDeferral, backward_inputs
     from parallel3d.param_meta import set_meta
     from parallel3d.pipeline.backward_split import split_backward
-    from parallel3d.pipeline.engine import _SavedBytes
+    from parallel3d.pipeline.activation_bytes import SavedBytes
     from parallel3d.pipeline.p2p import _storage_users
     from parallel3d.tensor_parallel.deferrable_linear import deferrable_linear
 
@@ -153,7 +156,7 @@ def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
     received = torch.randn(4, 8)
     alone = _storage_users(received)
     x = received.detach().requires_grad_(True)
-    saved = _SavedBytes(set())
+    saved = SavedBytes(set())
     with saved.recording():
         h = x
         for w in weights:
@@ -170,3 +173,83 @@ def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
     del work, held
     assert all(ref() is None for ref in kept), "a split backward's activations outlived it"
     assert _storage_users(received) == alone
+
+
+# ---- ZB-V: two chunks per stage in a V ----------------------------------------------------------
+V_SHAPES = sorted({(1, 3), (2, 1), (2, 4)} | {(p, _rng.randint(1, 4 * p)) for p in (2, 3, 4, 5, 8) for _ in range(2)})
+
+
+def test_v_placement_is_a_v_and_inverts():
+    for p in (1, 2, 3, 5):
+        for v in (2, 4):
+            place = ChunkPlacement(p, v, "v")
+            for s in range(p):
+                for c in range(v):
+                    assert place.stage_and_chunk(place.model_chunk(s, c)) == (s, c)
+            assert sorted(k for s in range(p) for k in place.chunks_of(s)) == list(range(p * v))
+            assert place.chunks_of(0)[:2] == [0, 2 * p - 1]  # both ends of the model on stage 0
+            assert place.local_next(p - 1, 0) == 1 and place.local_previous(p - 1, 1) == 0  # the turn
+
+
+@pytest.mark.parametrize("p,m", V_SHAPES)
+def test_zbv_valid_memory_bounded_nccl_safe_and_no_messages_inside_a_stage(p, m):
+    for coalesced in (False, True):
+        schedule = build_schedule("zbv", p, m, 2, coalesced_p2p=coalesced)
+        place = schedule.placement
+        assert place.kind == "v"
+        for stage, actions in schedule.items():
+            for kind in ("F", "B", "W"):
+                for c in (0, 1):
+                    assert sorted(a.microbatch for a in actions if a.kind == kind and a.chunk == c) == list(range(m))
+            for a in actions:
+                if not a.is_compute:  # every message crosses stages: the V's turns stay inside one
+                    vs = place.model_chunk(stage, a.chunk)
+                    other = vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
+                    assert place.stage_of(other) != stage, (stage, a)
+        assert max(peak_in_flight(schedule).values()) <= 2 * p  # 1F1B's peak: p microbatches of 2 half-chunks
+        check_coalesced_progress(schedule, prefetch=0, coalesced=True)
+        for prefetch in (0, 2):
+            check_coalesced_progress(schedule, prefetch=prefetch, coalesced=False)
+        forward = build_forward_schedule(p, m, 2, coalesced_p2p=coalesced, placement="v")
+        check_coalesced_progress(forward, prefetch=0, coalesced=True)
+
+
+@pytest.mark.parametrize("p,m", [s for s in V_SHAPES if s[0] > 1 and s[1] >= s[0]])
+def test_zbv_bubble_below_interleaved_and_zb_h1(p, m):
+    """F = B = W = 1 (a whole backward 2): ZB-V's bubble is below zb_h1's and (m divisible by p)
+    interleaved 1F1B's at two chunks per stage."""
+    zbv = simulate(build_schedule("zbv", p, m, 2), 1.0, 2.0).bubble_fraction
+    assert zbv < simulate(build_schedule("zb_h1", p, m), 1.0, 2.0).bubble_fraction
+    if m % p == 0:
+        assert zbv < simulate(build_schedule("interleaved_1f1b", p, m, 2), 1.0, 2.0).bubble_fraction
+    if m >= 2 * p:
+        assert zbv < 0.1
+
+
+def test_zbv_validator_rejects_messages_inside_a_stage_and_a_turn_out_of_order():
+    schedule = build_schedule("zbv", 2, 2, 2)
+    turn = schedule[1]  # stage p-1 holds model chunks 1 and 2: chunk 1 feeds chunk 2 on the stage
+    i = turn.index(Action("F", 0, 1))
+    bad = Schedule({0: schedule[0], 1: [*turn[:i], Action("RECV_ACT", 0, 1), *turn[i:]]}, placement=schedule.placement)
+    with pytest.raises(ScheduleError, match="sits on this stage"):
+        validate_schedule(bad)
+    j, k = turn.index(Action("F", 0, 0)), turn.index(Action("F", 0, 1))
+    swapped = list(turn)
+    swapped[j], swapped[k] = swapped[k], swapped[j]
+    with pytest.raises(ScheduleError, match="needs an earlier F"):
+        validate_schedule(Schedule({0: schedule[0], 1: swapped}, placement=schedule.placement))
+
+
+def _zbv_cases(pp: int) -> list[tuple]:
+    """(pp, schedule, m, v, num_layers, pp_layers, tied, emulate_nccl): m below, at, above pp."""
+    rng = random.Random(100 + pp)
+    ms = [max(1, pp - 1), pp, 2 * pp + 1]
+    return [(pp, "zbv", m, 2, 2 * pp + rng.randint(0, 2), None, i % 2 == 0, i > 0) for i, m in enumerate(ms)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_zbv_pipeline_grads_match_single_process(pp):
+    """Tied embeddings included: both copies sit on stage 0 and are summed there. At pp=2 also
+    pp=1 (dp=2): one stage runs the whole V, every hand-over inside it."""
+    cases = _zbv_cases(pp) + ([(1, "zbv", 3, 2, 3, None, True, False)] if pp == 2 else [])
+    _check_against_reference(cases, run_on_ranks(_run_cases, pp, cases, timeout=180))

@@ -3,7 +3,7 @@
 Each rank sums squares over the elements it owns (its DP shard for stages 1-2,
 everything for stage 0) of the parameters it counts: tensor-parallel-split
 parameters on every TP rank, TP-replicated ones (norms, row-parallel biases)
-only on TP rank 0, the tied embedding only on the first pipeline stage. The
+only on TP rank 0, the tied embedding only in its embedding's copy. The
 sum is then all-reduced over ``dp`` (only when shards differ, stages 1-2) and
 over ``model`` (tp x pp), so every rank of the job ends with the same norm.
 """
@@ -23,7 +23,7 @@ def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
     """Whether this rank contributes ``param`` to the global norm."""
     if not param_meta.is_tp_split(param) and pstate.tp_rank != 0:
         return False
-    if param_meta.is_tied_embedding(param) and not pstate.is_first_stage:
+    if param_meta.is_tied_head_copy(param):
         return False
     return True
 
