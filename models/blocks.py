@@ -6,8 +6,9 @@ parallel, else ``s``). Attention and MLP are tensor parallel: each tp rank holds
 columns. The fused QKV weight is laid out by key/value group, ``[q heads of group 0,
 k_0, v_0, q heads of group 1, k_1, v_1, ...]`` (each ``head_dim`` rows per head), so a
 contiguous split over tp gives every rank whole groups, whatever tp is.
-Architecture-specific pieces (MLP, norm kind, rotary) come from ``models.gpt`` /
-``models.llama`` through the ``arch`` of the config.
+What a block is made of comes from its ``models.spec.BlockSpec`` (``config.spec.blocks[i]``): the
+norm kind (``NORM_FUNCTIONS``), the attention's heads and biases, and the MLP module that
+``models.transformer`` builds for the MLP kind.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import dispatch
 from models.config import ModelConfig
+from models.spec import AttentionSpec, BlockSpec, NormSpec
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
@@ -52,14 +54,14 @@ class BuildContext:
         # 1/sqrt(2 * num_layers) so the residual's variance does not grow with depth.
         return self.config.init_std / math.sqrt(2.0 * self.config.num_layers)
 
-    def column(self, fan_in: int, fan_out: int, name: str) -> ColumnParallelLinear:
+    def column(self, fan_in: int, fan_out: int, name: str, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(fan_in, fan_out, self.pstate, global_name=name, seed=self.seed,
-                                    init_std=self.config.init_std, bias=self.config.use_bias,
+                                    init_std=self.config.init_std, bias=bias,
                                     sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device)
 
-    def row(self, fan_in: int, fan_out: int, name: str) -> RowParallelLinear:
+    def row(self, fan_in: int, fan_out: int, name: str, bias: bool) -> RowParallelLinear:
         return RowParallelLinear(fan_in, fan_out, self.pstate, global_name=name, seed=self.seed,
-                                 init_std=self.residual_std, bias=self.config.use_bias,
+                                 init_std=self.residual_std, bias=bias,
                                  sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device)
 
 
@@ -73,24 +75,38 @@ class ForwardContext:
     training: bool
 
 
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                backend: str) -> torch.Tensor:
+    return dispatch.layer_norm(x, weight, bias, eps, backend=backend)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+              backend: str) -> torch.Tensor:
+    assert bias is None, "RMSNorm has no bias (models.spec.NORM_TAKES_BIAS)"
+    return dispatch.rms_norm(x, weight, eps, backend=backend)
+
+
+# The function of each models.spec.NORM_KINDS kind: (x, weight, bias, eps, backend) -> normalised x.
+NORM_FUNCTIONS = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}
+
+
 class Norm(nn.Module):
-    """LayerNorm (gpt) or RMSNorm (llama) over the last dim; weight replicated over tp.
+    """A ``NormSpec`` (LayerNorm, RMSNorm) over the last dim; weight (and bias) replicated over tp.
 
     With sequence parallel each rank normalises only its tokens, so the replicated
     weight/bias gradients are partial sums: ``copy_to_tp_region`` all-reduces them in backward.
     """
 
-    def __init__(self, ctx: BuildContext, global_name: str) -> None:
+    def __init__(self, ctx: BuildContext, global_name: str, spec: NormSpec) -> None:
         super().__init__()
-        c = ctx.config
-        self.rms = c.arch == "llama"
-        self.eps, self.backend = c.norm_eps, c.backend
+        self.function = NORM_FUNCTIONS[spec.kind]
+        self.eps, self.backend = spec.eps, ctx.config.backend
         self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
-        self.weight = nn.Parameter(torch.ones(c.hidden_size, dtype=ctx.dtype, device=ctx.device))
+        self.weight = nn.Parameter(torch.ones(spec.size, dtype=ctx.dtype, device=ctx.device))
         set_meta(self.weight, global_name=f"{global_name}.weight", no_weight_decay=True)
         self.bias = None
-        if not self.rms and c.use_bias:
-            self.bias = nn.Parameter(torch.zeros(c.hidden_size, dtype=ctx.dtype, device=ctx.device))
+        if spec.bias:
+            self.bias = nn.Parameter(torch.zeros(spec.size, dtype=ctx.dtype, device=ctx.device))
             set_meta(self.bias, global_name=f"{global_name}.bias", no_weight_decay=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,9 +114,7 @@ class Norm(nn.Module):
         if self.sequence_parallel:
             weight = copy_to_tp_region(weight, self.pstate)
             bias = None if bias is None else copy_to_tp_region(bias, self.pstate)
-        if self.rms:
-            return dispatch.rms_norm(x, weight, self.eps, backend=self.backend)
-        return dispatch.layer_norm(x, weight, bias, self.eps, backend=self.backend)
+        return self.function(x, weight, bias, self.eps, self.backend)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -133,17 +147,16 @@ def _views_copied_out_if_mixed(parts: tuple[torch.Tensor, ...], buffer: torch.Te
 class Attention(nn.Module):
     """Multi-head / grouped-query causal self-attention, heads split over tp."""
 
-    def __init__(self, ctx: BuildContext, layer: int) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, spec: AttentionSpec) -> None:
         super().__init__()
-        c, tp = ctx.config, ctx.pstate.tp_size
-        self.head_dim = c.head_dim
-        self.kv_local = c.kv_heads // tp
-        self.q_per_kv = c.num_heads // c.kv_heads
-        self.backend = c.backend
+        h, tp = ctx.config.hidden_size, ctx.pstate.tp_size
+        self.head_dim = spec.head_dim
+        self.kv_local = spec.num_kv_heads // tp
+        self.q_per_kv = spec.num_heads // spec.num_kv_heads
+        self.backend = ctx.config.backend
         self.selective = ctx.recompute == "selective"
-        qkv_rows = (c.num_heads + 2 * c.kv_heads) * c.head_dim
-        self.qkv = ctx.column(c.hidden_size, qkv_rows, f"layers.{layer}.attn.qkv")
-        self.out = ctx.row(c.num_heads * c.head_dim, c.hidden_size, f"layers.{layer}.attn.out")
+        self.qkv = ctx.column(h, spec.q_size + 2 * spec.kv_size, f"layers.{layer}.attn.qkv", spec.qkv_bias)
+        self.out = ctx.row(spec.q_size, h, f"layers.{layer}.attn.out", spec.out_bias)
 
     def forward(self, x: torch.Tensor, run: ForwardContext) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -166,14 +179,14 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + drop(attn(norm1(x)))``, ``out = h + drop(mlp(norm2(h)))``."""
 
-    def __init__(self, ctx: BuildContext, layer: int, mlp: nn.Module) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, spec: BlockSpec, mlp: nn.Module) -> None:
         super().__init__()
         self.layer = layer
         self.dropout, self.seed = ctx.config.dropout, ctx.seed
         self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
-        self.norm1 = Norm(ctx, f"layers.{layer}.norm1")
-        self.attn = Attention(ctx, layer)
-        self.norm2 = Norm(ctx, f"layers.{layer}.norm2")
+        self.norm1 = Norm(ctx, f"layers.{layer}.norm1", spec.norm)
+        self.attn = Attention(ctx, layer, spec.attention)
+        self.norm2 = Norm(ctx, f"layers.{layer}.norm2", spec.norm)
         self.mlp = mlp
 
     def _drop(self, x: torch.Tensor, run: ForwardContext, site: str) -> torch.Tensor:

@@ -1,18 +1,25 @@
 """Typed model configuration shared by the models, the trainer and the planners.
 
-One dataclass covers both architectures; ``arch`` picks the block:
-- ``"gpt"``: learned positions, pre-LayerNorm, GELU MLP (ffn = 4h by default),
-  tied input/output embeddings, optional biases.
-- ``"llama"``: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention
-  (``num_kv_heads``), untied output, no biases.
+One dataclass covers every architecture; ``arch`` names a preset of ``models.spec.ARCH_PRESETS``:
+- ``"gpt"``: learned positions, pre-LayerNorm, GELU MLP (ffn = 4h by default); the named
+  GPT configs tie input/output embeddings and use biases.
+- ``"llama"``: rotary positions, RMSNorm, SwiGLU MLP; the named Llama configs use
+  grouped-query attention (``num_kv_heads``), an untied output and no biases.
+``use_bias``, ``tie_embeddings`` and ``num_kv_heads`` apply to any arch. ``spec`` is the
+resolved architecture (``models.spec.ModelSpec``) and ``shape`` its parameters and FLOPs
+(``models.shape.ModelShape``); code reads those, never ``arch``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
-ARCHS = ("gpt", "llama")
+from models.shape import ModelShape
+from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
+
+ARCHS = tuple(ARCH_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class ModelConfig:
     vocab_size: int = 512
     max_seq_len: int = 128
     norm_eps: float = 1e-5
-    rope_base: float = 10000.0  # llama only
+    rope_base: float = 10000.0  # rotary positions only (arch llama)
     tie_embeddings: bool = True
     use_bias: bool = True
     dropout: float = 0.0  # hidden/residual dropout; attention probabilities are not dropped
@@ -56,6 +63,25 @@ class ModelConfig:
     def ffn_size(self) -> int:
         return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
 
+    @cached_property
+    def spec(self) -> ModelSpec:
+        """The architecture as data: ``arch``'s preset with this config's sizes and flags."""
+        preset = ARCH_PRESETS[self.arch]
+        norm = NormSpec(kind=preset.norm, size=self.hidden_size, bias=self.use_bias and NORM_TAKES_BIAS[preset.norm],
+                        eps=self.norm_eps)
+        attention = AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                  qkv_bias=self.use_bias, out_bias=self.use_bias)
+        block = BlockSpec(hidden_size=self.hidden_size, norm=norm, attention=attention,
+                          mlp=MLPSpec(kind=preset.mlp, ffn_size=self.ffn_size, bias=self.use_bias))
+        return ModelSpec(arch=self.arch, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
+                         max_seq_len=self.max_seq_len, positions=preset.positions, rope_base=self.rope_base,
+                         tied_head=self.tie_embeddings, blocks=(block,) * self.num_layers, final_norm=norm)
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        """Parameters (by sharding class) and FLOPs per token of this model (``models.shape``)."""
+        return ModelShape.from_spec(self.spec)
+
     # ---- validation ------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the key and the allowed values."""
@@ -77,7 +103,7 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.kv_heads}"
             )
-        if self.arch == "llama" and self.head_dim % 2:
+        if ARCH_PRESETS[self.arch].positions == "rope" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")

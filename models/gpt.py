@@ -1,8 +1,8 @@
 """GPT-2 / GPT-3 pieces: learned position embeddings and the GELU MLP.
 
 The rest of a GPT (pre-LayerNorm blocks, tied output head) is the shared
-``models.transformer.TransformerLM`` with ``arch="gpt"``: LayerNorm, no rotary, and the
-head reusing ``embedding.word.weight`` when ``tie_embeddings`` is set.
+``models.transformer.TransformerLM`` reading ``config.spec`` (``models.spec``): LayerNorm, no
+rotary, and the head reusing ``embedding.word.weight`` when ``tie_embeddings`` is set.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.blocks import BuildContext
+from models.spec import MLPSpec
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import VocabParallelEmbedding, copy_to_tp_region
 from parallel3d.tensor_parallel.mappings import tp_chunk_start
@@ -24,18 +25,18 @@ class GeluMLP(nn.Module):
     GELU uses the tanh approximation, as GPT-2 ("gelu_new") does.
     """
 
-    def __init__(self, ctx: BuildContext, layer: int) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, spec: MLPSpec) -> None:
         super().__init__()
-        c = ctx.config
-        self.fc1 = ctx.column(c.hidden_size, c.ffn_size, f"layers.{layer}.mlp.fc1")
-        self.fc2 = ctx.row(c.ffn_size, c.hidden_size, f"layers.{layer}.mlp.fc2")
+        h = ctx.config.hidden_size
+        self.fc1 = ctx.column(h, spec.ffn_size, f"layers.{layer}.mlp.fc1", spec.bias)
+        self.fc2 = ctx.row(spec.ffn_size, h, f"layers.{layer}.mlp.fc2", spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class Embedding(nn.Module):
-    """Token (vocab-parallel) plus, for gpt, learned position embeddings: ``[b, s] -> [b, s_local, h]``.
+    """Token (vocab-parallel) plus, with learned positions, position embeddings: ``[b, s] -> [b, s_local, h]``.
 
     ``with_positions=False`` builds only ``word`` (the tied-head copy on a last pipeline stage).
     The position table is replicated over tp; with sequence parallel each rank adds the rows of

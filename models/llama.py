@@ -2,7 +2,7 @@
 
 The rest of a Llama (RMSNorm pre-norm blocks, grouped-query attention with
 ``num_kv_heads``, untied head) is the shared ``models.transformer.TransformerLM``
-with ``arch="llama"``.
+reading ``config.spec`` (``models.spec``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 
 from kernels import dispatch
 from models.blocks import BuildContext
+from models.spec import MLPSpec
 from parallel3d.tensor_parallel import column_parallel_linears
 
 
@@ -25,13 +26,13 @@ def rotary_tables(seq_len: int, head_dim: int, base: float, device: torch.device
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate/up column-parallel (h -> ffn/tp), down row-parallel."""
 
-    def __init__(self, ctx: BuildContext, layer: int) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, spec: MLPSpec) -> None:
         super().__init__()
-        c = ctx.config
-        self.backend = c.backend
-        self.gate = ctx.column(c.hidden_size, c.ffn_size, f"layers.{layer}.mlp.gate")
-        self.up = ctx.column(c.hidden_size, c.ffn_size, f"layers.{layer}.mlp.up")
-        self.down = ctx.row(c.ffn_size, c.hidden_size, f"layers.{layer}.mlp.down")
+        h = ctx.config.hidden_size
+        self.backend = ctx.config.backend
+        self.gate = ctx.column(h, spec.ffn_size, f"layers.{layer}.mlp.gate", spec.bias)
+        self.up = ctx.column(h, spec.ffn_size, f"layers.{layer}.mlp.up", spec.bias)
+        self.down = ctx.row(spec.ffn_size, h, f"layers.{layer}.mlp.down", spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up read the same input: make it whole once (one all-gather / one f), not twice.

@@ -1,4 +1,4 @@
-"""The language model (GPT or Llama by ``config.arch``) and ``build_model``.
+"""The language model (any ``config.spec``: GPT, Llama) and ``build_model``.
 
 One module serves every layout: it holds the global layers ``[a, b)`` of the model
 (``layers`` is a ModuleDict keyed by the *global* index, so parameter names never
@@ -28,6 +28,7 @@ from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
 from models.config import ModelConfig
 from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
+from models.shape import RECOMPUTED
 from parallel3d import comm
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
@@ -40,44 +41,43 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = tuple(RECOMPUTED)  # none | selective | full (models.shape says what each re-runs)
+# The module of each models.spec.MLP_KINDS kind: (ctx, layer, MLPSpec) -> [b, s_local, h] -> same.
+MLP_CLASSES: dict[str, type[nn.Module]] = {"gelu": GeluMLP, "swiglu": SwiGLUMLP}
 EMBEDDING_LAYER = -1  # the "layer index" of the embedding's dropout site
 
 
 class TransformerLM(nn.Module):
-    """Global layers ``layer_range`` of a GPT/Llama, optionally with embedding and head."""
+    """Global layers ``layer_range`` of a ``config.spec`` model, optionally with embedding and head."""
 
     def __init__(self, ctx: BuildContext, layer_range: tuple[int, int], pre_process: bool, post_process: bool) -> None:
         super().__init__()
-        c = ctx.config
+        c, spec = ctx.config, ctx.config.spec
         self.config, self.pstate, self.seed = c, ctx.pstate, ctx.seed
         self.layer_range, self.pre_process, self.post_process = layer_range, pre_process, post_process
         self.sequence_parallel, self.recompute = ctx.sequence_parallel, ctx.recompute
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, ctx.pstate.tp_size)
         self.embedding: Embedding | None = None
         if pre_process:
-            self.embedding = Embedding(ctx, with_positions=c.arch == "gpt")
-        elif post_process and c.tie_embeddings:
+            self.embedding = Embedding(ctx, with_positions=spec.learned_positions)
+        elif post_process and spec.tied_head:
             # A last stage that is not also first: its own copy of the tied word embedding
             # (same global name, same init); the pipeline sums its grad over the embedding group.
             self.embedding = Embedding(ctx, with_positions=False)
-        if c.tie_embeddings and pre_process != post_process and self.embedding is not None:
+        if spec.tied_head and pre_process != post_process and self.embedding is not None:
             # The head's copy is read only by the head's GEMM, whose gradient can wait (zero bubble).
             set_meta(self.embedding.word.weight, tied_embedding=True, tied_head_copy=not pre_process,
                      wgrad_deferrable=not pre_process)
-        mlp = GeluMLP if c.arch == "gpt" else SwiGLUMLP
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(ctx, i, mlp(ctx, i)) for i in range(*layer_range)}
-        )
-        self.final_norm = Norm(ctx, "final_norm") if post_process else None
+        self.layers = nn.ModuleDict({str(i): _block(ctx, i) for i in range(*layer_range)})
+        self.final_norm = Norm(ctx, "final_norm", spec.final_norm) if post_process else None
         self.head: ParallelLMHead | None = None
-        if post_process and not c.tie_embeddings:
+        if post_process and not spec.tied_head:
             self.head = ParallelLMHead(c.hidden_size, c.vocab_size, ctx.pstate, global_name="head", seed=ctx.seed,
                                        init_std=c.init_std, sequence_parallel=ctx.sequence_parallel,
                                        dtype=ctx.dtype, device=ctx.device)
         # ZeRO-3 gathers these on their own (parallel3d.zero.units): their parameters are read only
         # inside their forward. A tied embedding is read by the head too, so it stays in the root.
-        if self.embedding is not None and not c.tie_embeddings:
+        if self.embedding is not None and not spec.tied_head:
             self.embedding.zero3_unit = True
         if self.head is not None:
             self.head.zero3_unit = True
@@ -151,7 +151,7 @@ class TransformerLM(nn.Module):
         if training and tuple(sample_ids.shape) != (b,):
             raise ValueError(f"sample_ids must have shape [{b}] (one global sample index per row), "
                              f"got {tuple(sample_ids.shape)}")
-        rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.arch == "llama" else None
+        rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.spec.rotary else None
         run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training)
         if self.pre_process and training:
             h = layout_independent_dropout(h, c.dropout, seed=self.seed, step=step, sample_ids=sample_ids,
@@ -165,6 +165,11 @@ class TransformerLM(nn.Module):
         assert self.final_norm is not None
         logits = self.logits(self.final_norm(h))
         return logits if labels is None else self.loss(logits, labels)
+
+
+def _block(ctx: BuildContext, layer: int) -> TransformerBlock:
+    spec = ctx.config.spec.blocks[layer]
+    return TransformerBlock(ctx, layer, spec, MLP_CLASSES[spec.mlp.kind](ctx, layer, spec.mlp))
 
 
 def _resolve_layer_range(config: ModelConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:

@@ -1,17 +1,15 @@
 """Training metrics: FLOPs / MFU, throughput, memory, and the JSONL / W&B / console sinks.
 
-FLOPs convention (also in README):
-- ``N`` = every parameter that takes part in a matmul per token: all transformer-layer
-  parameters (attention, MLP, norms, biases) plus the output projection ``h * V``
-  (counted even when tied to the input embedding, because the logits matmul runs).
-  Input embedding lookups (word, learned positions) are not matmuls and are excluded.
-- Model FLOPs per token = ``6 * N + 6 * L * s * h``: 2 FLOPs per multiply-add, forward
-  plus a backward twice as expensive. The attention term is the score (QK^T) and
-  weighted-sum (AV) matmuls, ``12 * L * s * h`` for full attention, *halved* because
-  attention is causal.
-- MFU uses model FLOPs only (recompute does not count). HFU adds the recomputed
-  forward: ``full`` recompute re-runs the whole forward (``8 * N + 8 * L * s * h``),
-  ``selective`` re-runs core attention (``6 * N + 8 * L * s * h``).
+FLOPs convention (also in conf/README.md): the FLOPs per token come from the model's shape
+(``models.shape``, ``ModelConfig.shape.flops_per_token``), counting matmuls only, 2 FLOPs per
+multiply-add, as torch's FlopCounterMode does: every weight matmul of the layers, the attention
+score and value matmuls (QK^T, PV), and the logits matmul ``h * V`` (also when tied to the
+input embedding). Norms, activations, softmax, bias adds and embedding lookups are not counted.
+- Model FLOPs = forward + backward (twice the forward), with attention counted over the causal
+  half of the ``s x s`` pairs (``MFU_ATTENTION``): per token
+  ``6 * N_matmul + 6 * L * s * heads * head_dim``.
+- MFU uses model FLOPs only (recompute does not count). HFU adds the forward work recompute
+  re-runs: ``full`` every layer's forward (not the head), ``selective`` every layer's attention core.
 - The peak is per device for the run's dtype: dense bf16/fp16 tensor-core peak (never
   TF32 or sparse) or the plain fp32 peak for fp32 runs. Unknown devices (and CPUs)
   get no MFU and a single warning unless ``train.peak_tflops`` is given.
@@ -45,40 +43,7 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
     ("L40S", 362.0, 91.6),
     ("V100", 125.0, 15.7),  # fp16 (no bf16 on V100)
 )
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """``N`` of the FLOPs convention: layer parameters + final norm + output projection."""
-    h, f, L, V = cfg.hidden_size, cfg.ffn_size, cfg.num_layers, cfg.vocab_size
-    if cfg.arch == "gpt":
-        bias = 1 if cfg.use_bias else 0
-        attn = 3 * h * h + h * h + bias * (3 * h + h)
-        mlp = 2 * h * f + bias * (f + h)
-        norms = 2 * 2 * h  # two LayerNorms with weight and bias
-        final_norm = 2 * h
-    else:
-        kv = cfg.kv_heads * cfg.head_dim
-        attn = h * h + 2 * h * kv + h * h
-        mlp = 3 * h * f  # gate, up, down
-        norms = 2 * h  # two RMSNorms, weight only
-        final_norm = h
-    return L * (attn + mlp + norms) + final_norm + h * V
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token without recompute (see module doc)."""
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.num_layers * seq_len * cfg.hidden_size
-
-
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str) -> float:
-    """Training FLOPs per token including the recomputed forward."""
-    n_term = 6.0 * matmul_params(cfg)
-    attn_term = 6.0 * cfg.num_layers * seq_len * cfg.hidden_size
-    if recompute == "full":
-        return n_term * 8 / 6 + attn_term * 8 / 6
-    if recompute == "selective":
-        return n_term + attn_term * 8 / 6
-    return n_term + attn_term
+MFU_ATTENTION = "causal"  # models.shape's attention convention for MFU/HFU: a causal mask skips half the pairs
 
 
 def peak_tflops_for(device_name: str, precision: str) -> float | None:
@@ -157,12 +122,13 @@ class ThroughputModel:
         peak_tflops: float | None,
     ) -> "ThroughputModel":
         tokens = global_batch_size * seq_len
+        flops = cfg.shape.flops_per_token(seq_len, attention=MFU_ATTENTION, recompute=recompute)
         return cls(
             tokens_per_step=tokens,
             samples_per_step=global_batch_size,
             world_size=world_size,
-            model_flops_per_step=model_flops_per_token(cfg, seq_len) * tokens,
-            hardware_flops_per_step=hardware_flops_per_token(cfg, seq_len, recompute) * tokens,
+            model_flops_per_step=flops.model * tokens,
+            hardware_flops_per_step=flops.hardware * tokens,
             peak_tflops=peak_tflops,
         )
 

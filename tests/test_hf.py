@@ -8,6 +8,7 @@ import torch
 
 from models import build_model, get_config
 from models.hf import from_hf, hf_config, to_hf
+from models.hf_formats import hf_format
 from models.state import full_state_dict
 from parallel3d.parallel_state import ParallelState
 from parallel3d.tensor_parallel import gather_last_dim
@@ -25,7 +26,7 @@ NAMES = ["gpt_tiny", "llama_tiny"]
 def _hf_model(name: str, seed: int = 0):
     cfg = get_config(name)
     transformers = _transformers()
-    cls = transformers.GPT2LMHeadModel if cfg.arch == "gpt" else transformers.LlamaForCausalLM
+    cls = getattr(transformers, hf_format(cfg).architecture)
     torch.manual_seed(seed)
     return cfg, cls(hf_config(cfg)).eval()
 
@@ -120,3 +121,24 @@ def test_unsupported_hf_config_is_rejected():
     cfg.activation_function = "relu"
     with pytest.raises(ValueError, match="activation_function='relu'"):
         from_hf(_transformers().GPT2LMHeadModel(cfg))
+
+
+def test_llama_with_biases_converts_every_tensor_of_the_shape():
+    """Conversion walks ``config.shape``: a Llama with biases maps to HF's attention_bias + mlp_bias,
+    every bias perturbed so that a misplaced one changes the logits."""
+    cfg = get_config("llama_tiny", use_bias=True)
+    torch.manual_seed(3)
+    hf = _transformers().LlamaForCausalLM(hf_config(cfg)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert any(k.endswith("q_proj.bias") for k in hf.state_dict()) and any(k.endswith("down_proj.bias")
+                                                                             for k in hf.state_dict())
+    ids, _ = _batch(cfg.vocab_size)
+    ours = from_hf(hf).eval()
+    assert ours.config.use_bias
+    with torch.no_grad():
+        assert _rel(ours(ids), hf(ids).logits) < 1e-5
+    state = to_hf(ours)
+    assert state.keys() == hf.state_dict().keys()
+    assert all(torch.equal(v, hf.state_dict()[k]) for k, v in state.items())

@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from models import build_model, get_config
 from parallel3d.metrics import (
@@ -19,9 +18,7 @@ from parallel3d.metrics import (
     detect_peak_tflops,
     peak_tflops_for,
     format_console,
-    hardware_flops_per_token,
-    matmul_params,
-    model_flops_per_token,
+    MFU_ATTENTION,
     resolve_peak_tflops,
     wandb_key,
 )
@@ -29,56 +26,21 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.wandb_reader import find_offline_runs, iter_record_bytes, read_run
 
 
-def _non_embedding_plus_head(model: torch.nn.Module, cfg) -> int:
-    """N of the convention, counted on the built model: all but embedding tables, plus h*V."""
-    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("embedding."))
-    head_in_model = any(name.startswith("head.") for name, _ in model.named_parameters())
-    return n + (0 if head_in_model else cfg.hidden_size * cfg.vocab_size)
-
-
-@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt2_124m", "llama3_8b"])
-def test_matmul_params_counts_the_built_model(name):
-    cfg = get_config(name)
-    model = build_model(cfg, ParallelState.single_process(), device="meta")
-    assert matmul_params(cfg) == _non_embedding_plus_head(model, cfg)
-
-
-@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
-def test_6n_term_matches_torch_flop_counter(name):
-    """torch counts the weight matmuls (forward + backward) of a real training step."""
-    cfg = get_config(name, kernel_backend="torch")
-    model = build_model(cfg, ParallelState.single_process())
-    b, s = 2, 16
-    x = torch.randint(0, cfg.vocab_size, (b, s))
-    with FlopCounterMode(display=False) as counter:
-        model(x, x).backward()
-    counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
-    weight_matmuls = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
-    # The convention's N also holds norm weights and biases (no matmul): take them out here.
-    vectors = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1)
-    assert weight_matmuls == 6 * (matmul_params(cfg) - vectors) * b * s
-
-
-def test_attention_term_is_causal_half_of_torch_count():
-    """12*L*s*h per token for full attention (QK^T and PV, forward + backward), halved for causal."""
-    cfg = get_config("gpt_tiny")
-    s, h, nh = 16, cfg.hidden_size, cfg.num_heads
-    q, k, v = (torch.randn(1, nh, s, h // nh, requires_grad=True) for _ in range(3))
-    with FlopCounterMode(display=False) as counter:
-        out = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
-        out.sum().backward()
-    per_layer_per_token = counter.get_total_flops() / s
-    attention_term = model_flops_per_token(cfg, s) - 6 * matmul_params(cfg)
-    assert attention_term == pytest.approx(cfg.num_layers * per_layer_per_token / 2)
-
-
-def test_hfu_counts_recompute():
-    cfg = get_config("gpt_tiny")
-    base = model_flops_per_token(cfg, 64)
-    assert hardware_flops_per_token(cfg, 64, "none") == base
-    assert hardware_flops_per_token(cfg, 64, "full") == pytest.approx(base * 8 / 6)
-    attn = base - 6 * matmul_params(cfg)
-    assert hardware_flops_per_token(cfg, 64, "selective") == pytest.approx(base + attn / 3)
+def test_mfu_counts_causal_attention_and_hfu_the_recompute():
+    """MFU's FLOPs are the shape's model FLOPs with causal attention (tests/test_model_shape.py
+    holds the shape to torch's FLOP counter); HFU adds the recomputed forward."""
+    assert MFU_ATTENTION == "causal"
+    cfg = get_config("llama_tiny")
+    shape, s, h, L = cfg.shape, 64, cfg.hidden_size, cfg.num_layers
+    layer_weights = sum(t.numel for layer in shape.layers for t in layer.tensors if len(t.shape) == 2)
+    matmul_weights = layer_weights + h * cfg.vocab_size  # the head's logits matmul runs tied or not
+    # Recompute re-runs the layers' forward (2 FLOPs per weight, causal attention 2*s*h), never the head.
+    for recompute, rerun in (("none", 0), ("selective", 2 * s * h * L), ("full", 2 * layer_weights + 2 * s * h * L)):
+        tm = ThroughputModel.build(cfg, seq_len=s, global_batch_size=2, world_size=1, recompute=recompute,
+                                   peak_tflops=1.0)
+        per_token = 6 * matmul_weights + 6 * L * s * h  # the causal half of 12*L*s*h
+        assert tm.model_flops_per_step == pytest.approx(per_token * 2 * s)
+        assert tm.hardware_flops_per_step == pytest.approx((per_token + rerun) * 2 * s)
 
 
 def test_throughput_and_mfu_arithmetic():
@@ -86,10 +48,10 @@ def test_throughput_and_mfu_arithmetic():
     tm = ThroughputModel.build(cfg, seq_len=64, global_batch_size=8, world_size=4, recompute="full", peak_tflops=2.0)
     m = tm.step_metrics(0.5)
     assert m["tokens_per_sec"] == 8 * 64 / 0.5 and m["samples_per_sec"] == 16
-    flops = model_flops_per_token(cfg, 64) * 8 * 64
-    assert m["tflops_per_device"] == pytest.approx(flops / 0.5 / 4 / 1e12)
+    flops = cfg.shape.flops_per_token(64, attention="causal", recompute="full")
+    assert m["tflops_per_device"] == pytest.approx(flops.model * 8 * 64 / 0.5 / 4 / 1e12)
     assert m["mfu"] == pytest.approx(m["tflops_per_device"] / 2.0)
-    assert m["hfu"] == pytest.approx(m["mfu"] * hardware_flops_per_token(cfg, 64, "full") / model_flops_per_token(cfg, 64))
+    assert m["hfu"] == pytest.approx(m["mfu"] * flops.hardware / flops.model)
     none = ThroughputModel.build(cfg, seq_len=64, global_batch_size=8, world_size=4, recompute="none", peak_tflops=None)
     assert none.step_metrics(0.5)["mfu"] is None
 

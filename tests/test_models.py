@@ -299,7 +299,7 @@ def test_attention_keeps_q_k_v_at_their_own_size(name, overrides, recompute):
     model = build_model(cfg, ParallelState.single_process(), seed=1, recompute=recompute)
     s, hq, kv, d = 16, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     x = torch.randn(B, s, cfg.hidden_size, requires_grad=True)
-    rope = rotary_tables(s, d, cfg.rope_base, x.device) if cfg.arch == "llama" else None
+    rope = rotary_tables(s, d, cfg.rope_base, x.device) if cfg.spec.rotary else None
     run = ForwardContext(rope=rope, sample_ids=None, step=0, training=False)
     attn = model.layers["0"].attn
     got, out = saved_bytes(lambda: attn(x, run), exclude=[*model.parameters(), *(rope or ())])

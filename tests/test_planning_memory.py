@@ -26,7 +26,6 @@ from parallel3d.planning.activations import (
 )
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory, model_state_bytes
-from parallel3d.planning.params import layer_params
 from parallel3d.topology import LayoutError
 
 GB = 1e9
@@ -149,7 +148,7 @@ def test_zero3_shards_the_16_bytes_per_parameter():
 def test_zero3_window_and_offload_in_the_estimate():
     config = get_config("llama3_8b")
     base = Layout(tp=1, pp=1, dp=8, seq_len=1024, micro_batch_size=1, global_batch_size=8, zero_stage=3)
-    layer = 2 * layer_params(config).per_rank(1)  # bf16 bytes of one transformer layer
+    layer = 2 * config.shape.layers[0].params.per_rank(1)  # bf16 bytes of one transformer layer
     shard2 = estimate_memory(config, base.replace(zero_stage=2)).stages[0]
     mb = {d: estimate_memory(config, base.replace(zero3_prefetch=d)).stages[0] for d in (0, 1, 2)}
     assert mb[1].weights - mb[0].weights == pytest.approx(layer)

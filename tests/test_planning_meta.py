@@ -17,7 +17,8 @@ from models import build_model, count_parameters, get_config
 from parallel3d.param_meta import is_tied_embedding, is_tp_split
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.planning.params import padded_vocab, rank_params
+from parallel3d.planning.params import rank_params
+from parallel3d.tensor_parallel.layers import padded_vocab_size
 from parallel3d.topology import Topology
 
 TP, PP, DP = 8, 16, 8
@@ -46,7 +47,7 @@ def test_meta_shards_of_a_1024_rank_layout_sum_to_the_full_model(name):
                     continue  # the last stage's copy of the tied embedding
                 if is_tp_split(p) or tp == 0:
                     total += p.numel()
-    padding_rows = padded_vocab(config, TP) - config.vocab_size
+    padding_rows = padded_vocab_size(config.vocab_size, TP) - config.vocab_size
     embeddings = 1 if config.tie_embeddings else 2
     assert total == count_parameters(config, verbose=False) + padding_rows * config.hidden_size * embeddings
 
@@ -54,7 +55,5 @@ def test_meta_shards_of_a_1024_rank_layout_sum_to_the_full_model(name):
 @pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "gpt2_124m", "llama2_7b", "llama3_8b", "gpt3_175b",
                                   "llama3_70b", "llama31_405b"])
 def test_analytic_parameter_count_equals_the_built_model(name):
-    from parallel3d.planning.params import total_params
-
     config = get_config(name)
-    assert total_params(config) == count_parameters(config, verbose=False)
+    assert config.shape.total_params() == count_parameters(config, verbose=False)

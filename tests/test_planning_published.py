@@ -86,9 +86,7 @@ def test_table1_largest_models_within_15_percent(row):
 def test_parameter_counts_match_table1():
     # Table 1 rounds to one decimal (the 1.7B row is 1.65B by its own formula).
     for billions, heads, hidden, layers, *_ in NARAYANAN_TABLE1:
-        from parallel3d.planning.params import total_params
-
-        assert total_params(_gpt(layers, hidden, heads)) / 1e9 == pytest.approx(billions, abs=0.05)
+        assert _gpt(layers, hidden, heads).shape.total_params() / 1e9 == pytest.approx(billions, abs=0.05)
 
 
 @pytest.mark.parametrize("tp, pp, gpus, batch, tflops", GPT3_175B_RUNS)

@@ -24,7 +24,7 @@ SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "f
 
 def model_signature(cfg: ModelConfig) -> dict[str, Any]:
     sig = {key: getattr(cfg, key) for key in SHAPE_FIELDS}
-    if cfg.arch == "gpt":
+    if cfg.spec.learned_positions:
         sig["max_seq_len"] = cfg.max_seq_len  # the learned position table's rows
     return sig
 

@@ -21,6 +21,7 @@ import torch
 
 from models.config import ModelConfig
 from models.hf import expected_hf_shapes, hf_config, hf_unit_of, hf_units, to_hf_unit, unit_of
+from models.hf_formats import hf_format
 from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, read_meta
 from parallel3d.checkpoint_io.compat import STATE_DIR, check_format
 from parallel3d.checkpoint_io.pieces import KEY_PREFIX
@@ -136,7 +137,7 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
         files.append("model.safetensors.index.json")
-    hf_cfg.architectures = ["GPT2LMHeadModel" if cfg.arch == "gpt" else "LlamaForCausalLM"]
+    hf_cfg.architectures = [hf_format(cfg).architecture]
     hf_cfg.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     hf_cfg.save_pretrained(out_dir)
     files.append("config.json")

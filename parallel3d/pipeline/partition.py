@@ -6,8 +6,8 @@ chunk, in model order (chunk ``k`` of ``pp * v``; stage ``s`` holds chunks
 the embedding, the last the final norm, the head and the loss.
 
 Default split: contiguous, every chunk at least one layer, minimising the most
-expensive chunk under ``stage_costs``'s estimate (forward FLOPs per token, where
-the head and the embedding count too), ties broken towards even costs. An
+expensive chunk under ``chunk_costs``'s estimate (forward FLOPs per token of each layer from
+``models.shape``, where the head and the embedding count too), ties broken towards even costs. An
 explicit ``pp_layers`` list overrides it.
 """
 
@@ -20,19 +20,15 @@ from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.topology import LayoutError
 
 
-def layer_flops(config: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one transformer layer (matmuls and attention scores)."""
-    h, kv_dim = config.hidden_size, config.kv_heads * config.head_dim
-    attn_proj = 2 * h * (h + 2 * kv_dim) + 2 * h * h  # qkv, out
-    mlp_mats = 3 if config.arch == "llama" else 2  # SwiGLU has a gate matrix
-    mlp = 2 * mlp_mats * h * config.ffn_size
-    attn_core = 2 * 2 * seq_len * h / 2  # QK^T and PV, causal: half the pairs
-    return attn_proj + mlp + attn_core
+def layer_costs(config: ModelConfig, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each global layer (``models.shape``: matmuls and causal attention)."""
+    return [layer.forward_flops(seq_len, attention="causal").total for layer in config.shape.layers]
 
 
 def head_flops(config: ModelConfig) -> float:
-    """Forward FLOPs per token of the output projection and the cross entropy."""
-    return 2 * config.hidden_size * config.vocab_size + 4 * config.vocab_size
+    """Forward cost per token of the output projection (``models.shape``) and the cross entropy
+    (memory-bound: charged 4 per vocabulary entry, like an elementwise pass over the logits)."""
+    return config.shape.head_forward_flops() + 4 * config.vocab_size
 
 
 def embedding_flops(config: ModelConfig) -> float:
@@ -105,8 +101,7 @@ def partition_layers(
             )
     else:
         seq = config.max_seq_len if seq_len is None else seq_len
-        costs = [layer_flops(config, seq)] * n
-        counts = _balanced_split(costs, chunks, embedding_flops(config), head_flops(config))
+        counts = _balanced_split(layer_costs(config, seq), chunks, embedding_flops(config), head_flops(config))
     ranges, start = [], 0
     for c in counts:
         ranges.append((start, start + c))
@@ -116,8 +111,7 @@ def partition_layers(
 
 def chunk_costs(config: ModelConfig, ranges: Sequence[tuple[int, int]], seq_len: int | None = None) -> list[float]:
     """Estimated forward FLOPs per token of each chunk (embedding on the first, head on the last)."""
-    seq = config.max_seq_len if seq_len is None else seq_len
-    costs = [layer_flops(config, seq)] * config.num_layers
+    costs = layer_costs(config, config.max_seq_len if seq_len is None else seq_len)
     last = len(ranges) - 1
     return [
         _chunk_cost(costs, a, b, k == 0, k == last, embedding_flops(config), head_flops(config))

@@ -22,8 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ModelConfig
+from models.spec import BlockSpec
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.params import padded_vocab
+from parallel3d.tensor_parallel.layers import padded_vocab_size
+
+# fp32 statistics one norm of each kind keeps per token for backward: LayerNorm mean and rstd, RMSNorm rstd.
+NORM_STATS_PER_TOKEN: dict[str, int] = {"layernorm": 2, "rmsnorm": 1}
+# Bytes per hidden element the torch reference norm of each kind keeps (None: one activation-dtype copy
+# of its input, as the fused kernels keep): the RMSNorm reference keeps fp32 input and normalised output.
+REFERENCE_NORM_KEPT_BYTES: dict[str, float | None] = {"layernorm": None, "rmsnorm": 8.0}
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ class ActivationAssumptions:
             fused_attention=True,
             chunk_output_kept=True,
             sent_outputs_freed=True,
-            norm_kept_bytes=8.0 if reference and config.arch == "llama" else None,
+            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[_block(config).norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
         )
@@ -93,6 +100,19 @@ class LayerActivationTerms:
         return self.replicated + self.sharded + self.scores
 
 
+def _block(config: ModelConfig) -> BlockSpec:
+    """The block every layer has: the per-layer terms below assume the layers are alike."""
+    if not config.shape.uniform_layers:
+        raise ValueError("the activation estimate assumes every layer has the same block (models.spec)")
+    return config.spec.blocks[0]
+
+
+def _mlp_kept_tensors(kind: str, assumptions: ActivationAssumptions) -> int:
+    """``[s, b, ffn]`` tensors the MLP of ``kind`` keeps for backward: GeLU its input and output (the
+    second matmul's input); SwiGLU ``assumptions.swiglu_tensors``."""
+    return {"gelu": 2, "swiglu": assumptions.swiglu_tensors}[kind]
+
+
 def _norm_bytes(assumptions: ActivationAssumptions) -> float:
     kept = assumptions.norm_kept_bytes
     return float(assumptions.element_bytes) if kept is None else float(kept)
@@ -101,8 +121,9 @@ def _norm_bytes(assumptions: ActivationAssumptions) -> float:
 def layer_activation_terms(
     config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
 ) -> LayerActivationTerms:
-    s, b, h, t = layout.seq_len, layout.micro_batch_size, config.hidden_size, layout.tp
-    a, f, e = config.num_heads, config.ffn_size, assumptions.element_bytes
+    block = _block(config)
+    s, b, h, t = layout.seq_len, layout.micro_batch_size, block.hidden_size, layout.tp
+    a, f, e = block.attention.num_heads, block.mlp.ffn_size, assumptions.element_bytes
     sbh = s * b * h
     if layout.recompute == "full":
         # Only the layer input is checkpointed; everything else is rebuilt in backward.
@@ -112,21 +133,18 @@ def layer_activation_terms(
     norms = 2 * _norm_bytes(assumptions) * sbh
     matmul_inputs = 2 * e * sbh
     if assumptions.small_stats:
-        norms += 2 * 4 * s * b * (2 if config.arch == "gpt" else 1)  # mean/rstd per token per norm
+        norms += 2 * 4 * s * b * NORM_STATS_PER_TOKEN[block.norm.kind]  # fp32 statistics per token per norm
     if assumptions.hidden_dropout:
         norms += 2 * sbh  # masks of the attention and MLP residual dropouts
     replicated = norms + matmul_inputs
     if layout.sequence_parallel:
         replicated /= t
     # q, k, v and the attention projection input (the attention output).
-    q_k_v = config.hidden_size + 2 * config.kv_heads * config.head_dim
-    sharded = e * s * b * q_k_v + e * sbh
+    q_k_v = block.attention.q_size + 2 * block.attention.kv_size
+    sharded = e * s * b * q_k_v + e * s * b * block.attention.q_size
     if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
         sharded += 4 * a * s * b  # log-sum-exp per head and token
-    if config.arch == "gpt":
-        sharded += 2 * e * s * b * f  # GeLU input and output (the second matmul's input)
-    else:
-        sharded += assumptions.swiglu_tensors * e * s * b * f
+    sharded += _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * f
     sharded /= t
     scores = 0.0
     if layout.recompute == "none" and not assumptions.fused_attention:
@@ -158,7 +176,7 @@ def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Acti
     norm_and_head_inputs = norm_input + head_input
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
-    logits = assumptions.logits_bytes * s * b * padded_vocab(config, layout.tp) / layout.tp
+    logits = assumptions.logits_bytes * s * b * padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
     return norm_and_head_inputs + logits
 
 

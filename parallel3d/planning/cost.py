@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from models.config import ModelConfig
+from models.shape import LayerFlops
 from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
-from parallel3d.planning.params import layer_params, padded_vocab, rank_params, stage_layer_counts
+from parallel3d.planning.params import rank_params, stage_layer_counts
+from parallel3d.tensor_parallel.layers import padded_vocab_size
 from parallel3d.topology import Topology
 
 P2P_LATENCY_S = 20e-6  # per message: launch + handshake, small next to megabyte payloads
@@ -94,34 +96,29 @@ class StepEstimate:
 
 
 # ---- FLOPs ---------------------------------------------------------------------------
-def layer_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int) -> tuple[float, float]:
-    """(matmul FLOPs, attention-score FLOPs) of one layer's forward for one microbatch (all tp ranks).
+# The cost model counts attention over the full s x s product (QK^T and PV), as Megatron-LM's
+# formula does (Narayanan et al. 2021, eq. 3), whose published TFLOP/s the planner is checked against.
+COST_ATTENTION = "full"
 
-    Attention counts the full s x s product (QK^T and PV), as Megatron-LM's formula does.
-    """
+
+def layer_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int) -> LayerFlops:
+    """Forward FLOPs of one layer for one microbatch (all tp ranks), from ``models.shape``: the
+    mean over the layers (every layer's, for a model whose layers are alike)."""
     tokens = micro_batch_size * seq_len
-    lp = layer_params(config)
-    weights = lp.sharded - (_bias_count(config) if config.use_bias else 0)
-    return 2.0 * tokens * weights, 4.0 * tokens * seq_len * config.num_heads * config.head_dim
-
-
-def _bias_count(config: ModelConfig) -> int:
-    qkv_rows = (config.num_heads + 2 * config.kv_heads) * config.head_dim
-    return qkv_rows + (config.ffn_size if config.arch == "gpt" else 2 * config.ffn_size)
+    layers = config.shape.layers_forward_flops(seq_len, COST_ATTENTION)
+    return LayerFlops(layers.matmul * tokens / config.num_layers, layers.attention * tokens / config.num_layers)
 
 
 def head_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int, tp: int = 1) -> float:
-    return 2.0 * micro_batch_size * seq_len * config.hidden_size * padded_vocab(config, tp)
+    """The logits matmul of one microbatch over the vocabulary padded for ``tp`` (all tp ranks)."""
+    return micro_batch_size * seq_len * config.shape.head_forward_flops(tp)
 
 
 def step_flops(config: ModelConfig, layout: Layout) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs incl. recompute) of one whole step (all GPUs)."""
-    mm, att = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    head = head_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    per_mb_model = 3 * (config.num_layers * (mm + att) + head)
-    extra = {"none": 0.0, "selective": att, "full": mm + att}[layout.recompute] * config.num_layers
-    microbatches = layout.num_microbatches * layout.dp
-    return per_mb_model * microbatches, (per_mb_model + extra) * microbatches
+    flops = config.shape.flops_per_token(layout.seq_len, attention=COST_ATTENTION, recompute=layout.recompute)
+    tokens = layout.global_batch_size * layout.seq_len
+    return flops.model * tokens, flops.hardware * tokens
 
 
 # ---- communication ---------------------------------------------------------------------
@@ -237,8 +234,8 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
                 options: CostOptions) -> LayerTimes:
     dev, t = cluster.device, layout.tp
     flops_rate = dev.peak_flops * dev.matmul_efficiency
-    mm, att = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    mm_t, att_t = mm / t / flops_rate, att / t / flops_rate
+    layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
+    mm_t, att_t = layer.matmul / t / flops_rate, layer.attention / t / flops_rate
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
@@ -267,7 +264,7 @@ def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
     emb_fwd = comm.all_reduce(act_bytes, "tp")  # vocab-parallel lookup: partial rows summed over tp
     head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t
-    logits = 4.0 * layout.micro_batch_size * layout.seq_len * padded_vocab(config, t) / t
+    logits = 4.0 * layout.micro_batch_size * layout.seq_len * padded_vocab_size(config.vocab_size, t) / t
     head_fwd = head_mm / (dev.peak_flops * dev.matmul_efficiency) + 2 * logits / dev.hbm_bytes_per_s
     head_bwd = 2 * head_fwd + comm.all_reduce(act_bytes, "tp")  # grad of the head's replicated input
     return emb_fwd, 0.0, head_fwd, head_bwd

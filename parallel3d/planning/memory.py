@@ -37,7 +37,7 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.params import largest_tensor, layer_params, rank_params, stage_layer_counts
+from parallel3d.planning.params import largest_layer_params, largest_tensor, rank_params, stage_layer_counts
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
 
@@ -156,7 +156,7 @@ def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers
     rp = rank_params(config, layout.tp, layout.pp, stage, layers)
     if layout.zero3_mode == "step":
         return rp.total
-    layer = layer_params(config).per_rank(layout.tp) if layers else 0
+    layer = largest_layer_params(config, layout.tp, layers)
     if config.tie_embeddings:  # the embedding (and its copy on the last stage) live in the root
         root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
     else:  # untied embedding and head are units of their own (models.transformer marks them)
@@ -209,7 +209,7 @@ def estimate_memory(
     stages = []
     for stage in range(layout.pp):
         params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
-        largest = largest_tensor(config, layout.tp, stage == 0, stage == layout.pp - 1, stage_layers[stage] > 0)
+        largest = largest_tensor(config, layout.tp, layout.pp, stage, stage_layers[stage])
         states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
                                    largest, offload=layout.offload,
                                    gathered_params=gather_window_params(config, layout, stage, stage_layers[stage]))

@@ -1,0 +1,130 @@
+"""Architectures as data: what a model's blocks are made of.
+
+``ModelConfig.arch`` names an ``ArchPreset`` (``ARCH_PRESETS``): the kinds of norm, MLP and
+position embedding. ``ModelConfig.spec`` resolves the preset with the config's sizes and flags
+into a ``ModelSpec``: the embedding, one ``BlockSpec`` per layer (``blocks[i]`` is global layer
+``i``), the final norm and the head. The layers (``models.blocks``, ``models.transformer``), the
+shape (``models.shape``: parameters and FLOPs) and HF interop (``models.hf_formats``) read the
+spec, never ``arch``.
+
+Adding an architecture is data: a preset here (and an ``HFFormat`` for HF interop), and for a new
+*kind* one entry in each table that builds or counts kinds (``models.transformer.MLP_CLASSES``,
+``models.blocks.NORM_FUNCTIONS``, ``models.shape.MLP_PARAMS``, the kept-tensor tables of
+``parallel3d.planning.activations``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORM_KINDS: tuple[str, ...] = ("layernorm", "rmsnorm")
+MLP_KINDS: tuple[str, ...] = ("gelu", "swiglu")
+POSITION_KINDS: tuple[str, ...] = ("learned", "rope")
+
+# Which norm kinds have a bias (when the model has biases): RMSNorm has none by definition.
+NORM_TAKES_BIAS: dict[str, bool] = {"layernorm": True, "rmsnorm": False}
+
+
+@dataclass(frozen=True)
+class ArchPreset:
+    """What one ``model.arch`` value fixes; sizes, biases and tying come from the config keys."""
+
+    norm: str  # one of NORM_KINDS
+    mlp: str  # one of MLP_KINDS
+    positions: str  # one of POSITION_KINDS
+
+    def __post_init__(self) -> None:
+        for what, value, allowed in (("norm", self.norm, NORM_KINDS), ("mlp", self.mlp, MLP_KINDS),
+                                     ("positions", self.positions, POSITION_KINDS)):
+            if value not in allowed:
+                raise ValueError(f"ArchPreset.{what}={value!r} is not one of {allowed}")
+
+
+ARCH_PRESETS: dict[str, ArchPreset] = {
+    # GPT-2 / GPT-3: pre-LayerNorm, GELU (tanh) MLP, learned absolute positions.
+    "gpt": ArchPreset(norm="layernorm", mlp="gelu", positions="learned"),
+    # Llama 2 / 3: RMSNorm, SwiGLU MLP, rotary positions.
+    "llama": ArchPreset(norm="rmsnorm", mlp="swiglu", positions="rope"),
+}
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """One normalisation over the hidden dimension: a weight of ``size`` (and a bias)."""
+
+    kind: str  # one of NORM_KINDS
+    size: int
+    bias: bool
+    eps: float
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Causal self-attention with ``num_heads`` query heads sharing ``num_kv_heads`` key/value heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    out_bias: bool
+
+    @property
+    def kind(self) -> str:
+        """``mha`` (one kv head per query head), ``mqa`` (one kv head) or ``gqa`` (groups)."""
+        if self.num_kv_heads == self.num_heads:
+            return "mha"
+        return "mqa" if self.num_kv_heads == 1 else "gqa"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """The feed-forward part of a block: ``kind`` with ``ffn_size`` hidden units."""
+
+    kind: str  # one of MLP_KINDS
+    ffn_size: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+
+    hidden_size: int
+    norm: NormSpec  # the two pre-norms (norm1, norm2)
+    attention: AttentionSpec
+    mlp: MLPSpec
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole language model: embedding, ``blocks`` (one per global layer), final norm, head."""
+
+    arch: str
+    hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    positions: str  # one of POSITION_KINDS; "learned" adds a [max_seq_len, h] table to the embedding
+    rope_base: float
+    tied_head: bool  # the output projection is the word embedding
+    blocks: tuple[BlockSpec, ...]
+    final_norm: NormSpec
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.positions == "learned"
+
+    @property
+    def rotary(self) -> bool:
+        return self.positions == "rope"
