@@ -69,7 +69,9 @@ class ParallelState:
 
     Invariant: ``groups`` and ``ranks`` come from ``topology`` alone; this
     class never does rank arithmetic of its own. ``emulate_nccl`` (tests on gloo)
-    gives p2p batches NCCL's semantics (``comm.batch_isend_irecv``).
+    gives p2p batches NCCL's semantics (``comm.batch_isend_irecv``). ``weight_grads``
+    is where layers queue weight-gradient work while a zero-bubble ``B`` is open
+    (``parallel3d.deferred_grads``; idle otherwise).
     """
 
     def __init__(

@@ -74,7 +74,7 @@ from parallel3d.pipeline.actions import (
     virtual_stage,
 )
 from parallel3d.pipeline.placement import ChunkPlacement, placement_for
-from parallel3d.pipeline.zero_bubble import zb_h1_order, zbv_order
+from parallel3d.pipeline.zero_bubble import zb_h1_order, zbv_schedule
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
 
 # The schedule vocabulary (actions.py) and the simulator (simulate.py) are re-exported here.
@@ -134,73 +134,6 @@ def _with_comms(stage: int, place: ChunkPlacement, iterations: list[list[Compute
                 out.append(Action("SEND_ACT", mb, chunk))
             elif kind == "B" and vs > 0 and place.stage_of(vs - 1) != stage:
                 out.append(Action("SEND_GRAD", mb, chunk))
-    return out
-
-
-def _lowered(place: ChunkPlacement, order: list[tuple[int, Compute]]) -> Schedule:
-    """Per-stage action lists from computations in one global order (e.g. a simulated start order).
-
-    Each computation is appended to its stage, then the send it feeds, and the matching
-    receive is appended to the receiving stage at the same point: every stage posts its
-    receives in its peers' send order (messages match first in, first out) and as early as
-    the global order allows, so the batches ``comm_plan`` forms progress under NCCL's
-    semantics (torch's pipelining lowers its schedules the same way).
-    """
-    schedule = Schedule({s: [] for s in range(place.num_stages)}, placement=place)
-    last = place.total - 1
-    for stage, (kind, mb, chunk) in order:
-        schedule[stage].append(Action(kind, mb, chunk))
-        vs = place.model_chunk(stage, chunk)
-        to = vs + 1 if kind == "F" and vs < last else vs - 1 if kind == "B" and vs > 0 else None
-        if to is None or place.stage_of(to) == stage:
-            continue
-        peer, peer_chunk = place.stage_and_chunk(to)
-        schedule[stage].append(Action("SEND_ACT" if kind == "F" else "SEND_GRAD", mb, chunk))
-        schedule[peer].append(Action("RECV_ACT" if kind == "F" else "RECV_GRAD", mb, peer_chunk))
-    return schedule
-
-
-def _peer_stage(a: Action, stage: int, place: ChunkPlacement) -> int:
-    vs = place.model_chunk(stage, a.chunk)
-    return place.stage_of(vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1)
-
-
-def _deferred_receives(schedule: Schedule) -> Schedule:
-    """``_lowered``'s schedule with each receive moved as late as deadlock freedom allows.
-
-    A receive moves down to the computation that reads it, keeping the order of receives
-    from each peer (first in, first out), but never past a send to the same peer: between
-    any two stages, sends and receives keep the order of the global (simulated) one, in
-    which every send meets its receive. So two stages never both send first and wait
-    for each other's receive, which rendezvous sends in FIFO batches (NCCL) would turn into
-    a deadlock; ``check_coalesced_progress`` confirms it for the built schedule. Posted
-    late, a receive no longer holds up its stage before the computation that reads it.
-    """
-    place = schedule.placement
-    out = Schedule(placement=place)
-    for stage, actions in schedule.items():
-        held: dict[int, list[Action]] = {}  # peer -> its receives not posted yet, in order
-        new: list[Action] = []
-
-        def flush(peer: int, upto: Action | None = None) -> None:
-            pending = held.get(peer, [])
-            k = len(pending) if upto is None else pending.index(upto) + 1
-            new.extend(pending[:k])
-            del pending[:k]
-
-        for a in actions:
-            if a.kind in ("RECV_ACT", "RECV_GRAD"):
-                held.setdefault(_peer_stage(a, stage, place), []).append(a)
-                continue
-            if a.kind in ("SEND_ACT", "SEND_GRAD"):
-                flush(_peer_stage(a, stage, place))
-            else:
-                need = Action("RECV_ACT" if a.kind == "F" else "RECV_GRAD", a.microbatch, a.chunk)
-                for peer, pending in held.items():
-                    if need in pending:
-                        flush(peer, need)
-            new.append(a)
-        out[stage] = new
     return out
 
 
@@ -274,7 +207,7 @@ def build_schedule(
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
     place = placement_for(name, p, v)
-    schedule = _deferred_receives(_lowered(place, zbv_order(p, m))) if name == "zbv" else Schedule(placement=place)
+    schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
     for s in range(p if name != "zbv" else 0):
         if name == "gpipe":
             compute = _gpipe(s, p, m)
@@ -308,8 +241,7 @@ def build_forward_schedule(
     else:
         _check_args("interleaved_1f1b" if v > 1 else "gpipe", p, m, v)
     place = ChunkPlacement(p, v, placement)
-    schedule = (_deferred_receives(_lowered(place, zbv_order(p, m, forward_only=True))) if placement == "v"
-                else Schedule(placement=place))
+    schedule = zbv_schedule(p, m, forward_only=True) if placement == "v" else Schedule(placement=place)
     for s in range(p if placement != "v" else 0):
         order = [("F", *_interleaved_forward(k, p, v)) for k in range(m * v)] if v > 1 else [("F", i, 0) for i in range(m)]
         schedule[s] = _with_comms(s, place, [[c] for c in order])

@@ -39,11 +39,12 @@ soonest goes next. F = B = W: bubble 0.059 at p = 4, m = 8, against interleaved 
 
 from __future__ import annotations
 
+from parallel3d.pipeline.actions import Action, Schedule
 from parallel3d.pipeline.placement import ChunkPlacement
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
-__all__ = ["zb_h1_order", "zbv_order"]
+__all__ = ["zb_h1_order", "zbv_order", "zbv_schedule"]
 
 
 def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
@@ -118,3 +119,76 @@ def zbv_order(p: int, m: int, *, forward_only: bool = False) -> list[tuple[int, 
         in_flight[s] += {"F": 1, "W": -1}.get(kind, 0)
         order.append((s, (kind, i, c)))
     return order
+
+
+# ---- ZB-V's messages -----------------------------------------------------------------------------
+def _lowered(place: ChunkPlacement, order: list[tuple[int, Compute]]) -> Schedule:
+    """Per-stage action lists from computations in one global order (e.g. a simulated start order).
+
+    Each computation is appended to its stage, then the send it feeds, and the matching
+    receive is appended to the receiving stage at the same point: every stage posts its
+    receives in its peers' send order (messages match first in, first out) and as early as
+    the global order allows, so the batches ``comm_plan`` forms progress under NCCL's
+    semantics (torch's pipelining lowers its schedules the same way).
+    """
+    schedule = Schedule({s: [] for s in range(place.num_stages)}, placement=place)
+    last = place.total - 1
+    for stage, (kind, mb, chunk) in order:
+        schedule[stage].append(Action(kind, mb, chunk))
+        vs = place.model_chunk(stage, chunk)
+        to = vs + 1 if kind == "F" and vs < last else vs - 1 if kind == "B" and vs > 0 else None
+        if to is None or place.stage_of(to) == stage:
+            continue
+        peer, peer_chunk = place.stage_and_chunk(to)
+        schedule[stage].append(Action("SEND_ACT" if kind == "F" else "SEND_GRAD", mb, chunk))
+        schedule[peer].append(Action("RECV_ACT" if kind == "F" else "RECV_GRAD", mb, peer_chunk))
+    return schedule
+
+
+def _peer_stage(a: Action, stage: int, place: ChunkPlacement) -> int:
+    vs = place.model_chunk(stage, a.chunk)
+    return place.stage_of(vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1)
+
+
+def _deferred_receives(schedule: Schedule) -> Schedule:
+    """``_lowered``'s schedule with each receive moved as late as deadlock freedom allows.
+
+    A receive moves down to the computation that reads it, keeping the order of receives
+    from each peer (first in, first out), but never past a send to the same peer: between
+    any two stages, sends and receives keep the order of the global (simulated) one, in
+    which every send meets its receive. So two stages never both send first and wait
+    for each other's receive, which rendezvous sends in FIFO batches (NCCL) would turn into
+    a deadlock; ``check_coalesced_progress`` confirms it for the built schedule. Posted
+    late, a receive no longer holds up its stage before the computation that reads it.
+    """
+    place = schedule.placement
+    out = Schedule(placement=place)
+    for stage, actions in schedule.items():
+        held: dict[int, list[Action]] = {}  # peer -> its receives not posted yet, in order
+        new: list[Action] = []
+
+        def flush(peer: int, upto: Action | None = None) -> None:
+            pending = held.get(peer, [])
+            k = len(pending) if upto is None else pending.index(upto) + 1
+            new.extend(pending[:k])
+            del pending[:k]
+
+        for a in actions:
+            if a.kind in ("RECV_ACT", "RECV_GRAD"):
+                held.setdefault(_peer_stage(a, stage, place), []).append(a)
+                continue
+            if a.kind in ("SEND_ACT", "SEND_GRAD"):
+                flush(_peer_stage(a, stage, place))
+            else:
+                need = Action("RECV_ACT" if a.kind == "F" else "RECV_GRAD", a.microbatch, a.chunk)
+                for peer, pending in held.items():
+                    if need in pending:
+                        flush(peer, need)
+            new.append(a)
+        out[stage] = new
+    return out
+
+
+def zbv_schedule(p: int, m: int, *, forward_only: bool = False) -> Schedule:
+    """ZB-V with its messages (``zbv_order`` lowered, receives deferred); validated by the caller."""
+    return _deferred_receives(_lowered(ChunkPlacement(p, 2, "v"), zbv_order(p, m, forward_only=forward_only)))
