@@ -65,7 +65,9 @@ class TransformerLM(nn.Module):
             # (same global name, same init); the pipeline sums its grad over the embedding group.
             self.embedding = Embedding(ctx, with_positions=False)
         if spec.tied_head and pre_process != post_process and self.embedding is not None:
-            set_meta(self.embedding.word.weight, tied_embedding=True)
+            # The head's copy is read only by the head's GEMM, whose gradient can wait (zero bubble).
+            set_meta(self.embedding.word.weight, tied_embedding=True, tied_head_copy=not pre_process,
+                     wgrad_deferrable=not pre_process)
         self.layers = nn.ModuleDict({str(i): _block(ctx, i) for i in range(*layer_range)})
         self.final_norm = Norm(ctx, "final_norm", spec.final_norm) if post_process else None
         self.head: ParallelLMHead | None = None

@@ -51,12 +51,13 @@ class Evaluator:
         self.pstate = pstate
         self.iters = t.eval_iters
         self.to_device = to_device
-        self.batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size,
-                                                              t.micro_batch_size)
         self.runner = ForwardOnlyRunner(
             chunks, pstate, num_microbatches=rj.grad_accum, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
             hidden_size=rj.model.hidden_size, dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
+            schedule=p.schedule,
         )
+        self.batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size,
+                                                              t.micro_batch_size, keys=self.runner.keys)
         wanted = self.iters * t.global_batch_size
         if wanted > dataset.samples_per_epoch and pstate.rank == 0:
             user_warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from parallel3d.comm_stats import CommStats
 from parallel3d.p2p_emulation import EmulatedP2PStreams
 from parallel3d.topology import DENSE_DIMS, GROUP_KINDS, Coords, LayoutError, Topology
+from parallel3d.deferred_grads import WeightGradDeferral
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class ParallelState:
     treats it as a no-op (torch would read ``None`` as the whole world).
     ``emulate_nccl`` (tests on gloo) gives p2p batches NCCL's semantics
     (``comm.batch_isend_irecv``).
+    ``weight_grads`` is where layers queue weight-gradient work while a zero-bubble ``B``
+    is open (``parallel3d.deferred_grads``; idle otherwise).
     """
 
     def __init__(
@@ -105,6 +108,8 @@ class ParallelState:
                 device = torch.device("cpu")
         self.device = torch.device(device)
         self.comm_stats = CommStats()
+        # Where layers queue weight-gradient GEMMs while a zero-bubble B is open (the engine opens it).
+        self.weight_grads = WeightGradDeferral()
         # Tests on gloo: p2p batches behave as on NCCL (one Work per batch, FIFO per group).
         self.emulate_nccl = bool(emulate_nccl)
         self.emulated_p2p_streams = EmulatedP2PStreams() if self.emulate_nccl else None

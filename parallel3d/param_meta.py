@@ -8,10 +8,17 @@ Attributes set on ``torch.nn.Parameter`` objects (by the layers that create them
   counts replicated ones once.
 - ``global_name`` (str): the layout-independent name (e.g.
   ``layers.3.attn.qkv.weight``) used for init seeding and checkpoints.
-- ``tied_embedding`` (bool): a copy of the tied input/output embedding that
-  also lives on another pipeline stage; its gradient is summed over the
-  ``embedding`` group and it is counted once in the grad norm (on the first stage).
+- ``tied_embedding`` (bool): a copy of the tied input/output embedding held by a
+  model chunk with only one of the two ends (pp > 1); the two copies' gradients are
+  summed (over the ``embedding`` group, or on one rank where a schedule places both
+  ends there, ZB-V) and the pair is counted once in the grad norm and checkpoints.
+- ``tied_head_copy`` (bool): the copy read by the output head (the chunk without the
+  embedding); the grad norm and checkpoints skip it, the embedding's copy stands for both.
 - ``no_weight_decay`` (bool): norms and biases are excluded from weight decay.
+- ``wgrad_deferrable`` (bool): the parameter is read only by layers that can defer its
+  gradient (``parallel3d.deferred_grads``), so a zero-bubble ``B`` may leave it to ``W``.
+  Set only where that holds: a deferring layer's output feeding anything else is fine,
+  but a second reader of the parameter itself would lose its gradient in ``B``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ def set_meta(
     tp_split_dim: int | None = None,
     global_name: str | None = None,
     tied_embedding: bool | None = None,
+    tied_head_copy: bool | None = None,
     no_weight_decay: bool | None = None,
+    wgrad_deferrable: bool | None = None,
 ) -> torch.nn.Parameter:
     if tp_split_dim is not None:
         param.tp_split_dim = tp_split_dim
@@ -33,8 +42,12 @@ def set_meta(
         param.global_name = global_name
     if tied_embedding is not None:
         param.tied_embedding = tied_embedding
+    if tied_head_copy is not None:
+        param.tied_head_copy = tied_head_copy
     if no_weight_decay is not None:
         param.no_weight_decay = no_weight_decay
+    if wgrad_deferrable is not None:
+        param.wgrad_deferrable = wgrad_deferrable
     return param
 
 
@@ -48,6 +61,14 @@ def is_tp_split(param: torch.Tensor) -> bool:
 
 def is_tied_embedding(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tied_embedding", False))
+
+
+def is_tied_head_copy(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tied_head_copy", False))
+
+
+def is_wgrad_deferrable(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "wgrad_deferrable", False))
 
 
 def no_weight_decay(param: torch.Tensor) -> bool:

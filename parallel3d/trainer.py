@@ -52,6 +52,7 @@ from parallel3d.metrics import (
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.summary import RunSummary, per_rank_values
@@ -95,13 +96,15 @@ def make_parallel_state(rj: ResolvedJob) -> ParallelState:
 
 
 def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module]:
-    """This stage's model chunks: global chunk ``pp_rank + c * pp`` for c < virtual_stages."""
+    """This stage's model chunks, by local chunk: model chunk ``placement.model_chunk(pp_rank, c)`` for
+    c < virtual_stages, where the schedule places them (``pipeline.placement``: ``pp_rank + c * pp``
+    in a loop; ZB-V's V: ``pp_rank`` and ``2 pp - 1 - pp_rank``)."""
     p, t = rj.job.parallel, rj.job.train
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=t.seq_len)
     last = len(ranges) - 1
     chunks = []
-    for c, layer_range in enumerate(stage_layer_ranges(ranges, p.pp, pstate.coord("pp"))):
-        k = pstate.coord("pp") + c * p.pp
+    place = placement_for(p.schedule, p.pp, p.virtual_stages)
+    for k, layer_range in zip(place.chunks_of(pstate.coord("pp")), stage_layer_ranges(ranges, p.pp, pstate.coord("pp"), place)):
         chunks.append(build_model(
             rj.model, pstate, seed=t.seed, layer_range=layer_range, pre_process=k == 0, post_process=k == last,
             sequence_parallel=p.sequence_parallel, recompute=t.recompute, dtype=precision_dtype(t.precision),
@@ -137,7 +140,7 @@ class Trainer:
         )
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)
         self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
-                                                              t.micro_batch_size)
+                                                              t.micro_batch_size, keys=self.engine.microbatch_keys)
         self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device)
                           if valid_set is not None and t.eval_iters > 0 else None)
         if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else

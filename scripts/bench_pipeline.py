@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from peer_env import deepspeed_python, free_port, run_peer  # noqa: E402
 
@@ -60,14 +62,58 @@ class _TorchStage(nn.Module):
         return self.chunk(x)
 
 
-def _build_chunks(args, pstate, v: int) -> list[nn.Module]:
+def _build_chunks(args, pstate, v: int, schedule: str = "1f1b") -> list[nn.Module]:
     from models import build_model, get_config
     from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+    from parallel3d.pipeline.placement import placement_for
 
     cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
                      vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
-    ranges = stage_layer_ranges(partition_layers(cfg, pstate.size("pp"), v), pstate.size("pp"), pstate.coord("pp"))
-    return [build_model(cfg, pstate, seed=0, layer_range=r) for r in ranges]
+    place = placement_for(schedule, pstate.size("pp"), v)
+    ranges = partition_layers(cfg, pstate.size("pp"), v)
+    total = len(ranges)
+    return [build_model(cfg, pstate, seed=0, layer_range=r, pre_process=k == 0, post_process=k == total - 1)
+            for k, r in zip(place.chunks_of(pstate.coord("pp")), stage_layer_ranges(ranges, pstate.size("pp"), pstate.coord("pp"),
+                                                                                place))]
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that tensor ops create while active and that are still alive; records
+    the peak. Observes every op from outside the engine (autograd's backward ops included); a
+    storage counts from the op that allocates it until the last tensor an op returned on it dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, int] = {}  # storage data pointer -> live tensors on it
+
+    def _gone(self, ptr: int, nbytes: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if ptr not in self._refs:
+                    self._refs[ptr] = 0
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self._refs[ptr] += 1
+                weakref.finalize(t, self._gone, ptr, nbytes)
+        return out
+
+
+def _peak_live_bytes(fn) -> int:
+    """Peak bytes that ``fn``'s tensor ops allocated and still held (``_LiveBytes``: measured outside
+    the engine, gradients included)."""
+    with _LiveBytes() as meter:
+        fn()
+    return meter.peak
 
 
 def _batch(args, m: int) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
@@ -130,10 +176,11 @@ def _group_round(args, pstate, v: int) -> dict:
 
     systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
     layouts = [("1f1b", 1), ("zb_h1", 1)] + ([("interleaved_1f1b", v)] if v > 1 else [])
+    layouts += [("zbv", 2)] if args.layers >= 2 * p else []
     for schedule, vs in layouts:
         if schedule not in args.schedules and schedule != "1f1b":
             continue
-        chunks = _build_chunks(args, pstate, vs)
+        chunks = _build_chunks(args, pstate, vs, schedule)
         engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
                                 seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
         results: list = []
@@ -165,10 +212,15 @@ def _group_round(args, pstate, v: int) -> dict:
             if i >= args.warmup:
                 times[name].append(t)
     out: dict = {"times": times, "ours": {}}
-    for name, (_, _, results, engine) in systems.items():
+    for name, (run, chunks, results, engine) in systems.items():
         if results is None:
             continue
         measured = results[args.warmup:]
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        dist.barrier()
+        peak_measured = _peak_live_bytes(run) if args.memory else None
+        results.pop()  # the profiled step is not timed
         out["ours"][name] = {
             "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
             "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
@@ -177,6 +229,10 @@ def _group_round(args, pstate, v: int) -> dict:
             "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
                                       for r in measured),
             "compute": _compute_medians(measured),
+            # the executor's own time (neither computing nor blocked in p2p waits) per action
+            "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
+            "peak_activation_bytes": max(r.peak_activation_bytes for r in measured),
+            "peak_live_bytes_measured": peak_measured,
         }
     out["msg_s"] = _message_time(pstate, next(e for *_, e in systems.values() if e is not None).spec.shape,
                                  args.p2p_reps)
@@ -260,6 +316,27 @@ def _simulated(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> tup
     return measured, sim.bubble_fraction, sim0.bubble_fraction
 
 
+def _split_backward_ratio(per_round_stats: list, name: str) -> float | None:
+    """For a split-backward schedule: a microbatch's B + W (mean times, summed over a stage's chunks)
+    over our 1f1b's B on the same layers; 1.0: the split costs exactly one backward. Per stage (the
+    largest) where the schedule places the layers as 1f1b does; over the whole pipeline for ZB-V,
+    whose stages hold other layers. Median over rounds."""
+    ratios = []
+    for rank_stats in per_round_stats:
+        split, base = {}, {}
+        for stage, ours, _ in rank_stats:
+            own = ours[name]["compute"]
+            if not any(kind == "W" for kind, _ in own):
+                return None
+            split[stage] = sum(t for (kind, _), t in own.items() if kind in ("B", "W"))
+            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"]["compute"].items() if kind == "B")
+        if ours[name]["schedule"] == "zbv":
+            ratios.append(sum(split.values()) / sum(base.values()))
+        else:
+            ratios.append(max(split[s] / base[s] for s in split))
+    return statistics.median(ratios)
+
+
 def _stats(values: list[float]) -> dict:
     return {"n": len(values), "min_s": min(values), "median_s": statistics.median(values), "max_s": max(values),
             "steps_s": values}
@@ -308,7 +385,12 @@ def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
             row.update(bubble_measured=meas, bubble_simulated=sim,
                        bubble_simulated_zero_latency=statistics.median(x[2] for x in measured),
                        bubble_rel_diff=abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
-                       after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats))
+                       after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
+                       executor_us_per_action=statistics.median(
+                           o[name]["executor_us_per_action"] for rs in per_round_stats for _, o, _ in rs),
+                       peak_activation_bytes=max(o[name]["peak_activation_bytes"] for _, o, _ in stats),
+                       peak_live_bytes_measured=max((o[name]["peak_live_bytes_measured"] or 0) for _, o, _ in stats),
+                       backward_ratio=_split_backward_ratio(per_round_stats, name))
         rows.append(row)
     return rows
 
@@ -317,7 +399,8 @@ def _simulated_unit_bubbles(p: int, m: int) -> dict:
     """The issue's schedule target: bubbles at F = B = W = 1 (a whole backward costs 2)."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
-    return {name: simulate(build_schedule(name, p, m), 1.0, 2.0).bubble_fraction for name in ("1f1b", "zb_h1")}
+    layouts = [("1f1b", 1), ("zb_h1", 1), ("zbv", 2)] + ([("interleaved_1f1b", 2)] if m % p == 0 else [])
+    return {name: simulate(build_schedule(name, p, m, v), 1.0, 2.0).bubble_fraction for name, v in layouts}
 
 
 def main() -> None:
@@ -325,7 +408,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual", type=int, default=2)
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "interleaved_1f1b"],
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "interleaved_1f1b", "zbv"],
                     help="our schedules to time (1f1b always runs: it is the baseline)")
     ap.add_argument("--peers", nargs="*", default=["torch", "deepspeed"], choices=["torch", "deepspeed"])
     ap.add_argument("--layers", type=int, default=8)
@@ -341,6 +424,8 @@ def main() -> None:
     ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after the steps")
     ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
     ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
+    ap.add_argument("--memory", action="store_true",
+                    help="one more (untimed) step per schedule of ours under torch's profiler: peak live bytes")
     ap.add_argument("--out", default="bench_results/pipeline.json")
     args = ap.parse_args()
     ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
@@ -364,9 +449,25 @@ def main() -> None:
           "the same ratio within one round; bubble meas: idle share of the slowest rank's step; sim: simulate() with our "
           "measured per-chunk F/B/W and message times; sim0: zero message latency; deepspeed's step includes its "
           "(SGD) optimizer step")
+    print()
+    head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13}")
+    print(head2)
+    print("-" * len(head2))
+    for r in rows:
+        if "executor_us_per_action" not in r:
+            continue
+        ratio = f"{r['backward_ratio']:>8.3f}" if r["backward_ratio"] is not None else f"{'-':>8}"
+        live = f"{r['peak_live_bytes_measured'] / 2**20:>13.2f}" if r["peak_live_bytes_measured"] else f"{'-':>13}"
+        print(f"{r['stages']:>2} {r['system']:<28} {r['executor_us_per_action']:>14.1f} {ratio} "
+              f"{r['peak_activation_bytes'] / 2**20:>12.2f} {live}")
+    print("exec us/action: the executor's own time (step - computing - blocked in p2p waits) per action of the "
+          "stage's schedule, median over ranks and steps; (B+W)/B: a split backward's B + W over our 1f1b's B on "
+          "the same layers (worst stage; zbv: whole pipeline); act peak: the engine's count of activation bytes "
+          "(max over ranks); live peak (--memory): peak bytes tensor ops hold during one step, metered outside the engine "
+          "(max over ranks; includes gradients)")
     for p, b in unit.items():
-        print(f"simulated bubble at F=B=W (p={p}, m={args.microbatches}): 1f1b {b['1f1b']:.3f}, zb_h1 "
-              f"{b['zb_h1']:.3f} ({b['zb_h1'] / b['1f1b']:.2f}x)")
+        print(f"simulated bubble at F=B=W (p={p}, m={args.microbatches}): "
+              + ", ".join(f"{name} {value:.3f}" for name, value in b.items()))
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}

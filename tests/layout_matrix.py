@@ -21,7 +21,7 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   dp > 1 and ZeRO-2, 1F1B at pp >= 3 with dp > 1, an interleaved schedule with pp >= 3, NCCL
   semantics at pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the
   zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1
-  and dp > 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3
+  and dp > 1, ZB-V at pp >= 2 with the tied gpt and ZeRO >= 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3
   (coverage draws within ``affordable_for_ci``).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
@@ -152,7 +152,7 @@ def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
 def _draw(rng: random.Random, case_id: int) -> LayoutCase:
     tp, pp, dp = (rng.choice(DEGREES[d]) for d in ("tp", "pp", "dp"))
     schedule = rng.choice(cfg.SCHEDULES)
-    v = rng.choice((2, 3, 4)) if schedule == "interleaved_1f1b" else 1
+    v = rng.choice((2, 3, 4)) if schedule == "interleaved_1f1b" else 2 if schedule == "zbv" else 1
     layers = MODELS["gpt"]["num_layers"]
     pp_layers = _composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
     g = rng.choice(GLOBAL_BATCHES)
@@ -201,6 +201,9 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "uneven_pp_layers_pp>=3": lambda c: c.parallel["pp_layers"] is not None and c.parallel["pp"] >= 3,
     "zb_h1_pp>=3_dp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 3 and c.parallel["dp"] > 1,
     "zb_h1_pp>=2_tp>1": lambda c: c.parallel["schedule"] == "zb_h1" and c.parallel["pp"] >= 2 and c.parallel["tp"] > 1,
+    # ZB-V: both ends of the tied gpt on stage 0, summed there (and in ZeRO's pieces)
+    "zbv_pp>=2_tied_zero>=1": lambda c: c.parallel["schedule"] == "zbv" and c.parallel["pp"] >= 2
+    and c.model == "gpt" and c.parallel["zero_stage"] >= 1,
     "zero3_pp>1_dp>1": lambda c: c.parallel["zero_stage"] == 3 and c.parallel["pp"] > 1 and c.parallel["dp"] > 1,
     "offload_disk_dp>1": lambda c: c.parallel["offload"] == "disk" and c.parallel["dp"] > 1,
     "zero0_dp>1": lambda c: c.parallel["zero_stage"] == 0 and c.parallel["dp"] > 1,

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel3d.deferred_grads import WeightGradDeferral
 from parallel3d.param_meta import set_meta
+from parallel3d.tensor_parallel.deferrable_linear import deferrable_linear
 
 VOCAB, HIDDEN = 32, 16
 
@@ -23,13 +25,14 @@ def _init(shape: tuple[int, ...], seed: int, name: str) -> nn.Parameter:
 
 
 class ToyLayer(nn.Module):
-    def __init__(self, index: int, seed: int) -> None:
+    def __init__(self, index: int, seed: int, deferral: WeightGradDeferral | None) -> None:
         super().__init__()
-        self.weight = _init((HIDDEN, HIDDEN), seed, f"layers.{index}.weight")
-        self.bias = _init((HIDDEN,), seed, f"layers.{index}.bias")
+        self.weight = set_meta(_init((HIDDEN, HIDDEN), seed, f"layers.{index}.weight"), wgrad_deferrable=True)
+        self.bias = set_meta(_init((HIDDEN,), seed, f"layers.{index}.bias"), wgrad_deferrable=True)
+        self.deferral = deferral
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(F.linear(x, self.weight, self.bias))
+        return x + torch.tanh(deferrable_linear(x, self.weight, self.bias, self.deferral))
 
 
 class ToyModel(nn.Module):
@@ -44,8 +47,10 @@ class ToyModel(nn.Module):
         post_process: bool | None = None,
         tied: bool = False,
         seed: int = 0,
+        deferral: WeightGradDeferral | None = None,
     ) -> None:
         super().__init__()
+        self.deferral = deferral  # pipeline runs pass ParallelState.weight_grads: zero-bubble B defers the GEMMs
         a, b = layer_range or (0, num_layers)
         self.pre_process = a == 0 if pre_process is None else pre_process
         self.post_process = b == num_layers if post_process is None else post_process
@@ -55,13 +60,14 @@ class ToyModel(nn.Module):
             self.embedding = _init((VOCAB, HIDDEN), seed, "embedding.word.weight")
             if tied and split:
                 set_meta(self.embedding, tied_embedding=True)
-        self.layers = nn.ModuleDict({str(i): ToyLayer(i, seed) for i in range(a, b)})
+        self.layers = nn.ModuleDict({str(i): ToyLayer(i, seed, deferral) for i in range(a, b)})
         if self.post_process:
             if not tied:
-                self.head = _init((VOCAB, HIDDEN), seed, "head.weight")
+                self.head = set_meta(_init((VOCAB, HIDDEN), seed, "head.weight"), wgrad_deferrable=True)
             elif not self.pre_process:
-                # The last stage's copy of the tied embedding: same initial values.
-                self.head = set_meta(_init((VOCAB, HIDDEN), seed, "embedding.word.weight"), tied_embedding=True)
+                # The last stage's copy of the tied embedding (same initial values), read by the head only.
+                self.head = set_meta(_init((VOCAB, HIDDEN), seed, "embedding.word.weight"), tied_embedding=True,
+                                     tied_head_copy=True, wgrad_deferrable=True)
 
     def head_weight(self) -> torch.Tensor:
         return self.embedding if self.tied and self.pre_process else self.head
@@ -73,7 +79,7 @@ class ToyModel(nn.Module):
             x = layer(x)
         if not self.post_process:
             return x
-        logits = F.linear(x, self.head_weight())
+        logits = deferrable_linear(x, self.head_weight(), None, self.deferral)
         if labels is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))

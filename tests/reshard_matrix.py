@@ -13,7 +13,7 @@ ZeRO-0 and one process, on the gpt matrix model; the reverse directions on the l
 GQA, untied head, vocabulary 510, padded at tp=4), plus ``GENERATED`` pairs drawn by the
 layout matrix's generator (``tests/layout_matrix.py``: config schema choices, validator
 filtered, reproducible by id), the target drawn with the source's model and global batch;
-CI's generated pairs always include an interleaved schedule and explicit ``pp_layers``.
+CI's generated pairs always include an interleaved schedule, ZB-V and explicit ``pp_layers``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class Side:
     def label(self) -> str:
         p = self.parallel
         bits = [f"tp{p.get('tp', 1)}pp{p.get('pp', 1)}dp{p.get('dp', 1)}z{p.get('zero_stage', 0)}"]
+        if p.get("schedule", "1f1b") != "1f1b":
+            bits.append(p["schedule"])
         if p.get("offload", "none") != "none":
             bits.append(f"off-{p['offload']}")
         if p.get("virtual_stages", 1) > 1:
@@ -100,6 +102,7 @@ PAIR_MUST_COVER = {
         a.parallel["zero_stage"] == 3 and a.parallel["dp"] > 1 and b.parallel["zero_stage"] != 3
         for a, b in ((p.source, p.target), (p.target, p.source))),
     "disk offload (save or resume)": lambda p: any(s.parallel.get("offload") == "disk" for s in (p.source, p.target)),
+    "ZB-V (chunks in a V) on one side": lambda p: any(s.parallel.get("schedule") == "zbv" for s in (p.source, p.target)),
 }
 MAX_PAIR_DRAWS = 50
 

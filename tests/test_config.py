@@ -135,6 +135,7 @@ BAD = [
      r"parallel\.zero3_reshard=step: only used with parallel\.zero_stage=3 \(zero_stage is 2\)"),
     (["parallel.schedule=zb"], 1, r"parallel\.schedule='zb': must be one of 1f1b, gpipe, interleaved_1f1b"),
     (["parallel.virtual_stages=2"], 1, r"parallel\.virtual_stages=2: only parallel\.schedule=interleaved_1f1b"),
+    (["parallel.schedule=zbv"], 1, r"parallel\.schedule=zbv runs two chunks per stage: set parallel\.virtual_stages=2"),
     (["parallel.sequence_parallel=true"], 1, r"parallel\.sequence_parallel=true: needs parallel\.tp > 1"),
     (["parallel.order=tp-pp", "parallel.dp=2"], 2, r"parallel\.order='tp-pp': .*does not name 'dp', but dp=2 > 1"),
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], 2, r"parallel\.pp_layers=\[1, 2\]: sums to 3"),

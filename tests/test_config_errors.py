@@ -102,6 +102,8 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
          "parallel.virtual_stages=2", 2),
         ("schedule:interleaved-pp1", ["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
          "interleaved_1f1b", 1),
+        ("schedule:zbv-chunks", ["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=3"],
+         "parallel.virtual_stages=2", 2),
         ("schedule:interleaved-accum", ["parallel.pp=2", "parallel.schedule=interleaved_1f1b",
                                         "parallel.virtual_stages=2", "train.global_batch_size=6",
                                         "train.micro_batch_size=2"], "grad_accum=3", 2),

@@ -9,6 +9,7 @@ from models.config import ModelConfig
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine, split_batch
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.tied import sync_tied_embedding_grads
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
@@ -33,8 +34,9 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied,
     cfg = ModelConfig(num_layers=num_layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     ranges = partition_layers(cfg, pp, v, pp_layers)
     chunks = [
-        ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied)
-        for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"))
+        ToyModel(num_layers, r, pre_process=(r[0] == 0), post_process=(r[1] == num_layers), tied=tied,
+                 deferral=pstate.weight_grads)
+        for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"), placement_for(schedule, pp, v))
     ]
     engine = PipelineEngine(
         chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=MBS, seq_len=SEQ, hidden_size=HIDDEN
@@ -84,7 +86,7 @@ def _check_against_reference(cases, results) -> None:
                 assert r["loss_err"] < 1e-6, f"{case}: loss off by {r['loss_err']:.2e}"
             else:
                 assert r["loss_err"] is None
-            limit = {"1f1b": min(pp - r["stage"], m), "gpipe": m, "zb_h1": min(pp, m)}.get(schedule)
+            limit = {"1f1b": min(pp - r["stage"], m), "gpipe": m, "zb_h1": min(pp, m), "zbv": min(2 * pp, 2 * m)}.get(schedule)
             if limit is not None:
                 assert r["peak"] <= limit, f"{case} stage {r['stage']}: {r['peak']} live activations > {limit}"
             assert r["bytes"] > 0

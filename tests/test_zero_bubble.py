@@ -1,8 +1,8 @@
-"""Zero-bubble schedules (zb_h1) and the split backward they run (B: input grad, W: weight grads).
+"""Zero-bubble schedules (zb_h1, zbv) and the split backward they run (B: input grad, W: weight grads).
 
 Schedules: generated (p, m) shapes; validation, NCCL batch semantics, memory bound, and the
-simulated bubble against the closed form. Split backward: random small networks against one
-unsplit ``backward``. Executor: toy pipelines at pp=2,3,4 against a float64 single process
+simulated bubble against the closed form. The split backward itself: ``test_deferred_grads``.
+Executor: toy pipelines at pp=2,3,4 against a float64 single process
 (the real Trainer is covered by ``tests/layout_matrix.py``, which draws ``zb_h1`` from
 ``config.SCHEDULES``).
 """
@@ -13,16 +13,16 @@ import random
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from models.config import ModelConfig
 from parallel3d.parallel_state import ParallelState
-from parallel3d.pipeline import backward_split
-from parallel3d.pipeline.backward_split import input_grad
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.schedules import (
     Action,
+    Schedule,
+    build_forward_schedule,
     ScheduleError,
     build_schedule,
     check_coalesced_progress,
@@ -91,88 +91,7 @@ def test_validator_rejects_w_before_b_and_missing_w():
         validate_schedule({0: schedule[0], 1: [a for a in acts if a != Action("W", 1)]})
 
 
-# ---- the split backward -------------------------------------------------------------------
-class _Net(torch.nn.Module):
-    """Residual MLP blocks; optional recompute and a weight used at every block (no exact split)."""
-
-    def __init__(self, rng: random.Random, recompute: bool, shared: bool) -> None:
-        super().__init__()
-        h = rng.choice((4, 8))
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(h), torch.nn.Linear(h, 2 * h, bias=rng.random() < 0.5),
-                                torch.nn.GELU(), torch.nn.Linear(2 * h, h))
-            for _ in range(rng.randint(1, 3)))
-        self.scale = torch.nn.Parameter(torch.randn(h)) if shared else None
-        self.recompute, self.hidden = recompute, h
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + (checkpoint(block, x, use_reentrant=False) if self.recompute else block(x))
-            if self.scale is not None:
-                x = x * self.scale
-        return x
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_split_backward_equals_one_backward(seed):
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    net = _Net(rng, recompute=seed % 2 == 1, shared=seed % 3 == 2).double()
-    x = torch.randn(2, 3, net.hidden, dtype=torch.float64)
-    g = torch.randn_like(x)
-    ref_in = x.clone().requires_grad_()
-    net(ref_in).backward(g)
-    ref = {n: p.grad.clone() for n, p in net.named_parameters()}
-    net.zero_grad(set_to_none=True)
-    fired: list[str] = []
-    names = {id(p): n for n, p in net.named_parameters()}
-    for p in net.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: fired.append(names[id(p)]))
-    inp = x.clone().requires_grad_()
-    g_in, weight = input_grad(net(inp), g, inp)
-    torch.testing.assert_close(g_in, ref_in.grad)
-    if net.scale is None:  # an exact split: B leaves every weight gradient to W
-        assert fired == [] and all(p.grad is None for p in net.parameters())
-    weight.run()
-    assert sorted(fired) == sorted(ref)  # each parameter's hook fired exactly once
-    for n, p in net.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n])
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_w_computes_matmul_and_bias_grads_without_graph_walks(seed, monkeypatch):
-    """Under identity saved-tensor hooks (the engine's), ``W`` of Linear/bias layers calls no
-    ``autograd.grad`` (direct formulas) and leaves bitwise the grads of one ``backward``."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    layers = [torch.nn.Linear(rng.choice((3, 5)), 6, bias=rng.random() < 0.5)]
-    for _ in range(rng.randint(1, 3)):
-        layers += [torch.nn.Tanh(), torch.nn.Linear(6, 6, bias=rng.random() < 0.5)]
-    net = torch.nn.Sequential(*layers)
-    shape = (rng.randint(1, 3), 4, layers[0].in_features)[-rng.choice((2, 3)):]  # 2-D (addmm) or 3-D (mm)
-    x, bias = torch.randn(*shape), torch.randn(6, requires_grad=True)  # plus a broadcast bias add
-
-    def forward(inp):
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, backward_split.plain_unpack):
-            return net(inp) + bias
-
-    g = torch.randn(*shape[:-1], 6)
-    ref_in = x.clone().requires_grad_()
-    forward(ref_in).backward(g)
-    params = [*net.parameters(), bias]
-    ref = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    inp = x.clone().requires_grad_()
-    g_in, weight = input_grad(forward(inp), g, inp)
-    calls = []
-    real_grad = torch.autograd.grad
-    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
-    weight.run()
-    assert calls == []
-    assert torch.equal(g_in, ref_in.grad)
-    for p, want in zip(params, ref):
-        assert torch.equal(p.grad, want)
+# The split backward itself (B then W against one backward, on the real model): tests/test_deferred_grads.py.
 
 
 # ---- the executor ---------------------------------------------------------------------------
@@ -193,7 +112,7 @@ def _zb_grad_sync_case(rank, world):
     pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
     cfg = ModelConfig(num_layers=4, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
-    chunk = ToyModel(4, r)
+    chunk = ToyModel(4, r, deferral=pstate.weight_grads)
     sync = RecordingGradSync()
     for p in chunk.parameters():  # where gradients arrive, relative to the engine's calls
         p.register_post_accumulate_grad_hook(lambda p: sync.calls.append(("grad",)))
@@ -218,31 +137,119 @@ def test_zb_h1_grads_arrive_in_w_and_sync_flags_follow_the_last_w():
 
 
 def test_split_backward_frees_each_graph_under_the_engines_saved_tensor_hooks():
-    """B keeps the graph for W and W runs only off the input path, so nothing releases the input
-    path's saved tensors: the graph must go by reference counting alone. The engine's pack hook
-    once returned saved outputs as themselves (tensor -> grad_fn -> saved tensor: a cycle), and
-    zb_h1 kept every microbatch's activations for the whole run."""
+    """Under the engine's saved-tensor hooks, B must free the graph's activations (W keeps only
+    its queue) and W the rest. The engine's pack hook once returned saved outputs as themselves
+    (tensor -> grad_fn -> saved tensor: a cycle), and zb_h1 kept every microbatch's activations."""
     import weakref
 
-    from parallel3d.pipeline.engine import _SavedBytes
+    from parallel3d.deferred_grads import WeightGradDeferral, backward_inputs
+    from parallel3d.param_meta import set_meta
+    from parallel3d.pipeline.backward_split import split_backward
+    from parallel3d.pipeline.activation_bytes import SavedBytes
     from parallel3d.pipeline.p2p import _storage_users
+    from parallel3d.tensor_parallel.deferrable_linear import deferrable_linear
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(),
-                              torch.nn.Linear(8, 1))
+    deferral = WeightGradDeferral()
+    weights = [set_meta(torch.nn.Parameter(torch.randn(8, 8)), wgrad_deferrable=True) for _ in range(3)]
     kept: list[weakref.ref] = []
-    for layer in (net[1], net[3]):  # tanh and sigmoid save their own outputs
-        layer.register_forward_hook(lambda m, i, o: kept.append(weakref.ref(o)))
     received = torch.randn(4, 8)
     alone = _storage_users(received)
     x = received.detach().requires_grad_(True)
-    saved = _SavedBytes(set())
+    saved = SavedBytes(set())
     with saved.recording():
-        out = net(x).sum()
+        h = x
+        for w in weights:
+            h = torch.tanh(deferrable_linear(h, w, None, deferral))  # tanh saves its own output
+            kept.append(weakref.ref(h))
+        out = h.sum()
     assert saved.total > 0
-    g, work = input_grad(out, None, x)
-    del out, x, g
+    g, work = split_backward(out, None, x, deferral, backward_inputs(weights))
+    del out, h
+    held = {id(t) for t in work.held}
+    assert kept[-1]() is None, "B kept an activation W does not need"
+    del x, g
     work.run()
-    del work
+    del work, held
     assert all(ref() is None for ref in kept), "a split backward's activations outlived it"
     assert _storage_users(received) == alone
+
+
+# ---- ZB-V: two chunks per stage in a V ----------------------------------------------------------
+V_SHAPES = sorted({(1, 3), (2, 1), (2, 4)} | {(p, _rng.randint(1, 4 * p)) for p in (2, 3, 4, 5, 8) for _ in range(2)})
+
+
+def test_v_placement_is_a_v_and_inverts():
+    for p in (1, 2, 3, 5):
+        for v in (2, 4):
+            place = ChunkPlacement(p, v, "v")
+            for s in range(p):
+                for c in range(v):
+                    assert place.stage_and_chunk(place.model_chunk(s, c)) == (s, c)
+            assert sorted(k for s in range(p) for k in place.chunks_of(s)) == list(range(p * v))
+            assert place.chunks_of(0)[:2] == [0, 2 * p - 1]  # both ends of the model on stage 0
+            assert place.local_next(p - 1, 0) == 1 and place.local_previous(p - 1, 1) == 0  # the turn
+
+
+@pytest.mark.parametrize("p,m", V_SHAPES)
+def test_zbv_valid_memory_bounded_nccl_safe_and_no_messages_inside_a_stage(p, m):
+    for coalesced in (False, True):
+        schedule = build_schedule("zbv", p, m, 2, coalesced_p2p=coalesced)
+        place = schedule.placement
+        assert place.kind == "v"
+        for stage, actions in schedule.items():
+            for kind in ("F", "B", "W"):
+                for c in (0, 1):
+                    assert sorted(a.microbatch for a in actions if a.kind == kind and a.chunk == c) == list(range(m))
+            for a in actions:
+                if not a.is_compute:  # every message crosses stages: the V's turns stay inside one
+                    vs = place.model_chunk(stage, a.chunk)
+                    other = vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
+                    assert place.stage_of(other) != stage, (stage, a)
+        assert max(peak_in_flight(schedule).values()) <= 2 * p  # 1F1B's peak: p microbatches of 2 half-chunks
+        check_coalesced_progress(schedule, prefetch=0, coalesced=True)
+        for prefetch in (0, 2):
+            check_coalesced_progress(schedule, prefetch=prefetch, coalesced=False)
+        forward = build_forward_schedule(p, m, 2, coalesced_p2p=coalesced, placement="v")
+        check_coalesced_progress(forward, prefetch=0, coalesced=True)
+
+
+@pytest.mark.parametrize("p,m", [s for s in V_SHAPES if s[0] > 1 and s[1] >= s[0]])
+def test_zbv_bubble_below_interleaved_and_zb_h1(p, m):
+    """F = B = W = 1 (a whole backward 2): ZB-V's bubble is below zb_h1's and (m divisible by p)
+    interleaved 1F1B's at two chunks per stage."""
+    zbv = simulate(build_schedule("zbv", p, m, 2), 1.0, 2.0).bubble_fraction
+    assert zbv < simulate(build_schedule("zb_h1", p, m), 1.0, 2.0).bubble_fraction
+    if m % p == 0:
+        assert zbv < simulate(build_schedule("interleaved_1f1b", p, m, 2), 1.0, 2.0).bubble_fraction
+    if m >= 2 * p:
+        assert zbv < 0.1
+
+
+def test_zbv_validator_rejects_messages_inside_a_stage_and_a_turn_out_of_order():
+    schedule = build_schedule("zbv", 2, 2, 2)
+    turn = schedule[1]  # stage p-1 holds model chunks 1 and 2: chunk 1 feeds chunk 2 on the stage
+    i = turn.index(Action("F", 0, 1))
+    bad = Schedule({0: schedule[0], 1: [*turn[:i], Action("RECV_ACT", 0, 1), *turn[i:]]}, placement=schedule.placement)
+    with pytest.raises(ScheduleError, match="sits on this stage"):
+        validate_schedule(bad)
+    j, k = turn.index(Action("F", 0, 0)), turn.index(Action("F", 0, 1))
+    swapped = list(turn)
+    swapped[j], swapped[k] = swapped[k], swapped[j]
+    with pytest.raises(ScheduleError, match="needs an earlier F"):
+        validate_schedule(Schedule({0: schedule[0], 1: swapped}, placement=schedule.placement))
+
+
+def _zbv_cases(pp: int) -> list[tuple]:
+    """(pp, schedule, m, v, num_layers, pp_layers, tied, emulate_nccl): m below, at, above pp."""
+    rng = random.Random(100 + pp)
+    ms = [max(1, pp - 1), pp, 2 * pp + 1]
+    return [(pp, "zbv", m, 2, 2 * pp + rng.randint(0, 2), None, i % 2 == 0, i > 0) for i, m in enumerate(ms)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_zbv_pipeline_grads_match_single_process(pp):
+    """Tied embeddings included: both copies sit on stage 0 and are summed there. At pp=2 also
+    pp=1 (dp=2): one stage runs the whole V, every hand-over inside it."""
+    cases = _zbv_cases(pp) + ([(1, "zbv", 3, 2, 3, None, True, False)] if pp == 2 else [])
+    _check_against_reference(cases, run_on_ranks(_run_cases, pp, cases, timeout=180))

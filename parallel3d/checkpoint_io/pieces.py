@@ -12,8 +12,8 @@ Who writes what: every element is written exactly once in the job. A rank writes
 optimizer segments (``ZeroOptimizer.owned_segments``) mapped to global boxes
 (``boxes``), except that copies are split among their holders: a parameter replicated
 over tp is written in ``tp`` equal flat parts (part ``tp_rank``), stage-0 state (replicated
-over the segment's ``replica_kind`` group, ``dp_cp``) in as many parts as that group has ranks, and the last stage's copy of a tied embedding is not written
-(the first stage's is the same). Readers take every box they hold, copies included.
+over the segment's ``replica_kind`` group, ``dp_cp``) in as many parts as that group has ranks, and the head's copy of a tied
+embedding is not written (the embedding's is the same). Readers take every box they hold, copies included.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _pieces(seg: OwnedSegment, lo: int, hi: int, pstate: "ParallelState", kinds:
 
 def _written_part(seg: OwnedSegment, pstate: "ParallelState") -> tuple[int, int] | None:
     """The flat range of ``seg`` this rank writes (its share among the segment's copies)."""
-    if param_meta.is_tied_embedding(seg.param) and not pstate.is_first_stage:
-        return None  # the first stage writes the tied embedding
+    if param_meta.is_tied_head_copy(seg.param):
+        return None  # the embedding's copy of a tied embedding is the one written
     copies, index = 1, 0
     if param_meta.tp_split_dim(seg.param) is None:
         copies, index = pstate.size("tp"), pstate.coord("tp")

@@ -80,11 +80,13 @@ class DistributedBatchIterator:
         global_batch_size: int,
         micro_batch_size: int,
         start_sample: int = 0,
+        keys: tuple[str, ...] | None = None,
     ) -> "DistributedBatchIterator":
-        """The iterator of this process: its DP coordinate and its pipeline stage's keys."""
+        """The iterator of this process: its DP coordinate and its pipeline stage's keys (``keys``: the
+        engine's ``microbatch_keys`` where the schedule places the first or last model chunk elsewhere)."""
         return cls(
             dataset, global_batch_size, micro_batch_size, pstate.coord("dp"), pstate.size("dp"), start_sample,
-            keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage),
+            keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage) if keys is None else keys,
         )
 
     def local_sample_ids(self, step_start: int) -> np.ndarray:

@@ -1,10 +1,12 @@
 """Pipeline parallelism: layer partitioning, schedules as data, P2P and the executor.
 
 - ``partition``: which global layers each model chunk holds (``partition_layers``).
-- ``schedules``: ``build_schedule`` (gpipe, 1f1b, interleaved_1f1b) as per-stage
+- ``placement``: which stage runs each model chunk (a loop, or ZB-V's V).
+- ``schedules``: ``build_schedule`` (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv) as per-stage
   action lists, ``validate_schedule``, ``simulate`` -> ``Timeline``, printable views.
 - ``p2p``: batched isend/irecv of activations and gradients with config-fixed shapes.
-- ``engine``: ``PipelineEngine.run_step`` runs one stage's action list for one step.
+- ``engine``: ``PipelineEngine.run_step`` runs one stage's action list for one step
+  (compiled once by ``step_plan``, executed by ``step_run``; split backwards: ``backward_split``).
 - ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical
   (``TiedGradFinalizer``: the engine's gradient finaliser without ZeRO).
 """

@@ -1,11 +1,13 @@
 """The vocabulary of pipeline schedules: actions, where model chunks sit, comm batches.
 
-An ``Action`` is one step of one pipeline stage; a schedule is
-``dict[stage, list[Action]]`` (see ``schedules``). With ``v`` virtual stages,
-stage ``s`` holds model chunks ``s, s + p, ..., s + (v-1) p`` (Narayanan et al.
-2021). Computations: ``F`` forward, ``B`` backward; a schedule that also lists
-``W`` splits each backward: ``B`` is then the input gradient only and ``W`` the
-weight gradients (``backward_split``): ``virtual_stage`` / ``stage_and_chunk`` convert between the two views.
+An ``Action`` is one step of one pipeline stage; a ``Schedule`` is
+``{stage: [Action, ...]}`` (see ``schedules``) plus its ``placement``: which model
+chunk each (stage, local chunk) runs (``placement.ChunkPlacement``; a plain dict is
+read as the loop placement: with ``v`` chunks per stage, stage ``s`` holds model chunks
+``s, s + p, ..., s + (v-1) p``, Narayanan et al. 2021; ``virtual_stage`` /
+``stage_and_chunk`` convert for that placement). Computations: ``F`` forward, ``B``
+backward; a schedule that also lists ``W`` splits each backward: ``B`` is then the
+input gradient only and ``W`` the weight gradients (``backward_split``).
 
 ``comm_plan`` is the one place that decides how a stage's communication actions
 are grouped into ``batch_isend_irecv`` batches: the engine executes its plan and
@@ -15,7 +17,9 @@ are grouped into ``batch_isend_irecv`` batches: the engine executes its plan and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
+
+from parallel3d.pipeline.placement import ChunkPlacement
 
 COMPUTE_KINDS = ("F", "B", "W")  # W: weight gradients of a split backward (B then input grad only)
 COMM_KINDS = ("SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
@@ -23,7 +27,6 @@ SEND_KINDS = ("SEND_ACT", "SEND_GRAD")
 RECV_KINDS = ("RECV_ACT", "RECV_GRAD")
 ACTION_KINDS = COMPUTE_KINDS + COMM_KINDS
 
-Schedule = dict[int, list["Action"]]
 CostFn = Union[float, int, Callable[[int, int], float]]
 
 
@@ -54,7 +57,25 @@ class Action:
         return f"{short}{self.microbatch}" + (f"c{self.chunk}" if show_chunk else "")
 
 
-# ---- virtual-stage layout ------------------------------------------------------------
+class Schedule(dict):
+    """``{stage: [Action, ...]}`` with the ``placement`` of its model chunks (see the module doc)."""
+
+    def __init__(self, actions: Mapping[int, list[Action]] | None = None, *,
+                 placement: ChunkPlacement | None = None) -> None:
+        super().__init__(actions or {})
+        self.placement = placement
+
+
+def placement_of(schedule: Mapping[int, list[Action]]) -> ChunkPlacement:
+    """The schedule's placement; the loop placement for a plain dict (or a ``Schedule`` without one)."""
+    placement = getattr(schedule, "placement", None)
+    if placement is not None:
+        return placement
+    p, _, v = schedule_shape(schedule)
+    return ChunkPlacement(p, v)
+
+
+# ---- virtual-stage layout (loop placement) --------------------------------------------
 def virtual_stage(stage: int, chunk: int, num_stages: int) -> int:
     """Position of (stage, chunk) along the model: chunk c of stage s is model chunk s + c*p."""
     return chunk * num_stages + stage

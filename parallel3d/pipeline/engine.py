@@ -1,11 +1,14 @@
 """Run one rank's pipeline schedule for one optimizer step.
 
 ``PipelineEngine.run_step`` walks this stage's action list from
-``schedules.build_schedule``: it receives activations/gradients, runs its model
-chunks, keeps exactly the activations the schedule still needs (a microbatch's
-stored input and output live from its ``F`` to its ``B``), sends, and
-accumulates gradients over microbatches into ``.grad`` (callers zero them).
-With pp == 1 the same loop is plain gradient accumulation.
+``schedules.build_schedule``, compiled once into a plan (``step_plan``: every key,
+peer, module and flag resolved ahead, the batches of ``actions.comm_plan``): it
+receives activations/gradients, runs its model chunks, keeps exactly the activations
+the schedule still needs (a microbatch's stored input and output live from its ``F``
+to its ``B``), sends, and accumulates gradients over microbatches into ``.grad``
+(callers zero them). With pp == 1 the same loop is plain gradient accumulation.
+The chunks sit where the schedule's ``placement`` says (``placement``: a loop, or
+ZB-V's V, whose turns hand activations and gradients over inside the stage).
 
 Loss scale invariant: each microbatch's loss is multiplied by
 ``loss_scale / num_microbatches`` before backward, so after a step the grads are
@@ -35,12 +38,23 @@ built for FIFO batches (``build_schedule(coalesced_p2p=True)``). The constructor
 proves the resulting plan, waits included, deadlock-free under the backend's
 semantics (``check_coalesced_progress``) and refuses one that is not.
 
-Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B``
-computes only the input gradient to send upstream and keeps the graph, ``W``
-later accumulates the weight gradients into ``.grad`` (so gradient hooks fire
-in ``W``). A microbatch-chunk's activations then live from its ``F`` to its
-``W``; ``grad_sync.prepare`` is called before both halves with the flag of the
-``W`` that completes the chunk's accumulation.
+Split backwards (schedules with ``W``, e.g. ``zb_h1``; ``backward_split``): ``B`` is
+one backward that computes the input gradient to send upstream and the gradients
+of parameters no layer defers (norms), frees the graph, and leaves the deferring
+layers' weight-gradient GEMMs queued (``parallel3d.deferred_grads``); ``W`` runs
+them, and their gradients reach ``.grad`` (and its hooks) then. A microbatch-chunk
+holds its activations from ``F`` to ``B`` and the queue's tensors from ``B`` to
+``W`` (the first model chunk, with no input gradient to send, runs its whole
+backward at ``W``). ``grad_sync.prepare`` is told before ``B`` whether it is the
+chunk's last ``B`` and before ``W`` whether it is its last ``W``.
+
+The loss lives on the stage holding the last model chunk; where that is not the last
+pipeline stage (ZB-V: stage 0), it is sent there at the end of the step, so
+``StepResult.loss`` is on the last stage's ranks for every schedule.
+
+Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p waits)
+and what is left, ``executor_time``: the executor's own work (posting, bookkeeping),
+reported per action by ``scripts/bench_pipeline.py``.
 
 Gradient finalisation has one owner, called once per step: at the end of
 ``run_step``, after the last send has completed, the engine calls
@@ -54,18 +68,23 @@ time.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
-from parallel3d.pipeline import backward_split
-from parallel3d.pipeline.actions import Action, CommStep, ScheduleError, comm_plan, splits_backward, virtual_stage
+from parallel3d import comm
+from parallel3d.deferred_grads import backward_inputs
+from parallel3d.pipeline.activation_bytes import storage_key
+from parallel3d.pipeline.actions import Action, ScheduleError, splits_backward
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.options import PipelineOptions
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
+from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
+from parallel3d.pipeline.step_plan import compile_plan
+from parallel3d.pipeline.step_run import StepRun
 from parallel3d.pipeline.tied import TiedGradFinalizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,12 +99,6 @@ class GradSync(Protocol):
     def finalize(self) -> None: ...
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of ``t``'s storage that survives a resize (ZeRO-3 frees and re-gathers parameter
-    storage in place, which changes its data pointer but not the storage object)."""
-    return t.untyped_storage()._cdata
-
-
 @dataclass
 class StepResult:
     """What one ``run_step`` measured on this rank.
@@ -96,7 +109,8 @@ class StepResult:
     the most (microbatch, chunk) pairs stored at once; ``peak_activation_bytes``
     the most bytes they held (tensors autograd saved for backward plus the stage's
     stored input and output, each storage counted once, parameters excluded; a sent
-    output freed by ``free_sent_activations`` counts until its send completes).
+    output freed by ``free_sent_activations`` counts until its send completes; after
+    a split backward's ``B``, what its weight-gradient queue holds).
     """
 
     loss: float | None
@@ -105,12 +119,19 @@ class StepResult:
     peak_live_activations: int
     peak_activation_bytes: int
     num_microbatches: int
-    comm_time: float = 0.0  # seconds blocked in point-to-point (posting + waiting for receives)
+    comm_time: float = 0.0  # seconds in point-to-point (posting + waiting for receives)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
+    wait_time: float = 0.0  # seconds blocked waiting for p2p to complete
+    num_actions: int = 0  # actions of this stage's schedule (computations and messages)
 
     @property
     def bubble_fraction(self) -> float:
         return 0.0 if self.step_time <= 0 else max(0.0, 1.0 - self.busy_time / self.step_time)
+
+    @property
+    def executor_time(self) -> float:
+        """The step's time neither computing nor waiting for messages: the executor's own work."""
+        return max(0.0, self.step_time - self.busy_time - self.wait_time)
 
 
 def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -127,57 +148,32 @@ def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
     ]
 
 
-class _SavedBytes:
-    """Counts storage bytes autograd saves during one forward (parameters excluded).
+def send_loss_to_last_stage(loss: float | None, placement: ChunkPlacement, pstate: "ParallelState") -> float | None:
+    """The step's loss moved from the stage holding the last model chunk to the last pipeline stage.
 
-    The pack hook only collects the tensors (it runs once per saved tensor, so it stays
-    minimal); their storages are deduplicated and summed once, in ``total``/``storages``.
+    Collective over the pipeline's two end stages when they differ (ZB-V); otherwise ``loss``.
+    Called after every pipeline message of the step has completed (FIFO order is trivially kept).
     """
-
-    def __init__(self, param_storages: set[int]) -> None:
-        self.param_storages = param_storages
-        self._seen: list[torch.Tensor] = []  # not yet counted
-        self._counted: dict[int, int] = {}
-
-    def add(self, t: torch.Tensor) -> None:
-        self._seen.append(t)
-
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        # plain_unpack: split backwards may then read saved tensors directly (backward_split)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, backward_split.plain_unpack):
-            yield
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._seen.append(t)
-        # A saved output returned as itself would hold its own grad_fn (tensor -> node -> saved
-        # tensor): a cycle of C++ references no GC can see. A plain backward breaks it by releasing
-        # the saved tensors; a split backward (B with retain_graph, W off the input path) never
-        # releases the input path's, so every graph would leak. A detached alias has no grad_fn.
-        return t.detach() if t.grad_fn is not None else t
-
-    @property
-    def storages(self) -> dict[int, int]:
-        """storage key -> bytes of each non-parameter storage seen (tensors are dropped once counted)."""
-        for t in self._seen:
-            if t.device.type != "meta":
-                key = storage_key(t)
-                if key not in self.param_storages and key not in self._counted:
-                    self._counted[key] = t.untyped_storage().nbytes()
-        self._seen = []
-        return self._counted
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
+    p = pstate.size("pp")
+    owner = placement.stage_of(placement.total - 1)
+    if owner == p - 1 or pstate.coord("pp") not in (owner, p - 1):
+        return loss if pstate.coord("pp") == p - 1 else None
+    value = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64, device=pstate.device)
+    sender = pstate.coord("pp") == owner
+    peer = pstate.topology.stage_rank(pstate.rank, p - 1 if sender else owner)
+    op = dist.P2POp(dist.isend if sender else dist.irecv, value, peer, group=pstate.group("pp"))
+    for work in comm.batch_isend_irecv([op], pstate, "pp"):
+        work.wait()
+    return None if sender else value.item()
 
 
 class PipelineEngine:
     """Executes this rank's part of the pipeline schedule.
 
-    ``chunks[c]`` is model chunk ``pp_rank + c * pp`` (``len(chunks)`` virtual
-    stages); chunk modules follow the models contract
-    ``module(x, labels=None, *, sample_ids=None, step=0)``.
+    ``chunks[c]`` is local chunk ``c``: model chunk ``placement.model_chunk(pp_rank, c)``
+    (``len(chunks)`` chunks per stage; the loop placement's ``pp_rank + c * pp``, ZB-V's
+    ``pp_rank`` and ``2 pp - 1 - pp_rank``; ``placement_for(schedule, pp, len(chunks))``);
+    chunk modules follow the models contract ``module(x, labels=None, *, sample_ids=None, step=0)``.
     """
 
     def __init__(
@@ -209,6 +205,7 @@ class PipelineEngine:
         self.schedule_name = schedule
         coalesces = pstate.p2p_coalesces
         full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces)
+        self.placement: ChunkPlacement = full.placement
         self.actions = full[pstate.coord("pp")]
         self.spec = MessageSpec.from_config(
             micro_batch_size=micro_batch_size,
@@ -218,9 +215,9 @@ class PipelineEngine:
             tp_size=pstate.size("tp"),
             sequence_parallel=sequence_parallel,
         )
-        self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages)
-        self.microbatch_keys = stage_keys(pstate.is_first_stage, pstate.is_last_stage)
-        self._last_virtual = p * self.num_virtual_stages - 1
+        self.p2p = PipelineP2P(pstate, self.spec, self.num_virtual_stages, self.placement)
+        held = self.placement.chunks_of(pstate.coord("pp"))
+        self.microbatch_keys = stage_keys(0 in held, self.placement.total - 1 in held)
         if prefetch_recvs is None:
             prefetch_recvs = 0 if coalesces else 2
         if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
@@ -233,21 +230,11 @@ class PipelineEngine:
                                      wait_sent_activations=self._wait_for_sent_activations)
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
-        self.plan = comm_plan(self.actions, prefetch_recvs)
-        # The action that accumulates weight gradients (W if backwards are split, else B), and per
-        # chunk the microbatch whose accumulation completes the chunk's gradients.
         self.split_backward = splits_backward(self.actions)
-        accumulating = "W" if self.split_backward else "B"
-        last: dict[int, Action] = {}
-        for a in self.actions:
-            if a.kind == accumulating:
-                last[a.chunk] = a
-        self._completing = {(a.microbatch, a.chunk) for a in last.values()}
+        self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, prefetch_recvs,
+                                 self.p2p.peer)
 
     # ---- helpers -------------------------------------------------------------------
-    def _virtual(self, chunk: int) -> int:
-        return virtual_stage(self.pstate.coord("pp"), chunk, self.pstate.size("pp"))
-
     def _check_microbatches(self, microbatches: Sequence[dict[str, Any]]) -> None:
         if len(microbatches) != self.num_microbatches:
             raise ValueError(
@@ -277,30 +264,31 @@ class PipelineEngine:
         self._check_microbatches(microbatches)
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
         param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
-        run = _StepRun(self, microbatches, loss_scale, step, param_storages)
-        for plan_step in self.plan:
-            run.communicate(plan_step)
-            action = plan_step.compute
-            if action is None:
+        undeferred = [backward_inputs(c.parameters()) for c in self.chunks] if self.split_backward else []
+        waited = self.p2p.wait_time
+        run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)
+        block, timeline, clock = self._wait_for_sent_activations, run.timeline, time.perf_counter
+        handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
+        for planned in self.plan:
+            if planned.communicates:
+                run.communicate(planned)
+            c = planned.compute
+            if c is None:
                 continue
-            start = time.perf_counter()
-            if action.kind == "F":
-                run.forward(action)
-            elif action.kind == "B":
-                run.backward(action)
-            else:
-                run.weight_grad(action)
-            end = time.perf_counter()
+            start = clock()
+            handlers[c.kind](c)
+            end = clock()
             run.busy += end - start
-            run.timeline.append((action, start - run.t0, end - run.t0))
-            if action.kind == "F":
-                run.release_sent(block=self._wait_for_sent_activations)
+            timeline.append((c.action, start - run.t0, end - run.t0))
+            if c.kind == "F":
+                run.release_sent(block)
                 run.record_peak()
         self.p2p.wait_sends()
-        if run.outputs or run.inputs or run.grads_in or run.grads_out or run.weight_work:
+        if run.leftovers():
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
         self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
+        loss = send_loss_to_last_stage(loss, self.placement, self.pstate)
         return StepResult(
             loss=loss,
             step_time=time.perf_counter() - run.t0,
@@ -310,135 +298,6 @@ class PipelineEngine:
             num_microbatches=self.num_microbatches,
             comm_time=run.comm_time,
             timeline=run.timeline,
+            wait_time=self.p2p.wait_time - waited,
+            num_actions=len(self.actions),
         )
-
-
-class _StepRun:
-    """The mutable state of one ``run_step``: what is stored, received, pending and measured.
-
-    Keys are ``(microbatch, chunk)``. A microbatch-chunk's input and output are stored
-    from its ``F`` to its ``B``; received gradients from their receive to the ``B``;
-    input gradients from the ``B`` to their send.
-    """
-
-    def __init__(self, engine: PipelineEngine, microbatches, loss_scale: float, step: int,
-                 param_storages: set[int]) -> None:
-        self.engine = engine
-        self.microbatches = microbatches
-        self.loss_factor = loss_scale / engine.num_microbatches
-        self.step = step
-        self.param_storages = param_storages
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations (require grad)
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # chunk outputs; scaled loss on the last chunk
-        self.stored_bytes: dict[tuple[int, int], int] = {}
-        # Outputs that may lose their storage once sent (autograd did not save them): their bytes.
-        self.freeable_bytes: dict[tuple[int, int], int] = {}
-        self.grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        self.grads_out: dict[tuple[int, int], torch.Tensor] = {}
-        self.weight_work: dict[tuple[int, int], backward_split.WeightGrad] = {}  # split backwards: B done, W owed
-        self.losses: list[torch.Tensor] = []
-        self.timeline: list[tuple[Action, float, float]] = []
-        self.peak_live = self.peak_bytes = 0
-        self.busy = self.comm_time = 0.0
-        self.t0 = time.perf_counter()
-
-    def communicate(self, step: CommStep) -> None:
-        """Post the step's batch (and receives ahead of need); wait for the receives it needs."""
-        if not (step.batch or step.ahead or step.needs):
-            return
-        sends = []
-        for a in step.batch:
-            key = (a.microbatch, a.chunk)
-            if a.kind == "SEND_ACT":
-                sends.append((a, self.outputs[key]))
-            elif a.kind == "SEND_GRAD":
-                sends.append((a, self.grads_out.pop(key)))
-        start = time.perf_counter()
-        for a, tensor in self.engine.p2p.exchange(sends, step.needs, step.ahead).items():
-            key = (a.microbatch, a.chunk)
-            if a.kind == "RECV_ACT":
-                self.inputs[key] = tensor.requires_grad_(True)
-            else:
-                self.grads_in[key] = tensor
-        for a, tensor in sends:
-            key = (a.microbatch, a.chunk)
-            if a.kind == "SEND_ACT" and key in self.freeable_bytes:
-                # The p2p layer's reference keeps the storage alive until the send is done.
-                tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
-        end = time.perf_counter()
-        self.comm_time += end - start
-        self.timeline.extend((a, start - self.t0, end - self.t0) for a in [*(a for a, _ in sends), *step.needs])
-
-    def release_sent(self, block: bool) -> None:
-        """Stop counting the sent outputs whose sends completed (their storage is gone now)."""
-        start = time.perf_counter()
-        released = self.engine.p2p.release_sent(wait_for_activations=block)
-        self.comm_time += time.perf_counter() - start
-        for a in released:
-            key = (a.microbatch, a.chunk)
-            freed = self.freeable_bytes.pop(key, 0) if a.kind == "SEND_ACT" else 0
-            if key in self.stored_bytes:
-                self.stored_bytes[key] -= freed
-
-    def forward(self, action: Action) -> None:
-        e = self.engine
-        key = (action.microbatch, action.chunk)
-        vs = e._virtual(action.chunk)
-        is_last = vs == e._last_virtual
-        mb = self.microbatches[action.microbatch]
-        x = mb["input_ids"] if vs == 0 else self.inputs[key]
-        saved = _SavedBytes(self.param_storages)
-        with saved.recording():
-            out = e.chunks[action.chunk](x, mb["labels"] if is_last else None, sample_ids=mb["sample_ids"],
-                                         step=self.step)
-        if vs > 0:
-            saved.add(x)
-        if is_last:
-            self.losses.append(out.detach())
-            out = out * self.loss_factor
-        else:
-            if e.free_sent_activations and out.grad_fn is not None and storage_key(out) not in saved.storages:
-                self.freeable_bytes[key] = out.untyped_storage().nbytes()
-            saved.add(out)
-        self.outputs[key] = out
-        self.stored_bytes[key] = saved.total
-
-    def record_peak(self) -> None:
-        """Activations peak right after a forward (before its output is sent)."""
-        self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
-        self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
-
-    def backward(self, action: Action) -> None:
-        e = self.engine
-        key = (action.microbatch, action.chunk)
-        vs = e._virtual(action.chunk)
-        e.grad_sync.prepare(key in e._completing)
-        out = self.outputs.pop(key)
-        grad = None if vs == e._last_virtual else self.grads_in.pop(key)
-        inp = self.inputs.pop(key, None)
-        if e.split_backward:
-            # The graph (and the activations it saved) stays until W; so do their bytes.
-            if vs == 0:  # no input gradient to send: all of the backward is W's
-                self.weight_work[key] = backward_split.WeightGrad.full(out, grad)
-            else:
-                self.grads_out[key], self.weight_work[key] = backward_split.input_grad(out, grad, inp)
-            return
-        torch.autograd.backward(out, grad_tensors=grad)
-        del out, grad  # the graph and its saved activations go now
-        self.stored_bytes.pop(key)
-        self.freeable_bytes.pop(key, None)
-        if vs > 0:
-            if inp.grad is None:
-                raise RuntimeError(
-                    f"rank {e.pstate.rank}: chunk {action.chunk}'s output does not depend on its input"
-                )
-            self.grads_out[key] = inp.grad
-
-    def weight_grad(self, action: Action) -> None:
-        """``W``: accumulate this microbatch-chunk's weight gradients; its graph goes now."""
-        e = self.engine
-        key = (action.microbatch, action.chunk)
-        e.grad_sync.prepare(key in e._completing)
-        self.weight_work.pop(key).run()
-        self.stored_bytes.pop(key)
-        self.freeable_bytes.pop(key, None)

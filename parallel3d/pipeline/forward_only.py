@@ -1,10 +1,11 @@
 """Forward-only execution of the pipeline: the loss of a batch without gradients (evaluation).
 
 ``ForwardOnlyRunner.run`` walks this stage's part of ``schedules.build_forward_schedule``
-with the same communication plan machinery as training (``actions.comm_plan``, one
-``PipelineP2P`` batch per plan step, the same message shape): receive activations,
-run the chunk under ``torch.no_grad`` with the chunks in eval mode (dropout off),
-send. Microbatches follow the training contract (``pipeline.microbatch.stage_keys``).
+(on the training schedule's chunk placement) with the same plan machinery as training
+(``step_plan.compile_plan``, one ``PipelineP2P`` batch per plan step, the same message
+shape): receive activations, run the chunk under ``torch.no_grad`` with the chunks in
+eval mode (dropout off), send; at a turn of ZB-V's V the output goes to the next chunk
+on this stage directly. Microbatches follow the training contract (``pipeline.microbatch.stage_keys``).
 
 Invariant: the returned loss is the mean over the batch's microbatches of each
 microbatch's mean token loss, on last-stage ranks (``None`` elsewhere), the same
@@ -23,10 +24,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from parallel3d.pipeline.actions import ScheduleError, comm_plan, virtual_stage
+from parallel3d.pipeline.actions import ScheduleError
+from parallel3d.pipeline.engine import send_loss_to_last_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_forward_schedule, check_coalesced_progress
+from parallel3d.pipeline.step_plan import compile_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -47,7 +51,8 @@ def eval_mode(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
 
 
 class ForwardOnlyRunner:
-    """Runs forward-only steps of this rank's stage; ``chunks[c]`` is model chunk ``pp_rank + c * pp``."""
+    """Runs forward-only steps of this rank's stage; ``chunks[c]`` is local chunk ``c`` of the placement
+    ``schedule`` (the training schedule) runs on (``PipelineEngine``)."""
 
     def __init__(
         self,
@@ -61,6 +66,7 @@ class ForwardOnlyRunner:
         dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
         prefetch_recvs: int | None = None,
+        schedule: str = "1f1b",
     ) -> None:
         self.chunks = list(chunks)
         self.pstate = pstate
@@ -69,7 +75,8 @@ class ForwardOnlyRunner:
         self.seq_len = seq_len
         p, v = pstate.size("pp"), len(self.chunks)
         coalesces = pstate.p2p_coalesces
-        full = build_forward_schedule(p, num_microbatches, v, coalesced_p2p=coalesces)
+        self.placement = placement_for(schedule, p, v)
+        full = build_forward_schedule(p, num_microbatches, v, coalesced_p2p=coalesces, placement=self.placement.kind)
         self.prefetch_recvs = (0 if coalesces else 2) if prefetch_recvs is None else prefetch_recvs
         try:
             check_coalesced_progress(full, prefetch=self.prefetch_recvs, coalesced=coalesces,
@@ -77,12 +84,13 @@ class ForwardOnlyRunner:
         except ScheduleError as exc:
             raise ValueError(f"forward-only schedule, prefetch_recvs={self.prefetch_recvs}, {pstate}: {exc}") from exc
         self.actions = full[pstate.coord("pp")]
-        self.plan = comm_plan(self.actions, self.prefetch_recvs)
         spec = MessageSpec.from_config(micro_batch_size=micro_batch_size, seq_len=seq_len, hidden_size=hidden_size,
                                        dtype=dtype, tp_size=pstate.size("tp"), sequence_parallel=sequence_parallel)
-        self.p2p = PipelineP2P(pstate, spec, v)
-        self.keys = stage_keys(pstate.is_first_stage, pstate.is_last_stage)
-        self._last_virtual = p * v - 1
+        self.p2p = PipelineP2P(pstate, spec, v, self.placement)
+        self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, self.prefetch_recvs,
+                                 self.p2p.peer)
+        held = self.placement.chunks_of(pstate.coord("pp"))
+        self.keys = stage_keys(0 in held, self.placement.total - 1 in held)
 
     def _check(self, microbatches: Sequence[dict[str, Any]]) -> None:
         if len(microbatches) != self.num_microbatches:
@@ -104,28 +112,28 @@ class ForwardOnlyRunner:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
+        p2p = self.p2p
         with eval_mode(self.chunks):
-            for plan_step in self.plan:
-                sends = [(a, outputs.pop((a.microbatch, a.chunk))) for a in plan_step.batch if a.kind == "SEND_ACT"]
-                if plan_step.batch or plan_step.ahead or plan_step.needs:
-                    for a, tensor in self.p2p.exchange(sends, plan_step.needs, plan_step.ahead).items():
-                        inputs[(a.microbatch, a.chunk)] = tensor
-                action = plan_step.compute
-                if action is None:
+            for planned in self.plan:
+                if planned.communicates:
+                    p2p.post([(a, outputs.pop(key), peer) for a, key, peer in planned.sends], planned.posts)
+                    for recv in planned.ahead:
+                        p2p.post((), (recv,))
+                    for a in planned.needs:
+                        inputs[(a.microbatch, a.chunk)] = p2p.take(a)
+                c = planned.compute
+                if c is None:
                     continue
-                vs = virtual_stage(self.pstate.coord("pp"), action.chunk, self.pstate.size("pp"))
-                mb = microbatches[action.microbatch]
-                key = (action.microbatch, action.chunk)
-                x = mb["input_ids"] if vs == 0 else inputs.pop(key)
-                is_last = vs == self._last_virtual
-                out = self.chunks[action.chunk](x, mb["labels"] if is_last else None, sample_ids=mb["sample_ids"],
-                                                step=step)
-                if is_last:
+                mb = microbatches[c.microbatch]
+                x = mb["input_ids"] if c.first else outputs.pop(c.local_input) if c.local_input else inputs.pop(c.key)
+                out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=step)
+                if c.last:
                     losses.append(out.float())
                 else:
-                    outputs[key] = out
-                self.p2p.release_sent()
-            self.p2p.wait_sends()
+                    outputs[c.key] = out
+                p2p.release_sent()
+            p2p.wait_sends()
         if outputs or inputs:
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after a forward-only step (schedule bug)")
-        return torch.stack(losses).mean().item() if losses else None
+        loss = torch.stack(losses).mean().item() if losses else None
+        return send_loss_to_last_stage(loss, self.placement, self.pstate)

@@ -13,26 +13,32 @@ from dataclasses import dataclass
 
 from parallel3d.option_checks import ConfigError, as_tuples, check_choice, check_int
 
-# zb_h1: zero bubble (Qi et al. 2023), backwards split into input and weight gradients.
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
-INTERLEAVED = "interleaved_1f1b"  # the one schedule with more than one model chunk per stage
+# zb_h1: zero bubble (Qi et al. 2023), backwards split into input and weight gradients;
+# zbv: ZB-V, two chunks per stage placed in a V, split backwards.
+SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv")
+INTERLEAVED = "interleaved_1f1b"  # any number (>= 2) of model chunks per stage
+ZBV = "zbv"  # exactly two chunks per stage (its V)
+MULTI_CHUNK = (INTERLEAVED, ZBV)  # the schedules that run more than one model chunk per stage
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 (zero bubble, split backward)
-    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b only)
+    schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 | zbv (zero bubble, split backward)
+    virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
 
     def __post_init__(self) -> None:
         as_tuples(self)
         check_choice("parallel.schedule", self.schedule, SCHEDULES)
         v = check_int("parallel.virtual_stages", self.virtual_stages, 1)
-        if v > 1 and self.schedule != INTERLEAVED:
+        if v > 1 and self.schedule not in MULTI_CHUNK:
             raise ConfigError(
-                f"parallel.virtual_stages={v}: only parallel.schedule={INTERLEAVED} uses more than one "
+                f"parallel.virtual_stages={v}: only parallel.schedule={INTERLEAVED} or {ZBV} uses more than one "
                 f"chunk per stage (schedule is {self.schedule!r})"
             )
+        if self.schedule == ZBV and v != 2:
+            raise ConfigError(f"parallel.schedule={ZBV} runs two chunks per stage: set parallel.virtual_stages=2 "
+                              f"(got {v})")
 
     def num_chunks(self, pp: int) -> int:
         """Model chunks in the whole pipeline."""

@@ -31,6 +31,7 @@ its stream after the current one), so the reuse is stream-safe too.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -38,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import comm
-from parallel3d.pipeline.actions import Action, stage_and_chunk, virtual_stage
+from parallel3d.pipeline.actions import Action
+from parallel3d.pipeline.placement import ChunkPlacement
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -144,18 +146,25 @@ class P2PBatch:
 class PipelineP2P:
     """This rank's sends/receives for the actions of its schedule, one ``P2PBatch`` at a time.
 
-    Peers are global ranks asked from the ``Topology``: the chunk after
-    (stage s, chunk c) is model chunk ``s + c*p + 1``, which may wrap to stage 0.
+    Peers are global ranks asked from the ``Topology``: the chunk after (stage s, local
+    chunk c) is model chunk ``placement.model_chunk(s, c) + 1`` (default placement: the
+    loop, where that wraps from the last stage to stage 0). The executor's path is
+    ``post`` (one batch) and ``take`` (a received tensor, once its batch is complete);
+    ``exchange`` is both in one call.
     """
 
-    def __init__(self, pstate: "ParallelState", spec: MessageSpec, num_virtual_stages: int = 1) -> None:
+    def __init__(self, pstate: "ParallelState", spec: MessageSpec, num_virtual_stages: int = 1,
+                 placement: ChunkPlacement | None = None) -> None:
         self.pstate = pstate
         self.spec = spec
         self.num_virtual_stages = num_virtual_stages
+        self.placement = placement or ChunkPlacement(pstate.size("pp"), num_virtual_stages)
         self._sending: list[P2PBatch] = []  # batches with sends not known complete, in posting order
         self._posted: dict[Action, P2PBatch] = {}  # receives posted and not yet handed out
         self.buffers = ReceiveBuffers(spec, pstate.device)
         self._peers: dict[tuple[str, int], int] = {}  # (kind, chunk) -> global rank, asked once
+        self._group = pstate.group("pp")
+        self.wait_time = 0.0  # seconds blocked in waits (take, blocking release_sent, wait_sends)
 
     def peer(self, action: Action) -> int:
         """Global rank on the other end of a communication action."""
@@ -165,34 +174,68 @@ class PipelineP2P:
         return self._peers[key]
 
     def _peer(self, action: Action) -> int:
-        p = self.pstate.size("pp")
-        vs = virtual_stage(self.pstate.coord("pp"), action.chunk, p)
+        place = self.placement
+        vs = place.model_chunk(self.pstate.coord("pp"), action.chunk)
         other = vs + 1 if action.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
-        if not (0 <= other < p * self.num_virtual_stages):
+        if not (0 <= other < place.total):
             raise ValueError(f"rank {self.pstate.rank}: {action} has no neighbour (model chunk {other})")
-        stage, _ = stage_and_chunk(other, p)
+        stage = place.stage_of(other)
+        if stage == self.pstate.coord("pp"):
+            raise ValueError(f"rank {self.pstate.rank}: {action}'s neighbour (model chunk {other}) is on this stage")
         return self.pstate.topology.stage_rank(self.pstate.rank, stage)
 
-    def _post(self, sends: list[tuple[Action, torch.Tensor]], recvs: Sequence[Action]) -> None:
-        group = self.pstate.group("pp")
+    def post(self, sends: Sequence[tuple[Action, torch.Tensor, int]], recvs: Sequence[tuple[Action, int]]) -> None:
+        """Post ``sends`` (action, tensor, peer rank) and ``recvs`` (action, peer rank) as one batch."""
+        group, spec_shape, spec_dtype = self._group, self.spec.shape, self.spec.dtype
         ops: list[dist.P2POp] = []
         kept: list[tuple[Action, torch.Tensor]] = []
-        for action, tensor in sends:
+        nbytes = 0
+        for action, tensor, peer in sends:
+            if tensor.shape != spec_shape or tensor.dtype != spec_dtype:
+                raise ValueError(
+                    f"rank {self.pstate.rank}: {action} sends shape {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"but the pipeline's messages are {spec_shape} {spec_dtype}"
+                )
             tensor = tensor.detach().contiguous()
             kept.append((action, tensor))
-            ops.append(dist.P2POp(dist.isend, tensor, self.peer(action), group=group))
-            self.pstate.comm_stats.add("pp", "send", tensor.numel() * tensor.element_size())
+            ops.append(dist.P2POp(dist.isend, tensor, peer, group=group))
+            nbytes += tensor.numel() * tensor.element_size()
         buffers = {}
-        for action in recvs:
-            buffers[action] = self.buffers.acquire()
-            ops.append(dist.P2POp(dist.irecv, buffers[action], self.peer(action), group=group))
+        for action, peer in recvs:
+            buf = buffers[action] = self.buffers.acquire()
+            ops.append(dist.P2POp(dist.irecv, buf, peer, group=group))
         if not ops:
             return
-        batch = P2PBatch(comm.batch_isend_irecv(ops, self.pstate, "pp"), kept, buffers)
+        if kept:
+            self.pstate.comm_stats.add("pp", "send", nbytes)
+        try:
+            batch = P2PBatch(comm.batch_isend_irecv(ops, self.pstate, "pp"), kept, buffers)
+        except RuntimeError as exc:
+            raise self._failed([a for a, _ in kept] + list(buffers), exc) from exc
         if kept:
             self._sending.append(batch)
         for action in buffers:
             self._posted[action] = batch
+
+    def take(self, action: Action) -> torch.Tensor:
+        """The tensor received for ``action`` (posted earlier), once its whole batch is complete."""
+        batch = self._posted.pop(action)
+        if not batch.complete:
+            start = time.perf_counter()
+            try:
+                batch.wait()
+            except RuntimeError as exc:
+                raise self._failed([action], exc) from exc
+            self.wait_time += time.perf_counter() - start
+        return self.buffers.hand_out(batch.recvs.pop(action))
+
+    def posted(self, action: Action) -> bool:
+        return action in self._posted
+
+    def _failed(self, actions: Sequence[Action], exc: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"rank {self.pstate.rank} (pipeline stage {self.pstate.coord('pp')}): p2p {[str(a) for a in actions]} "
+            f"failed: {exc}")
 
     def exchange(
         self,
@@ -207,36 +250,22 @@ class PipelineP2P:
         its whole batch is complete. The caller posts receives in schedule order, so each
         peer's messages match first in, first out.
         """
-        for action, tensor in sends:
-            if tuple(tensor.shape) != self.spec.shape or tensor.dtype != self.spec.dtype:
-                raise ValueError(
-                    f"rank {self.pstate.rank}: {action} sends shape {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"but the pipeline's messages are {self.spec.shape} {self.spec.dtype}"
-                )
-        received: dict[Action, torch.Tensor] = {}
-        try:
-            self._post(sends, [a for a in dict.fromkeys(recvs) if a not in self._posted])
-            for action in dict.fromkeys(ahead):
-                if action not in self._posted and action not in recvs:
-                    self._post([], [action])
-            for action in recvs:
-                batch = self._posted.pop(action)
-                batch.wait()
-                received[action] = self.buffers.hand_out(batch.recvs.pop(action))
-        except RuntimeError as exc:
-            what = [str(a) for a, _ in sends] + [str(a) for a in recvs]
-            raise RuntimeError(
-                f"rank {self.pstate.rank} (pipeline stage {self.pstate.coord('pp')}): p2p {what} failed: {exc}"
-            ) from exc
-        return received
+        self.post([(a, t, self.peer(a)) for a, t in sends],
+                  [(a, self.peer(a)) for a in dict.fromkeys(recvs) if a not in self._posted])
+        for action in dict.fromkeys(ahead):
+            if action not in self._posted and action not in recvs:
+                self.post([], [(action, self.peer(action))])
+        return {action: self.take(action) for action in recvs}
 
     def wait_sends(self) -> None:
         """Block until every batch posted so far is complete (all posted receives must have been used)."""
         if self._posted:
             raise RuntimeError(f"rank {self.pstate.rank}: receives posted but never used: {list(self._posted)}")
+        start = time.perf_counter()
         for batch in self._sending:
             batch.wait()
         self._sending.clear()
+        self.wait_time += time.perf_counter() - start
 
     def release_sent(self, wait_for_activations: bool = False) -> list[Action]:
         """Forget the batches known to be complete; return the actions of their sends.
@@ -250,12 +279,15 @@ class PipelineP2P:
         """
         done: list[Action] = []
         still: list[P2PBatch] = []
+        start = time.perf_counter()
         for batch in self._sending:
-            if wait_for_activations and any(a.kind == "SEND_ACT" for a, _ in batch.sends):
+            if wait_for_activations and not batch.complete and any(a.kind == "SEND_ACT" for a, _ in batch.sends):
                 batch.wait()
             if batch.poll():
                 done += [a for a, _ in batch.sends]
             else:
                 still.append(batch)
         self._sending = still
+        if wait_for_activations:
+            self.wait_time += time.perf_counter() - start
         return done

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from models.config import ModelConfig
+from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.topology import LayoutError
 
 
@@ -118,6 +119,9 @@ def chunk_costs(config: ModelConfig, ranges: Sequence[tuple[int, int]], seq_len:
     ]
 
 
-def stage_layer_ranges(ranges: Sequence[tuple[int, int]], num_stages: int, stage: int) -> list[tuple[int, int]]:
-    """The ranges held by ``stage``: its chunks c = 0..v-1 are model chunks stage + c*num_stages."""
-    return [ranges[k] for k in range(stage, len(ranges), num_stages)]
+def stage_layer_ranges(ranges: Sequence[tuple[int, int]], num_stages: int, stage: int,
+                       placement: ChunkPlacement | None = None) -> list[tuple[int, int]]:
+    """The ranges held by ``stage``, by local chunk: model chunks ``placement.chunks_of(stage)`` (default:
+    the loop placement, chunks stage + c*num_stages)."""
+    place = placement or ChunkPlacement(num_stages, len(ranges) // num_stages)
+    return [ranges[k] for k in place.chunks_of(stage)]

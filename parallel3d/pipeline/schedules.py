@@ -1,12 +1,16 @@
 """Pipeline schedules as plain data, checked by simulation, with a printable view.
 
-A schedule is ``dict[stage, list[Action]]``: for every pipeline stage, the exact
-order in which that stage runs its computations (``F``, ``B``) and its
-point-to-point communications (``SEND_ACT``/``RECV_ACT`` forward,
-``SEND_GRAD``/``RECV_GRAD`` backward). ``chunk`` is the virtual stage held by the
-stage: with ``v`` virtual stages, stage ``s`` holds model chunks
-``s, s + p, ..., s + (v-1) p`` (Narayanan et al. 2021), so activations leave the
-last stage's chunk ``c`` for the first stage's chunk ``c + 1``.
+A schedule is ``{stage: [Action, ...]}`` (``actions.Schedule``): for every pipeline
+stage, the exact order in which that stage runs its computations (``F``, ``B``, ``W``)
+and its point-to-point communications (``SEND_ACT``/``RECV_ACT`` forward,
+``SEND_GRAD``/``RECV_GRAD`` backward). ``chunk`` is the stage's local chunk; the
+schedule's ``placement`` says which model chunk that is (``placement``): the loop
+placement (stage ``s`` holds model chunks ``s, s + p, ..., s + (v-1) p``, Narayanan et
+al. 2021: activations leave the last stage's chunk ``c`` for the first stage's chunk
+``c + 1``) for every schedule but ``zbv``, whose chunks form a V. Where two
+consecutive model chunks sit on one stage (the V's turns), the activation and its
+gradient pass inside the stage: no message, and the later chunk's ``F`` (the earlier
+chunk's ``B``) needs the other's ``F`` (``B``) of that microbatch before it.
 
 Contract every built schedule satisfies (``validate_schedule`` checks it):
 
@@ -36,6 +40,9 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
   not (1F1B's peak activation memory, its first stage's); the ``W``s fill the
   cool-down bubble.
+- ``zbv``: two chunks per stage in a V, split backwards; stage ``s`` never holds
+  more than ``2p`` microbatch-chunks whose forward is done and whose ``W`` is not
+  (1F1B's peak activation memory: each chunk is half a stage).
 
 ``build_forward_schedule`` is the forward-only schedule evaluation runs (no ``B``,
 no gradient messages): every microbatch through every chunk in the forward order of
@@ -59,6 +66,7 @@ from parallel3d.pipeline.actions import (
     Schedule,
     ScheduleError,
     comm_plan,
+    placement_of,
     schedule_shape,
     splits_backward,
     stage_and_chunk,
@@ -66,7 +74,8 @@ from parallel3d.pipeline.actions import (
 )
 from parallel3d.option_checks import check_choice
 from parallel3d.pipeline.options import SCHEDULES
-from parallel3d.pipeline.zero_bubble import zb_h1_order
+from parallel3d.pipeline.placement import ChunkPlacement, placement_for
+from parallel3d.pipeline.zero_bubble import zb_h1_order, zbv_schedule
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
 
 # The schedule vocabulary (actions.py), the schedule names (options.py) and the simulator (simulate.py)
@@ -76,8 +85,8 @@ __all__ = [
     "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "CommStep", "Schedule",
     "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
     "check_coalesced_progress", "comm_plan",
-    "format_schedule", "format_timeline", "peak_in_flight", "schedule_shape", "simulate", "stage_and_chunk",
-    "validate_schedule", "virtual_stage",
+    "format_schedule", "format_timeline", "peak_in_flight", "placement_of", "schedule_shape", "simulate",
+    "stage_and_chunk", "validate_schedule", "virtual_stage",
 ]
 
 # ---- building ----------------------------------------------------------------------
@@ -86,9 +95,11 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
     for key, value in (("num_stages", p), ("num_microbatches", m), ("num_virtual_stages", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key}={value!r} must be an integer >= 1")
-    if name != "interleaved_1f1b" and v != 1:  # zb_h1 included (zbv, its two-chunk form, is not built)
+    if name == "zbv" and v != 2:
+        raise ValueError(f"schedule 'zbv' runs two chunks per stage: num_virtual_stages must be 2, got {v}")
+    if name not in ("interleaved_1f1b", "zbv") and v != 1:
         raise ValueError(
-            f"schedule {name!r} has no virtual stages (num_virtual_stages={v}); use 'interleaved_1f1b'"
+            f"schedule {name!r} has no virtual stages (num_virtual_stages={v}); use 'interleaved_1f1b' or 'zbv'"
         )
     if name == "interleaved_1f1b" and v > 1 and p == 1:
         raise ValueError("interleaved_1f1b with num_virtual_stages > 1 needs num_stages >= 2 (a chunk cannot send to itself)")
@@ -102,28 +113,28 @@ def _check_args(name: str, p: int, m: int, v: int) -> None:
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
 
-def _with_comms(stage: int, p: int, v: int, iterations: list[list[Compute]]) -> list[Action]:
+def _with_comms(stage: int, place: ChunkPlacement, iterations: list[list[Compute]]) -> list[Action]:
     """Wrap each iteration (one or more computations) in the receives it needs and the sends it feeds.
 
     Receives come in computation order before the iteration, sends after it, so the comm
     actions between two iterations (one batch, see ``actions.comm_plan``) are the previous
-    iteration's sends and the next one's receives.
+    iteration's sends and the next one's receives. A neighbour chunk on this stage gets no message.
     """
-    last = p * v - 1
+    last = place.total - 1
     out: list[Action] = []
     for iteration in iterations:
         for kind, mb, chunk in iteration:
-            vs = virtual_stage(stage, chunk, p)
-            if kind == "F" and vs > 0:
+            vs = place.model_chunk(stage, chunk)
+            if kind == "F" and vs > 0 and place.stage_of(vs - 1) != stage:
                 out.append(Action("RECV_ACT", mb, chunk))
-            elif kind == "B" and vs < last:
+            elif kind == "B" and vs < last and place.stage_of(vs + 1) != stage:
                 out.append(Action("RECV_GRAD", mb, chunk))
         out += [Action(kind, mb, chunk) for kind, mb, chunk in iteration]
         for kind, mb, chunk in iteration:
-            vs = virtual_stage(stage, chunk, p)
-            if kind == "F" and vs < last:
+            vs = place.model_chunk(stage, chunk)
+            if kind == "F" and vs < last and place.stage_of(vs + 1) != stage:
                 out.append(Action("SEND_ACT", mb, chunk))
-            elif kind == "B" and vs > 0:
+            elif kind == "B" and vs > 0 and place.stage_of(vs - 1) != stage:
                 out.append(Action("SEND_GRAD", mb, chunk))
     return out
 
@@ -197,8 +208,9 @@ def build_schedule(
     _check_args(name, p, m, v)
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
-    schedule: Schedule = {}
-    for s in range(p):
+    place = placement_for(name, p, v)
+    schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
+    for s in range(p if name != "zbv" else 0):
         if name == "gpipe":
             compute = _gpipe(s, p, m)
         elif name == "zb_h1":
@@ -211,23 +223,30 @@ def build_schedule(
             iterations = _iterations(compute, _interleaved_warmup(s, p, m, v))
         else:
             iterations = [[c] for c in compute]
-        schedule[s] = _with_comms(s, p, v, iterations)
-    limit = (lambda s: p - s) if name == "1f1b" else (lambda s: p) if name == "zb_h1" else None
+        schedule[s] = _with_comms(s, place, iterations)
+    limits = {"1f1b": lambda s: p - s, "zb_h1": lambda s: p, "zbv": lambda s: 2 * p}
+    limit = limits.get(name)
     validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limit,
                       coalesced_p2p=coalesced_p2p)
     return schedule
 
 
 def build_forward_schedule(
-    num_stages: int, num_microbatches: int, num_virtual_stages: int = 1, *, coalesced_p2p: bool = False
+    num_stages: int, num_microbatches: int, num_virtual_stages: int = 1, *, coalesced_p2p: bool = False,
+    placement: str = "loop",
 ) -> Schedule:
-    """The forward-only schedule (evaluation): see the module doc; validated before it is returned."""
+    """The forward-only schedule (evaluation) on the ``placement`` kind of the training schedule
+    (see the module doc); validated before it is returned."""
     p, m, v = num_stages, num_microbatches, num_virtual_stages
-    _check_args("interleaved_1f1b" if v > 1 else "gpipe", p, m, v)
-    schedule: Schedule = {}
-    for s in range(p):
+    if placement == "v":
+        _check_args("zbv", p, m, v)
+    else:
+        _check_args("interleaved_1f1b" if v > 1 else "gpipe", p, m, v)
+    place = ChunkPlacement(p, v, placement)
+    schedule = zbv_schedule(p, m, forward_only=True) if placement == "v" else Schedule(placement=place)
+    for s in range(p if placement != "v" else 0):
         order = [("F", *_interleaved_forward(k, p, v)) for k in range(m * v)] if v > 1 else [("F", i, 0) for i in range(m)]
-        schedule[s] = _with_comms(s, p, v, [[c] for c in order])
+        schedule[s] = _with_comms(s, place, [[c] for c in order])
     validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, coalesced_p2p=coalesced_p2p,
                       forward_only=True)
     return schedule
@@ -265,9 +284,10 @@ class _Where:
         return f"stage {self.stage}, position {self.pos} ({self.action})"
 
 
-def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forward_only: bool = False) -> None:
+def _check_order(stage: int, actions: list[Action], place: ChunkPlacement, m: int,
+                 forward_only: bool = False) -> None:
     seen: dict[tuple[str, int, int], int] = {}
-    last = p * v - 1
+    v, last = place.num_chunks, place.total - 1
     for pos, a in enumerate(actions):
         where = _Where(stage, pos, a)
         if a.chunk >= v or a.microbatch >= m:
@@ -278,23 +298,30 @@ def _check_order(stage: int, actions: list[Action], p: int, m: int, v: int, forw
         if key in seen:
             raise ScheduleError(f"{where}: repeats the action at position {seen[key]}")
         seen[key] = pos
-        vs = virtual_stage(stage, a.chunk, p)
-        needs = {
-            "F": "RECV_ACT" if vs > 0 else None,
-            "B": "RECV_GRAD" if vs < last else None,
-            "SEND_ACT": "F",
-            "SEND_GRAD": "B",
-        }.get(a.kind)
-        if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
-            raise ScheduleError(f"{where}: backward before its forward")
-        if a.kind == "W" and ("B", a.microbatch, a.chunk) not in seen:
-            raise ScheduleError(f"{where}: weight gradient (W) before its input-gradient backward (B)")
-        if needs and (needs, a.microbatch, a.chunk) not in seen:
-            raise ScheduleError(f"{where}: needs an earlier {needs} for the same microbatch and chunk")
+        vs = place.model_chunk(stage, a.chunk)
+        before, after = place.local_previous(stage, a.chunk), place.local_next(stage, a.chunk)
         if a.kind in ("RECV_ACT", "SEND_GRAD") and vs == 0:
             raise ScheduleError(f"{where}: the first model chunk has no upstream neighbour")
         if a.kind in ("SEND_ACT", "RECV_GRAD") and vs == last:
             raise ScheduleError(f"{where}: the last model chunk has no downstream neighbour")
+        if (a.kind in ("RECV_ACT", "SEND_GRAD") and before is not None) or \
+                (a.kind in ("SEND_ACT", "RECV_GRAD") and after is not None):
+            raise ScheduleError(f"{where}: the neighbouring model chunk sits on this stage (no message)")
+        needs: tuple[str, int] | None = {  # (kind, local chunk) of an earlier action of this microbatch
+            "F": None if vs == 0 else ("F", before) if before is not None else ("RECV_ACT", a.chunk),
+            "B": ("F", a.chunk),
+            "W": ("B", a.chunk),
+            "SEND_ACT": ("F", a.chunk),
+            "SEND_GRAD": ("B", a.chunk),
+        }.get(a.kind)
+        if needs and (needs[0], a.microbatch, needs[1]) not in seen:
+            what = {"B": "backward before its forward", "W": "weight gradient (W) before its input-gradient backward (B)"}
+            raise ScheduleError(f"{where}: " + what.get(a.kind, f"needs an earlier {needs[0]} for the same microbatch"
+                                                              f" and chunk {needs[1]}"))
+        if a.kind == "B" and vs < last:
+            grad = ("B", a.microbatch, after) if after is not None else ("RECV_GRAD", a.microbatch, a.chunk)
+            if grad not in seen:
+                raise ScheduleError(f"{where}: needs an earlier {grad[0]} for the same microbatch and chunk {grad[2]}")
     kinds = ("F",) if forward_only else ("F", "B", "W") if splits_backward(actions) else ("F", "B")
     for kind in kinds:
         for chunk in range(v):
@@ -326,8 +353,11 @@ def validate_schedule(
         raise ScheduleError(f"schedule stages must be 0..{p - 1}, got {sorted(schedule)}")
     m = m_seen if num_microbatches is None else num_microbatches
     v = v_seen if num_virtual_stages is None else num_virtual_stages
+    place = getattr(schedule, "placement", None) or ChunkPlacement(p, v)
+    if (place.num_stages, place.num_chunks) != (p, v):
+        raise ScheduleError(f"the schedule's placement {place} does not match its {p} stages x {v} chunks")
     for stage, actions in schedule.items():
-        _check_order(stage, actions, p, m, v, forward_only)
+        _check_order(stage, actions, place, m, forward_only)
     simulate(schedule, 1.0, 2.0)  # raises on a deadlock or a mismatched send/receive
     if coalesced_p2p:
         check_coalesced_progress(schedule)

@@ -22,11 +22,10 @@ from parallel3d.pipeline.actions import (
     CostFn,
     Schedule,
     ScheduleError,
+    comm_plan,
+    placement_of,
     schedule_shape,
     splits_backward,
-    stage_and_chunk,
-    comm_plan,
-    virtual_stage,
 )
 
 
@@ -88,7 +87,8 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
     """
     fwd, bwd, lat = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time"), _as_cost(p2p_time, "p2p_time")
     wgt = (lambda st, c: bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
-    p, _, v = schedule_shape(schedule)
+    p, _, _ = schedule_shape(schedule)
+    place = placement_of(schedule)
     split = {s: splits_backward(acts) for s, acts in schedule.items()}
     clock = [0.0] * p
     busy = [0.0] * p
@@ -102,7 +102,7 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
         actions = schedule[s]
         while pos[s] < len(actions):
             a = actions[pos[s]]
-            vs = virtual_stage(s, a.chunk, p)
+            vs = place.model_chunk(s, a.chunk)
             start = clock[s]
             if a.is_compute:
                 if a.kind == "F":
@@ -114,7 +114,7 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
                 clock[s] += cost
                 busy[s] += cost
             elif a.kind.startswith("SEND"):
-                peer, _ = stage_and_chunk(vs + 1 if a.kind == "SEND_ACT" else vs - 1, p)
+                peer = place.stage_of(vs + 1 if a.kind == "SEND_ACT" else vs - 1)
                 channels.setdefault((s, peer), deque()).append(
                     (_message(a.kind, a.microbatch, vs), clock[s] + lat(s, a.chunk))
                 )
@@ -122,7 +122,7 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
                     runnable.append(waiting.pop((s, peer)))
             else:
                 src_vs = vs - 1 if a.kind == "RECV_ACT" else vs + 1
-                peer, _ = stage_and_chunk(src_vs, p)
+                peer = place.stage_of(src_vs)
                 queue = channels.get((peer, s))
                 if not queue:
                     waiting[(peer, s)] = s  # blocked until the peer sends
@@ -185,6 +185,7 @@ class _BatchRun:
 
     def __init__(self, schedule: Schedule, prefetch: int, coalesced: bool, wait_sent_activations: bool) -> None:
         self.p, _, _ = schedule_shape(schedule)
+        self.place = placement_of(schedule)
         self.coalesced = coalesced
         self.units: list[_Unit] = []
         self.programs = {s: self._program(s, schedule[s], prefetch, wait_sent_activations) for s in range(self.p)}
@@ -231,10 +232,10 @@ class _BatchRun:
         for s, prog in self.programs.items():
             for _, u in (item for item in prog if item[0] == "post"):
                 for a in self.units[u].actions:
-                    vs = virtual_stage(s, a.chunk, self.p)
+                    vs = self.place.model_chunk(s, a.chunk)
                     sending = a.kind.startswith("SEND")
                     other_vs = vs + 1 if a.kind in ("SEND_ACT", "RECV_GRAD") else vs - 1
-                    peer, _ = stage_and_chunk(other_vs, self.p)
+                    peer = self.place.stage_of(other_vs)
                     channel = (s, peer) if sending else (peer, s)
                     k = counts.get((*channel, sending), 0)
                     counts[(*channel, sending)] = k + 1

@@ -1,12 +1,12 @@
 """Keep the two copies of a tied input/output embedding identical under pipeline parallelism.
 
-With pp > 1 and tied embeddings (GPT), the first stage holds the word embedding
-and the last stage a copy used by the head; both parameters carry
-``tied_embedding=True`` (see ``parallel3d.param_meta``). Summing their
-gradients over the topology's ``embedding`` group (first + last stage of each
-pipeline) every step gives both copies the full gradient, so identical
-optimizer updates keep them identical. With pp == 1 the group has one rank and
-this is a no-op.
+With pp > 1 and tied embeddings (GPT), the chunk with the embedding holds the word
+embedding and the chunk with the head a copy (``tied_head_copy``); both carry
+``tied_embedding=True`` (see ``parallel3d.param_meta``). Summing their gradients
+every step (over the topology's ``embedding`` group, first + last stage of each
+pipeline; or on stage 0 alone where ZB-V places both ends) gives both copies the
+full gradient, so identical optimizer updates keep them identical. With pp == 1 one
+chunk holds both ends and this is a no-op.
 
 ``TiedGradFinalizer`` is the pipeline engine's gradient finaliser when no ZeRO
 optimizer provides one (ZeRO's ``GradSync.finalize`` does the same sum on its
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from parallel3d import comm
-from parallel3d.param_meta import is_tied_embedding
+from parallel3d.param_meta import is_tied_embedding, is_tied_head_copy
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -39,25 +39,31 @@ def tied_embedding_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.P
 
 
 def sync_tied_embedding_grads(modules: Iterable[torch.nn.Module], pstate: "ParallelState") -> int:
-    """Sum ``.grad`` of tied-embedding parameters over the ``embedding`` group; returns how many.
+    """Sum ``.grad`` of the tied-embedding copies; returns how many this rank holds.
 
-    Call on every rank of the job after the step's backwards; middle stages (not in
-    an embedding group) and pp == 1 return at once. A missing ``.grad`` counts as zero.
+    Where this rank holds both copies (ZB-V puts the first and the last model chunk on
+    stage 0) they are summed here, with no message; otherwise each end stage's one copy
+    is summed over the ``embedding`` group. Call on every rank of the job after the step's
+    backwards; ranks without copies (middle stages, an untied model) and pp == 1 do
+    nothing. A missing ``.grad`` counts as zero.
     """
-    if not pstate.in_embedding_group or comm.group_size(pstate, "embedding") == 1:
-        return 0
     params = tied_embedding_params(modules)
-    if not params:
-        return 0  # untied model (llama): nothing to keep in step
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    if len(params) == 2 and sum(is_tied_head_copy(p) for p in params) == 1:
+        total = params[0].grad + params[1].grad
+        for param in params:
+            param.grad.copy_(total)
+        return 2
+    if not pstate.in_embedding_group or comm.group_size(pstate, "embedding") == 1 or not params:
+        return 0
     if len(params) > 1:
         raise ValueError(
             f"rank {pstate.rank} (stage {pstate.coord('pp')}) holds {len(params)} tied-embedding parameters; "
-            f"an end stage of a tied model must hold exactly one (the word embedding or its copy)"
+            f"an end stage of a tied model holds one (the word embedding or its copy) or both"
         )
-    param = params[0]
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    comm.all_reduce(param.grad, pstate, "embedding")
+    comm.all_reduce(params[0].grad, pstate, "embedding")
     return 1
 
 

@@ -9,7 +9,9 @@ gradient needs the whole sequence. The gradient of the input is reduce-scattered
 to the sequence chunk (the transpose of the gather).
 
 Several layers reading the same input (SwiGLU's gate and up) share one gather in
-forward and one gather + one reduce-scatter in backward. All collectives run on the
+forward and one gather + one reduce-scatter in backward. In a zero-bubble ``B`` the
+weight gradients (and the gather they need) are deferred to ``W``
+(``parallel3d.deferred_grads``): ``B`` then only reduce-scatters the input gradient. All collectives run on the
 ``tp`` group through ``parallel3d.tensor_parallel.mappings`` (a group of one: identity).
 """
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel3d.tensor_parallel import mappings
+from parallel3d.tensor_parallel.deferrable_linear import linear_weight_grads
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -35,8 +38,8 @@ class _SeqGatheredLinears(torch.autograd.Function):
     def forward(ctx, x, pstate, *weights_and_biases):  # type: ignore[override]
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.pstate = pstate
-        ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
+        ctx.params = weights_and_biases  # for their marks and gradient edges (deferrable_linear)
         x_full = mappings.all_gather_along_dim(x, mappings.SEQ_DIM, pstate)
         return tuple(F.linear(x_full, w, b) for w, b in zip(weights, biases))
 
@@ -45,19 +48,22 @@ class _SeqGatheredLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         pstate = ctx.pstate
         needs = ctx.needs_input_grad
-        x_full = mappings.all_gather_along_dim(x, mappings.SEQ_DIM, pstate)
-        x_rows = x_full.reshape(-1, x_full.shape[-1])
-        grad_x_full = None
-        param_grads: list[torch.Tensor | None] = []
-        for i, (grad, weight, has_bias) in enumerate(zip(grads, weights, ctx.has_bias)):
-            if needs[0]:
-                part = grad.matmul(weight)
-                grad_x_full = part if grad_x_full is None else grad_x_full + part
-            grad_rows = grad.reshape(-1, grad.shape[-1])
-            param_grads.append(grad_rows.t().mm(x_rows) if needs[2 + 2 * i] else None)
-            param_grads.append(grad_rows.sum(0) if has_bias and needs[3 + 2 * i] else None)
+
+        def weight_grads() -> list[torch.Tensor | None]:
+            """The weight gradients need the whole sequence: all-gather the saved shard again."""
+            x_full = mappings.all_gather_along_dim(x, mappings.SEQ_DIM, pstate)
+            out: list[torch.Tensor | None] = []
+            for i, grad in enumerate(grads):
+                out.extend(linear_weight_grads(x_full, grad, needs[2 + 2 * i], needs[3 + 2 * i]))
+            return out
+
+        deferred = pstate.weight_grads.defer(ctx.params, weight_grads, (x, *grads))
+        param_grads = [None] * len(ctx.params) if deferred else weight_grads()
         grad_x = None
-        if grad_x_full is not None:
+        if needs[0]:
+            grad_x_full = grads[0].matmul(weights[0])
+            for grad, weight in zip(grads[1:], weights[1:]):
+                grad_x_full = grad_x_full + grad.matmul(weight)
             grad_x = mappings.reduce_scatter_along_dim(grad_x_full, mappings.SEQ_DIM, pstate)
         return (grad_x, None, *param_grads)
 

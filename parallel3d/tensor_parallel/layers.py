@@ -30,6 +30,7 @@ from torch import nn
 
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import mappings
+from parallel3d.tensor_parallel.deferrable_linear import deferrable_linear
 from parallel3d.tensor_parallel.gathered_linear import WeightAndBias, seq_gathered_linears
 from parallel3d.tensor_parallel.init import normal_shard
 
@@ -77,7 +78,7 @@ def column_parallel_linears(
     if sequence_parallel:
         return seq_gathered_linears(x, weights_and_biases, pstate)
     x = mappings.copy_to_tp_region(x, pstate)
-    return [F.linear(x, w, b) for w, b in weights_and_biases]
+    return [deferrable_linear(x, w, b, pstate.weight_grads) for w, b in weights_and_biases]
 
 
 def column_parallel_linear(
@@ -125,10 +126,13 @@ class _ShardedLinear(nn.Module):
         self.weight = _parameter(tuple(shape), dtype, dev)
         normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std,
                      split_dim=split_dim, tp_rank=pstate.coord("tp"), tp_size=tp)
-        set_meta(self.weight, tp_split_dim=split_dim, global_name=f"{global_name}.weight")
+        set_meta(self.weight, tp_split_dim=split_dim, global_name=f"{global_name}.weight", wgrad_deferrable=True)
         self.bias = None
         if bias:
             self.bias = _zero_bias(shape[0], split=split_dim == 0, name=f"{global_name}.bias", dtype=dtype, device=dev)
+            # The column-parallel bias is part of the deferrable GEMM; the row-parallel one is added
+            # after the reduction, so its (cheap) gradient comes in B.
+            set_meta(self.bias, wgrad_deferrable=split_dim == 0)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -162,7 +166,7 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.split_last_dim(x, self.pstate)
-        y = F.linear(x, self.weight)
+        y = deferrable_linear(x, self.weight, None, self.pstate.weight_grads)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_seq(y, self.pstate)
         else:
@@ -229,6 +233,7 @@ class ParallelLMHead(_VocabShard):
 
     def __init__(self, hidden: int, vocab_size: int, pstate: "ParallelState", **options: Any) -> None:
         super().__init__(vocab_size, hidden, pstate, **options)  # options: as for VocabParallelEmbedding
+        set_meta(self.weight, wgrad_deferrable=True)  # read only by the head's (deferrable) GEMM
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(hidden, self.weight, None, self.pstate, sequence_parallel=self.sequence_parallel)

@@ -33,10 +33,11 @@ Layout (shared by ZeRO stages 0-3, one layout per parameter dtype and replica gr
   gather units: a unit's full parameters are then exactly some whole buckets,
   which stage 3 gathers and frees together (``params_sharded``).
 
-Tied-embedding copies get buckets of their own, after all others, so the first
-and last pipeline stage (same coordinates but pp) hold identical tied buckets and
-pieces: ``grad_sync`` sums their replica-reduced pieces element-wise over the
-``embedding`` group.
+Tied-embedding copies get buckets of their own (one copy per bucket), after all
+others, so the two copies (on the first and last pipeline stage, same tp/dp
+coordinates, or both on one stage with ZB-V) have identical tied buckets and pieces:
+``grad_sync`` sums their replica-reduced pieces element-wise, over the ``embedding`` group
+or on the one rank.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ class BufferLayout:
             current: list[tuple[str, torch.nn.Parameter]] = []
             current_numel = 0
             for name, p in group:
-                new_unit = unit_of is not None and current and unit_of(current[-1][1]) != unit_of(p)
+                # Each tied copy gets buckets of its own: two copies on one rank (ZB-V) then have
+                # identical pieces, which grad_sync sums element-wise.
+                new_unit = bool(current) and (is_tied or (unit_of is not None and unit_of(current[-1][1]) != unit_of(p)))
                 limit = bucket_numel if self.buckets or first_bucket_numel is None else first_bucket_numel
                 overflows = current_numel + p.numel() > limit and current_numel >= limit // 4
                 if current and (new_unit or overflows):

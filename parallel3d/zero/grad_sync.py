@@ -42,8 +42,10 @@ Strategies: ``ReplicatedGradSync`` (stages 0/1, ``grad_replicated``) and
 Tied embeddings (pp > 1): the first and last stage each hold a copy in buckets
 of their own; both strategies reduce them over their replica group like any other bucket, and
 ``finalize`` then all-reduces just this rank's reduced piece over the
-``embedding`` group (the sum is linear, so the order does not matter). Both
-ends have the same coordinates but pp and the same tied parameters, hence the
+``embedding`` group (the sum is linear, so the order does not matter); a rank
+holding both copies (ZB-V's stage 0) adds its two pieces instead, and takes part in
+the group's exchange with nothing to sum. Both
+ends have the same tp/dp coordinates and the same tied parameters, hence the
 same tied bucket sizes and pieces; ``finalize`` checks that once. (Without ZeRO
 the engine's finaliser is ``pipeline.tied.TiedGradFinalizer``.)
 """
@@ -56,7 +58,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from parallel3d import comm
+from parallel3d import comm, param_meta
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, BufferLayout
 from parallel3d.zero.memory import MemoryTracker
@@ -115,6 +117,12 @@ class GradSync(ABC):
                 for i, s in enumerate(b.slots):
                     self._where[id(s.param)] = (g, b, i)
                     self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook))
+        # Both copies on this rank (ZB-V: the first and last model chunk on stage 0): (embedding's, head's).
+        heads = [(g, b) for g, b in self._tied if param_meta.is_tied_head_copy(b.slots[0].param)]
+        embeddings = [(g, b) for g, b in self._tied if not param_meta.is_tied_head_copy(b.slots[0].param)]
+        self._local_pairs = list(zip(embeddings, heads)) if heads and embeddings else []
+        if self._local_pairs:
+            self._tied = []
         self._is_last = True
         self._finalized = False
         self._closed: set[int] = set()  # params whose last microbatch's gradient has arrived this step
@@ -206,7 +214,14 @@ class GradSync(ABC):
             obs.grad_consumed(param, self._is_last)
 
     def _sum_tied(self) -> None:
-        """Sum the reduced tied-embedding pieces over the ``embedding`` group (first + last stage)."""
+        """Sum the reduced tied-embedding pieces: on this rank where it holds both copies, else
+        over the ``embedding`` group (first + last stage)."""
+        for (ga, a), (gb, b) in self._local_pairs:
+            mine, other = self.grad_piece(ga, a), self.grad_piece(gb, b)
+            if mine.shape != other.shape or a.piece_start - a.start != b.piece_start - b.start:
+                raise RuntimeError(f"rank {self.pstate.rank}: the two tied-embedding copies' buckets differ")
+            mine.add_(other)
+            other.copy_(mine)
         if not self.pstate.in_embedding_group or comm.group_size(self.pstate, "embedding") == 1:
             return
         if not self._tied_checked:  # also when this end has no tied buckets: the other end must not either

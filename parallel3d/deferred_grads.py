@@ -1,0 +1,146 @@
+"""Weight-gradient work deferred from a backward to later: the mechanism zero-bubble schedules run on.
+
+A zero-bubble pipeline splits a backward in two (Qi et al. 2023): ``B`` computes the
+input gradient the previous stage waits for, ``W`` the weight gradients nobody waits
+for. As in the authors' Megatron fork, the layers make the split, not a walk over the
+autograd graph: during ``B`` a layer's autograd ``Function`` computes its input
+gradient and, instead of its weight-gradient GEMMs, queues a closure over what those
+need (its saved input and its output gradient); ``W`` runs the queue. ``B`` + ``W`` is
+then one backward's work.
+
+Protocol (any layer with weights and its own ``autograd.Function`` can join; the
+linear layers of ``parallel3d.tensor_parallel`` do, and so can ring attention or
+grouped-GEMM experts):
+
+- The layer marks each parameter it alone reads ``wgrad_deferrable``
+  (``param_meta.set_meta``). ``B`` accumulates only the unmarked parameters' gradients
+  (``backward_inputs``): marked ones never reach their ``AccumulateGrad`` in ``B``, so
+  their hooks do not fire there.
+- ``ParallelState.weight_grads`` is this process's ``WeightGradDeferral``. It is idle
+  except inside ``with deferral.collecting() as work:``, which the pipeline engine
+  opens around a ``B``.
+- In ``backward`` the layer calls ``deferral.defer(params, compute, holds)``:
+  ``compute()`` returns one gradient (or ``None``) per entry of ``params``; ``holds``
+  are the tensors the closure keeps alive (memory accounting). True: queued, the layer
+  returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
+  layer calls ``compute()`` itself, so outside a split backward nothing changes.
+- ``work.run()`` (``W``) is one small backward whose single node calls the queued
+  closures in order and returns every gradient to its parameter: each arrives
+  through its own ``AccumulateGrad`` as after a plain backward, so ``.grad``
+  accumulation, post-accumulate-grad hooks (ZeRO's buckets, fp32 main grads) and
+  tied-embedding copies see it unchanged, during ``W``.
+
+Unmarked parameters (norms, embeddings, a row-parallel bias added after its
+reduction) get their gradients in ``B``, as cheap non-GEMM work. A closure may
+communicate (sequence parallel re-gathers its input): every rank of the group runs
+``W`` at the same point of the same schedule. Exactness: a closure computes the same
+expression as the undeferred backward would, and each gradient is accumulated once,
+so ``B`` + ``W`` leaves bitwise the gradients of one backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from parallel3d.param_meta import is_wgrad_deferrable
+
+__all__ = ["DeferredWeightGrads", "WeightGradDeferral", "backward_inputs"]
+
+GradCompute = Callable[[], Sequence["torch.Tensor | None"]]
+Params = Sequence["torch.Tensor | None"]
+
+
+def backward_inputs(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters a ``B`` must accumulate itself: those needing grads and not deferrable."""
+    return [p for p in params if p.requires_grad and not is_wgrad_deferrable(p)]
+
+
+class DeferredWeightGrads:
+    """The weight-gradient work one ``B`` queued; ``run`` it exactly once (``W``)."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Params, GradCompute]] = []
+        self.held: list[torch.Tensor] = []  # what the queued closures keep alive
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> None:
+        self._queue.append((params, compute))
+        self.held.extend(holds)
+
+    def run(self) -> None:
+        """Compute every queued gradient and accumulate them through autograd (hooks fire now)."""
+        queue, self._queue, self.held = self._queue, [], []
+        params = [p for ps, _ in queue for p in ps]
+        if any(p is not None and p.requires_grad for p in params):
+            with torch.enable_grad():
+                anchor = _RunQueue.apply(queue, *params)
+            anchor.backward()
+
+
+class _RunQueue(torch.autograd.Function):
+    """A one-node graph whose backward runs the queue and returns each parameter's gradient.
+
+    Autograd hands those gradients straight to the parameters' ``AccumulateGrad`` nodes, as
+    in a plain backward (``torch.autograd.backward`` on gradient edges would keep a reference
+    to each, so the first accumulation of a step could not adopt it and would copy it).
+    """
+
+    @staticmethod
+    def forward(ctx, queue, *params):  # type: ignore[override]
+        ctx.queue = queue
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx, _):  # type: ignore[override]
+        queue, ctx.queue = ctx.queue, None
+        grads: list[torch.Tensor | None] = []
+        for params, compute in queue:
+            got = list(compute())
+            if len(got) != len(params):
+                raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
+            grads.extend(got)
+        return (None, *grads)
+
+
+class WeightGradDeferral:
+    """Where layers send weight-gradient work while a ``B`` is open (see the module doc).
+
+    Invariant: at most one ``collecting`` block is open at a time; outside one, ``defer``
+    declines and layers compute their weight gradients in their own backward.
+    """
+
+    def __init__(self) -> None:
+        self._open: DeferredWeightGrads | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._open is not None
+
+    @contextmanager
+    def collecting(self) -> Iterator[DeferredWeightGrads]:
+        """Queue every deferrable weight gradient of the backwards run inside this block."""
+        if self._open is not None:
+            raise RuntimeError("WeightGradDeferral.collecting() is already open (B blocks do not nest)")
+        work = DeferredWeightGrads()
+        self._open = work
+        try:
+            yield work
+        finally:
+            self._open = None
+
+    def defer(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> bool:
+        """Queue ``compute`` for ``params`` if a ``B`` is open and they are deferrable (True); else False."""
+        if self._open is None:
+            return False
+        marked = [is_wgrad_deferrable(p) for p in params if p is not None]
+        if not any(marked):
+            return False
+        if not all(marked):  # B accumulates only unmarked parameters: a marked one computed here would be lost
+            raise ValueError("one deferred weight-gradient computation mixes wgrad_deferrable and other parameters")
+        self._open.add(params, compute, holds)
+        return True

@@ -1,0 +1,166 @@
+"""The mutable state of one training step of the pipeline engine, and what each planned step does.
+
+Keys are ``(microbatch, local chunk)``. A microbatch-chunk's input and output are stored
+from its ``F`` to its ``B``; received (or, at a turn of ZB-V, handed over) output
+gradients from their arrival to the ``B``; input gradients from the ``B`` to their
+send (or to the ``B`` of the chunk before it on this stage); with split backwards the
+weight-gradient work from ``B`` to ``W``. ``stored_bytes`` counts each key's activations
+(``activation_bytes``). Everything an action needs beyond these dicts was resolved when
+the plan was compiled (``step_plan``), so nothing is looked up or allocated per action
+but the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from parallel3d.deferred_grads import DeferredWeightGrads
+from parallel3d.pipeline.activation_bytes import SavedBytes, held_bytes, storage_key
+from parallel3d.pipeline.actions import Action
+from parallel3d.pipeline.backward_split import FullBackward, split_backward
+from parallel3d.pipeline.step_plan import PlannedCompute, PlannedStep
+
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.pipeline.engine import PipelineEngine
+
+Key = tuple[int, int]
+
+
+class StepRun:
+    """One ``run_step``'s stored tensors, pending work and measurements (see the module doc)."""
+
+    def __init__(self, engine: "PipelineEngine", microbatches: Sequence[dict[str, Any]], loss_scale: float,
+                 step: int, param_storages: set[int], undeferred: list[list[torch.Tensor]]) -> None:
+        self.engine = engine
+        self.p2p = engine.p2p
+        self.microbatches = microbatches
+        self.loss_factor = loss_scale / engine.num_microbatches
+        self.step = step
+        self.param_storages = param_storages
+        self.undeferred = undeferred  # split backwards: per chunk, the parameters B accumulates
+        self.inputs: dict[Key, torch.Tensor] = {}  # received (or handed-over) activations, requiring grad
+        self.outputs: dict[Key, torch.Tensor] = {}  # chunk outputs; the scaled loss on the last chunk
+        self.stored_bytes: dict[Key, int] = {}
+        # Outputs that may lose their storage once sent (autograd did not save them): their bytes.
+        self.freeable_bytes: dict[Key, int] = {}
+        self.grads_in: dict[Key, torch.Tensor] = {}
+        self.grads_out: dict[Key, torch.Tensor] = {}
+        self.weight_work: dict[Key, DeferredWeightGrads | FullBackward] = {}  # split backwards: B done, W owed
+        self.losses: list[torch.Tensor] = []
+        self.timeline: list[tuple[Action, float, float]] = []
+        self.peak_live = self.peak_bytes = 0
+        self.busy = self.comm_time = 0.0
+        self.t0 = time.perf_counter()
+
+    def leftovers(self) -> bool:
+        return bool(self.outputs or self.inputs or self.grads_in or self.grads_out or self.weight_work)
+
+    # ---- communication ------------------------------------------------------------------
+    def communicate(self, step: PlannedStep) -> None:
+        """Post the step's batch (and receives ahead of need); wait for the receives it needs."""
+        start = time.perf_counter()
+        outputs, grads_out = self.outputs, self.grads_out
+        sends = [(a, outputs[key] if a.kind == "SEND_ACT" else grads_out.pop(key), peer) for a, key, peer in step.sends]
+        p2p = self.p2p
+        p2p.post(sends, step.posts)
+        for recv in step.ahead:
+            p2p.post((), (recv,))
+        for a in step.needs:
+            tensor = p2p.take(a)
+            if a.kind == "RECV_ACT":
+                self.inputs[(a.microbatch, a.chunk)] = tensor.requires_grad_(True)
+            else:
+                self.grads_in[(a.microbatch, a.chunk)] = tensor
+        for a, tensor, _ in sends:
+            if a.kind == "SEND_ACT" and (a.microbatch, a.chunk) in self.freeable_bytes:
+                # The p2p layer's reference keeps the storage alive until the send is done.
+                tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+        end = time.perf_counter()
+        self.comm_time += end - start
+        start, end = start - self.t0, end - self.t0
+        for a, _, _ in sends:
+            self.timeline.append((a, start, end))
+        for a in step.needs:
+            self.timeline.append((a, start, end))
+
+    def release_sent(self, block: bool) -> None:
+        """Stop counting the sent outputs whose sends completed (their storage is gone now)."""
+        start = time.perf_counter()
+        released = self.p2p.release_sent(wait_for_activations=block)
+        self.comm_time += time.perf_counter() - start
+        for a in released:
+            key = (a.microbatch, a.chunk)
+            freed = self.freeable_bytes.pop(key, 0) if a.kind == "SEND_ACT" else 0
+            if key in self.stored_bytes:
+                self.stored_bytes[key] -= freed
+
+    # ---- computation ----------------------------------------------------------------------
+    def forward(self, c: PlannedCompute) -> None:
+        mb = self.microbatches[c.microbatch]
+        key = c.key
+        if c.first:
+            x = mb["input_ids"]
+        elif c.local_input is not None:  # a turn of the V: the previous chunk's output, on this stage
+            x = self.inputs[key] = self.outputs[c.local_input].detach().requires_grad_(True)
+        else:
+            x = self.inputs[key]
+        saved = SavedBytes(self.param_storages)
+        with saved.recording():
+            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step)
+        if not c.first and c.local_input is None:
+            saved.add(x)
+        if c.last:
+            self.losses.append(out.detach())
+            out = out * self.loss_factor
+        else:
+            if c.sends_output and self.engine.free_sent_activations and out.grad_fn is not None \
+                    and storage_key(out) not in saved.storages:
+                self.freeable_bytes[key] = out.untyped_storage().nbytes()
+            saved.add(out)
+        self.outputs[key] = out
+        self.stored_bytes[key] = saved.total
+
+    def record_peak(self) -> None:
+        """Activations peak right after a forward (before its output is sent)."""
+        self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
+        self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
+
+    def backward(self, c: PlannedCompute) -> None:
+        e, key = self.engine, c.key
+        e.grad_sync.prepare(c.completes)
+        out = self.outputs.pop(key)
+        if c.last:
+            grad = None
+        elif c.local_grad is not None:  # from the next chunk's B on this stage
+            grad = self.grads_out.pop(c.local_grad)
+        else:
+            grad = self.grads_in.pop(key)
+        inp = self.inputs.pop(key, None)
+        if e.split_backward:
+            if c.first:  # no input gradient to send: all of the backward is W's (the graph stays)
+                self.weight_work[key] = FullBackward(out, grad)
+                return
+            self.grads_out[key], work = split_backward(out, grad, inp, e.pstate.weight_grads,
+                                                       self.undeferred[c.action.chunk])
+            self.weight_work[key] = work
+            self.stored_bytes[key] = held_bytes(work.held, self.param_storages)  # the graph is gone
+            self.freeable_bytes.pop(key, None)
+            return
+        torch.autograd.backward(out, grad_tensors=grad)
+        del out, grad  # the graph and its saved activations go now
+        self.stored_bytes.pop(key)
+        self.freeable_bytes.pop(key, None)
+        if not c.first:
+            if inp.grad is None:
+                raise RuntimeError(f"rank {e.pstate.rank}: chunk {c.action.chunk}'s output does not depend on its input")
+            self.grads_out[key] = inp.grad
+
+    def weight_grad(self, c: PlannedCompute) -> None:
+        """``W``: accumulate this microbatch-chunk's weight gradients; what it held goes now."""
+        self.engine.grad_sync.prepare(c.completes)
+        self.weight_work.pop(c.key).run()
+        self.stored_bytes.pop(c.key)
+        self.freeable_bytes.pop(c.key, None)
