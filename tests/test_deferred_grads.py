@@ -148,13 +148,13 @@ def _check(result: dict) -> None:
 
 
 def _on_ranks(rank: int, world: int, seeds: list[int]) -> list[dict]:
-    pstate = ParallelState(Topology(world, 1, 1))
+    pstate = ParallelState(Topology(tp=world))
     return [_split_vs_plain(pstate, seed) for seed in seeds]
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_split_backward_is_one_backward_tp1(seed):
-    _check(_split_vs_plain(ParallelState(Topology(1, 1, 1)), seed))
+    _check(_split_vs_plain(ParallelState(Topology()), seed))
 
 
 def test_split_backward_is_one_backward_tp2_and_sequence_parallel():

@@ -28,7 +28,7 @@ from parallel3d.metrics import WandbSink
 from parallel3d.option_checks import ConfigError
 from parallel3d.parallel_dims import ParallelDims
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
+from parallel3d.pipeline.options import MULTI_CHUNK, SCHEDULES, PipelineOptions
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.layout import Layout
@@ -57,6 +57,8 @@ def _companions(cls: type, key: str, value: typing.Any) -> dict[str, typing.Any]
         return {"zero_stage": 1, "offload_dir": "/tmp/p3d-offload" if value == "disk" else None}
     if cls is ZeroOptions and key == "zero3_reshard":
         return {"zero_stage": 3}
+    if cls is PipelineOptions and key == "schedule" and value in MULTI_CHUNK:
+        return {"virtual_stages": 2}
     if cls is DataOptions and key == "source" and value == "indexed":
         return {"paths": ("/tmp/p3d-data",)}
     return {}
@@ -206,8 +208,7 @@ def test_layout_defaults_are_the_options_defaults():
 
 
 def _layout_for(schedule: str) -> Layout:
-    interleaved = schedule == "interleaved_1f1b"
-    return Layout(pp=2, schedule=schedule, virtual_stages=2 if interleaved else 1, micro_batch_size=1,
+    return Layout(pp=2, schedule=schedule, virtual_stages=2 if schedule in MULTI_CHUNK else 1, micro_batch_size=1,
                   global_batch_size=4)
 
 
@@ -215,7 +216,7 @@ def test_the_planner_allows_exactly_the_config_s_schedules():
     assert config.SCHEDULES == SCHEDULES
     for schedule in config.SCHEDULES:
         assert _layout_for(schedule).schedule == schedule
-        build_schedule(schedule, 2, 4, 2 if schedule == "interleaved_1f1b" else 1)
+        build_schedule(schedule, 2, 4, 2 if schedule in MULTI_CHUNK else 1)
     with pytest.raises(ConfigError, match=r"^parallel\.schedule='zbx': must be one of " + re.escape(
             ", ".join(config.SCHEDULES))):
         Layout(schedule="zbx")

@@ -231,13 +231,14 @@ def test_activation_peak_rss_does_not_grow_with_the_microbatch_count(tmp_path):
     MANY - FEW microbatches' activations. Every other schedule bounds the microbatches in flight:
     its growth must stay under a quarter of that (two microbatches' worth), where a schedule that
     leaked every microbatch's activations (zb_h1 once did) grows like GPipe."""
-    from parallel3d.pipeline.actions import SCHEDULE_NAMES
+    from parallel3d.pipeline.options import MULTI_CHUNK
+    from parallel3d.pipeline.schedules import SCHEDULE_NAMES
     from tests.peak_rss import job_values, peak_rss_of_job, token_file
 
     tokens = token_file(str(tmp_path))
     growth = {}
     for schedule in SCHEDULE_NAMES:
-        parallel = {"pp": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "interleaved_1f1b" else 1}
+        parallel = {"pp": 2, "schedule": schedule, "virtual_stages": 2 if schedule in MULTI_CHUNK else 1}
         few, many = (peak_rss_of_job(job_values(tokens, str(tmp_path / f"{schedule}-{m}"), RSS_PIPE_MODEL, parallel,
                                                 {"seq_len": 64, "global_batch_size": RSS_MBS * m,
                                                  "micro_batch_size": RSS_MBS}), 2)

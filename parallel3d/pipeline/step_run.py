@@ -13,7 +13,7 @@ but the tensors themselves.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -24,15 +24,28 @@ from parallel3d.pipeline.backward_split import FullBackward, split_backward
 from parallel3d.pipeline.step_plan import PlannedCompute, PlannedStep
 
 if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.pipeline.engine import PipelineEngine
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.pipeline.p2p import PipelineP2P
 
 Key = tuple[int, int]
+
+
+class StepOwner(Protocol):
+    """What a step reads from its engine (``PipelineEngine``; a protocol, so this module
+    does not import the engine that imports it)."""
+
+    p2p: "PipelineP2P"
+    pstate: "ParallelState"
+    num_microbatches: int
+    free_sent_activations: bool
+    split_backward: bool
+    grad_sync: Any  # engine.GradSync: prepare(is_last_microbatch), finalize()
 
 
 class StepRun:
     """One ``run_step``'s stored tensors, pending work and measurements (see the module doc)."""
 
-    def __init__(self, engine: "PipelineEngine", microbatches: Sequence[dict[str, Any]], loss_scale: float,
+    def __init__(self, engine: StepOwner, microbatches: Sequence[dict[str, Any]], loss_scale: float,
                  step: int, param_storages: set[int], undeferred: list[list[torch.Tensor]]) -> None:
         self.engine = engine
         self.p2p = engine.p2p
