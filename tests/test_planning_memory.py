@@ -91,7 +91,7 @@ def _inflight_cases() -> list[tuple[str, int, int, int]]:
     for schedule in SCHEDULES:
         for p in (1, 2, 3, 4):
             for m in (1, 2, 3, 5, 8):
-                for v in ((2, 3) if schedule == "interleaved_1f1b" else (1,)):
+                for v in ((2, 3) if schedule == "interleaved_1f1b" else (2,) if schedule == "zbv" else (1,)):
                     if schedule != "interleaved_1f1b" or (p > 1 and m % p == 0):
                         cases.append((schedule, p, m, v))
     return cases

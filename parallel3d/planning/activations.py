@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.spec import BlockSpec
+from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
 from parallel3d.planning.layout import Layout
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
@@ -214,6 +215,8 @@ def inflight_chunks(layout: Layout, stage: int) -> int:
     2021): stage i runs (p - i - 1) * 2 + (v - 1) * p warm-up forwards, then
     one more before the first backward; for the first stage that is
     p*v + p - 1 chunks, i.e. Korthikanti's factor (1 + (p - 1)/(p*v)) on L layers.
+    Any other schedule (zbv) is counted on its built action list, so a schedule added to the
+    runtime needs no formula here.
     """
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     if layout.schedule == "gpipe":
@@ -222,4 +225,6 @@ def inflight_chunks(layout: Layout, stage: int) -> int:
         return min(p - stage, m)
     if layout.schedule == "zb_h1":
         return min(p, m)
-    return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+    if layout.schedule == "interleaved_1f1b":
+        return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
+    return peak_in_flight(build_schedule(layout.schedule, p, m, v))[stage]
