@@ -88,9 +88,13 @@ def test_measured_memory_matches_formula(precision, dp, grad_reduce_dtype):
             bucket_bytes = r["max_bucket"] * r["grad_esize"]
             want = expected_bytes(stage, precision, dp, psi, bucket_bytes, r["grad_esize"])
             assert set(r["mem"]) == set(MEMORY_CATEGORIES)
-            got_total, want_total = sum(r["mem"].values()), sum(want.values())
+            # The pool grows only while collectives are still in flight when the next bucket opens
+            # (timing): between one buffer and its limit.
+            got_buckets, most_buckets = r["mem"]["buckets"], want.pop("buckets")
+            assert (bucket_bytes if stage == 2 else 0) <= got_buckets <= most_buckets, (stage, got_buckets)
+            got_total, want_total = sum(r["mem"].values()) - got_buckets, sum(want.values())
             assert abs(got_total - want_total) <= 0.05 * want_total, (stage, r["mem"], want)
-            for key in MEMORY_CATEGORIES:
+            for key in want:
                 assert r["mem"][key] == pytest.approx(want[key], rel=0.05, abs=64), (stage, key, r["mem"], want)
             if stage == 2:
                 # No full gradient outlives its bucket; reductions started inside backward.

@@ -3,8 +3,12 @@
 A staging buffer holds one bucket's gradients (in the reduction dtype) from the
 first gradient that arrives until its collective has completed. Buffers are
 recycled, not freed: with backward producing gradients in bucket order, one
-bucket fills while the previous one reduces, so ``MAX_STAGING_BUFFERS`` (2)
-buffers suffice. When none is free and that many exist, ``acquire`` waits for
+bucket fills while earlier ones reduce. ``MAX_STAGING_BUFFERS`` (4) lets up to
+three reductions stay in flight behind the filling bucket: profiled on gloo
+(bench_zero, dp=2), a limit of 2 made backward's hooks wait on the reduce-scatter
+of the bucket before last (stage 2 spent its hook time there), where DDP never
+waits in backward. The memory stays a constant few buckets, independent of
+model size and accumulation. When none is free and that many exist, ``acquire`` waits for
 the oldest collective in flight rather than allocating; it allocates beyond the
 limit only when no collective is in flight (every buffer is held by a bucket
 still accumulating, e.g. one spanning two model chunks, or one holding a
@@ -18,7 +22,7 @@ import torch
 from parallel3d.zero.memory import MemoryTracker, nbytes
 from parallel3d.zero.reduction import PendingCollectives
 
-MAX_STAGING_BUFFERS = 2
+MAX_STAGING_BUFFERS = 4
 
 
 class StagingPool:
