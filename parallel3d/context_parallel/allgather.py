@@ -29,8 +29,9 @@ from parallel3d.context_parallel.segments import Segment
 def _post_gather(group: CPGroup, k: torch.Tensor, v: torch.Tensor):
     """``(gathered [n, 2, b, s, hk, d], handle)``: every member's packed K/V, async."""
     packed = torch.stack([k, v])
-    gathered = torch.empty((group.size, *packed.shape), dtype=packed.dtype, device=packed.device)
-    return gathered, group.all_gather(gathered, packed, async_op=True)
+    gathered = torch.empty((group.size * 2, *k.shape), dtype=packed.dtype, device=packed.device)
+    pending = group.all_gather(gathered, packed, async_op=True)
+    return gathered.view(group.size, *packed.shape), pending
 
 
 def _shares(group: CPGroup, k: torch.Tensor, v: torch.Tensor, gathered: torch.Tensor, pending):
@@ -71,10 +72,10 @@ class AllGatherAttention(torch.autograd.Function):
         qh, outh, doh = heads_first(q), heads_first(out), heads_first(dout)
         delta = row_delta(dout, out)
         dq = heads_first(torch.zeros(q.shape, dtype=ct, device=q.device))
-        dkv = torch.zeros((group.size, 2, *k.shape), dtype=ct, device=k.device)
+        dkv = torch.zeros((group.size * 2, *k.shape), dtype=ct, device=k.device)
         for j, kj, vj in _shares(group, k, v, gathered, pending):
             attend_backward(engine, doh, qh, heads_first(kj), heads_first(vj), outh, lse, delta, plans[j],
-                            dq, heads_first(dkv[j, 0]), heads_first(dkv[j, 1]))
-        mine = torch.empty((2, *k.shape), dtype=ct, device=k.device)
+                            dq, heads_first(dkv[2 * j]), heads_first(dkv[2 * j + 1]))
+        mine = torch.empty((2, *k.shape), dtype=ct, device=k.device)  # dim 0 of dkv: member-major
         group.reduce_scatter(mine, dkv)
         return dq.transpose(1, 2).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None

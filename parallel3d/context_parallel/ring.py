@@ -36,6 +36,13 @@ from parallel3d.context_parallel.group_comm import CPGroup
 from parallel3d.context_parallel.segments import Segment
 
 
+def _receive_buffers(kv: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
+    """Two K/V receive buffers used alternately (one for n = 2): step t receives into buffer t % 2
+    while computing on the other, whose send has completed. The inputs themselves (``kv`` may
+    *be* k and v) are never a receive target."""
+    return [[torch.empty_like(t) for t in kv] for _ in range(min(n - 1, 2))]
+
+
 class RingAttention(torch.autograd.Function):
     """``RingAttention.apply(q, k, v, ring, q_segments, kv_segments, engine)``; see the module doc."""
 
@@ -50,13 +57,13 @@ class RingAttention(torch.autograd.Function):
         qh = heads_first(q)
         acc_out, acc_lse = output_accumulators(q)
         kv = [k.contiguous(), v.contiguous()]
-        spare = [torch.empty_like(t) for t in kv] if n > 1 else []
+        receive = _receive_buffers(kv, n)
         for t in range(n):
-            pending = ring.ring_exchange(kv, spare) if t < n - 1 else None
+            pending = ring.ring_exchange(kv, receive[t % 2]) if t < n - 1 else None
             attend(engine, qh, heads_first(kv[0]), heads_first(kv[1]), plans[t], acc_out, acc_lse)
             if pending is not None:
                 pending.wait()
-                kv, spare = spare, kv  # the sent buffers are free again: next step receives into them
+                kv = receive[t % 2]
         out = finish_output(acc_out, q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.ring, ctx.plans, ctx.engine = ring, plans, engine
@@ -72,14 +79,14 @@ class RingAttention(torch.autograd.Function):
         delta = row_delta(dout, out)
         dq = heads_first(torch.zeros(q.shape, dtype=ct, device=q.device))
         kv = [k.contiguous(), v.contiguous()]
-        spare = [torch.empty_like(t) for t in kv] if n > 1 else []
+        receive = _receive_buffers(kv, n)
         # Two sets of fp32 partial-gradient buffers: one being sent while the next fills.
         dkv_bufs = [[torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)]
                     for _ in range(2 if n > 1 else 1)]
         incoming = [torch.empty_like(t) for t in dkv_bufs[0]] if n > 1 else []
         dkv_pending = None
         for t in range(n):
-            kv_pending = ring.ring_exchange(kv, spare) if t < n - 1 else None
+            kv_pending = ring.ring_exchange(kv, receive[t % 2]) if t < n - 1 else None
             dkv = dkv_bufs[t % len(dkv_bufs)]
             for buf in dkv:
                 buf.zero_()
@@ -95,7 +102,7 @@ class RingAttention(torch.autograd.Function):
                 dkv_pending = ring.ring_exchange(dkv, incoming)
             if kv_pending is not None:
                 kv_pending.wait()
-                kv, spare = spare, kv
+                kv = receive[t % 2]
         if dkv_pending is not None:
             dkv_pending.wait()
             dk, dv = incoming

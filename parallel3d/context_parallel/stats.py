@@ -45,5 +45,18 @@ class AttentionStats:
         """Query-key pairs in the computed blocks, per head (masked pairs inside a block count)."""
         return sum(r.block.q.length * r.block.k.length for r in self.blocks(phase))
 
+    def causal_work(self, phase: str = "forward") -> int:
+        """Causally visible (query, key) pairs in the computed blocks, summed over query heads: the
+        work of a kernel that skips what the causal mask hides inside a block (documents ignored)."""
+        return sum(_causal_pairs(r.block) * r.q_heads for r in self.blocks(phase))
+
     def skipped_count(self, reason: str | None = None) -> int:
         return sum(1 for s in self.skipped if reason is None or s.reason == reason)
+
+
+def _causal_pairs(block: Block) -> int:
+    """Pairs with key position <= query position in the block."""
+    total = 0
+    for q in range(block.q.start, block.q.end):
+        total += max(0, min(block.k.end, q + 1) - block.k.start)
+    return total
