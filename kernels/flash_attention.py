@@ -43,14 +43,33 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, KDOC, kdoc_stride,
-             CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
+def _load_tile(BASE, rows, n_rows, stride, offs_d, D):
+    """fp32 ``[len(rows), BLOCK_D]`` tile of a ``[n_rows, D]`` matrix (0 outside it)."""
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
+    return tl.load(BASE + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(BASE, tile, rows, n_rows, stride, offs_d, D):
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
+    tl.store(BASE + rows[:, None] * stride + offs_d[None, :], tile, mask=mask)
+
+
+@triton.jit
+def _docs(DOC, rows, n_rows, HAS_DOC: tl.constexpr):
+    """Document ids of ``rows`` (-1 past the end); ``rows`` itself when there are no documents."""
+    if HAS_DOC:
+        return tl.load(DOC + rows, mask=rows < n_rows, other=-1)
+    return rows
+
+
+@triton.jit
+def _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, kdoc, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` visibility of keys ``offs_n`` to queries ``offs_m``."""
     ok = (offs_m[:, None] < sq) & (offs_n[None, :] < sk)
     if CAUSAL:
         ok = ok & ((k_start + offs_n)[None, :] <= (q_start + offs_m)[:, None])
     if HAS_DOC:
-        kdoc = tl.load(KDOC + offs_n * kdoc_stride, mask=offs_n < sk, other=-2)
         ok = ok & (qdoc[:, None] == kdoc[None, :])
     return ok
 
@@ -64,6 +83,13 @@ def _key_end(m_end, sk, q_start, k_start, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _probs_tile(q, k, lse, ok, scale, IEEE: tl.constexpr):
+    """``P = exp(S - lse)`` of one tile, 0 where hidden (lse = -inf rows hide every key)."""
+    s = _dot(q, tl.trans(k), IEEE) * scale
+    return tl.where(ok, tl.exp(s - tl.where(ok, lse[:, None], 0.0)), 0.0)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, QDOC, KDOC, sq, sk, q_start, k_start, scale, HQ, GROUP, D,
     q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, l_sb, l_sh, qd_sb, kd_sb,
@@ -73,29 +99,22 @@ def _fwd_kernel(
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // HQ, bh % HQ
-    hk = h // GROUP
+    k_base, v_base = K + b * k_sb + (h // GROUP) * k_sh, V + b * v_sb + (h // GROUP) * v_sh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    q = tl.load(Q + b * q_sb + h * q_sh + offs_m[:, None] * q_ss + offs_d[None, :],
-                mask=(offs_m[:, None] < sq) & dmask, other=0.0).to(tl.float32)
-    qdoc = offs_m
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b * qd_sb + offs_m, mask=offs_m < sq, other=-1)
+    q = _load_tile(Q + b * q_sb + h * q_sh, offs_m, sq, q_ss, offs_d, D)
+    qdoc = _docs(QDOC + b * qd_sb, offs_m, sq, HAS_DOC)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_base = K + b * k_sb + hk * k_sh
-    v_base = V + b * v_sb + hk * v_sh
     hi = _key_end(tl.minimum((pid_m + 1) * BLOCK_M, sq), sk, q_start, k_start, CAUSAL)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < sk) & dmask
-        k = tl.load(k_base + offs_n[:, None] * k_ss + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + offs_n[:, None] * v_ss + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, KDOC + b * kd_sb, 1, CAUSAL, HAS_DOC)
-        s = tl.where(ok, s, float("-inf"))
+        k = _load_tile(k_base, offs_n, sk, k_ss, offs_d, D)
+        v = _load_tile(v_base, offs_n, sk, v_ss, offs_d, D)
+        kdoc = _docs(KDOC + b * kd_sb, offs_n, sk, HAS_DOC)
+        ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, kdoc, CAUSAL, HAS_DOC)
+        s = tl.where(ok, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen no visible key yet keep m = -inf: shift by 0 instead (no NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -107,16 +126,8 @@ def _fwd_kernel(
     seen = l_i > 0.0
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * o_sb + h * o_sh + offs_m[:, None] * o_ss + offs_d[None, :], out,
-             mask=(offs_m[:, None] < sq) & dmask)
+    _store_tile(O + b * o_sb + h * o_sh, out, offs_m, sq, o_ss, offs_d, D)
     tl.store(LSE + b * l_sb + h * l_sh + offs_m, lse, mask=offs_m < sq)
-
-
-@triton.jit
-def _probs_tile(q, k, lse, ok, scale, IEEE: tl.constexpr):
-    """``P = exp(S - lse)`` of one tile, 0 where hidden (lse = -inf rows hide every key)."""
-    s = _dot(q, tl.trans(k), IEEE) * scale
-    return tl.where(ok, tl.exp(s - tl.where(ok, lse[:, None], 0.0)), 0.0)
 
 
 @triton.jit
@@ -132,39 +143,31 @@ def _bwd_dkdv_kernel(
     b, hk = bh // HK, bh % HK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    kv_mask = (offs_n[:, None] < sk) & dmask
-    k = tl.load(K + b * k_sb + hk * k_sh + offs_n[:, None] * k_ss + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * v_sb + hk * v_sh + offs_n[:, None] * v_ss + offs_d[None, :], mask=kv_mask, other=0.0)
-    k, v = k.to(tl.float32), v.to(tl.float32)
+    k = _load_tile(K + b * k_sb + hk * k_sh, offs_n, sk, k_ss, offs_d, D)
+    v = _load_tile(V + b * v_sb + hk * v_sh, offs_n, sk, v_ss, offs_d, D)
+    kdoc = _docs(KDOC + b * kd_sb, offs_n, sk, HAS_DOC)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Causal: queries before this tile's first key see none of it.
     lo = 0
     if CAUSAL:
         lo = tl.maximum(k_start + pid_n * BLOCK_N - q_start, 0) // BLOCK_M * BLOCK_M
-    for g in range(0, GROUP):
+    for g in range(0, GROUP):  # the query heads that read this kv head
         h = hk * GROUP + g
         for start_m in range(lo, sq, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            row = offs_m < sq
-            q = tl.load(Q + b * q_sb + h * q_sh + offs_m[:, None] * q_ss + offs_d[None, :],
-                        mask=row[:, None] & dmask, other=0.0).to(tl.float32)
-            do = tl.load(DO + b * do_sb + h * do_sh + offs_m[:, None] * do_ss + offs_d[None, :],
-                         mask=row[:, None] & dmask, other=0.0).to(tl.float32)
-            lse = tl.load(LSE + b * l_sb + h * l_sh + offs_m, mask=row, other=0.0)
-            delta = tl.load(DELTA + b * l_sb + h * l_sh + offs_m, mask=row, other=0.0)
-            qdoc = offs_m
-            if HAS_DOC:
-                qdoc = tl.load(QDOC + b * qd_sb + offs_m, mask=row, other=-1)
-            ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, KDOC + b * kd_sb, 1, CAUSAL, HAS_DOC)
+            q = _load_tile(Q + b * q_sb + h * q_sh, offs_m, sq, q_ss, offs_d, D)
+            do = _load_tile(DO + b * do_sb + h * do_sh, offs_m, sq, do_ss, offs_d, D)
+            lse = tl.load(LSE + b * l_sb + h * l_sh + offs_m, mask=offs_m < sq, other=0.0)
+            delta = tl.load(DELTA + b * l_sb + h * l_sh + offs_m, mask=offs_m < sq, other=0.0)
+            qdoc = _docs(QDOC + b * qd_sb, offs_m, sq, HAS_DOC)
+            ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, kdoc, CAUSAL, HAS_DOC)
             p = _probs_tile(q, k, lse, ok, scale, IEEE)
             dv += _dot(tl.trans(p), do, IEEE)
-            dp = _dot(do, tl.trans(v), IEEE)
-            ds = p * (dp - delta[:, None])
+            ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None])
             dk += _dot(tl.trans(ds), q, IEEE) * scale
-    tl.store(DK + b * dk_sb + hk * dk_sh + offs_n[:, None] * dk_ss + offs_d[None, :], dk, mask=kv_mask)
-    tl.store(DV + b * dv_sb + hk * dv_sh + offs_n[:, None] * dv_ss + offs_d[None, :], dv, mask=kv_mask)
+    _store_tile(DK + b * dk_sb + hk * dk_sh, dk, offs_n, sk, dk_ss, offs_d, D)
+    _store_tile(DV + b * dv_sb + hk * dv_sh, dv, offs_n, sk, dv_ss, offs_d, D)
 
 
 @triton.jit
@@ -178,34 +181,26 @@ def _bwd_dq_kernel(
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // HQ, bh % HQ
-    hk = h // GROUP
+    k_base, v_base = K + b * k_sb + (h // GROUP) * k_sh, V + b * v_sb + (h // GROUP) * v_sh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    row = offs_m < sq
-    q = tl.load(Q + b * q_sb + h * q_sh + offs_m[:, None] * q_ss + offs_d[None, :],
-                mask=row[:, None] & dmask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * do_sb + h * do_sh + offs_m[:, None] * do_ss + offs_d[None, :],
-                 mask=row[:, None] & dmask, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + b * l_sb + h * l_sh + offs_m, mask=row, other=0.0)
-    delta = tl.load(DELTA + b * l_sb + h * l_sh + offs_m, mask=row, other=0.0)
-    qdoc = offs_m
-    if HAS_DOC:
-        qdoc = tl.load(QDOC + b * qd_sb + offs_m, mask=row, other=-1)
+    q = _load_tile(Q + b * q_sb + h * q_sh, offs_m, sq, q_ss, offs_d, D)
+    do = _load_tile(DO + b * do_sb + h * do_sh, offs_m, sq, do_ss, offs_d, D)
+    lse = tl.load(LSE + b * l_sb + h * l_sh + offs_m, mask=offs_m < sq, other=0.0)
+    delta = tl.load(DELTA + b * l_sb + h * l_sh + offs_m, mask=offs_m < sq, other=0.0)
+    qdoc = _docs(QDOC + b * qd_sb, offs_m, sq, HAS_DOC)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = _key_end(tl.minimum((pid_m + 1) * BLOCK_M, sq), sk, q_start, k_start, CAUSAL)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < sk) & dmask
-        k = tl.load(K + b * k_sb + hk * k_sh + offs_n[:, None] * k_ss + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * v_sb + hk * v_sh + offs_n[:, None] * v_ss + offs_d[None, :], mask=kv_mask, other=0.0)
-        k, v = k.to(tl.float32), v.to(tl.float32)
-        ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, KDOC + b * kd_sb, 1, CAUSAL, HAS_DOC)
+        k = _load_tile(k_base, offs_n, sk, k_ss, offs_d, D)
+        v = _load_tile(v_base, offs_n, sk, v_ss, offs_d, D)
+        kdoc = _docs(KDOC + b * kd_sb, offs_n, sk, HAS_DOC)
+        ok = _visible(offs_m, offs_n, sq, sk, q_start, k_start, qdoc, kdoc, CAUSAL, HAS_DOC)
         p = _probs_tile(q, k, lse, ok, scale, IEEE)
-        dp = _dot(do, tl.trans(v), IEEE)
-        ds = p * (dp - delta[:, None])
+        ds = p * (_dot(do, tl.trans(v), IEEE) - delta[:, None])
         dq += _dot(ds, k, IEEE) * scale
-    tl.store(DQ + b * dq_sb + h * dq_sh + offs_m[:, None] * dq_ss + offs_d[None, :], dq, mask=row[:, None] & dmask)
+    _store_tile(DQ + b * dq_sb + h * dq_sh, dq, offs_m, sq, dq_ss, offs_d, D)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,18 @@ def test_single_rank_paths_match_torch_attention(backend: str, with_documents: b
 def test_split_segments_keeps_order_and_tokens() -> None:
     segments = [Segment(10, 5), Segment(0, 3)]
     assert split_segments(segments, 2) == [Segment(10, 2), Segment(12, 2), Segment(14, 1), Segment(0, 2), Segment(2, 1)]
+
+
+@pytest.mark.parametrize("backend", ["math", "torch"])
+def test_bf16_inputs_keep_fp32_statistics(backend: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 16, h, 8, generator=g).bfloat16().requires_grad_() for h in (4, 2, 2))
+    docs = document_ids(torch.randint(0, 4, (1, 16), generator=g), 0)
+    out = local_attention(q, k, v, document_ids=docs, backend=backend)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*leaves, document_ids=docs)
+    ref_grads = torch.autograd.grad(ref.square().sum(), leaves)
+    assert out.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in grads)
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert (got.double() - want).abs().max() / want.abs().max() < 2e-2

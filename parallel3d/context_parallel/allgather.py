@@ -20,7 +20,7 @@ import torch
 from kernels.attention_math import compute_dtype
 from parallel3d.context_parallel.block_compute import BlockAttention
 from parallel3d.context_parallel.blockwise import (
-    attend, attend_backward, finish_output, heads_first, output_accumulators, plan_shares, row_delta,
+    attend, attend_backward, backward_inputs, finish_output, heads_first, output_accumulators, plan_shares,
 )
 from parallel3d.context_parallel.group_comm import CPGroup
 from parallel3d.context_parallel.segments import Segment
@@ -69,9 +69,7 @@ class AllGatherAttention(torch.autograd.Function):
         group, plans, engine = ctx.group, ctx.plans, ctx.engine
         ct = compute_dtype(q.dtype)
         gathered, pending = _post_gather(group, k, v)
-        qh, outh, doh = heads_first(q), heads_first(out), heads_first(dout)
-        delta = row_delta(dout, out)
-        dq = heads_first(torch.zeros(q.shape, dtype=ct, device=q.device))
+        qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
         dkv = torch.zeros((group.size * 2, *k.shape), dtype=ct, device=k.device)
         for j, kj, vj in _shares(group, k, v, gathered, pending):
             attend_backward(engine, doh, qh, heads_first(kj), heads_first(vj), outh, lse, delta, plans[j],

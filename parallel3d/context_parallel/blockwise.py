@@ -79,7 +79,11 @@ def attend_backward(
         dv[:, :, k_rows] += gv
 
 
-def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dout * out)`` ``[b, h, s]`` in the compute dtype, from ``[b, s, h, d]`` tensors."""
-    ct = compute_dtype(out.dtype)
-    return (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)
+def backward_inputs(
+    q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qh, outh, doh, delta, dq)`` from ``[b, s, h, d]`` tensors: heads-first views,
+    ``delta = rowsum(dout * out)`` ``[b, h, s]`` and a zero dq accumulator, in the compute dtype."""
+    ct = compute_dtype(q.dtype)
+    delta = (dout.to(ct) * out.to(ct)).sum(-1).transpose(1, 2)
+    return heads_first(q), heads_first(out), heads_first(dout), delta, zeros_like_public(q, ct)

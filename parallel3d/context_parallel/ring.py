@@ -30,7 +30,7 @@ import torch
 from kernels.attention_math import compute_dtype
 from parallel3d.context_parallel.block_compute import BlockAttention
 from parallel3d.context_parallel.blockwise import (
-    attend, attend_backward, finish_output, heads_first, output_accumulators, plan_shares, row_delta,
+    attend, attend_backward, backward_inputs, finish_output, heads_first, output_accumulators, plan_shares,
 )
 from parallel3d.context_parallel.group_comm import CPGroup
 from parallel3d.context_parallel.segments import Segment
@@ -75,9 +75,7 @@ class RingAttention(torch.autograd.Function):
         ring, plans, engine = ctx.ring, ctx.plans, ctx.engine
         n = ring.size
         ct = compute_dtype(q.dtype)
-        qh, outh, doh = heads_first(q), heads_first(out), heads_first(dout)
-        delta = row_delta(dout, out)
-        dq = heads_first(torch.zeros(q.shape, dtype=ct, device=q.device))
+        qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
         kv = [k.contiguous(), v.contiguous()]
         receive = _receive_buffers(kv, n)
         # Two sets of fp32 partial-gradient buffers: one being sent while the next fills.

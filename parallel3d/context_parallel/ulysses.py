@@ -4,8 +4,8 @@ Before attention each of the group's ``n`` members holds all heads of its sequen
 ``[b, s_local, H, d]``; one all-to-all leaves it every member's share of ``H / n`` heads,
 ``[b, n * s_local, H / n, d]`` (member-major along the sequence: member 0's share first).
 Member ``j`` gets heads ``[j H / n, (j + 1) H / n)``. After attention the inverse
-all-to-all restores the sequence shard. Both are autograd functions whose backward is
-the other one.
+all-to-all restores the sequence shard (``Redistribute``, whose backward is the other
+direction).
 
 Grouped-query attention: query head ``i`` reads kv head ``i // (hq / hk)``, so member
 ``j``'s query heads read kv heads ``[j hk / n, (j + 1) hk / n)`` when ``n`` divides
@@ -63,30 +63,18 @@ def _heads_to_seq(y: torch.Tensor, group: CPGroup) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s_all // n, n * h, d)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """``[b, s_local, H, d]`` (sequence share, all heads) -> ``[b, n s_local, H / n, d]``."""
+class Redistribute(torch.autograd.Function):
+    """``to_heads=True``: ``[b, s_local, H, d]`` (sequence share, all heads) -> ``[b, n s_local, H / n, d]``
+    (every share, this member's heads); ``False``: the inverse. The backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group: CPGroup):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """``[b, n s_local, h, d]`` (all shares, this member's heads) -> ``[b, s_local, n h, d]``."""
-
-    @staticmethod
-    def forward(ctx, y, group: CPGroup):
-        ctx.group = group
-        return _heads_to_seq(y, group)
+    def forward(ctx, x, group: CPGroup, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)), None, None
 
 
 def scatter_heads(
@@ -103,11 +91,11 @@ def scatter_heads(
     per_dest = [t.reshape(b, s, n, t.shape[2] // n, d) for t in (q, k, v)]
     widths = [t.shape[3] for t in per_dest]
     packed = torch.cat(per_dest, dim=3).reshape(b, s, n * sum(widths), d)
-    heads = SeqToHeads.apply(packed, group)
+    heads = Redistribute.apply(packed, group, True)
     q_h, k_h, v_h = heads.split(widths, dim=2)
     return q_h, k_h, v_h
 
 
 def gather_heads(out: torch.Tensor, group: CPGroup) -> torch.Tensor:
     """The attention output back from head shards to this rank's sequence share."""
-    return out if group.size == 1 else HeadsToSeq.apply(out, group)
+    return out if group.size == 1 else Redistribute.apply(out, group, False)
