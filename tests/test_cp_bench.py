@@ -14,7 +14,7 @@ from tests.harness import run_on_ranks
 
 def _bench(rank, world):
     groups = Groups(rank, world, emulate_nccl=False)
-    shape = dict(batch=1, seq_len=16, q_heads=4, kv_heads=2, head_dim=8, steps=2, warmup=1)
+    shape = dict(batch=1, seq_len=8, q_heads=4, kv_heads=2, head_dim=4, steps=1, warmup=0)
     variants = dict(groups.variants())
     times = bench_variants(groups.cp, variants=variants, **shape)
     overlap = bench_ring_overlap(groups.cp, **shape)

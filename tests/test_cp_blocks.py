@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from kernels.attention_math import attention_forward_math, attention_reference, block_mask
-from parallel3d.context_parallel import AttentionStats, document_ids, local_attention
+from parallel3d.context_parallel import AttentionStats, CPGroup, document_ids, local_attention
 from parallel3d.context_parallel.block_compute import merge_partial
 from parallel3d.context_parallel.blocks import plan_blocks
 from parallel3d.context_parallel.segments import Segment, split_segments
+from parallel3d.parallel_state import ParallelState
 
 
 def _random_layout(rng: random.Random, s: int) -> list[Segment]:
@@ -109,3 +110,12 @@ def test_bf16_inputs_keep_fp32_statistics(backend: str) -> None:
     assert out.dtype == torch.bfloat16 and all(x.dtype == torch.bfloat16 for x in grads)
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         assert (got.double() - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_cp_group_from_a_parallel_state_takes_its_counters_and_nccl_emulation() -> None:
+    pstate = ParallelState.single_process()
+    group = CPGroup.from_pstate(pstate, "tp")
+    assert group.size == 1 and group.stats is pstate.comm_stats and group.p2p_streams is pstate.emulated_p2p_streams
+    out = torch.empty(3)
+    group.all_gather(out, torch.arange(3.0)).wait()  # size 1: a local copy, nothing counted
+    assert torch.equal(out, torch.arange(3.0)) and pstate.comm_stats.total() == 0
