@@ -126,7 +126,8 @@ class ForwardOnlyRunner:
                     continue
                 mb = microbatches[c.microbatch]
                 x = mb["input_ids"] if c.first else outputs.pop(c.local_input) if c.local_input else inputs.pop(c.key)
-                out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=step)
+                out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=step,
+                               document_ids=mb.get("document_ids"))
                 if c.last:
                     losses.append(out.float())
                 else:

@@ -122,7 +122,8 @@ class StepRun:
             x = self.inputs[key]
         saved = SavedBytes(self.param_storages)
         with saved.recording():
-            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step)
+            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
+                           document_ids=mb.get("document_ids"))
         if not c.first and c.local_input is None:
             saved.add(x)
         if c.last:
