@@ -179,10 +179,12 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
     train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
     model = rng.choice(sorted(MODELS))
     emulate_nccl = pp > 1 and rng.random() < 0.4
-    # Context parallel, drawn last: the draws above stay those of the matrix before cp.
-    cp = rng.choice(DEGREES["cp"])
+    # Context parallel, drawn last and within the world budget: the draws above keep their odds.
+    cp = rng.choice([d for d in DEGREES["cp"] if tp * pp * dp * d <= MAX_WORLD] or [1])
     cp_comm = rng.choice(CP_COMM_VARIANTS) if cp > 1 else "p2p"
-    a2a = rng.choice([d for d in DEGREES["cp"] if cp % d == 0]) if cp_comm == "a2a+p2p" else None
+    # a2a+p2p: a real hierarchy (1 < a2a size < cp) where cp allows one, else either degenerate end.
+    sizes = [d for d in range(2, cp) if cp % d == 0] or [d for d in (1, cp) if cp % d == 0]
+    a2a = rng.choice(sizes) if cp_comm == "a2a+p2p" else None
     parallel.update(cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a)
     if cp > 1:  # cp takes a drawn place in the rank order
         dims = parallel["order"].split("-")
