@@ -93,3 +93,21 @@ def test_each_rank_attends_its_share_and_the_model_equals_one_process(cp_comm, a
         assert len(share) == SEQ * a2a // cp  # never the whole sequence with all heads on one rank
     # Every layer ran the CP attention: the same number of blocks per layer on each rank.
     assert all(r["forward_calls"] % config.num_layers == 0 and r["forward_calls"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "gpt_tiny"])
+def test_document_mask_equals_each_document_run_alone(name):
+    """An independent reference for ``document_ids``: a packed row's logits are those of each of
+    its documents run through the model alone (attention inside it, positions from 0: RoPE or
+    learned)."""
+    config = get_config(name, dropout=0.0)
+    model = build_model(config, ParallelState.single_process(), seed=5)
+    tokens = _batch(True)["tokens"]
+    with torch.no_grad():
+        packed = model(tokens, document_ids=document_ids(tokens, EOD))
+        for row in range(BATCH):
+            ends = [int(i) + 1 for i in (tokens[row] == EOD).nonzero()] + [SEQ]
+            starts = [0, *ends[:-1]]
+            alone = torch.cat([model(tokens[row:row + 1, a:b]) for a, b in zip(starts, ends) if b > a], dim=1)
+            assert (packed[row:row + 1] - alone).abs().max() <= 1e-5 * alone.abs().max()
+        assert (packed - model(tokens)).abs().max() > 1e-3  # the mask changes what the model computes
