@@ -111,3 +111,20 @@ def test_document_mask_equals_each_document_run_alone(name):
             alone = torch.cat([model(tokens[row:row + 1, a:b]) for a, b in zip(starts, ends) if b > a], dim=1)
             assert (packed[row:row + 1] - alone).abs().max() <= 1e-5 * alone.abs().max()
         assert (packed - model(tokens)).abs().max() > 1e-3  # the mask changes what the model computes
+
+
+def test_trainer_feeds_document_ids_and_cp_shares(tmp_path):
+    """Through the Trainer: with data.document_mask each microbatch (train and eval) carries the
+    whole sequence's document ids at the tokenizer's EOD (the model tests above take it from there)."""
+    from parallel3d.config import job_from_dict, resolve
+    from parallel3d.trainer import Trainer
+    from tests import layout_matrix as lm
+
+    values = lm.job_values("gpt", {}, {"global_batch_size": 4, "micro_batch_size": 2}, str(tmp_path / "run"),
+                           str(tmp_path / "cache"), document_mask=True)
+    rj = resolve(job_from_dict(values), 1)
+    trainer = Trainer(rj, ParallelState.single_process())
+    step = next(trainer.batches)
+    eod = trainer.eod_id
+    assert eod is not None and all(torch.equal(mb["document_ids"], document_ids(mb["input_ids"], eod)) for mb in step)
+    assert "document_ids" in trainer.evaluator.batches.keys
