@@ -27,6 +27,12 @@ ALL_KEYS = (INPUT_IDS, LABELS, SAMPLE_IDS, DOCUMENT_IDS)
 TOKEN_KEYS = (INPUT_IDS, LABELS, DOCUMENT_IDS)
 
 
+def document_kwargs(microbatch: dict) -> dict:
+    """The chunk call's ``document_ids=`` when the microbatch carries them (data.document_mask);
+    nothing otherwise, so modules without packed documents need not take the keyword."""
+    return {DOCUMENT_IDS: microbatch[DOCUMENT_IDS]} if DOCUMENT_IDS in microbatch else {}
+
+
 def stage_keys(is_first_stage: bool, is_last_stage: bool) -> tuple[str, ...]:
     """The keys a stage reads, in ``ALL_KEYS`` order."""
     keys = []
