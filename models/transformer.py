@@ -257,6 +257,7 @@ def build_model(
                  config.vocab_size, padded, tp)
     ctx = BuildContext(config=config, pstate=pstate, seed=seed, sequence_parallel=bool(sequence_parallel),
                        recompute=recompute, dtype=dtype,
-                       context_parallel=context_parallel or ContextParallelAttention.build(pstate, ContextParallelOptions()),
+                       context_parallel=context_parallel
+                       or ContextParallelAttention.build(pstate, ContextParallelOptions()),
                        device=torch.device(device) if device is not None else pstate.device)
     return TransformerLM(ctx, (a, b), pre, post)

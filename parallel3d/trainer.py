@@ -6,7 +6,10 @@ layer ranges of ``pipeline.partition``), one ``ZeroOptimizer`` over them, one
 ``DistributedBatchIterator`` over the job's dataset. One step = one global batch
 of ``train.global_batch_size`` samples = ``grad_accum`` micro-batches per DP rank.
 
-Logging: every rank takes part in the per-log-step reductions (loss over DP on
+Context parallel (``parallel.cp``): ``_to_device`` splits each microbatch's tokens and labels
+for this cp rank (train and eval); ``build_chunks`` builds the one ``ContextParallelAttention``.
+
+Logging: every rank takes part in the per-log-step reductions (loss over dp x cp on
 the last stage; memory, bubble and communication over the world); only the
 logging rank (last stage, tp=0, dp=0: it has the loss) writes metrics.jsonl,
 W&B and the console line. Steps are numbered from 1 (the record of step k
