@@ -10,6 +10,9 @@ the ``torch.autograd.Function`` tying forward and backward together:
 - ``kernels.cross_entropy.cross_entropy(logits, targets, ignore_index=-100)`` and the
   vocab-shard pieces (``softmax_stats``, ``cross_entropy_grad``, ``vocab_sharded_cross_entropy``)
 - ``kernels.adamw.adamw_step(...)`` / ``adamw_flat_(...)``: in-place AdamW on flat fp32 buffers
+- ``kernels.flash_attention.flash_attention(q, k, v, causal=True, document_ids=None)`` and the
+  per-block ``flash_attention_forward`` (out + log-sum-exp) / ``flash_attention_backward``; its
+  oracle is ``kernels.attention_math`` (used by ``parallel3d.context_parallel``)
 
 ``kernels.dispatch`` picks Triton / apex / torch per call from its ``backend`` argument
 (``kernels.runtime.resolve_backend``); ``kernels.testing.run_interpreted`` runs code in a

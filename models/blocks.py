@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import dispatch
 from models.config import ModelConfig
 from models.spec import AttentionSpec, BlockSpec, NormSpec
+from parallel3d.context_parallel.model_attention import ContextParallelAttention
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
@@ -47,6 +48,7 @@ class BuildContext:
     recompute: str
     dtype: torch.dtype
     device: torch.device
+    context_parallel: ContextParallelAttention  # the cp group's attention (size 1: plain attention)
 
     @property
     def residual_std(self) -> float:
@@ -67,12 +69,14 @@ class BuildContext:
 
 @dataclass
 class ForwardContext:
-    """Per-call values every block reads: rotary tables, dropout coordinates."""
+    """Per-call values every block reads: rotary tables (``[s_local, d/2]``, or ``[b, s_local, d/2]``
+    with per-document positions), dropout coordinates, the whole sequence's document ids."""
 
     rope: tuple[torch.Tensor, torch.Tensor] | None
     sample_ids: torch.Tensor | None
     step: int
     training: bool
+    document_ids: torch.Tensor | None = None  # [b, s] (whole sequence, every cp rank): attention stays inside
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -155,6 +159,7 @@ class Attention(nn.Module):
         self.q_per_kv = spec.num_heads // spec.num_kv_heads
         self.backend = ctx.config.backend
         self.selective = ctx.recompute == "selective"
+        self.context_parallel = ctx.context_parallel
         self.qkv = ctx.column(h, spec.q_size + 2 * spec.kv_size, f"layers.{layer}.attn.qkv", spec.qkv_bias)
         self.out = ctx.row(spec.q_size, h, f"layers.{layer}.attn.out", spec.out_bias)
 
@@ -166,14 +171,27 @@ class Attention(nn.Module):
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, self.kv_local * self.q_per_kv, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
         if run.rope is not None:
-            q, k = dispatch.apply_rope(q, k, run.rope[0], run.rope[1], backend=self.backend)
+            q, k = self._rope(q, k, *run.rope)
         q, k, v = _views_copied_out_if_mixed((q, k, v), qkv)
-        if self.selective and torch.is_grad_enabled():
+        if self.context_parallel.size > 1 or run.document_ids is not None:
+            # Never under selective checkpoint: the core communicates over cp, and a recompute
+            # would post its collectives at a different point on each cp rank.
+            out = self.context_parallel.attend(q, k, v, run.document_ids).reshape(b, s, -1)
+        elif self.selective and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v; recompute the O(s^2) core in backward.
             out = checkpoint(attention_core, q, k, v, use_reentrant=False)
         else:
             out = attention_core(q, k, v)
         return self.out(out)
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if cos.dim() == 2:
+            return dispatch.apply_rope(q, k, cos, sin, backend=self.backend)
+        # Per-document positions differ between rows: each row gets its own tables.
+        rows = [dispatch.apply_rope(q[i:i + 1], k[i:i + 1], cos[i], sin[i], backend=self.backend)
+                for i in range(q.shape[0])]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
 
 class TransformerBlock(nn.Module):

@@ -59,14 +59,20 @@ class Embedding(nn.Module):
                          std=c.init_std, split_dim=None, tp_rank=0, tp_size=1)
             set_meta(self.position.weight, global_name="embedding.position.weight")
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: of the tokens in ``input_ids`` (``[s]`` or ``[b, s]``: context parallel's
+        share, per-document positions); None = 0..s-1."""
         out = self.word(input_ids)
         if self.position is None:
             return out
         s_local = out.shape[1]
         start = tp_chunk_start(s_local, self.pstate) if self.sequence_parallel else 0
-        positions = torch.arange(start, start + s_local, device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(start, start + s_local, device=input_ids.device)
+        else:
+            positions = positions[..., start:start + s_local]
         table = self.position.weight
         if self.sequence_parallel:
             table = copy_to_tp_region(table, self.pstate)
-        return out + F.embedding(positions, table).unsqueeze(0)
+        added = F.embedding(positions, table)
+        return out + (added if added.dim() == 3 else added.unsqueeze(0))

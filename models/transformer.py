@@ -7,10 +7,14 @@ when ``post_process``. Tensor parallelism enters only through the layers it is b
 from; the model code speaks of layers and shapes, not ranks.
 
 Forward contract (docs/ARCHITECTURE.md "Model"):
-``module(x, labels=None, *, sample_ids=None, step=0)`` with ``x`` the token ids ``[b, s]``
-when ``pre_process`` else the hidden states ``[b, s_local, h]``; returns the mean token
-loss (``labels`` given) or the logits ``[b, s, V_pad/tp]`` when ``post_process``, else
-the hidden states ``[b, s_local, h]``. ``s_local = s/tp`` with sequence parallel.
+``module(x, labels=None, *, sample_ids=None, step=0, document_ids=None)`` with ``x`` the token
+ids ``[b, s/cp]`` when ``pre_process`` else the hidden states ``[b, s_local, h]``; returns the
+mean token loss (``labels`` given) or the logits ``[b, s/cp, V_pad/tp]`` when ``post_process``,
+else the hidden states ``[b, s_local, h]``. ``s_local = s/cp/tp`` with sequence parallel.
+With context parallel (cp > 1) the tokens are this cp-rank's load-balanced share
+(``context_parallel.split_for_cp``) and the loss is ``cp`` times its share of the cp group's
+token-weighted mean, so the mean over the cp (and dp) group is the whole batch's loss.
+``document_ids [b, s]`` (whole sequence): attention stays inside documents, positions restart.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
 from models.shape import RECOMPUTED
 from parallel3d import comm
+from parallel3d.context_parallel.model_attention import ContextParallelAttention
+from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
@@ -56,6 +62,7 @@ class TransformerLM(nn.Module):
         self.config, self.pstate, self.seed = c, ctx.pstate, ctx.seed
         self.layer_range, self.pre_process, self.post_process = layer_range, pre_process, post_process
         self.sequence_parallel, self.recompute = ctx.sequence_parallel, ctx.recompute
+        self.context_parallel = ctx.context_parallel
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, ctx.pstate.size("tp"))
         self.embedding: Embedding | None = None
         if pre_process:
@@ -109,17 +116,29 @@ class TransformerLM(nn.Module):
         """Mean cross entropy over tokens whose label is not -100 (vocabulary-parallel when tp > 1)."""
         vocab, backend = self.config.vocab_size, self.config.backend
         if self._tp() == 1 and logits.shape[-1] == vocab:
-            return dispatch.cross_entropy(logits, labels, backend=backend)
+            return self._cp_weighted(dispatch.cross_entropy(logits, labels, backend=backend), labels)
         local = logits.shape[-1]
         last_shard_start = self.padded_vocab_size - local  # the same on every tp rank
         if backend == "torch" or last_shard_start >= vocab:  # plain torch ops (also: a shard of padding only)
-            return vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=vocab)
+            return self._cp_weighted(vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=vocab),
+                                     labels)
         start = tp_chunk_start(local, self.pstate)
         # The kernels' sharded cross entropy (fused Triton on GPU) saves the logits, not an fp32 softmax.
         rows = dispatch.vocab_sharded_cross_entropy(
             logits.reshape(-1, local), labels.reshape(-1), vocab_start=start, vocab_size=vocab,
             all_reduce_max=self._all_reduce_max, all_reduce_sum=self._all_reduce_sum, backend=backend)
-        return rows.sum() / (labels != -100).sum()
+        return self._cp_weighted(rows.sum() / (labels != -100).sum(), labels)
+
+    def _cp_weighted(self, mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """cp > 1: this share's mean loss reweighted by its tokens, times cp, so that the mean over
+        the cp group (which the gradient reduction over dp_cp takes) is the whole sequence's mean."""
+        cp = self.context_parallel.size
+        if cp == 1:
+            return mean
+        count = (labels != -100).sum().to(torch.float64).reshape(1)
+        total = count.clone()
+        comm.all_reduce(total, self.pstate, "cp")
+        return mean * (count * cp / total).to(mean.dtype)
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(t, self.pstate, "tp", op=dist.ReduceOp.MAX)
@@ -131,20 +150,27 @@ class TransformerLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, *,
-                sample_ids: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
-        c = self.config
+                sample_ids: torch.Tensor | None = None, step: int = 0,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        c, cp = self.config, self.context_parallel.size
+        positions = None
         if self.pre_process:
             b, s = self._check_tokens(x)
+            s *= cp
             self._check_seq(s)
+            if cp > 1 or document_ids is not None:
+                positions = self.context_parallel.positions(b, s, document_ids, x.device)
             assert self.embedding is not None
-            h = self.embedding(x)
+            h = self.embedding(x, positions)
         else:
             if x.dim() != 3 or x.shape[-1] != c.hidden_size:
                 raise ValueError(f"hidden states must be [batch, seq, {c.hidden_size}], got {tuple(x.shape)}")
             h = x
             b = x.shape[0]
-            s = x.shape[1] * (self._tp() if self.sequence_parallel else 1)
+            s = x.shape[1] * (self._tp() if self.sequence_parallel else 1) * cp
             self._check_seq(s)
+            if cp > 1 or document_ids is not None:
+                positions = self.context_parallel.positions(b, s, document_ids, x.device)
         training = self.training and c.dropout > 0
         if training and sample_ids is None:
             sample_ids = torch.arange(b)
@@ -152,7 +178,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sample_ids must have shape [{b}] (one global sample index per row), "
                              f"got {tuple(sample_ids.shape)}")
         rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.spec.rotary else None
-        run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training)
+        if rope is not None and positions is not None:
+            rope = (rope[0][positions], rope[1][positions])
+        run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training,
+                             document_ids=document_ids)
         if self.pre_process and training:
             h = layout_independent_dropout(h, c.dropout, seed=self.seed, step=step, sample_ids=sample_ids,
                                            layer=EMBEDDING_LAYER, site="embedding", pstate=self.pstate,
@@ -196,11 +225,14 @@ def build_model(
     recompute: str = "none",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    context_parallel: ContextParallelAttention | None = None,
 ) -> TransformerLM:
     """Build this rank's shard of global layers ``layer_range`` (see module docstring).
 
     Every parameter's full value depends only on ``(seed, global name)``. ``device="meta"``
     allocates and initialises nothing (parameter counting for huge configs).
+    ``context_parallel``: the job's cp attention (``ContextParallelAttention.build``); None = ring
+    (p2p) attention over pstate's cp group, plain attention when cp = 1.
     ``pre_process`` / ``post_process`` default to the range touching the first / last layer.
     """
     if not isinstance(config, ModelConfig):
@@ -225,5 +257,7 @@ def build_model(
                  config.vocab_size, padded, tp)
     ctx = BuildContext(config=config, pstate=pstate, seed=seed, sequence_parallel=bool(sequence_parallel),
                        recompute=recompute, dtype=dtype,
+                       context_parallel=context_parallel
+                       or ContextParallelAttention.build(pstate, ContextParallelOptions()),
                        device=torch.device(device) if device is not None else pstate.device)
     return TransformerLM(ctx, (a, b), pre, post)

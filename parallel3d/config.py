@@ -31,6 +31,7 @@ from models.config import ModelConfig
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
 from parallel3d import preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
+from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.data.options import DataOptions
 from parallel3d.logging_options import WANDB_MODES, LoggingOptions
 from parallel3d.option_checks import ConfigError, check_choice, check_int
@@ -118,8 +119,10 @@ def options_of(cls: type, section: Any) -> Any:
 ModelSchema = schema_of("ModelSchema", (ModelConfig,), skip=("kernel_backend",))
 # Sections built from several packages list their keys in the order they always had (the order
 # "<section> accepts: ..." errors print); schema_of checks the order names every key once.
-ParallelConfig = schema_of("ParallelConfig", (ParallelDims, PipelineOptions, ZeroOptions), order=(
-    "tp", "pp", "dp", "cp", "ep", "etp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages", "order",
+ParallelConfig = schema_of("ParallelConfig", (ParallelDims, ContextParallelOptions, PipelineOptions, ZeroOptions),
+                           order=(
+    "tp", "pp", "dp", "cp", "cp_comm", "cp_a2a_size", "ep", "etp", "zero_stage", "sequence_parallel", "schedule",
+    "virtual_stages", "order",
     "bucket_size_mb", "grad_reduce_dtype", "pp_layers", "offload", "offload_dir", "offload_buffer_mb",
     "zero3_prefetch", "zero3_reshard", "overlap_param_gather"))
 TrainConfig = schema_of("TrainConfig", (TrainOptions, CheckpointOptions, StopOptions), order=(
@@ -174,6 +177,7 @@ class ResolvedJob:
     optimizer: OptimizerOptions
     data: DataOptions
     logging: LoggingOptions
+    context_parallel: ContextParallelOptions = ContextParallelOptions()
 
     @property
     def tokens_per_step(self) -> int:
@@ -230,6 +234,9 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     train = options_of(TrainOptions, job.train)
     accum = train.grad_accum(topo.dp)
     train.check_sequence(model.max_seq_len, dims.tp, dims.sequence_parallel)
+    context_parallel = options_of(ContextParallelOptions, job.parallel)
+    context_parallel.check_layout(cp=dims.cp, tp=dims.tp, seq_len=train.seq_len, num_heads=model.num_heads,
+                                  num_kv_heads=model.kv_heads, sequence_parallel=dims.sequence_parallel)
     pipeline.check_microbatches(dims.pp, accum)
     zero.check_precision(train.precision)
     checkpoint = options_of(CheckpointOptions, job.train)
@@ -243,7 +250,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     device = preflight.check_environment(train, checkpoint, zero, data, model)
     return ResolvedJob(job=job, model=model, topology=topo, world_size=world, grad_accum=accum, device=device,
                        dims=dims, pipeline=pipeline, zero=zero, train=train, checkpoint=checkpoint, stop=stop,
-                       optimizer=optimizer, data=data, logging=logging)
+                       optimizer=optimizer, data=data, logging=logging, context_parallel=context_parallel)
 
 
 def job_from_dict(values: dict | None = None, *, model: str | None = None) -> JobConfig:

@@ -24,6 +24,7 @@ import torch
 from parallel3d import comm, data, user_warnings
 from parallel3d.config import ResolvedJob
 from parallel3d.pipeline.forward_only import ForwardOnlyRunner
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS
 from parallel3d.zero.precision import precision_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,18 +47,21 @@ class Evaluator:
     """Evaluates this rank's model chunks on the validation set; see module doc."""
 
     def __init__(self, rj: ResolvedJob, pstate: "ParallelState", chunks: list[torch.nn.Module],
-                 dataset: data.GPTDataset, to_device: Callable) -> None:
+                 dataset: data.GPTDataset, to_device: Callable, eod_id: int | None = None) -> None:
         t, p = rj.job.train, rj.job.parallel
         self.pstate = pstate
         self.iters = t.eval_iters
         self.to_device = to_device
         self.runner = ForwardOnlyRunner(
-            chunks, pstate, num_microbatches=rj.grad_accum, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+            chunks, pstate, num_microbatches=rj.grad_accum, micro_batch_size=t.micro_batch_size,
+            seq_len=t.seq_len // p.cp,
             hidden_size=rj.model.hidden_size, dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             schedule=p.schedule,
         )
+        documents = (DOCUMENT_IDS,) if eod_id is not None else ()  # data.document_mask: every stage reads them
         self.batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size,
-                                                              t.micro_batch_size, keys=self.runner.keys)
+                                                              t.micro_batch_size, eod_id=eod_id,
+                                                              keys=self.runner.keys + documents)
         wanted = self.iters * t.global_batch_size
         if wanted > dataset.samples_per_epoch and pstate.rank == 0:
             user_warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "
@@ -76,6 +80,6 @@ class Evaluator:
         mean = None
         if last_stage:
             t = torch.tensor([total / self.iters], dtype=torch.float64, device=self.pstate.device)
-            comm.all_reduce(t, self.pstate, "dp")
-            mean = t.item() / comm.group_size(self.pstate, "dp")
+            comm.all_reduce(t, self.pstate, "dp_cp")  # token-weighted over cp too (models.transformer's loss)
+            mean = t.item() / comm.group_size(self.pstate, "dp_cp")
         return EvalResult(mean, time.perf_counter() - start)

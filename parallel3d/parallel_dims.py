@@ -3,8 +3,9 @@ order and sequence parallelism, validated; the one place that builds the job's `
 
 The dense grid is tp x cp x dp x pp = the world (``dp = "auto"`` is what is left of the
 world: world / (tp * cp * pp)); experts will use etp x ep x edp x pp over the same ranks.
-Context and expert parallelism are not implemented yet: ``cp`` and ``ep`` may only be 1 and
-``etp`` only null (= tp) or tp, each refused with one line naming the key.
+Expert parallelism is not implemented yet: ``ep`` may only be 1 and ``etp`` only null (= tp)
+or tp, each refused with one line naming the key. How a cp group communicates is
+``context_parallel.options.ContextParallelOptions``.
 Invariant: a constructed ``ParallelDims`` holds valid values; one whose ``dp`` is an integer
 (``with_world``) uses exactly its world; errors are ``ConfigError`` naming ``parallel.<key>``.
 """
@@ -17,7 +18,7 @@ from parallel3d.option_checks import ConfigError, check_bool, check_int
 from parallel3d.topology import DEFAULT_ORDER, LayoutError, Topology
 
 AUTO = "auto"
-NOT_YET = {"cp": "context parallelism", "ep": "expert parallelism"}  # dimensions that may only be 1 for now
+NOT_YET = {"ep": "expert parallelism"}  # dimensions that may only be 1 for now
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ParallelDims:
     tp: int = 1  # tensor-parallel degree (splits heads / MLP columns)
     pp: int = 1  # pipeline stages
     dp: int | str = AUTO  # data-parallel replicas, or "auto" = world_size / (tp * cp * pp)
-    cp: int = 1  # context-parallel degree (splits the sequence); 1 until context parallelism lands
+    cp: int = 1  # context-parallel degree (splits the sequence; parallel.cp_comm says how)
     ep: int = 1  # expert-parallel degree (splits the experts); 1 until expert parallelism lands
     etp: int | None = None  # tensor-parallel degree inside experts; null = tp
     sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)

@@ -6,7 +6,10 @@ layer ranges of ``pipeline.partition``), one ``ZeroOptimizer`` over them, one
 ``DistributedBatchIterator`` over the job's dataset. One step = one global batch
 of ``train.global_batch_size`` samples = ``grad_accum`` micro-batches per DP rank.
 
-Logging: every rank takes part in the per-log-step reductions (loss over DP on
+Context parallel (``parallel.cp``): ``_to_device`` splits each microbatch's tokens and labels
+for this cp rank (train and eval); ``build_chunks`` builds the one ``ContextParallelAttention``.
+
+Logging: every rank takes part in the per-log-step reductions (loss over dp x cp on
 the last stage; memory, bubble and communication over the world); only the
 logging rank (last stage, tp=0, dp=0: it has the loss) writes metrics.jsonl,
 W&B and the console line. Steps are numbered from 1 (the record of step k
@@ -36,6 +39,8 @@ from parallel3d.checkpoint_io.hf_init import load_hf_weights
 from parallel3d.checkpoint_io.resume import load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
+from parallel3d.context_parallel import split_batch_for_cp
+from parallel3d.context_parallel.model_attention import ContextParallelAttention
 from parallel3d.datasets import build_datasets
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.heartbeat import Heartbeat, beat_interval
@@ -51,6 +56,7 @@ from parallel3d.metrics import (
 )
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.preemption import StopPolicy
@@ -78,7 +84,7 @@ class TrainResult:
 def _layout(rj: ResolvedJob) -> dict[str, Any]:
     """The layout a checkpoint was written with (informational: any other one may resume it)."""
     p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
             "schedule": p.schedule,
             "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
@@ -103,12 +109,14 @@ def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=t.seq_len)
     last = len(ranges) - 1
     chunks = []
+    # One for all chunks: with a2a+p2p it creates the cp sub-groups (collective, every rank once).
+    cp_attention = ContextParallelAttention.build(pstate, rj.context_parallel, t.timeout_s)
     place = placement_for(p.schedule, p.pp, p.virtual_stages)
     for k, layer_range in zip(place.chunks_of(pstate.coord("pp")), stage_layer_ranges(ranges, p.pp, pstate.coord("pp"), place)):
         chunks.append(build_model(
             rj.model, pstate, seed=t.seed, layer_range=layer_range, pre_process=k == 0, post_process=k == last,
             sequence_parallel=p.sequence_parallel, recompute=t.recompute, dtype=precision_dtype(t.precision),
-            device=pstate.device,
+            device=pstate.device, context_parallel=cp_attention,
         ))
     return chunks
 
@@ -134,14 +142,16 @@ class Trainer:
         )
         self.engine = PipelineEngine(
             self.chunks, pstate, schedule=p.schedule, num_microbatches=rj.grad_accum,
-            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, hidden_size=rj.model.hidden_size,
+            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)
+        self.eod_id = self._document_eod(tokenizer)
+        keys = self.engine.microbatch_keys + ((DOCUMENT_IDS,) if self.eod_id is not None else ())
         self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
-                                                              t.micro_batch_size, keys=self.engine.microbatch_keys)
-        self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device)
+                                                              t.micro_batch_size, keys=keys, eod_id=self.eod_id)
+        self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device, eod_id=self.eod_id)
                           if valid_set is not None and t.eval_iters > 0 else None)
         if pstate.rank == 0:  # the run directory carries its tokenizer: export needs nothing else
             if tokenizer is not None:
@@ -223,8 +233,21 @@ class Trainer:
             load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
         return resume_dir
 
+    def _document_eod(self, tokenizer: Any) -> int | None:
+        """The end-of-document id that ``data.document_mask`` cuts documents at (None: no mask)."""
+        if not self.rj.data.document_mask:
+            return None
+        if tokenizer is None:
+            raise data.DataError("data.document_mask=true: needs the data's tokenizer for its end-of-document id "
+                                 "(data.tokenizer_file)")
+        return int(tokenizer.eod_id)
+
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        cp = self.pstate.size("cp")
+        if cp > 1:  # labels were shifted on the whole sequence (the dataset's s+1 tokens); now the share
+            microbatches = [split_batch_for_cp(mb, cp, self.pstate.coord("cp"), keep_whole=(DOCUMENT_IDS, SAMPLE_IDS))
+                            for mb in microbatches]
         if self.pstate.device.type == "cpu":
             return microbatches
         # A non_blocking copy from pageable host memory is synchronous on CUDA: pin first, so the
@@ -233,12 +256,13 @@ class Trainer:
                 for mb in microbatches]
 
     def _dp_mean_loss(self, loss: float | None) -> float | None:
-        """Mean loss of the global batch (last stage only; other stages have none)."""
+        """Mean loss of the global batch (last stage only; other stages have none). Over dp x cp: each
+        cp rank's loss is cp times its token share of the sequence's (``models.transformer``)."""
         if loss is None:
             return None
         t = torch.tensor([loss], dtype=torch.float64, device=self.pstate.device)
-        comm.all_reduce(t, self.pstate, "dp")
-        return t.item() / comm.group_size(self.pstate, "dp")
+        comm.all_reduce(t, self.pstate, "dp_cp")
+        return t.item() / comm.group_size(self.pstate, "dp_cp")
 
     def _record(self, step_time: float, result: Any, info: Any, comm_bytes: dict[str, int]) -> dict[str, Any] | None:
         """Collective: the step's metrics record (on the logging rank; None elsewhere)."""

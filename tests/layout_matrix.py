@@ -21,8 +21,11 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   dp > 1 and ZeRO-2, 1F1B at pp >= 3 with dp > 1, an interleaved schedule with pp >= 3, NCCL
   semantics at pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the
   zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1
-  and dp > 1, ZB-V at pp >= 2 with the tied gpt and ZeRO >= 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3
+  and dp > 1, ZB-V at pp >= 2 with the tied gpt and ZeRO >= 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3,
+  context parallel with pp >= 3, with tp + sequence parallel, with ZeRO-3, a2a+p2p, and with document masks
   (coverage draws within ``affordable_for_ci``).
+- Context parallel: cp from ``DEGREES["cp"]``, every ``parallel.cp_comm`` (and an a2a size dividing cp),
+  and ``data.document_mask`` on or off (the reference masks documents too).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
 """
 
@@ -39,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 from parallel3d import config as cfg
 from parallel3d.config import ConfigError, job_from_dict, resolve
+from parallel3d.context_parallel import CP_COMM_VARIANTS
 
 MATRIX_SEED = 20261203
 MAX_WORLD = 8
@@ -53,7 +57,7 @@ LR = 1e-3
 EVAL_EVERY, EVAL_ITERS, VALID_FRACTION = 2, 1, 0.1  # evaluations after steps 2 and 4 (the end)
 ALL_CASES = 64
 CI_HEAD = 1
-DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4)}  # the dimensions the config runs today
+DEGREES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "dp": (1, 2, 4), "cp": (1, 2, 4)}  # the dimensions the config runs today
 GLOBAL_BATCHES = (8, 12, 24)
 MICRO_BATCHES = (1, 2, 4)
 MAX_DRAWS = 1000
@@ -80,11 +84,12 @@ class LayoutCase:
     parallel: dict[str, Any]
     train: dict[str, Any]
     emulate_nccl: bool = False  # ParallelState(emulate_nccl=True): NCCL's one-Work-per-batch p2p on gloo
+    document_mask: bool = False  # data.document_mask (the reference run masks too)
 
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p["tp"] * p["pp"] * p["dp"]
+        return p["tp"] * p["pp"] * p["dp"] * p.get("cp", 1)
 
     @property
     def name(self) -> str:
@@ -94,7 +99,8 @@ class LayoutCase:
             zero += f"-{p['zero3_reshard']}-pf{p['zero3_prefetch']}"
         if p["offload"] != "none":
             zero += f"-off-{p['offload']}"
-        bits = [f"case{self.case_id}", self.model, f"tp{p['tp']}pp{p['pp']}dp{p['dp']}", zero,
+        cp = f"cp{p['cp']}-{p['cp_comm']}{p.get('cp_a2a_size') or ''}" if p.get("cp", 1) > 1 else ""
+        bits = [f"case{self.case_id}", self.model, f"tp{p['tp']}pp{p['pp']}dp{p['dp']}{cp}", zero,
                 p["schedule"] + (f"v{p['virtual_stages']}" if p["virtual_stages"] > 1 else ""),
                 f"mb{t['micro_batch_size']}x{t['global_batch_size'] // (t['micro_batch_size'] * p['dp'])}"]
         if p["sequence_parallel"]:
@@ -107,17 +113,20 @@ class LayoutCase:
             bits.append(p["order"])
         if self.emulate_nccl:
             bits.append("nccl")
+        if self.document_mask:
+            bits.append("docmask")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
-        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir)
+        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir, self.document_mask)
 
     def reference_key(self) -> tuple:
         """Cases with the same key share one single-process reference run."""
-        return self.model, self.train["global_batch_size"]
+        return self.model, self.train["global_batch_size"], self.document_mask
 
 
-def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str) -> dict[str, Any]:
+def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str,
+               document_mask: bool = False) -> dict[str, Any]:
     parallel = dict(parallel)
     if parallel.get("offload") == "disk":  # the state files go with the run; small chunks: several per piece
         parallel.update(offload_dir=os.path.join(out_dir, "offload"), offload_buffer_mb=0.05)
@@ -128,7 +137,7 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
                   "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
                   "eval_iters": EVAL_ITERS, **train},
         "optimizer": {"lr": LR, "min_lr": LR / 10, "warmup_steps": 1},
-        "data": {"cache_dir": cache_dir, "valid_fraction": VALID_FRACTION},
+        "data": {"cache_dir": cache_dir, "valid_fraction": VALID_FRACTION, "document_mask": document_mask},
         "logging": {"log_every": 1},
     }
 
@@ -136,7 +145,8 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
 def reference_values(case: LayoutCase, out_dir: str, cache_dir: str) -> dict[str, Any]:
     """The single-process job of ``case``: same model, data, global batch; one microbatch."""
     g = case.train["global_batch_size"]
-    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": g}, out_dir, cache_dir)
+    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": g}, out_dir, cache_dir,
+                      case.document_mask)
 
 
 def _orders() -> list[str]:
@@ -168,7 +178,20 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
                 "zero3_prefetch": rng.choice((0, 1, 2)) if stage == 3 else 1}
     train = {"global_batch_size": g, "micro_batch_size": mbs, "recompute": rng.choice(cfg.RECOMPUTE)}
     model = rng.choice(sorted(MODELS))
-    return LayoutCase(case_id, model, parallel, train, emulate_nccl=pp > 1 and rng.random() < 0.4)
+    emulate_nccl = pp > 1 and rng.random() < 0.4
+    # Context parallel, drawn last and within the world budget: the draws above keep their odds.
+    cp = rng.choice([d for d in DEGREES["cp"] if tp * pp * dp * d <= MAX_WORLD] or [1])
+    cp_comm = rng.choice(CP_COMM_VARIANTS) if cp > 1 else "p2p"
+    # a2a+p2p: a real hierarchy (1 < a2a size < cp) where cp allows one, else either degenerate end.
+    sizes = [d for d in range(2, cp) if cp % d == 0] or [d for d in (1, cp) if cp % d == 0]
+    a2a = rng.choice(sizes) if cp_comm == "a2a+p2p" else None
+    parallel.update(cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a)
+    if cp > 1:  # cp takes a drawn place in the rank order
+        dims = parallel["order"].split("-")
+        dims.insert(rng.randrange(len(dims) + 1), "cp")
+        parallel["order"] = "-".join(dims)
+    return LayoutCase(case_id, model, parallel, train, emulate_nccl=emulate_nccl or (cp > 1 and rng.random() < 0.3),
+                      document_mask=rng.random() < 0.3)
 
 
 def is_valid(case: LayoutCase) -> bool:
@@ -209,6 +232,11 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "zero0_dp>1": lambda c: c.parallel["zero_stage"] == 0 and c.parallel["dp"] > 1,
     "gpipe_pp>=2": lambda c: c.parallel["schedule"] == "gpipe" and c.parallel["pp"] >= 2,
     "llama_pp>=3": lambda c: c.model == "llama" and c.parallel["pp"] >= 3,
+    "cp_pp>=3": lambda c: c.parallel["cp"] > 1 and c.parallel["pp"] >= 3,
+    "cp_tp_sequence_parallel": lambda c: c.parallel["cp"] > 1 and c.parallel["sequence_parallel"],
+    "cp_zero3": lambda c: c.parallel["cp"] > 1 and c.parallel["zero_stage"] == 3,
+    "cp_a2a+p2p": lambda c: c.parallel["cp_comm"] == "a2a+p2p" and c.parallel["cp_a2a_size"] not in (1, c.parallel["cp"]),
+    "cp_document_mask": lambda c: c.parallel["cp"] > 1 and c.document_mask,
 }
 
 

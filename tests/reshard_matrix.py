@@ -13,7 +13,8 @@ ZeRO-0 and one process, on the gpt matrix model; the reverse directions on the l
 GQA, untied head, vocabulary 510, padded at tp=4), plus ``GENERATED`` pairs drawn by the
 layout matrix's generator (``tests/layout_matrix.py``: config schema choices, validator
 filtered, reproducible by id), the target drawn with the source's model and global batch;
-CI's generated pairs always include an interleaved schedule, ZB-V and explicit ``pp_layers``.
+CI's generated pairs always include an interleaved schedule, ZB-V, explicit ``pp_layers`` and a
+change of the context-parallel degree cp.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class Side:
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p.get("tp", 1) * p.get("pp", 1) * p.get("dp", 1)
+        return p.get("tp", 1) * p.get("pp", 1) * p.get("dp", 1) * p.get("cp", 1)
 
     def label(self) -> str:
         p = self.parallel
-        bits = [f"tp{p.get('tp', 1)}pp{p.get('pp', 1)}dp{p.get('dp', 1)}z{p.get('zero_stage', 0)}"]
+        cp = f"cp{p['cp']}-{p['cp_comm']}" if p.get("cp", 1) > 1 else ""
+        bits = [f"tp{p.get('tp', 1)}pp{p.get('pp', 1)}dp{p.get('dp', 1)}{cp}z{p.get('zero_stage', 0)}"]
         if p.get("schedule", "1f1b") != "1f1b":
             bits.append(p["schedule"])
         if p.get("offload", "none") != "none":
@@ -103,6 +105,7 @@ PAIR_MUST_COVER = {
         for a, b in ((p.source, p.target), (p.target, p.source))),
     "disk offload (save or resume)": lambda p: any(s.parallel.get("offload") == "disk" for s in (p.source, p.target)),
     "ZB-V (chunks in a V) on one side": lambda p: any(s.parallel.get("schedule") == "zbv" for s in (p.source, p.target)),
+    "resume at another cp": lambda p: p.source.parallel.get("cp", 1) != p.target.parallel.get("cp", 1),
 }
 MAX_PAIR_DRAWS = 50
 

@@ -151,3 +151,18 @@ def test_four_ranks_tp_dp(tmp_path):
         for a, b in zip(r["steps"], other["steps"]):
             for x, y in zip(a, b):
                 assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_document_ids_reach_every_stage(dataset):
+    """data.document_mask: every stage (a middle one reads no tokens) gets the whole sequence's
+    document ids, cut at the EOD token (id 0 here) of the input tokens."""
+    from parallel3d.context_parallel.documents import document_ids
+
+    middle = next(DistributedBatchIterator(dataset, 16, 2, 0, 1, keys=("sample_ids", "document_ids"), eod_id=0))
+    full = next(DistributedBatchIterator(dataset, 16, 2, 0, 1))
+    assert [set(mb) for mb in middle] == [{"sample_ids", "document_ids"}] * len(full)
+    for m, f in zip(middle, full):
+        assert torch.equal(m["document_ids"], document_ids(f["input_ids"], 0))
+    assert any(int(m["document_ids"].max()) > 0 for m in middle)  # the sample holds document boundaries
+    with pytest.raises(DataError, match="eod_id"):
+        DistributedBatchIterator(dataset, 16, 2, 0, 1, keys=("sample_ids", "document_ids"))

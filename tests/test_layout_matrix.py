@@ -70,15 +70,15 @@ def test_reference_noise_floor_is_far_below_the_tolerance(tmp_path, cache_dir, r
     first_case_of = {}
     for case in lm.ci_sample():
         first_case_of.setdefault(case.reference_key(), case)
-    largest = {model: max(g for m, g in first_case_of if m == model) for model, _ in first_case_of}
+    largest = {model: max(g for m, g, _ in first_case_of if m == model) for model, *_ in first_case_of}
     for key, case in sorted(first_case_of.items()):
         if key not in references:
             references[key] = lm.train_reference(lm.reference_values(case, str(tmp_path / f"ref-{key}"), cache_dir), True)
-        model, global_batch = key
+        model, global_batch, document_mask = key
         if global_batch != largest[model]:
             continue
         values = lm.job_values(model, {}, {"global_batch_size": global_batch, "micro_batch_size": 1},
-                               str(tmp_path / f"{model}-{global_batch}-1"), cache_dir)
+                               str(tmp_path / f"{model}-{global_batch}-{document_mask}-1"), cache_dir, document_mask)
         for (step, *got), (_, *ref) in zip(lm.train_reference(values, quiet=True), references[key]):
             for what, a, b in zip(("loss", "grad_norm", "eval_loss"), got, ref):
                 if b is not None:

@@ -21,6 +21,8 @@ from models.transformer import RECOMPUTE_MODES
 from parallel3d import config
 from parallel3d.checkpoint import CheckpointManager
 from parallel3d.checkpoint_io.options import CheckpointOptions
+from parallel3d.context_parallel import CP_COMM_VARIANTS
+from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.data.corpus import CORPORA, TOKENIZER_KINDS
 from parallel3d.data.options import SOURCES, DataOptions
 from parallel3d.logging_options import WANDB_MODES, LoggingOptions, WandbOptions
@@ -41,12 +43,12 @@ from parallel3d.zero.options import OFFLOAD_MODES, PRECISIONS, ZERO3_RESHARD, ZE
 
 # Each options class and the config section its keys live in.
 SECTIONS: dict[type, str] = {
-    ParallelDims: "parallel", PipelineOptions: "parallel", ZeroOptions: "parallel", TrainOptions: "train",
+    ParallelDims: "parallel", ContextParallelOptions: "parallel", PipelineOptions: "parallel", ZeroOptions: "parallel", TrainOptions: "train",
     CheckpointOptions: "train", StopOptions: "train", OptimizerOptions: "optimizer", DataOptions: "data",
     LoggingOptions: "logging", WandbOptions: "logging.wandb",
 }
 # Which options compose each schema section (config.py generates the section from them).
-SCHEMA_SOURCES = {"parallel": (ParallelDims, PipelineOptions, ZeroOptions),
+SCHEMA_SOURCES = {"parallel": (ParallelDims, ContextParallelOptions, PipelineOptions, ZeroOptions),
                   "train": (TrainOptions, CheckpointOptions, StopOptions),
                   "optimizer": (OptimizerOptions,), "data": (DataOptions,), "logging": (LoggingOptions,)}
 
@@ -59,6 +61,8 @@ def _companions(cls: type, key: str, value: typing.Any) -> dict[str, typing.Any]
         return {"zero_stage": 3}
     if cls is PipelineOptions and key == "schedule" and value in MULTI_CHUNK:
         return {"virtual_stages": 2}
+    if cls is ContextParallelOptions and key == "cp_comm" and value == "a2a+p2p":
+        return {"cp_a2a_size": 2}
     if cls is DataOptions and key == "source" and value == "indexed":
         return {"paths": ("/tmp/p3d-data",)}
     return {}
@@ -71,7 +75,7 @@ CHOICES = [
     (ZeroOptions, "grad_reduce_dtype", PRECISIONS), (TrainOptions, "precision", PRECISIONS),
     (TrainOptions, "recompute", RECOMPUTE_MODES), (TrainOptions, "device", DEVICES),
     (DataOptions, "source", SOURCES), (DataOptions, "corpus", CORPORA), (DataOptions, "tokenizer", TOKENIZER_KINDS),
-    (WandbOptions, "mode", WANDB_MODES),
+    (WandbOptions, "mode", WANDB_MODES), (ContextParallelOptions, "cp_comm", CP_COMM_VARIANTS),
 ]
 
 
@@ -243,7 +247,13 @@ def test_layout_errors_are_the_options_errors():
 
 
 # ---- ParallelDims -------------------------------------------------------------------------
-@pytest.mark.parametrize("key", ["cp", "ep"])
+@pytest.mark.parametrize("value", [2, 4, 8])
+def test_context_parallel_degree_builds_its_topology(value):
+    dims = ParallelDims(cp=value).with_world(2 * value)
+    assert dims.cp_enabled and dims.build_topology().size("cp") == value and dims.dp == 2
+
+
+@pytest.mark.parametrize("key", ["ep"])
 @pytest.mark.parametrize("value", [2, 4, 8])
 def test_context_and_expert_parallel_degrees_may_only_be_one_for_now(key, value):
     with pytest.raises(ConfigError, match=rf"^parallel\.{key}={value}: .* is not implemented yet; must be 1$"):

@@ -19,7 +19,10 @@ import torch
 
 from parallel3d.data.errors import DataError
 from parallel3d.data.gpt_dataset import GPTDataset
-from parallel3d.pipeline.microbatch import ALL_KEYS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, stage_keys
+from parallel3d.context_parallel.documents import document_ids
+from parallel3d.pipeline.microbatch import (
+    ALL_KEYS, DOCUMENT_IDS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, stage_keys,
+)
 
 if TYPE_CHECKING:
     from parallel3d.parallel_state import ParallelState
@@ -45,7 +48,8 @@ class DistributedBatchIterator:
         dp_size: int = 1,
         start_sample: int = 0,
         *,
-        keys: tuple[str, ...] = ALL_KEYS,
+        keys: tuple[str, ...] = ALL_KEYS[:3],
+        eod_id: int | None = None,
     ) -> None:
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                             ("dp_size", dp_size)):
@@ -63,6 +67,9 @@ class DistributedBatchIterator:
         unknown = [k for k in keys if k not in ALL_KEYS]
         if unknown or SAMPLE_IDS not in keys:
             raise DataError(f"keys={tuple(keys)}: must include {SAMPLE_IDS!r} and come from {ALL_KEYS}")
+        if DOCUMENT_IDS in keys and eod_id is None:
+            raise DataError(f"keys={tuple(keys)}: {DOCUMENT_IDS!r} needs the tokenizer's end-of-document id (eod_id)")
+        self.eod_id = eod_id
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
@@ -81,12 +88,13 @@ class DistributedBatchIterator:
         micro_batch_size: int,
         start_sample: int = 0,
         keys: tuple[str, ...] | None = None,
+        eod_id: int | None = None,
     ) -> "DistributedBatchIterator":
         """The iterator of this process: its DP coordinate and its pipeline stage's keys (``keys``: the
         engine's ``microbatch_keys`` where the schedule places the first or last model chunk elsewhere)."""
         return cls(
             dataset, global_batch_size, micro_batch_size, pstate.coord("dp"), pstate.size("dp"), start_sample,
-            keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage) if keys is None else keys,
+            keys=stage_keys(pstate.is_first_stage, pstate.is_last_stage) if keys is None else keys, eod_id=eod_id,
         )
 
     def local_sample_ids(self, step_start: int) -> np.ndarray:
@@ -112,6 +120,8 @@ class DistributedBatchIterator:
             if LABELS in self.keys:
                 mb[LABELS] = tokens[rows, 1:].contiguous()
             mb[SAMPLE_IDS] = sample_ids[rows].clone()
+            if DOCUMENT_IDS in self.keys:
+                mb[DOCUMENT_IDS] = document_ids(tokens[rows, :-1], self.eod_id)
             microbatches.append(mb)
         self.next_sample += self.global_batch_size
         return microbatches

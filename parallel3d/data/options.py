@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from parallel3d.data.blend import BlendError, resolve_blend
 from parallel3d.data.corpus import CORPORA, TOKENIZER_KINDS
-from parallel3d.option_checks import ConfigError, as_tuples, check_choice, check_range
+from parallel3d.option_checks import ConfigError, as_tuples, check_bool, check_choice, check_range
 
 SOURCES: tuple[str, ...] = ("default", "indexed")
 Blend = tuple[list[str], "list[float] | None"]  # (prefixes, weights or None: by dataset size)
@@ -35,6 +35,9 @@ class DataOptions:
     # document boundary), or separate prefixes (same syntax as paths; source=indexed).
     valid_fraction: float = 0.0
     valid_paths: tuple[str, ...] = ()
+    # Packed documents: attention stays inside each document (ended by the tokenizer's EOD token)
+    # and positions restart at each document's first token.
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         as_tuples(self)
@@ -60,6 +63,7 @@ class DataOptions:
             raise ConfigError(self.tokenizer_file_error())
         check_choice("data.corpus", self.corpus, CORPORA)
         check_choice("data.tokenizer", self.tokenizer, TOKENIZER_KINDS)
+        check_bool("data.document_mask", self.document_mask)
 
     def blends(self) -> tuple[Blend, Blend]:
         """``((train prefixes, weights), (validation prefixes, weights))``, however the blend was spelled."""

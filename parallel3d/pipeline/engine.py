@@ -173,7 +173,8 @@ class PipelineEngine:
     ``chunks[c]`` is local chunk ``c``: model chunk ``placement.model_chunk(pp_rank, c)``
     (``len(chunks)`` chunks per stage; the loop placement's ``pp_rank + c * pp``, ZB-V's
     ``pp_rank`` and ``2 pp - 1 - pp_rank``; ``placement_for(schedule, pp, len(chunks))``);
-    chunk modules follow the models contract ``module(x, labels=None, *, sample_ids=None, step=0)``.
+    chunk modules follow the models contract ``module(x, labels=None, *, sample_ids=None, step=0)`` (plus
+    ``document_ids=`` when the microbatches carry them, ``microbatch.document_kwargs``).
     """
 
     def __init__(

@@ -26,7 +26,7 @@ import torch
 
 from parallel3d.pipeline.actions import ScheduleError
 from parallel3d.pipeline.engine import send_loss_to_last_stage
-from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
+from parallel3d.pipeline.microbatch import TOKEN_KEYS, document_kwargs, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_forward_schedule, check_coalesced_progress
@@ -126,7 +126,8 @@ class ForwardOnlyRunner:
                     continue
                 mb = microbatches[c.microbatch]
                 x = mb["input_ids"] if c.first else outputs.pop(c.local_input) if c.local_input else inputs.pop(c.key)
-                out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=step)
+                out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=step,
+                               **document_kwargs(mb))
                 if c.last:
                     losses.append(out.float())
                 else:

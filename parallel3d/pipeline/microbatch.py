@@ -12,7 +12,9 @@ A microbatch is a dict of int64 tensors:
   model's last).
 
 With ``pp == 1`` one stage is both and reads all three. Middle stages read only
-``sample_ids`` and never touch the token stream.
+``sample_ids`` and never touch the token stream, except with ``data.document_mask``:
+- ``document_ids`` ``[mb, s]`` (every stage, the whole sequence even with context
+  parallel): which packed document each token belongs to (attention stays inside it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ from __future__ import annotations
 SAMPLE_IDS = "sample_ids"
 INPUT_IDS = "input_ids"
 LABELS = "labels"
-ALL_KEYS = (INPUT_IDS, LABELS, SAMPLE_IDS)
-TOKEN_KEYS = (INPUT_IDS, LABELS)
+DOCUMENT_IDS = "document_ids"
+ALL_KEYS = (INPUT_IDS, LABELS, SAMPLE_IDS, DOCUMENT_IDS)
+TOKEN_KEYS = (INPUT_IDS, LABELS, DOCUMENT_IDS)
+
+
+def document_kwargs(microbatch: dict) -> dict:
+    """The chunk call's ``document_ids=`` when the microbatch carries them (data.document_mask);
+    nothing otherwise, so modules without packed documents need not take the keyword."""
+    return {DOCUMENT_IDS: microbatch[DOCUMENT_IDS]} if DOCUMENT_IDS in microbatch else {}
 
 
 def stage_keys(is_first_stage: bool, is_last_stage: bool) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from parallel3d.deferred_grads import DeferredWeightGrads
 from parallel3d.pipeline.activation_bytes import SavedBytes, held_bytes, storage_key
 from parallel3d.pipeline.actions import Action
 from parallel3d.pipeline.backward_split import FullBackward, split_backward
+from parallel3d.pipeline.microbatch import document_kwargs
 from parallel3d.pipeline.step_plan import PlannedCompute, PlannedStep
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -122,7 +123,8 @@ class StepRun:
             x = self.inputs[key]
         saved = SavedBytes(self.param_storages)
         with saved.recording():
-            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step)
+            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
+                           **document_kwargs(mb))
         if not c.first and c.local_input is None:
             saved.add(x)
         if c.last:

@@ -4,7 +4,8 @@ Invariant: the mask of batch row ``i`` at ``(seed, step, sample_ids[i], layer, s
 same whatever the tp / pp / dp layout or micro-batch size. Each row's full-sequence mask
 ``[s, h]`` is drawn from a generator on the activations' device seeded by a stable hash of
 those values (so masks agree between layouts on the same device type); with sequence
-parallel a rank keeps the rows of its sequence chunk. Costs one generator per
+parallel a rank keeps the rows of its sequence chunk; with context parallel, of its cp
+share (``context_parallel.split_for_cp``) first. Costs one generator per
 row and call, which is why everything is skipped when ``p == 0``.
 """
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from parallel3d.context_parallel.load_balance import split_for_cp
 from parallel3d.tensor_parallel.init import stable_seed
 from parallel3d.tensor_parallel.mappings import tp_chunk_start, tp_group_size
 
@@ -33,16 +35,18 @@ def layout_independent_dropout(
     pstate: "ParallelState",
     sequence_parallel: bool = False,
 ) -> torch.Tensor:
-    """Dropout of ``x [b, s_local, h]`` (``s_local = s/tp`` with sequence parallel)."""
+    """Dropout of ``x [b, s_local, h]`` (``s_local = s/cp``, ``/tp`` with sequence parallel)."""
     if p == 0.0:
         return x
     b, s_local, h = x.shape
     n = tp_group_size(pstate) if sequence_parallel else 1
+    cp = pstate.size("cp") if pstate.distributed else 1
     start = tp_chunk_start(s_local, pstate) if sequence_parallel else 0
     masks = []
     for sample in sample_ids.tolist():
         gen = torch.Generator(device=x.device).manual_seed(stable_seed("dropout", seed, step, int(sample), layer, site))
-        keep = torch.rand(s_local * n, h, generator=gen, device=x.device) >= p
+        keep = split_for_cp(torch.rand(s_local * n * cp, h, generator=gen, device=x.device) >= p, cp,
+                            pstate.coord("cp") if cp > 1 else 0, seq_dim=0)
         masks.append(keep[start : start + s_local])
     mask = torch.stack(masks)
     return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
