@@ -1,6 +1,6 @@
 """The dry run's bytes are the real job's: a tiny model on 4 real gloo ranks, generated layouts.
 
-Each case draws a layout (tp x pp x dp = 4, one of ZeRO stages 0-3, model, precision). The real
+Cases are generated (``_cases``: every ZeRO stage 0-3, layouts tp x pp x dp = 4, model and precision drawn). The real
 run builds each rank's ``Trainer`` (the trainer's own chunks and ``ZeroOptimizer``) on gloo and
 reads the bytes from the optimizer's tensors (weight buffers or shards, gradient buffers or
 shards, masters and moments); the dry run builds every rank on the fake backend and the meta
@@ -23,15 +23,15 @@ LAYOUTS = [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1)]
 
 
 def _cases(seed: int = 2026) -> list[dict]:
+    """Every ZeRO stage once; stages 1-3 on the three sharding layouts (dp > 1) in a drawn order,
+    stage 0 on a drawn layout without dp; model and precision drawn per case."""
     rng = random.Random(seed)
-    stages = [0, 1, 2, 3]
-    rng.shuffle(stages)
-    cases = []
-    for stage in stages:  # every ZeRO stage once, each on a drawn layout that shards (dp > 1 for 1-3)
-        tp, pp, dp = rng.choice([lay for lay in LAYOUTS if stage == 0 or lay[2] > 1])
-        cases.append(dict(tp=tp, pp=pp, dp=dp, zero_stage=stage, model=rng.choice(["gpt_tiny", "llama_tiny"]),
-                          precision=rng.choice(["fp32", "bf16"])))
-    return cases
+    sharding = [lay for lay in LAYOUTS if lay[2] > 1]
+    rng.shuffle(sharding)
+    layouts = [rng.choice([lay for lay in LAYOUTS if lay[2] == 1])] + sharding
+    return [dict(tp=tp, pp=pp, dp=dp, zero_stage=stage, model=rng.choice(["gpt_tiny", "llama_tiny"]),
+                 precision=rng.choice(["fp32", "bf16"]))
+            for stage, (tp, pp, dp) in enumerate(layouts)]
 
 
 def _overrides(case: dict, out_dir: str) -> list[str]:
