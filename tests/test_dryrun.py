@@ -16,7 +16,7 @@ import pytest
 
 from parallel3d.config import resolve
 from parallel3d.dryrun import __main__ as cli
-from parallel3d.dryrun import dry_run_rank, parse_ranks
+from parallel3d.dryrun import dry_run_rank, parse_ranks, rank_report
 from parallel3d.planning.params import rank_params
 from parallel3d.option_checks import ConfigError
 from parallel3d.train import compose_job
@@ -66,8 +66,6 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
 def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):
     """A rank whose build fails is reported by rank in one line; the fake world is torn down, so
     the next rank builds; the exit status is 1."""
-    import parallel3d.dryrun.rank_report as rank_report
-
     real_build = rank_report.build_chunks
 
     def build_failing_on_rank_1(rj, pstate):

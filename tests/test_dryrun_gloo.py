@@ -16,6 +16,7 @@ import pytest
 from parallel3d.config import resolve
 from parallel3d.dryrun import dry_run_rank
 from parallel3d.train import compose_job
+from parallel3d.trainer import Trainer, make_parallel_state
 from tests.harness import run_on_ranks
 
 WORLD = 4
@@ -47,8 +48,6 @@ def _nbytes(tensors) -> int:
 
 def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     """Rank ``rank``'s bytes, read from the tensors of the real trainer's optimizer."""
-    from parallel3d.trainer import Trainer, make_parallel_state
-
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=world)
     trainer = Trainer(rj, make_parallel_state(rj))
