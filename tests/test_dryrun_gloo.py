@@ -56,9 +56,17 @@ def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     weights = [b.data for b in params.bufs] if hasattr(params, "bufs") else params.shards
     sync = opt.grad_sync
     grads = [b.data for b in sync.grad_bufs] if hasattr(sync, "grad_bufs") else sync.grad_shards
-    return {"params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
+    held = {"params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
             "param_bytes": _nbytes(weights), "grad_bytes": _nbytes(grads),
             "optimizer_state_bytes": _nbytes(list(opt.masters) + list(opt.exp_avgs) + list(opt.exp_avg_sqs))}
+    stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
+    stats.reset()
+    opt.zero_grad()
+    trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    opt.step()
+    opt.finish_param_sync()
+    sent = {f"{kind} {op}": (stats.calls[(kind, op)], stats.bytes[(kind, op)]) for kind, op in stats.bytes}
+    return held, sent
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: "tp{tp}pp{pp}dp{dp}-z{zero_stage}-{model}-{precision}".format(**c))
@@ -70,6 +78,22 @@ def test_dry_run_bytes_equal_a_real_gloo_run(case, tmp_path):
     for rank in range(WORLD):
         report = dry_run_rank(rj, rank)
         assert report.error is None, report.error
-        dry = {k: getattr(report, k) for k in real[rank]}
-        assert dry == real[rank], f"rank {rank}: dry run {dry} != real run {real[rank]}"
-        assert real[rank]["optimizer_state_bytes"] > 0 and real[rank]["param_bytes"] > 0
+        held, sent = real[rank]
+        dry = {k: getattr(report, k) for k in held}
+        assert dry == held, f"rank {rank}: dry run {dry} != real run {held}"
+        assert held["optimizer_state_bytes"] > 0 and held["param_bytes"] > 0
+        _check_messages(report.messages, sent, rank, case["dp"])
+
+
+def _check_messages(dry_messages, sent: dict, rank: int, dp: int) -> None:
+    """pp sends and dp_cp reduce-scatters / all-gathers of the real step: the same calls, and the
+    same bytes in ``comm``'s convention (a send's bytes; (n-1)/n of a collective's full buffer,
+    rounded down per call)."""
+    dry = {m.kind.replace("pp_send", "pp send"): m for m in dry_messages}
+    for key in ("pp send", "dp_cp reduce_scatter", "dp_cp all_gather"):
+        calls, nbytes = sent.get(key, (0, 0))
+        m = dry.get(key)
+        assert (m.count if m else 0) == calls, f"rank {rank} {key}: dry run {m} != real {calls} calls"
+        if m is not None:
+            expected = m.bytes if key == "pp send" else m.bytes * (dp - 1) / dp
+            assert expected - calls <= nbytes <= expected, f"rank {rank} {key}: {m.bytes} -> {nbytes}"

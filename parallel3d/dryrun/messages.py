@@ -7,7 +7,8 @@
   stage 0 all-reduces each bucket once per step; stage 1 reduce-scatters once per step and
   all-gathers the parameters after the step; stages 2-3 reduce-scatter every microbatch
   (``grad_sharded``); stage 3 all-gathers the parameters once per step with
-  ``zero3_reshard=step``, else twice per microbatch (forward and backward).
+  ``zero3_reshard=step``, else per microbatch each bucket twice (forward and backward),
+  those of a chunk's root unit once (it stays whole from forward to backward: ``params_sharded``).
 - ``tp``: an estimate from the layer count: 2 collectives in each layer's forward and 2 in its
   backward (all-reduces, or all-gather + reduce-scatter with sequence parallel), 2 more
   forward with ``recompute=full``, each of one full activation; the vocabulary-parallel
@@ -46,10 +47,12 @@ def pipeline_messages(actions: list[Action], message_bytes: int) -> list[Message
 
 
 def zero_messages(layouts: list[BufferLayout], *, zero_stage: int, microbatches: int, grad_itemsize: int,
-                  zero3_mode: str, embedding_group: bool) -> list[Messages]:
-    """``dp_cp`` gradient reductions and parameter gathers, and ``embedding`` sums, of one step."""
+                  zero3_mode: str, embedding_group: bool,
+                  root_buckets: frozenset[tuple[int, int]] = frozenset()) -> list[Messages]:
+    """``dp_cp`` gradient reductions and parameter gathers, and ``embedding`` sums, of one step;
+    ``root_buckets``: (layout index, bucket index) of stage 3's root units."""
     out = []
-    for layout in layouts:
+    for g, layout in enumerate(layouts):
         buckets = layout.buckets
         grad_bytes = sum(b.size for b in buckets) * grad_itemsize
         param_bytes = sum(b.size for b in buckets) * layout.dtype.itemsize
@@ -61,8 +64,10 @@ def zero_messages(layouts: list[BufferLayout], *, zero_stage: int, microbatches:
             if zero_stage in (1, 2) or (zero_stage == 3 and zero3_mode == "step"):
                 out.append(Messages(f"{layout.reduce_kind} all_gather", n, param_bytes, "buffer layout"))
             elif zero_stage == 3:
-                out.append(Messages(f"{layout.reduce_kind} all_gather", 2 * n * microbatches,
-                                    2 * microbatches * param_bytes, "buffer layout"))
+                roots = [b for b in buckets if (g, b.index) in root_buckets]
+                root_bytes = sum(b.size for b in roots) * layout.dtype.itemsize
+                out.append(Messages(f"{layout.reduce_kind} all_gather", (2 * n - len(roots)) * microbatches,
+                                    (2 * param_bytes - root_bytes) * microbatches, "buffer layout"))
         tied = [b for b in buckets if b.tied]
         if embedding_group and tied:
             size = sum(b.size if zero_stage < 2 else b.piece_size for b in tied) * grad_itemsize

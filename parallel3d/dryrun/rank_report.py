@@ -93,7 +93,8 @@ def _fill(report: RankReport, rj: ResolvedJob) -> None:
         report.messages += zero_messages(
             optimizer.layouts, zero_stage=rj.zero.zero_stage, microbatches=rj.grad_accum,
             grad_itemsize=grad_itemsize, zero3_mode=rj.zero.zero3_mode(p.pp),
-            embedding_group=len(pstate.ranks("embedding")) > 1)
+            embedding_group=len(pstate.ranks("embedding")) > 1,
+            root_buckets=frozenset(b for u in getattr(optimizer.params, "units", []) if u.is_root for b in u.buckets))
     report.layers = _stage_layers(rj, stage)
     # The real job runs on NCCL: p2p batches complete as one unit (schedules' coalesced_p2p).
     schedule = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True)
