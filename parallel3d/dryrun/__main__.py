@@ -1,0 +1,46 @@
+"""``python -m parallel3d.dryrun <training keys> dryrun.world_size=N [dryrun.ranks=first,last] [dryrun.json=FILE]``.
+
+Exit status: 0 every chosen rank built; 1 some rank failed (its line names it); 2 the config
+(or a ``dryrun.*`` key) is invalid, found before any rank is built.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from parallel3d.config import ConfigError, resolve
+from parallel3d.dryrun.options import parse_ranks, split_args
+from parallel3d.dryrun.rank_report import dry_run_rank
+from parallel3d.dryrun.table import format_reports, reports_json
+from parallel3d.topology import LayoutError
+from parallel3d.train import compose_job
+from parallel3d.user_warnings import one_line_warnings
+
+EXIT_CONFIG, EXIT_FAILED = 2, 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options, overrides = split_args(args)
+        job, _ = compose_job(overrides)
+        rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
+        ranks = parse_ranks(options.ranks, options.world_size)
+    except (ConfigError, LayoutError, ValueError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    with one_line_warnings():
+        reports = [dry_run_rank(rj, rank) for rank in ranks]
+    print(format_reports(rj, reports))
+    if options.json:
+        with open(options.json, "w") as fh:
+            json.dump(reports_json(rj, reports), fh, indent=2)
+    failed = [r.error for r in reports if r.error]
+    for line in failed:
+        print(f"dry run failed: {line}", file=sys.stderr)
+    return EXIT_FAILED if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

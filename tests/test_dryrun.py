@@ -1,0 +1,116 @@
+"""``python -m parallel3d.dryrun`` on the published layouts it exists for, and its one-line errors.
+
+GPT-3 175B on 1,024 ranks (tp 8, pp 16, dp 8) and Llama 3 405B on 16,384 ranks (tp 8, pp 16,
+dp 128), a few ranks each, through ``main`` as a user runs it (JSON read back). References:
+the model-shape module's parameter count for the rank (``planning.params.rank_params``, no
+model built), ZeRO's sharding (an owned piece is 1/dp of every padded bucket, so the masters and
+moments are 12 bytes per 1/dp of the padded weight buffer), and 1F1B's message counts (the
+first and last stage send one message per microbatch, a middle stage two).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parallel3d.config import resolve
+from parallel3d.dryrun import __main__ as cli
+from parallel3d.dryrun import dry_run_rank, parse_ranks, rank_report
+from parallel3d.planning.params import rank_params
+from parallel3d.option_checks import ConfigError
+from parallel3d.train import compose_job
+
+GPT3 = ["model=gpt3_175b", "parallel.tp=8", "parallel.pp=16", "parallel.zero_stage=1", "train.precision=bf16",
+        "train.global_batch_size=512", "train.micro_batch_size=1", "train.seq_len=2048"]
+LLAMA405 = ["model=llama31_405b", "parallel.tp=8", "parallel.pp=16", "parallel.zero_stage=1",
+            "parallel.sequence_parallel=true", "train.precision=bf16", "train.global_batch_size=2048",
+            "train.micro_batch_size=1", "train.seq_len=8192"]
+
+
+def _run(overrides: list[str], world: int, ranks: str, tmp_path) -> dict:
+    out = tmp_path / "dryrun.json"
+    code = cli.main(overrides + [f"dryrun.world_size={world}", f"dryrun.ranks={ranks}", f"dryrun.json={out}"])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("overrides,world,ranks,dp", [(GPT3, 1024, "first,519,last", 8),
+                                                      (LLAMA405, 16384, "first,last", 128)],
+                         ids=["gpt3_175b-1024", "llama31_405b-16384"])
+def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
+    result = _run(overrides, world, ranks, tmp_path)
+    job, _ = compose_job(overrides)
+    rj = resolve(job, world_size=world)
+    tp, pp, m = rj.dims.tp, rj.dims.pp, rj.grad_accum
+    assert result["world_size"] == world and rj.topology.dp == dp
+    assert [r["rank"] for r in result["ranks"]] == parse_ranks(ranks, world)
+    for r in result["ranks"]:
+        assert r["error"] is None
+        stage = rj.topology.coord("pp", r["rank"])
+        assert r["params"] == rank_params(rj.model, tp, pp, stage, r["layers"]).total
+        padded = r["param_bytes"] // 2  # bf16 weights: the padded flat buffer's elements
+        assert r["params"] <= padded < r["params"] + 64 * dp
+        assert padded % dp == 0
+        assert r["grad_bytes"] == 4 * padded  # fp32 main grads, whole buffer at stage 1
+        assert r["optimizer_state_bytes"] == 12 * (padded // dp)
+        assert r["activation_bytes"] > 0
+        sends = {m["kind"]: m for m in r["messages"]}["pp_send"]
+        ends = stage in (0, pp - 1)
+        assert sends["count"] == (1 if ends else 2) * m
+        hidden, seq = rj.model.hidden_size, rj.train.seq_len // (tp if rj.dims.sequence_parallel else 1)
+        assert sends["bytes"] == sends["count"] * seq * hidden * 2
+        assert r["actions"] == {"F": m, "B": m}
+
+
+def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):
+    """A rank whose build fails is reported by rank in one line; the fake world is torn down, so
+    the next rank builds; the exit status is 1."""
+    real_build = rank_report.build_chunks
+
+    def build_failing_on_rank_1(rj, pstate):
+        if pstate.rank == 1:
+            raise RuntimeError("out of parameters\nsecond line of a deep cause")
+        return real_build(rj, pstate)
+
+    monkeypatch.setattr(rank_report, "build_chunks", build_failing_on_rank_1)
+    code = cli.main(["model=gpt_tiny", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=1",
+                     "dryrun.world_size=4", "dryrun.ranks=0,1,3"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_FAILED
+    assert err.strip().splitlines() == ["dry run failed: rank 1: RuntimeError: out of parameters"]
+    assert "ERROR rank 1" in out and "second line" not in out + err
+    assert "rank 3: actions" in out and "rank 0: actions" in out
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["dryrun.ranks=0"], "dryrun.world_size: missing"),
+    (["dryrun.world_size=0"], "dryrun.world_size='0'"),
+    (["dryrun.world_size=8", "dryrun.ranks=0,8"], "rank 8 is outside 0..7"),
+    (["dryrun.world_size=8", "dryrun.ranks=0,middle"], "'middle' is not a rank number"),
+    (["dryrun.world_size=8", "dryrun.rank=0"], "'dryrun.rank=0'"),
+    (["dryrun.world_size=6", "parallel.tp=4"], "parallel.tp"),
+    (["dryrun.world_size=8", "parallel.zero_stage=5"], "parallel.zero_stage"),
+])
+def test_bad_keys_fail_in_one_line_before_any_rank(args, fragment, capsys):
+    assert cli.main(["model=gpt_tiny", "train.global_batch_size=8", "train.micro_batch_size=1", *args]) == cli.EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_parse_ranks_names_and_order():
+    assert parse_ranks("last, 0 ,first,3", 8) == [7, 0, 3]
+    with pytest.raises(ConfigError):
+        parse_ranks("-1", 8)
+
+
+def test_dry_run_rank_reports_zero_stage_3_shards():
+    """Stage 3 on 2 dp ranks: the weights are half the stage-0 buffer (its own shard)."""
+    base = ["model=gpt_tiny", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    reports = {}
+    for stage in (0, 3):
+        job, _ = compose_job(base + [f"parallel.zero_stage={stage}"])
+        reports[stage] = dry_run_rank(resolve(job, world_size=2), 1)
+        assert reports[stage].error is None, reports[stage].error
+    assert reports[3].param_bytes * 2 == reports[0].param_bytes
+    assert reports[3].optimizer_state_bytes * 2 == reports[0].optimizer_state_bytes

@@ -1,0 +1,99 @@
+"""The dry run's bytes are the real job's: a tiny model on 4 real gloo ranks, generated layouts.
+
+Cases are generated (``_cases``: every ZeRO stage 0-3, layouts tp x pp x dp = 4, model and precision drawn). The real
+run builds each rank's ``Trainer`` (the trainer's own chunks and ``ZeroOptimizer``) on gloo and
+reads the bytes from the optimizer's tensors (weight buffers or shards, gradient buffers or
+shards, masters and moments); the dry run builds every rank on the fake backend and the meta
+device, in this process. They must agree exactly, rank by rank.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from parallel3d.config import resolve
+from parallel3d.dryrun import dry_run_rank
+from parallel3d.train import compose_job
+from parallel3d.trainer import Trainer, make_parallel_state
+from tests.harness import run_on_ranks
+
+WORLD = 4
+LAYOUTS = [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1)]
+
+
+def _cases(seed: int = 2026) -> list[dict]:
+    """Every ZeRO stage once; stages 1-3 on the three sharding layouts (dp > 1) in a drawn order,
+    stage 0 on a drawn layout without dp; model and precision drawn per case."""
+    rng = random.Random(seed)
+    sharding = [lay for lay in LAYOUTS if lay[2] > 1]
+    rng.shuffle(sharding)
+    layouts = [rng.choice([lay for lay in LAYOUTS if lay[2] == 1])] + sharding
+    return [dict(tp=tp, pp=pp, dp=dp, zero_stage=stage, model=rng.choice(["gpt_tiny", "llama_tiny"]),
+                 precision=rng.choice(["fp32", "bf16"]))
+            for stage, (tp, pp, dp) in enumerate(layouts)]
+
+
+def _overrides(case: dict, out_dir: str) -> list[str]:
+    return [f"model={case['model']}", f"parallel.tp={case['tp']}", f"parallel.pp={case['pp']}",
+            f"parallel.zero_stage={case['zero_stage']}", f"train.precision={case['precision']}",
+            "train.global_batch_size=8", "train.micro_batch_size=1", "train.seq_len=32",
+            "train.device=cpu", "train.async_save=false", "train.resume=none", f"train.out_dir={out_dir}"]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
+    """Rank ``rank``'s bytes, read from the tensors of the real trainer's optimizer."""
+    job, _ = compose_job(overrides)
+    rj = resolve(job, world_size=world)
+    trainer = Trainer(rj, make_parallel_state(rj))
+    opt = trainer.optimizer
+    params = opt.params
+    weights = [b.data for b in params.bufs] if hasattr(params, "bufs") else params.shards
+    sync = opt.grad_sync
+    grads = [b.data for b in sync.grad_bufs] if hasattr(sync, "grad_bufs") else sync.grad_shards
+    held = {"params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
+            "param_bytes": _nbytes(weights), "grad_bytes": _nbytes(grads),
+            "optimizer_state_bytes": _nbytes(list(opt.masters) + list(opt.exp_avgs) + list(opt.exp_avg_sqs))}
+    stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
+    stats.reset()
+    opt.zero_grad()
+    trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    opt.step()
+    opt.finish_param_sync()
+    sent = {f"{kind} {op}": (stats.calls[(kind, op)], stats.bytes[(kind, op)]) for kind, op in stats.bytes}
+    return held, sent
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: "tp{tp}pp{pp}dp{dp}-z{zero_stage}-{model}-{precision}".format(**c))
+def test_dry_run_bytes_equal_a_real_gloo_run(case, tmp_path):
+    overrides = _overrides(case, str(tmp_path))
+    real = run_on_ranks(_real_bytes, WORLD, overrides, timeout=120)
+    job, _ = compose_job(overrides)
+    rj = resolve(job, world_size=WORLD)
+    for rank in range(WORLD):
+        report = dry_run_rank(rj, rank)
+        assert report.error is None, report.error
+        held, sent = real[rank]
+        dry = {k: getattr(report, k) for k in held}
+        assert dry == held, f"rank {rank}: dry run {dry} != real run {held}"
+        assert held["optimizer_state_bytes"] > 0 and held["param_bytes"] > 0
+        _check_messages(report.messages, sent, rank, case["dp"])
+
+
+def _check_messages(dry_messages, sent: dict, rank: int, dp: int) -> None:
+    """pp sends and dp_cp reduce-scatters / all-gathers of the real step: the same calls, and the
+    same bytes in ``comm``'s convention (a send's bytes; (n-1)/n of a collective's full buffer,
+    rounded down per call)."""
+    dry = {m.kind.replace("pp_send", "pp send"): m for m in dry_messages}
+    for key in ("pp send", "dp_cp reduce_scatter", "dp_cp all_gather"):
+        calls, nbytes = sent.get(key, (0, 0))
+        m = dry.get(key)
+        assert (m.count if m else 0) == calls, f"rank {rank} {key}: dry run {m} != real {calls} calls"
+        if m is not None:
+            expected = m.bytes if key == "pp send" else m.bytes * (dp - 1) / dp
+            assert expected - calls <= nbytes <= expected, f"rank {rank} {key}: {m.bytes} -> {nbytes}"
