@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from parallel3d.moe import finish_step
 from parallel3d.moe.experts import GroupedExperts
 from parallel3d.pipeline.backward_split import input_grad
 from tests import moe_reference as ref
@@ -47,6 +48,12 @@ def _run_case(seed: int) -> dict[str, float]:
     errs = {"out": rel_err(out, out64), "x.grad": rel_err(x.grad, x64.grad)}
     for name, p in by_global_name(layer).items():
         errs[name] = rel_err(p.grad, params[name].grad) if params[name].grad is not None else float(p.grad.abs().max())
+    metrics = finish_step({"l": layer}, None)[0]
+    errs["aux value"] = abs(metrics.aux_loss - aux.item()) / aux.item()
+    errs["z value"] = abs(metrics.z_loss - z.item()) / z.item()
+    _, indices, _, _ = ref.route(x64.detach().reshape(b * s, -1), params[f"{PREFIX}.router.weight"].detach(), o, bias)
+    counts = [float(sum(row.count(e) for row in indices)) for e in range(o.num_experts)]
+    errs["tokens per expert"] = float(metrics.tokens_per_expert != counts)
     return errs
 
 

@@ -186,3 +186,21 @@ def test_emulated_count_exchange_is_invalid_until_waited() -> None:
         assert early == [POISON] * 2
         assert final == [10 * src + rank for src in range(2)]
         assert "read before their exchange completed" in message
+
+
+# ---- the micro-benchmark ------------------------------------------------------------------------
+def _bench(rank: int, world: int) -> dict[str, float]:
+    from parallel3d.moe.bench import bench_dispatch_vs_experts
+
+    grid = ExpertGrid.build(rank, world, 1, world, span=1)
+    o = random_options(random.Random(1), ep=world, num_experts=4, top_k=2, num_groups=1, topk_groups=1)
+    layer = build_layer(o, dead=[], ep_group=grid.groups["ep"])
+    x, _ = inputs(rank, 2, 8)
+    return bench_dispatch_vs_experts(layer, x, steps=2)
+
+
+def test_bench_reports_every_phase() -> None:
+    for result in run_on_ranks(_bench, 2):
+        for phase in ("route", "dispatch", "experts", "combine", "forward_backward"):
+            assert 0 < result[f"{phase}_s"] < 60, (phase, result)
+        assert result["tokens"] == 16 and result["expert_rows"] >= 0 and result["dispatch_over_experts"] > 0

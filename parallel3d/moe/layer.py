@@ -92,7 +92,8 @@ class MoELayer(nn.Module):
         self.stats = MoEStepStats(o.num_experts, device)
         self.aux_loss_scale = 1.0  # the factor the trainer puts on each micro-batch's main loss
 
-    def _token_ids(self, b: int, s: int, token_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    def token_ids_for(self, b: int, s: int, token_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """``[b * s]`` int64 ids for capacity ranking: ``token_ids`` flattened, or the local order by default."""
         if token_ids is not None:
             return token_ids.reshape(-1).to(device=device, dtype=torch.int64)
         if group_size(self.token_group) > 1:
@@ -108,7 +109,7 @@ class MoELayer(nn.Module):
         keep, capacity = None, None
         if o.capacity_factor is not None:
             keep, capacity = capacity_keep_mask(
-                routing.indices, routing.selected_scores, self._token_ids(b, s, token_ids, x.device),
+                routing.indices, routing.selected_scores, self.token_ids_for(b, s, token_ids, x.device),
                 num_experts=o.num_experts, capacity_factor=o.capacity_factor, policy=o.drop_policy,
                 token_group=self.token_group, syncs=self.dispatcher.host_syncs)
         terms = balance_terms(routing, o, b, token_group=self.token_group, global_group=self.global_group)
