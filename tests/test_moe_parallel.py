@@ -127,12 +127,13 @@ def _layer_vs_single(rank: int, world: int, etp: int, ep: int, span: int, varian
         checks.append((f"{tag} x.grad", rel_err(x.grad, _slice_tokens(ref_x[grid.micro_batch].grad, grid, s_local))))
         ref_params = by_global_name(single)
         for name, p in by_global_name(layer).items():
-            grad = p.grad.clone()
+            grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)  # e.g. a router left out of the graph
             expert = getattr(p, "expert_index", None) is not None
             group = grid.groups["edp"] if expert else grid.groups["world"]
             if group is not None:
                 dist.all_reduce(grad, group=group)
             want = ref_params[name].grad
+            want = torch.zeros_like(p) if want is None else want
             if expert:
                 want = want.chunk(etp, p.etp_split_dim)[grid.etp_rank]
             checks.append((f"{tag} grad {name}", rel_err(grad, want)))

@@ -40,6 +40,8 @@ import torch.distributed as dist
 
 Group = "dist.ProcessGroup | None"
 POISON = -(2**30)  # what an emulated NCCL count buffer holds until its Work is waited on
+# torch >= 2.13 renamed the tensor all-gather (the old name warns on every call); older torch has only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ByteCounter(Protocol):
@@ -136,7 +138,7 @@ def all_gather_counts(counts: torch.Tensor, group: "dist.ProcessGroup | None", *
     if stats is not None:
         stats.add(kind, "all_gather", out.numel() * out.element_size() * (n - 1) / n)
     with _named(group, "count all_gather", kind):
-        dist.all_gather_into_tensor(out, counts.contiguous(), group=group)
+        _all_gather_single(out, counts.contiguous(), group=group)
     return out
 
 
