@@ -133,7 +133,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int], *,
 
 def grouped_tmm(a: torch.Tensor, b: torch.Tensor, sizes: Sequence[int], *,
                 blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``a [M, A]``, ``b [M, B]`` grouped by ``sizes`` -> ``[G, A, B]``, ``out[g] = a_g^T b_g`` (zeros for empty groups)."""
+    """``a [M, A]``, ``b [M, B]`` grouped by ``sizes`` -> ``[G, A, B]``, ``out[g] = a_g^T b_g`` (empty group: 0)."""
     _check(sizes, a.shape[0], "grouped_tmm")
     if b.shape[0] != a.shape[0]:
         raise ValueError(f"grouped_tmm: a {tuple(a.shape)} and b {tuple(b.shape)} need the same rows")

@@ -96,7 +96,8 @@ def moe_forward(x: torch.Tensor, params: dict[str, torch.Tensor], o, prefix: str
         for j, ex in enumerate(indices[t]):
             if keep[t][j]:
                 p = f"{prefix}.experts.{ex}"
-                acc = acc + weights[t, j] * swiglu_ffn(tokens[t], params[f"{p}.w1"], params[f"{p}.w3"], params[f"{p}.w2"])
+                ffn = swiglu_ffn(tokens[t], params[f"{p}.w1"], params[f"{p}.w3"], params[f"{p}.w2"])
+                acc = acc + weights[t, j] * ffn
         rows.append(acc)
     out = torch.stack(rows)
     if o.num_shared_experts:
@@ -107,7 +108,8 @@ def moe_forward(x: torch.Tensor, params: dict[str, torch.Tensor], o, prefix: str
         out = out + shared
     probs = balance_probs(scores, o)
     if o.aux_loss_scope == "sequence":
-        aux = torch.stack([aux_loss(indices[i * s:(i + 1) * s], probs[i * s:(i + 1) * s], o, e) for i in range(b)]).mean()
+        per_sequence = [aux_loss(indices[i * s:(i + 1) * s], probs[i * s:(i + 1) * s], o, e) for i in range(b)]
+        aux = torch.stack(per_sequence).mean()
     else:
         aux = aux_loss(indices, probs, o, e)
     z = z_loss(logits)

@@ -86,7 +86,8 @@ def test_auto_falls_back_to_the_loop_when_grouped_mm_cannot_take_the_shapes(monk
     x = torch.zeros(4, 5)
     assert resolve_backend("auto", x, torch.zeros(3, 5)) == "loop"  # 5 fp32 = 20 bytes: not 16-byte aligned
     assert resolve_backend("auto", torch.zeros(4, 8), torch.zeros(4, 8)) == "grouped_mm"
-    assert resolve_backend("auto", torch.zeros(4, 8, dtype=torch.float64), torch.zeros(4, 8, dtype=torch.float64)) == "loop"
+    f64 = torch.zeros(4, 8, dtype=torch.float64)
+    assert resolve_backend("auto", f64, f64) == "loop"
     for seed in range(6):
         sizes, k, n = _case(seed, aligned=False)
         x, weights, cot = _tensors(sizes, k, n, torch.float32, seed)

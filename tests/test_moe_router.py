@@ -32,7 +32,8 @@ def test_routing_equals_float64_reference(seed: int) -> None:
                        bias_update_rate=0.01)
     router = TopKRouter(o, 6, global_name="r", seed=seed, init_std=0.5, dtype=torch.float64)
     with torch.no_grad():
-        router.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 0.05)
+        g = torch.Generator().manual_seed(seed)
+        router.expert_bias.copy_(torch.randn(8, generator=g, dtype=torch.float64) * 0.05)
     x = torch.randn(20, 6, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     got = router(x)
     weights, indices, _, _ = ref.route(x, router.weight.detach(), o, router.expert_bias)
@@ -124,7 +125,8 @@ BAD_OPTIONS = [
     (dict(score_function="relu"), "moe.score_function='relu': allowed softmax, sigmoid"),
     (dict(top_k=9), "moe.top_k=9: allowed 1..num_experts (8)"),
     (dict(num_groups=3), "moe.num_groups=3: must divide num_experts=8"),
-    (dict(num_groups=4, topk_groups=1, top_k=3), "moe.topk_groups=1: the chosen groups hold 2 experts, fewer than top_k=3"),
+    (dict(num_groups=4, topk_groups=1, top_k=3),
+     "moe.topk_groups=1: the chosen groups hold 2 experts, fewer than top_k=3"),
     (dict(capacity_factor=0.0), "moe.capacity_factor=0.0: allowed None (dropless) or > 0"),
     (dict(pad_to_capacity=True), "moe.pad_to_capacity=True: needs a capacity_factor"),
     (dict(drop_policy="random"), "moe.drop_policy='random': allowed probs, position"),

@@ -3,6 +3,7 @@
 - ``options``: ``MoEOptions``, every option's allowed values and default;
 - ``router``: ``TopKRouter`` (fp32; softmax / sigmoid; top-k, normalisation, group-limited
   routing; aux-loss-free expert bias with ``update_bias``) and ``Routing``;
+- ``expert_layout``: ``ExpertLayout``, which experts (and which width slice) a rank holds;
 - ``capacity``: the drop definition over the whole micro-batch (layout-independent);
 - ``permutation``: token order <-> expert order (gathers only, no atomics);
 - ``collectives``: all-to-all / uneven gather / reduce-scatter over explicit groups; the count

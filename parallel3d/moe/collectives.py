@@ -107,7 +107,8 @@ class PendingCounts:
 
 def exchange_counts(send: torch.Tensor, group: "dist.ProcessGroup | None", *, emulate_nccl: bool = False,
                     kind: str = "ep", stats: ByteCounter | None = None) -> PendingCounts:
-    """Start the all-to-all of ``send`` (``[n * per]`` int64, member-major): member ``j`` gets ``send[j*per:(j+1)*per]``.
+    """Start the all-to-all of ``send`` (``[n * per]`` int64, member-major): member ``j`` gets
+    ``send[j*per:(j+1)*per]``.
 
     The result ``[n * per]`` is member-major too: block ``i`` is what member ``i`` sent to this rank.
     """
@@ -155,16 +156,17 @@ def _exchange(x: torch.Tensor, group: "dist.ProcessGroup", send: Sequence[int], 
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class _Transposed(torch.autograd.Function):
+    """``forward_op(x, *forward_args)`` in forward, ``backward_op(grad, *backward_args)`` in backward."""
+
     @staticmethod
-    def forward(ctx, x, group, send, recv, kind, stats):  # type: ignore[override]
-        ctx.args = (group, send, recv, kind, stats)
-        return _exchange(x, group, send, recv, kind, stats)
+    def forward(ctx, x, forward_op, forward_args, backward_op, backward_args):  # type: ignore[override]
+        ctx.backward_op, ctx.backward_args = backward_op, backward_args
+        return forward_op(x, *forward_args)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        group, send, recv, kind, stats = ctx.args
-        return _exchange(grad, group, recv, send, kind, stats), None, None, None, None, None
+        return ctx.backward_op(grad, *ctx.backward_args), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, group: "dist.ProcessGroup | None", send_splits: Sequence[int],
@@ -172,7 +174,9 @@ def all_to_all(x: torch.Tensor, group: "dist.ProcessGroup | None", send_splits: 
     """Rows ``x[sum(send[:j]) : sum(send[:j+1])]`` go to member ``j``; returns ``[sum(recv), ...]`` in member order."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, list(send_splits), list(recv_splits), kind, stats)
+    send, recv = list(send_splits), list(recv_splits)
+    return _Transposed.apply(x, _exchange, (group, send, recv, kind, stats),
+                             _exchange, (group, recv, send, kind, stats))
 
 
 def _gather(x: torch.Tensor, group: "dist.ProcessGroup", sizes: Sequence[int], kind: str,
@@ -192,36 +196,13 @@ def _reduce_scatter(x: torch.Tensor, group: "dist.ProcessGroup", sizes: Sequence
     return out
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, sizes, kind, stats):  # type: ignore[override]
-        ctx.args = (group, sizes, kind, stats)
-        return _gather(x, group, sizes, kind, stats)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        group, sizes, kind, stats = ctx.args
-        return _reduce_scatter(grad, group, sizes, kind, stats), None, None, None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, sizes, kind, stats):  # type: ignore[override]
-        ctx.args = (group, sizes, kind, stats)
-        return _reduce_scatter(x, group, sizes, kind, stats)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        group, sizes, kind, stats = ctx.args
-        return _gather(grad, group, sizes, kind, stats), None, None, None, None
-
-
 def gather_rows(x: torch.Tensor, group: "dist.ProcessGroup | None", sizes: Sequence[int], *, kind: str = "etp",
                 stats: ByteCounter | None = None) -> torch.Tensor:
     """``[sizes[me], ...]`` -> every member's rows ``[sum(sizes), ...]`` in member order; sizes of all members."""
     if group_size(group) == 1:
         return x
-    return _GatherRows.apply(x, group, list(sizes), kind, stats)
+    args = (group, list(sizes), kind, stats)
+    return _Transposed.apply(x, _gather, args, _reduce_scatter, args)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: "dist.ProcessGroup | None", sizes: Sequence[int], *,
@@ -229,7 +210,8 @@ def reduce_scatter_rows(x: torch.Tensor, group: "dist.ProcessGroup | None", size
     """``[sum(sizes), ...]`` (member blocks) -> ``[sizes[me], ...]``: my block summed over the members."""
     if group_size(group) == 1:
         return x
-    return _ReduceScatterRows.apply(x, group, list(sizes), kind, stats)
+    args = (group, list(sizes), kind, stats)
+    return _Transposed.apply(x, _reduce_scatter, args, _gather, args)
 
 
 def all_reduce_sum(t: torch.Tensor, group: "dist.ProcessGroup | None", *, kind: str) -> torch.Tensor:

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.moe.collectives import (
-    ByteCounter, HostSyncs, all_gather_counts, gather_rows, group_rank, group_size, reduce_scatter_rows, to_host,
+    ByteCounter, HostSyncs, all_gather_counts, gather_rows, reduce_scatter_rows, to_host,
 )
+from parallel3d.moe.expert_layout import ExpertLayout
 from parallel3d.moe.permutation import ExpertOrder, combine_from_experts, expand_to_experts
 
 
@@ -42,37 +43,29 @@ class AllGatherDispatcher:
 
     def __init__(self, num_experts: int, ep_group: "dist.ProcessGroup | None" = None,
                  etp_group: "dist.ProcessGroup | None" = None, *, comm_stats: ByteCounter | None = None) -> None:
-        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
-        if num_experts % self.ep:
-            raise ValueError(f"moe.num_experts={num_experts}: must be divisible by the expert-parallel size {self.ep}")
-        self.num_experts, self.local_experts = num_experts, num_experts // self.ep
-        self.ep_group, self.etp_group = ep_group, etp_group
+        self.layout = ExpertLayout(num_experts, ep_group, etp_group)
         self.comm_stats = comm_stats
         self.host_syncs = HostSyncs()
 
-    @property
-    def first_expert(self) -> int:
-        return group_rank(self.ep_group) * self.local_experts
-
     def _gather(self, x: torch.Tensor, ep_sizes: list[int], etp_sizes: list[int]) -> torch.Tensor:
-        x = gather_rows(x, self.ep_group, ep_sizes, kind="ep", stats=self.comm_stats)
-        return gather_rows(x, self.etp_group, etp_sizes, kind="etp", stats=self.comm_stats)
+        x = gather_rows(x, self.layout.ep_group, ep_sizes, kind="ep", stats=self.comm_stats)
+        return gather_rows(x, self.layout.etp_group, etp_sizes, kind="etp", stats=self.comm_stats)
 
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | None = None,
                  capacity: int | None = None) -> Gathered:
         """``tokens [T, h]``, ``indices [T, k]``, ``keep [T, k]`` (None: all kept); ``capacity`` unused."""
         t, k = indices.shape
-        e, e_l, first = self.num_experts, self.local_experts, self.first_expert
+        lay = self.layout
+        e, e_l, first, ep, etp = lay.num_experts, lay.local_experts, lay.first_expert, lay.ep, lay.etp
         routed = indices if keep is None else indices.masked_fill(~keep, -1)  # -1: a dropped slot
         counts = torch.bincount((routed + 1).reshape(-1), minlength=e + 1)[1:]
         mine = torch.cat([torch.tensor([t], dtype=torch.int64, device=indices.device), counts])
-        grid = all_gather_counts(all_gather_counts(mine, self.ep_group, kind="ep", stats=self.comm_stats),
-                                 self.etp_group, kind="etp", stats=self.comm_stats)
+        grid = all_gather_counts(all_gather_counts(mine, lay.ep_group, kind="ep", stats=self.comm_stats),
+                                 lay.etp_group, kind="etp", stats=self.comm_stats)
         host = to_host(grid, self.host_syncs)  # [member][src][1 + E]
-        per = [host[i * (e + 1):(i + 1) * (e + 1)] for i in range(self.ep * self.etp)]
-        me_etp = group_rank(self.etp_group)
-        ep_sizes = [per[me_etp * self.ep + s][0] for s in range(self.ep)]
-        etp_sizes = [sum(per[m * self.ep + s][0] for s in range(self.ep)) for m in range(self.etp)]
+        per = [host[i * (e + 1):(i + 1) * (e + 1)] for i in range(ep * etp)]
+        ep_sizes = [per[lay.etp_rank * ep + s][0] for s in range(ep)]
+        etp_sizes = [sum(per[m * ep + s][0] for s in range(ep)) for m in range(etp)]
         sizes = [sum(p[1 + first + j] for p in per) for j in range(e_l)]
         all_tokens = self._gather(tokens, ep_sizes, etp_sizes)
         all_routed = self._gather(routed, ep_sizes, etp_sizes)
@@ -85,5 +78,6 @@ class AllGatherDispatcher:
         """``expert_out`` (partial over etp) -> ``[T, h]``: this rank's tokens, all experts' weighted sum."""
         all_weights = self._gather(weights, d.ep_sizes, d.etp_sizes)
         partial = combine_from_experts(expert_out, d.order, all_weights)
-        partial = reduce_scatter_rows(partial, self.etp_group, d.etp_sizes, kind="etp", stats=self.comm_stats)
-        return reduce_scatter_rows(partial, self.ep_group, d.ep_sizes, kind="ep", stats=self.comm_stats)
+        lay = self.layout
+        partial = reduce_scatter_rows(partial, lay.etp_group, d.etp_sizes, kind="etp", stats=self.comm_stats)
+        return reduce_scatter_rows(partial, lay.ep_group, d.ep_sizes, kind="ep", stats=self.comm_stats)

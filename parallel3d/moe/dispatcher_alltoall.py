@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.moe.collectives import (
-    ByteCounter, HostSyncs, all_gather_counts, all_to_all, exchange_counts, gather_rows, group_rank, group_size,
+    ByteCounter, HostSyncs, all_gather_counts, all_to_all, exchange_counts, gather_rows,
     reduce_scatter_rows, to_host,
 )
+from parallel3d.moe.expert_layout import ExpertLayout
 from parallel3d.moe.permutation import (
     ExpertOrder, chunk_permutation, combine_from_experts, expand_to_experts, permute_rows,
 )
@@ -65,64 +66,58 @@ class AllToAllDispatcher:
     def __init__(self, num_experts: int, ep_group: "dist.ProcessGroup | None" = None,
                  etp_group: "dist.ProcessGroup | None" = None, *, pad_to_capacity: bool = False,
                  emulate_nccl: bool = False, comm_stats: ByteCounter | None = None) -> None:
-        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
-        if num_experts % self.ep:
-            raise ValueError(f"moe.num_experts={num_experts}: must be divisible by the expert-parallel size {self.ep}")
-        self.num_experts, self.local_experts = num_experts, num_experts // self.ep
-        self.ep_group, self.etp_group = ep_group, etp_group
+        self.layout = ExpertLayout(num_experts, ep_group, etp_group)
         self.pad_to_capacity, self.emulate_nccl = pad_to_capacity, emulate_nccl
         self.comm_stats = comm_stats
         self.host_syncs = HostSyncs()
 
-    @property
-    def first_expert(self) -> int:
-        return group_rank(self.ep_group) * self.local_experts
-
     def _counts(self, order: ExpertOrder) -> tuple[list[int], list[list[list[int]]]]:
         """Host counts: sent per global expert ``[E]``, received ``[member][src][e]``."""
-        e_l = self.local_experts
-        pending = exchange_counts(order.counts, self.ep_group, emulate_nccl=self.emulate_nccl, kind="ep",
+        lay = self.layout
+        e_l = lay.local_experts
+        pending = exchange_counts(order.counts, lay.ep_group, emulate_nccl=self.emulate_nccl, kind="ep",
                                   stats=self.comm_stats)
         received = pending.wait()  # [ep * E_l]: block i came from ep rank i
-        received = all_gather_counts(received, self.etp_group, kind="etp", stats=self.comm_stats)
+        received = all_gather_counts(received, lay.etp_group, kind="etp", stats=self.comm_stats)
         host = to_host(torch.cat([order.counts, received]), self.host_syncs)
-        sent, got = host[:self.num_experts], host[self.num_experts:]
-        per_member = self.ep * e_l
-        recv = [[got[m * per_member + s * e_l:m * per_member + (s + 1) * e_l] for s in range(self.ep)]
-                for m in range(self.etp)]
+        sent, got = host[:lay.num_experts], host[lay.num_experts:]
+        per_member = lay.ep * e_l
+        recv = [[got[m * per_member + s * e_l:m * per_member + (s + 1) * e_l] for s in range(lay.ep)]
+                for m in range(lay.etp)]
         return sent, recv
 
     def dispatch(self, tokens: torch.Tensor, indices: torch.Tensor, keep: torch.Tensor | None = None,
                  capacity: int | None = None) -> Dispatched:
         """``tokens [T, h]``, ``indices [T, k]`` global expert ids, ``keep [T, k]`` (None: all kept)."""
-        e_l = self.local_experts
+        lay = self.layout
+        ep, etp, e_l = lay.ep, lay.etp, lay.local_experts
         if self.pad_to_capacity:
             if keep is None or capacity is None:
                 raise ValueError("pad_to_capacity needs the capacity mask and capacity")
-            order = ExpertOrder.padded(indices, keep, self.num_experts, capacity)
-            sent = [capacity] * self.num_experts
-            recv = [[[capacity] * e_l for _ in range(self.ep)] for _ in range(self.etp)]
+            order = ExpertOrder.padded(indices, keep, lay.num_experts, capacity)
+            sent = [capacity] * lay.num_experts
+            recv = [[[capacity] * e_l for _ in range(ep)] for _ in range(etp)]
         else:
-            order = ExpertOrder.build(indices, keep, self.num_experts)
+            order = ExpertOrder.build(indices, keep, lay.num_experts)
             sent, recv = self._counts(order)
             order.finish(sent)
         rows = expand_to_experts(tokens, order)
-        me = group_rank(self.etp_group)
-        send_splits = [sum(sent[d * e_l:(d + 1) * e_l]) for d in range(self.ep)]
-        recv_splits = [sum(recv[me][s]) for s in range(self.ep)]
-        rows = all_to_all(rows, self.ep_group, send_splits, recv_splits, kind="ep", stats=self.comm_stats)
-        etp_sizes = [sum(map(sum, recv[m])) for m in range(self.etp)]
-        rows = gather_rows(rows, self.etp_group, etp_sizes, kind="etp", stats=self.comm_stats)
-        chunk_sizes = [recv[m][s][e] for m in range(self.etp) for s in range(self.ep) for e in range(e_l)]
-        new_order = [(m * self.ep + s) * e_l + e for e in range(e_l) for s in range(self.ep) for m in range(self.etp)]
+        send_splits = [sum(sent[d * e_l:(d + 1) * e_l]) for d in range(ep)]
+        recv_splits = [sum(recv[lay.etp_rank][s]) for s in range(ep)]
+        rows = all_to_all(rows, lay.ep_group, send_splits, recv_splits, kind="ep", stats=self.comm_stats)
+        etp_sizes = [sum(map(sum, recv[m])) for m in range(etp)]
+        rows = gather_rows(rows, lay.etp_group, etp_sizes, kind="etp", stats=self.comm_stats)
+        chunk_sizes = [recv[m][s][e] for m in range(etp) for s in range(ep) for e in range(e_l)]
+        new_order = [(m * ep + s) * e_l + e for e in range(e_l) for s in range(ep) for m in range(etp)]
         index, inverse = chunk_permutation(chunk_sizes, new_order, tokens.device)
         rows = permute_rows(rows, index, inverse)
-        sizes = [sum(recv[m][s][e] for m in range(self.etp) for s in range(self.ep)) for e in range(e_l)]
+        sizes = [sum(recv[m][s][e] for m in range(etp) for s in range(ep)) for e in range(e_l)]
         return Dispatched(rows, sizes, order, send_splits, recv_splits, etp_sizes, index, inverse)
 
     def combine(self, expert_out: torch.Tensor, d: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         """``expert_out`` rows (partial over etp) in ``d.rows``' order -> ``[T, h]`` weighted by ``weights [T, k]``."""
+        lay = self.layout
         rows = permute_rows(expert_out, d.inverse, d.index)
-        rows = reduce_scatter_rows(rows, self.etp_group, d.etp_sizes, kind="etp", stats=self.comm_stats)
-        rows = all_to_all(rows, self.ep_group, d.recv_splits, d.send_splits, kind="ep", stats=self.comm_stats)
+        rows = reduce_scatter_rows(rows, lay.etp_group, d.etp_sizes, kind="etp", stats=self.comm_stats)
+        rows = all_to_all(rows, lay.ep_group, d.recv_splits, d.send_splits, kind="ep", stats=self.comm_stats)
         return combine_from_experts(rows, d.order, weights)

@@ -7,8 +7,8 @@ Groups (``ProcessGroup`` or None for one rank; the integrator passes the expert 
 ``ep_group`` (experts split over it), ``etp_group`` (each expert's width split over it),
 ``token_group`` (the ranks that split one micro-batch: tp with sequence parallel x cp;
 capacity drops and the micro-batch / sequence losses are defined over it) and
-``global_group`` (only for ``aux_loss_scope="global"``; None pools this rank's tokens alone). Contract: every rank of the
-ep x etp grid holds different tokens (with tp > 1 that means sequence parallel, or the
+``global_group`` (only for ``aux_loss_scope="global"``; None pools this rank's tokens alone).
+Contract: every rank of the ep x etp grid holds different tokens (with tp > 1 that means sequence parallel, or the
 caller scatters the sequence over tp around this layer).
 
 Forward: route (fp32) -> capacity mask over the token group (if ``capacity_factor``) ->
@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.moe.capacity import capacity_keep_mask
-from parallel3d.moe.collectives import ByteCounter, group_rank, group_size
+from parallel3d.moe.collectives import ByteCounter, group_size
 from parallel3d.moe.dispatcher_allgather import AllGatherDispatcher
 from parallel3d.moe.dispatcher_alltoall import AllToAllDispatcher
+from parallel3d.moe.expert_layout import ExpertLayout
 from parallel3d.moe.experts import GroupedExperts
 from parallel3d.moe.load_balance import balance_terms, expert_counts, inject_loss_gradient
 from parallel3d.moe.metrics import MoEStepStats
@@ -61,20 +62,18 @@ class MoELayer(nn.Module):
         super().__init__()
         o = options
         if o.pad_to_capacity and o.dispatcher != "alltoall":
-            raise ValueError(f"moe.pad_to_capacity=True: allowed only with dispatcher='alltoall' (got {o.dispatcher!r})")
+            raise ValueError(
+                f"moe.pad_to_capacity=True: allowed only with dispatcher='alltoall' (got {o.dispatcher!r})")
         self.options, self.global_name = o, global_name
         self.token_group, self.global_group = token_group, global_group
-        ep = group_size(ep_group)
-        if o.num_experts % ep:
-            raise ValueError(f"moe.num_experts={o.num_experts}: must be divisible by the expert-parallel size {ep}")
-        num_local = o.num_experts // ep
+        layout = ExpertLayout(o.num_experts, ep_group, etp_group)
         out_std = init_std if output_std is None else output_std
         self.router = TopKRouter(o, hidden, global_name=f"{global_name}.router", seed=seed, init_std=init_std,
                                  dtype=dtype, device=device)
-        self.experts = GroupedExperts(o.num_experts, hidden, o.ffn_hidden, first=group_rank(ep_group) * num_local,
-                                      num_local=num_local, prefix=global_name, seed=seed, init_std=init_std,
-                                      output_std=out_std, etp_rank=group_rank(etp_group),
-                                      etp_size=group_size(etp_group), dtype=dtype, device=device,
+        self.experts = GroupedExperts(o.num_experts, hidden, o.ffn_hidden, first=layout.first_expert,
+                                      num_local=layout.local_experts, prefix=global_name, seed=seed,
+                                      init_std=init_std, output_std=out_std, etp_rank=layout.etp_rank,
+                                      etp_size=layout.etp, dtype=dtype, device=device,
                                       gemm_backend=o.gemm_backend, kernel_backend=kernel_backend)
         if shared_experts is None and o.num_shared_experts:
             shared_experts = SharedExpertFFN(hidden, o.num_shared_experts * o.shared_width, prefix=global_name,

@@ -44,9 +44,9 @@ class MoEStepStats:
                aux: torch.Tensor | None, z: torch.Tensor | None, token_share: torch.Tensor) -> None:
         e = self.num_experts
         self.values[:e] += tokens_per_expert.to(self.values)
-        extra = torch.stack([dropped.to(torch.float64).reshape(()),
-                             torch.tensor(float(routed), dtype=torch.float64, device=self.values.device),
-                             _scalar(aux, self.values), _scalar(z, self.values), token_share.to(self.values).reshape(())])
+        routed_t = torch.tensor(float(routed), dtype=torch.float64, device=self.values.device)
+        extra = torch.stack([dropped.to(self.values).reshape(()), routed_t, _scalar(aux, self.values),
+                             _scalar(z, self.values), token_share.to(self.values).reshape(())])
         self.values[e:] += extra
         self.micro_batches += 1
 

@@ -133,7 +133,8 @@ def expand_to_experts(tokens: torch.Tensor, order: ExpertOrder) -> torch.Tensor:
 
 class _CombineFromExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, weights, slot_row, token_of_row, slot_of_row, has_holes, has_dropped):  # type: ignore[override]
+    def forward(ctx, rows, weights, slot_row, token_of_row, slot_of_row,  # type: ignore[override]
+                has_holes, has_dropped):
         ctx.save_for_backward(rows, weights, slot_row, token_of_row, slot_of_row)
         ctx.flags = (has_holes, has_dropped)
         t, k = slot_row.shape
