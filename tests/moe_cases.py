@@ -10,7 +10,9 @@ plus the token groups (blocks of ``span`` consecutive ranks split one micro-batc
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,3 +137,17 @@ class ExpertGrid:
 
 def with_options(o: MoEOptions, **changes) -> MoEOptions:
     return replace(o, **changes)
+
+
+@contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Fresh tensors (``torch.empty`` and every op's uninitialised output) are filled with NaN."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.isnan(torch.empty(4)).all()
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[1]

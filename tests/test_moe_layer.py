@@ -18,7 +18,9 @@ from parallel3d.moe import finish_step
 from parallel3d.moe.experts import GroupedExperts
 from parallel3d.pipeline.backward_split import input_grad
 from tests import moe_reference as ref
-from tests.moe_cases import PREFIX, build_layer, by_global_name, dead_experts, inputs, random_options, rel_err
+from tests.moe_cases import (
+    PREFIX, build_layer, by_global_name, dead_experts, inputs, poisoned_empty, random_options, rel_err,
+)
 
 CASES = 10
 
@@ -86,21 +88,6 @@ def test_state_dict_keys_use_global_expert_indices() -> None:
     assert sorted(part.state_dict()) == [f"{e}.{w}" for e in (6, 7) for w in ("w1", "w2", "w3")]
 
 
-class _Poisoned:
-    """torch.empty (and every op's fresh output) filled with NaN while active."""
-
-    def __enter__(self):
-        self.saved = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = True
-        assert torch.isnan(torch.empty(4)).all()
-        return self
-
-    def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.saved[0])
-        torch.utils.deterministic.fill_uninitialized_memory = self.saved[1]
-
-
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
 def test_no_uninitialised_row_with_zero_token_experts(backend: str) -> None:
     """Most experts get no token at all; every output and gradient must still be finite and right."""
@@ -108,7 +95,7 @@ def test_no_uninitialised_row_with_zero_token_experts(backend: str) -> None:
     o = random_options(rng, num_experts=8, top_k=1, ffn_hidden=4, num_groups=1, topk_groups=1, gemm_backend=backend,
                        num_shared_experts=0, shared_expert_gate=False)
     dead = [e for e in range(8) if e not in (2, 5)]
-    with _Poisoned():
+    with poisoned_empty():
         layer = build_layer(o, dead=dead)
         x, cot = inputs(4, 2, 3)
         x.requires_grad_(True)
