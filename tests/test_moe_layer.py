@@ -126,3 +126,20 @@ def test_split_backward_equals_full_backward() -> None:
     assert torch.allclose(g_in, xf.grad, rtol=1e-6, atol=1e-7)
     for (name, p), q in zip(split.named_parameters(), full.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7), name
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(capacity_factor=1.0), dict(capacity_factor=1.0, pad_to_capacity=True),
+                                     dict(dispatcher="allgather"), dict(aux_loss_scope="sequence")])
+def test_a_rank_with_no_tokens(variant: dict) -> None:
+    """A micro-batch slice with no tokens (b = 0 or s = 0) passes through with finite losses and gradients."""
+    o = random_options(random.Random(1), num_experts=4, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.1,
+                       num_groups=1, topk_groups=1, **variant)
+    layer = build_layer(o, dead=[])
+    for shape in ((0, 3), (2, 0)):
+        x = torch.zeros(*shape, 8, requires_grad=True)
+        out = layer(x)
+        out.sum().backward()
+        assert out.shape == x.shape
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+    metrics = finish_step({"l": layer}, None)[0]
+    assert metrics.tokens_per_expert == [0.0] * 4 and metrics.aux_loss == 0.0

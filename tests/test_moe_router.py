@@ -65,7 +65,7 @@ def test_loss_values_equal_float64_formulas(scope: str) -> None:
         router = TopKRouter(o, 5, global_name="r", seed=seed, init_std=0.7, dtype=torch.float64)
         b, s = 3, 4
         x = torch.randn(b * s, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        terms = balance_terms(router(x), o, b, token_group=None)
+        terms = balance_terms(router(x), o, b, s, token_group=None)
         _, indices, logits, scores = ref.route(x, router.weight.detach(), o)
         probs = ref.balance_probs(scores, o)
         if scope == "sequence":

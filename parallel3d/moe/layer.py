@@ -111,7 +111,7 @@ class MoELayer(nn.Module):
                 routing.indices, routing.selected_scores, self.token_ids_for(b, s, token_ids, x.device),
                 num_experts=o.num_experts, capacity_factor=o.capacity_factor, policy=o.drop_policy,
                 token_group=self.token_group, syncs=self.dispatcher.host_syncs)
-        terms = balance_terms(routing, o, b, token_group=self.token_group, global_group=self.global_group)
+        terms = balance_terms(routing, o, b, s, token_group=self.token_group, global_group=self.global_group)
         weights = routing.weights if keep is None else routing.weights * keep
         dispatched = self.dispatcher.dispatch(tokens, routing.indices, keep, capacity)
         expert_out = self.experts(dispatched.rows, dispatched.sizes)

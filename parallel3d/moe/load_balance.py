@@ -71,7 +71,7 @@ def sequence_aux_loss(probs: torch.Tensor, counts: torch.Tensor, seq_tokens: tor
     """Share of the mean over sequences: ``probs [b, s_local, E]``, ``counts [b, E]`` per whole sequence."""
     b, _, num_experts = probs.shape
     f = counts.to(probs.dtype) / (seq_tokens * top_k)
-    return num_experts * (f * probs.sum(1)).sum() / (seq_tokens * b)
+    return num_experts * (f * probs.sum(1)).sum() / (seq_tokens * max(b, 1))
 
 
 def router_z_loss(logits: torch.Tensor, set_tokens: torch.Tensor) -> torch.Tensor:
@@ -79,10 +79,10 @@ def router_z_loss(logits: torch.Tensor, set_tokens: torch.Tensor) -> torch.Tenso
     return torch.logsumexp(logits, dim=-1).square().sum() / set_tokens
 
 
-def balance_terms(routing: Routing, options: MoEOptions, batch: int, *,
+def balance_terms(routing: Routing, options: MoEOptions, batch: int, seq: int, *,
                   token_group: "dist.ProcessGroup | None", global_group: "dist.ProcessGroup | None" = None,
                   want_values: bool = True) -> BalanceTerms:
-    """This rank's loss shares for ``routing`` of ``[batch * s_local]`` tokens (batch-major).
+    """This rank's loss shares for ``routing`` of ``batch * seq`` tokens (batch-major; ``seq`` local).
 
     ``token_group``: the ranks splitting this micro-batch (micro-batch and sequence scopes,
     and the z-loss); ``global_group``: the pooled set of the ``global`` scope.
@@ -94,25 +94,25 @@ def balance_terms(routing: Routing, options: MoEOptions, batch: int, *,
     local_t = torch.tensor([tokens], dtype=torch.int64, device=routing.indices.device)
     need_aux = o.aux_loss_coeff > 0 or want_values
     if o.aux_loss_scope == "sequence":
-        per_seq = routing.indices.view(batch, -1, o.top_k)
+        per_seq = routing.indices.view(batch, seq, o.top_k)
         seq_ids = torch.arange(batch, device=per_seq.device).view(batch, 1, 1) * o.num_experts
         counts = torch.bincount((per_seq + seq_ids).reshape(-1), minlength=batch * o.num_experts)
         packed = all_reduce_sum(torch.cat([counts, local_t]), token_group, kind="moe_token")
-        set_tokens = packed[-1].to(routing.logits.dtype)
-        seq_tokens = set_tokens / batch
+        set_tokens = packed[-1].to(routing.logits.dtype).clamp_min(1)  # an empty set contributes nothing
+        seq_tokens = set_tokens / max(batch, 1)
         if need_aux:
-            probs = routing.balance_scores(o.score_function).view(batch, -1, o.num_experts)
+            probs = routing.balance_scores(o.score_function).view(batch, seq, o.num_experts)
             aux = sequence_aux_loss(probs, packed[:-1].view(batch, o.num_experts), seq_tokens, o.top_k)
     else:
         group = global_group if o.aux_loss_scope == "global" else token_group
         counts = expert_counts(routing.indices, o.num_experts)
         packed = all_reduce_sum(torch.cat([counts, local_t]), group, kind="moe_token")
-        pooled_tokens = packed[-1].to(routing.logits.dtype)
+        pooled_tokens = packed[-1].to(routing.logits.dtype).clamp_min(1)
         if need_aux:
             aux = switch_aux_loss(routing.balance_scores(o.score_function), packed[:-1], pooled_tokens, o.top_k)
         set_tokens = pooled_tokens
         if o.aux_loss_scope == "global" and (o.z_loss_coeff > 0 or want_values):
-            set_tokens = all_reduce_sum(local_t, token_group, kind="moe_token")[0].to(routing.logits.dtype)
+            set_tokens = all_reduce_sum(local_t, token_group, kind="moe_token")[0].to(routing.logits.dtype).clamp_min(1)
     if o.z_loss_coeff > 0 or want_values:
         z = router_z_loss(routing.logits, set_tokens)
     weighted = None
