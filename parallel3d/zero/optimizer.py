@@ -347,7 +347,10 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        local_sq: dict[str, torch.Tensor] = {}
+        # Both kinds on every rank, even one holding no experts (a dense pipeline stage, a dense model):
+        # the norm's reductions over each kind's groups span stages, so every rank must join them.
+        local_sq: dict[str, torch.Tensor] = {kind: torch.zeros((), dtype=torch.float64, device=self.device)
+                                             for kind in (DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND)}
         for g, layout in enumerate(self.layouts):
             sq = local_sq.setdefault(layout.reduce_kind, torch.zeros((), dtype=torch.float64, device=self.device))
             for b in layout.buckets:
