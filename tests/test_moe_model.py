@@ -61,3 +61,29 @@ def test_tp_without_sequence_parallel_is_refused():
         _resolve("mixtral_tiny", world=2, parallel={"tp": 2, "sequence_parallel": False})
     assert "\n" not in str(info.value)
     _resolve("llama_tiny", world=2, parallel={"tp": 2, "sequence_parallel": False})  # dense: fine
+
+
+def test_training_logs_moe_metrics_and_updates_the_expert_bias_once_per_step(tmp_path):
+    """The user's run: deepseek_tiny (layer 0 dense) trains, metrics.jsonl carries moe/layer_i/ for MoE layers only."""
+    import json
+
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.trainer import Trainer
+
+    steps = 2
+    rj = _resolve("deepseek_tiny", train={"steps": steps, "seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2,
+                                          "out_dir": str(tmp_path), "device": "cpu", "save_every": 0},
+                  optimizer={"warmup_steps": 1}, data={"cache_dir": str(tmp_path / "cache")}, logging={"log_every": 1})
+    trainer = Trainer(rj, ParallelState.single_process())
+    biases = [m.router.expert_bias for m in trainer.moe.layers.values()]
+    trainer.train()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    keys = {k for r in records for k in r if k.startswith("moe/")}
+    assert {k.split("/")[1] for k in keys} == {"layer_1", "layer_2", "layer_3"}
+    for r in records:
+        assert r["moe/layer_1/tokens_max"] >= r["moe/layer_1/tokens_min"] >= 0
+        assert r["moe/layer_1/dropped_fraction"] == 0.0  # dropless
+    # sign updates of rate r: after `steps` steps every bias entry is a multiple of r with |b| <= steps * r
+    rate = rj.model.moe.bias_update_rate
+    for bias in biases:
+        assert bias.abs().max() > 0 and bias.abs().max() <= steps * rate + 1e-9
