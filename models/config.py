@@ -12,11 +12,12 @@ resolved architecture (``models.spec.ModelSpec``) and ``shape`` its parameters a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from functools import cached_property
 from typing import Any
 
 from kernels.runtime import BACKENDS
+from models.moe_config import MoEConfig
 from models.shape import ModelShape
 from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 
@@ -42,6 +43,7 @@ class ModelConfig:
     fused_kernels: bool = True  # False forces the torch reference ops (kernels.dispatch backend "torch")
     kernel_backend: str = "auto"  # kernels.backend: auto | triton | apex | torch
     name: str = ""
+    moe: MoEConfig = field(default_factory=MoEConfig)  # model.moe: mixture-of-experts layers (models.moe_config)
 
     @property
     def backend(self) -> str:
@@ -49,6 +51,9 @@ class ModelConfig:
         return self.kernel_backend if self.fused_kernels else "torch"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.moe, MoEConfig):  # a config section (mapping or schema dataclass)
+            values = asdict(self.moe) if is_dataclass(self.moe) else dict(self.moe)
+            object.__setattr__(self, "moe", MoEConfig(**values))
         self.validate()
 
     # ---- derived -------------------------------------------------------------
@@ -74,9 +79,11 @@ class ModelConfig:
                                   qkv_bias=self.use_bias, out_bias=self.use_bias)
         block = BlockSpec(hidden_size=self.hidden_size, norm=norm, attention=attention,
                           mlp=MLPSpec(kind=preset.mlp, ffn_size=self.ffn_size, bias=self.use_bias))
+        moe_block = replace(block, moe=self.moe.options(self.ffn_size)) if self.moe.enabled else block
+        blocks = tuple(moe_block if self.moe.is_moe_layer(i) else block for i in range(self.num_layers))
         return ModelSpec(arch=self.arch, hidden_size=self.hidden_size, vocab_size=self.vocab_size,
                          max_seq_len=self.max_seq_len, positions=preset.positions, rope_base=self.rope_base,
-                         tied_head=self.tie_embeddings, blocks=(block,) * self.num_layers, final_norm=norm)
+                         tied_head=self.tie_embeddings, blocks=blocks, final_norm=norm)
 
     @cached_property
     def shape(self) -> ModelShape:
@@ -113,8 +120,11 @@ class ModelConfig:
         for key in ("norm_eps", "init_std", "rope_base"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a number > 0")
+        self.moe.validate(self.num_layers, self.ffn_size)
 
     def replace(self, **changes: Any) -> "ModelConfig":
+        if isinstance(changes.get("moe"), dict):  # a partial model.moe override keeps the other keys
+            changes["moe"] = replace(self.moe, **changes["moe"])
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"unknown model keys {sorted(unknown)}; known: {[f.name for f in fields(self)]}")

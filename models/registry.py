@@ -25,6 +25,17 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt_tiny": dict(_GPT, num_layers=4, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=64),
     "llama_tiny": dict(_LLAMA, num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
                        vocab_size=512, max_seq_len=64, rope_base=10000.0),
+    # Tiny mixtures of experts (models.moe_config): Mixtral-style (8 experts, top-2 softmax) and
+    # DeepSeek-style (8 fine-grained experts + 1 shared, sigmoid with the aux-loss-free bias, layer 0 dense).
+    "mixtral_tiny": dict(_LLAMA, num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
+                         vocab_size=512, max_seq_len=64, rope_base=10000.0,
+                         moe=dict(num_experts=8, top_k=2, ffn_hidden_size=64, score_function="softmax",
+                                  normalize_topk=True, aux_loss_coeff=0.01, z_loss_coeff=0.001)),
+    "deepseek_tiny": dict(_LLAMA, num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=176,
+                          vocab_size=512, max_seq_len=64, rope_base=10000.0,
+                          moe=dict(num_experts=8, top_k=2, ffn_hidden_size=32, num_shared_experts=1,
+                                   dense_first=1, score_function="sigmoid", normalize_topk=True,
+                                   bias_update_rate=0.001, aux_loss_coeff=0.001, aux_loss_scope="sequence")),
     "gpt2_124m": dict(_GPT, num_layers=12, hidden_size=768, num_heads=12, vocab_size=50257, max_seq_len=1024),
     "gpt3_175b": dict(_GPT, num_layers=96, hidden_size=12288, num_heads=96, vocab_size=50257, max_seq_len=2048),
     "llama2_7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, ffn_hidden_size=11008,

@@ -40,6 +40,7 @@ from functools import cached_property
 from typing import Callable, Iterable
 
 from models.spec import BlockSpec, MLPSpec, ModelSpec, NormSpec
+from parallel3d.moe.options import MoEOptions
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 SHARDING_CLASSES: tuple[str, ...] = ("tp_split", "replicated")
@@ -65,6 +66,7 @@ class ParamShape:
     vocab: bool = False  # split_dim is the vocabulary: padded to a multiple of tp before the split
     matmul: bool = False  # a weight matrix every token that uses it multiplies (2 FLOPs per element)
     active: float = 1.0  # the fraction of tokens that use it
+    expert: int | None = None  # a routed expert's global index (held by one ep rank, split over etp)
 
     @property
     def numel(self) -> int:
@@ -246,6 +248,23 @@ MLP_PARAMS: dict[str, Callable[[str, int, MLPSpec], list[ParamShape]]] = {
 }
 
 
+def moe_mlp_params(prefix: str, hidden_size: int, moe: MoEOptions) -> list[ParamShape]:
+    """The parameters of ``parallel3d.moe.MoELayer`` under ``prefix``: the router (every token), the routed
+    experts (each used by ``top_k / num_experts`` of the tokens), the shared experts and their gate."""
+    h, f, used = hidden_size, moe.ffn_hidden, moe.top_k / moe.num_experts
+    out = [ParamShape(f"{prefix}.router.weight", (moe.num_experts, h), matmul=True)]
+    for e in range(moe.num_experts):
+        for name, shape in (("w1", (f, h)), ("w3", (f, h)), ("w2", (h, f))):
+            out.append(ParamShape(f"{prefix}.experts.{e}.{name}", shape, matmul=True, active=used, expert=e))
+    if moe.num_shared_experts:
+        width = moe.num_shared_experts * moe.shared_width
+        out += [ParamShape(f"{prefix}.shared_experts.{name}", shape, matmul=True)
+                for name, shape in (("w1", (width, h)), ("w3", (width, h)), ("w2", (h, width)))]
+    if moe.shared_expert_gate:
+        out.append(ParamShape(f"{prefix}.shared_expert_gate.weight", (1, h), matmul=True))
+    return out
+
+
 def layer_shape(index: int, block: BlockSpec) -> LayerShape:
     """The parameters ``models.blocks.TransformerBlock`` builds for ``block`` as layer ``index``."""
     p, h, a, mlp = f"layers.{index}.", block.hidden_size, block.attention, block.mlp
@@ -253,7 +272,8 @@ def layer_shape(index: int, block: BlockSpec) -> LayerShape:
               *_linear(p + "attn.qkv", h, a.q_size + 2 * a.kv_size, COLUMN, a.qkv_bias),
               *_linear(p + "attn.out", a.q_size, h, ROW, a.out_bias),
               *_norm(p + "norm2", block.norm),
-              *MLP_PARAMS[mlp.kind](p + "mlp", h, mlp)]
+              *(moe_mlp_params(p + "mlp", h, block.moe) if block.moe is not None
+                else MLP_PARAMS[mlp.kind](p + "mlp", h, mlp))]
     return LayerShape(index, block, tuple(params))
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel3d.moe.options import MoEOptions
+
 NORM_KINDS: tuple[str, ...] = ("layernorm", "rmsnorm")
 MLP_KINDS: tuple[str, ...] = ("gelu", "swiglu")
 POSITION_KINDS: tuple[str, ...] = ("learned", "rope")
@@ -95,12 +97,17 @@ class MLPSpec:
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """One pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """One pre-norm transformer block: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+    With ``moe`` set the MLP is a mixture of experts (``parallel3d.moe.MoELayer`` with these
+    options; ``mlp`` is then unused); otherwise the dense ``mlp``.
+    """
 
     hidden_size: int
     norm: NormSpec  # the two pre-norms (norm1, norm2)
     attention: AttentionSpec
     mlp: MLPSpec
+    moe: MoEOptions | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
 from models.config import ModelConfig
 from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
+from models.moe_block import moe_mlp
 from models.shape import RECOMPUTED
 from parallel3d import comm
 from parallel3d.context_parallel.model_attention import ContextParallelAttention
@@ -198,7 +199,8 @@ class TransformerLM(nn.Module):
 
 def _block(ctx: BuildContext, layer: int) -> TransformerBlock:
     spec = ctx.config.spec.blocks[layer]
-    return TransformerBlock(ctx, layer, spec, MLP_CLASSES[spec.mlp.kind](ctx, layer, spec.mlp))
+    mlp = moe_mlp(ctx, layer, spec) if spec.moe is not None else MLP_CLASSES[spec.mlp.kind](ctx, layer, spec.mlp)
+    return TransformerBlock(ctx, layer, spec, mlp)
 
 
 def _resolve_layer_range(config: ModelConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:

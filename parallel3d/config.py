@@ -28,6 +28,7 @@ from typing import Any
 
 from kernels.runtime import BACKENDS as KERNEL_BACKENDS
 from models.config import ModelConfig
+from models.moe_block import check_moe_layout
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
 from parallel3d import preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -231,6 +232,10 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     zero = options_of(ZeroOptions, job.parallel)
     pipeline.check_layout(dims.pp, model.num_layers)
     _check_model_fits(model, topo, pipeline.virtual_stages)
+    try:
+        check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     train = options_of(TrainOptions, job.train)
     accum = train.grad_accum(topo.dp)
     train.check_sequence(model.max_seq_len, dims.tp, dims.sequence_parallel)
@@ -266,13 +271,22 @@ def job_from_dict(values: dict | None = None, *, model: str | None = None) -> Jo
     if model is not None:
         from models import get_config
 
-        named = {f.name: getattr(get_config(model), f.name) for f in dataclasses.fields(ModelSchema)}
-        values["model"] = {**named, **values.get("model", {})}
+        named = {f.name: v for f, v in zip(dataclasses.fields(ModelSchema), _section_values(get_config(model)))}
+        overrides = dict(values.get("model", {}))
+        if isinstance(overrides.get("moe"), dict):  # a partial model.moe keeps the named config's other keys
+            overrides["moe"] = {**named["moe"], **overrides["moe"]}
+        values["model"] = {**named, **overrides}
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.create(values))
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(one_line_omegaconf_error(exc)) from None
+
+
+def _section_values(model: ModelConfig) -> list[Any]:
+    """The model's values for the ``ModelSchema`` keys, nested sections (``moe``) as plain dicts."""
+    return [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            for v in (getattr(model, f.name) for f in dataclasses.fields(ModelSchema))]
 
 
 def one_line_omegaconf_error(exc: BaseException) -> str:

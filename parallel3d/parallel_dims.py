@@ -2,10 +2,9 @@
 order and sequence parallelism, validated; the one place that builds the job's ``Topology``.
 
 The dense grid is tp x cp x dp x pp = the world (``dp = "auto"`` is what is left of the
-world: world / (tp * cp * pp)); experts will use etp x ep x edp x pp over the same ranks.
-Expert parallelism is not implemented yet: ``ep`` may only be 1 and ``etp`` only null (= tp)
-or tp, each refused with one line naming the key. How a cp group communicates is
-``context_parallel.options.ContextParallelOptions``.
+world: world / (tp * cp * pp)); routed experts use etp x ep x edp x pp over the same ranks
+(``ep`` x ``etp`` fold over tp x cp x dp; the topology refuses a fold that does not divide).
+How a cp group communicates is ``context_parallel.options.ContextParallelOptions``.
 Invariant: a constructed ``ParallelDims`` holds valid values; one whose ``dp`` is an integer
 (``with_world``) uses exactly its world; errors are ``ConfigError`` naming ``parallel.<key>``.
 """
@@ -18,7 +17,6 @@ from parallel3d.option_checks import ConfigError, check_bool, check_int
 from parallel3d.topology import DEFAULT_ORDER, LayoutError, Topology
 
 AUTO = "auto"
-NOT_YET = {"ep": "expert parallelism"}  # dimensions that may only be 1 for now
 
 
 @dataclass(frozen=True)
@@ -27,7 +25,7 @@ class ParallelDims:
     pp: int = 1  # pipeline stages
     dp: int | str = AUTO  # data-parallel replicas, or "auto" = world_size / (tp * cp * pp)
     cp: int = 1  # context-parallel degree (splits the sequence; parallel.cp_comm says how)
-    ep: int = 1  # expert-parallel degree (splits the experts); 1 until expert parallelism lands
+    ep: int = 1  # expert-parallel degree (splits the routed experts; folds over tp x cp x dp)
     etp: int | None = None  # tensor-parallel degree inside experts; null = tp
     sequence_parallel: bool = False  # shard norm/dropout activations over tp (needs tp > 1)
     order: str = DEFAULT_ORDER  # rank order, fastest-varying first
@@ -40,14 +38,8 @@ class ParallelDims:
             object.__setattr__(self, "dp", int(dp))
         if self.dp != AUTO and (isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1):
             raise ConfigError(f"parallel.dp={dp!r}: must be an integer >= 1 or 'auto'")
-        for key, what in NOT_YET.items():
-            if getattr(self, key) != 1:
-                raise ConfigError(f"parallel.{key}={getattr(self, key)}: {what} is not implemented yet; must be 1")
         if self.etp is not None:
             check_int("parallel.etp", self.etp, 1)
-            if self.etp != self.tp:
-                raise ConfigError(f"parallel.etp={self.etp}: must be null or equal to parallel.tp={self.tp} "
-                                  f"(experts are split like the dense layers until expert parallelism lands)")
         check_bool("parallel.sequence_parallel", self.sequence_parallel)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true: needs parallel.tp > 1 (with tp=1 it would do nothing)")

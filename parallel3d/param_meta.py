@@ -14,6 +14,8 @@ Attributes set on ``torch.nn.Parameter`` objects (by the layers that create them
   ends there, ZB-V) and the pair is counted once in the grad norm and checkpoints.
 - ``tied_head_copy`` (bool): the copy read by the output head (the chunk without the
   embedding); the grad norm and checkpoints skip it, the embedding's copy stands for both.
+- ``expert_index`` (int): a routed expert's global index (``parallel3d.moe.experts``); the
+  parameter is replicated over ``edp`` only, each rank of ``etp x ep`` holds a different piece.
 - ``no_weight_decay`` (bool): norms and biases are excluded from weight decay.
 - ``wgrad_deferrable`` (bool): the parameter is read only by layers that can defer its
   gradient (``parallel3d.deferred_grads``), so a zero-bubble ``B`` may leave it to ``W``.
@@ -75,3 +77,8 @@ def no_weight_decay(param: torch.Tensor) -> bool:
     """Norm weights and biases (1-D tensors) are not decayed unless marked otherwise."""
     flag = getattr(param, "no_weight_decay", None)
     return param.ndim < 2 if flag is None else bool(flag)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """A routed expert's parameter (replicas: the ``edp`` group; see ``expert_index``)."""
+    return getattr(param, "expert_index", None) is not None

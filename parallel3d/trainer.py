@@ -54,6 +54,7 @@ from parallel3d.metrics import (
     reduce_over_world,
     resolve_peak_tflops,
 )
+from parallel3d.moe_step import MoEStep
 from parallel3d.parallel_state import ParallelState, init_distributed
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
@@ -146,6 +147,7 @@ class Trainer:
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync,
         )
+        self.moe = MoEStep(self.chunks, rj.model, pstate, p.sequence_parallel)
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)
         self.eod_id = self._document_eod(tokenizer)
         keys = self.engine.microbatch_keys + ((DOCUMENT_IDS,) if self.eod_id is not None else ())
@@ -271,8 +273,9 @@ class Trainer:
         # where e.g. gradients peak), not what is left after the step.
         mem = memory_snapshot(self.pstate.device, self.optimizer.memory_peak_bytes())
         mem["mem_activations_bytes"] = result.peak_activation_bytes
+        moe = self.moe.per_rank_metrics()
         per_rank = dict(mem, bubble_fraction=result.bubble_fraction,
-                        **{f"comm_bytes_{k}": v for k, v in comm_bytes.items()})
+                        **{f"comm_bytes_{k}": v for k, v in comm_bytes.items()}, **moe)
         reduced = reduce_over_world(per_rank, self.pstate)
         if not self.is_logging_rank:
             return None
@@ -285,6 +288,7 @@ class Trainer:
         record["comm_bytes"] = sum(reduced[f"comm_bytes_{k}"].sum for k in comm_bytes)
         for k in comm_bytes:
             record[f"comm_bytes_{k}"] = reduced[f"comm_bytes_{k}"].sum
+        record.update({key: reduced[key].max for key in moe})
         for key in mem:
             record[f"{key}_max"] = int(reduced[key].max)
             record[f"{key}_min"] = int(reduced[key].min)
@@ -339,7 +343,9 @@ class Trainer:
             before = self.pstate.comm_stats.by_kind()
             microbatches = self._to_device(next(self.batches))
             self.optimizer.zero_grad()
+            self.moe.before_step(self.optimizer.loss_scale, self.rj.grad_accum)
             step_result = self.engine.run_step(microbatches, loss_scale=self.optimizer.loss_scale, step=self.step)
+            self.moe.finish()
             info = self.optimizer.step()
             timer.stop()  # synchronises the device so the interval below is honest
             comm_bytes = self._comm_delta(before)

@@ -74,6 +74,23 @@ MODELS: dict[str, dict[str, Any]] = {
                   dropout=0.1),
 }
 
+# Mixtures of experts (drawn by ``_draw_moe`` only, ids ``MOE_BASE + k`` and the ``moe_`` coverage
+# properties; the dense draws above are unchanged). The aux loss is per sequence: a per-micro-batch
+# aux loss depends on the micro-batch size, which the layouts vary (models.moe_config).
+MOE_MODELS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(name="matrix_mixtral", arch="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
+                    dropout=0.1, moe=dict(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=0.01,
+                                          aux_loss_scope="sequence", z_loss_coeff=0.001)),
+    "deepseek": dict(name="matrix_deepseek", arch="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
+                     dropout=0.1, moe=dict(num_experts=8, top_k=2, ffn_hidden_size=16, num_shared_experts=1,
+                                           dense_first=1, score_function="sigmoid", bias_update_rate=0.01,
+                                           aux_loss_coeff=0.001, aux_loss_scope="sequence")),
+}
+MOE_BASE, MOE_CASES = 20_000, 6  # ids of the MoE draws in the whole matrix
+EP_DEGREES = (1, 2, 4)
+
 
 @dataclass(frozen=True)
 class LayoutCase:
@@ -109,12 +126,14 @@ class LayoutCase:
             bits.append(f"rc-{t['recompute']}")
         if p["pp_layers"] is not None:
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
-        if p["order"] != "tp-dp-pp":  # the same layout as the default order tp-cp-ep-dp-pp (cp = ep = 1)
+        if p["order"] not in ("tp-dp-pp", "tp-ep-dp-pp"):  # the same layout as the default order tp-cp-ep-dp-pp (cp = ep = 1)
             bits.append(p["order"])
         if self.emulate_nccl:
             bits.append("nccl")
         if self.document_mask:
             bits.append("docmask")
+        if p.get("ep", 1) > 1:
+            bits.append(f"ep{p['ep']}")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -131,7 +150,7 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
     if parallel.get("offload") == "disk":  # the state files go with the run; small chunks: several per piece
         parallel.update(offload_dir=os.path.join(out_dir, "offload"), offload_buffer_mb=0.05)
     return {
-        "model": dict(MODELS[model]),
+        "model": dict({**MODELS, **MOE_MODELS}[model]),
         "parallel": parallel,
         "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
                   "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
@@ -194,6 +213,19 @@ def _draw(rng: random.Random, case_id: int) -> LayoutCase:
                       document_mask=rng.random() < 0.3)
 
 
+def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
+    """A dense draw turned into a mixture of experts: an MoE model, an ep degree (it folds over
+    tp x dp, which the validator checks) and, at pp > 1, sometimes the dense first layer alone on stage 0."""
+    case = _draw(rng, case_id)
+    model = rng.choice(sorted(MOE_MODELS))
+    layers = MOE_MODELS[model]["num_layers"]
+    p = dict(case.parallel, ep=rng.choice(EP_DEGREES), virtual_stages=1, order=case.parallel["order"].replace("dp", "ep-dp"),
+             schedule=rng.choice([s for s in cfg.SCHEDULES if s not in ("interleaved_1f1b", "zbv")]))
+    p["pp_layers"] = [1, *_composition(rng, layers - 1, p["pp"] - 1)] if 1 < p["pp"] < layers and rng.random() < 0.5 \
+        else None
+    return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl)
+
+
 def is_valid(case: LayoutCase) -> bool:
     """Whether the config validator accepts ``case`` (the one source of validity)."""
     try:
@@ -206,8 +238,10 @@ def is_valid(case: LayoutCase) -> bool:
 def generate_case(case_id: int, where: Callable[[LayoutCase], bool] = lambda c: True) -> LayoutCase:
     """The layout of ``case_id``: the first draw of its own RNG within budget, valid and ``where``."""
     rng = random.Random(f"{MATRIX_SEED}:{case_id}")
+    cover = list(CI_MUST_COVER)[case_id - COVER_BASE] if 0 <= case_id - COVER_BASE < len(CI_MUST_COVER) else ""
+    draw = _draw_moe if case_id >= MOE_BASE or cover.startswith("moe_") else _draw
     for _ in range(MAX_DRAWS):
-        case = _draw(rng, case_id)
+        case = draw(rng, case_id)
         if case.world_size <= MAX_WORLD and where(case) and is_valid(case):
             return case
     raise RuntimeError(f"case {case_id}: no valid layout in {MAX_DRAWS} draws")
@@ -237,6 +271,11 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "cp_zero3": lambda c: c.parallel["cp"] > 1 and c.parallel["zero_stage"] == 3,
     "cp_a2a+p2p": lambda c: c.parallel["cp_comm"] == "a2a+p2p" and c.parallel["cp_a2a_size"] not in (1, c.parallel["cp"]),
     "cp_document_mask": lambda c: c.parallel["cp"] > 1 and c.document_mask,
+    # Mixtures of experts (drawn by _draw_moe): a pipeline stage without MoE layers must not hang or
+    # skew the expert reduction; experts in their own ZeRO-3 layout over edp.
+    "moe_ep>1_pp>=2_stage_without_moe": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["pp"] >= 2
+    and c.model == "deepseek" and (c.parallel["pp_layers"] or [0])[0] == 1,
+    "moe_ep>1_zero3": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["zero_stage"] == 3,
 }
 
 
@@ -272,9 +311,10 @@ def _cover_draw(k: int, uncovered: list[str]) -> LayoutCase:
     per ``uncovered`` property it meets (the greedy rule for a cheap set cover), then the first drawn."""
     label, where = list(CI_MUST_COVER.items())[k]
     rng = random.Random(f"{MATRIX_SEED}:{COVER_BASE + k}")
+    draw = _draw_moe if label.startswith("moe_") else _draw
     ranked = []
     for i in range(MAX_DRAWS):
-        case = _draw(rng, COVER_BASE + k)
+        case = draw(rng, COVER_BASE + k)
         if case.world_size <= MAX_WORLD and where(case) and affordable_for_ci(case, label):
             ranked.append((ci_cost(case) / sum(CI_MUST_COVER[u](case) for u in uncovered), i, case))
             if len(ranked) == CI_CANDIDATES:
@@ -313,7 +353,8 @@ def case_by_id(case_id: int) -> LayoutCase:
 
 
 def all_cases() -> list[LayoutCase]:
-    cases = {c.case_id: c for c in [*(generate_case(i) for i in range(ALL_CASES)), *ci_sample()]}
+    cases = {c.case_id: c for c in [*(generate_case(i) for i in range(ALL_CASES)),
+                                     *(generate_case(MOE_BASE + k) for k in range(MOE_CASES)), *ci_sample()]}
     return [cases[i] for i in sorted(cases)]
 
 

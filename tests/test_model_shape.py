@@ -77,7 +77,13 @@ def _check_whole_model(cfg: ModelConfig) -> None:
     assert _built(model) == _expected(shape.tensors(), 1)
     total = sum(p.numel() for p in model.parameters())
     assert shape.total_params() == total
-    assert shape.active_params() == total  # dense: every parameter is active
+    # Active: a routed expert serves top_k / num_experts of the tokens, every other parameter all of them.
+    active = 0.0
+    for n, p in model.named_parameters():
+        moe = cfg.spec.blocks[int(n.split(".")[1])].moe if ".experts." in n else None
+        active += p.numel() * (moe.top_k / moe.num_experts if moe is not None else 1.0)
+    assert shape.active_params() == pytest.approx(active, rel=1e-12)
+    assert (shape.active_params() < total) == cfg.moe.enabled
     assert sum(layer.params.total for layer in shape.layers) == sum(
         p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
 
@@ -141,9 +147,22 @@ def test_named_model_shards_match_the_shape(name, tp, pp):
 
 # ---- FLOPs against torch's counter ----------------------------------------------------------
 FLOP_CONFIGS = [get_config("gpt_tiny", kernel_backend="torch"), get_config("llama_tiny", kernel_backend="torch"),
-                *RANDOM[:5]]
+                *RANDOM[:5], get_config("mixtral_tiny", kernel_backend="torch"),
+                get_config("deepseek_tiny", kernel_backend="torch")]
 # The CPU SDPA kernel is not in torch's FLOP registry; map it onto torch's own SDPA formulas (those it
 # registers for the GPU flash / efficient / cuDNN kernels).
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm`` (not in torch's registry): every row of ``a`` meets the one matrix of its
+    group, so the multiply-adds are ``a``'s elements times the output width ([N, k] x [G, k, n] and
+    the weight gradient's [k, N] x [N, n] alike)."""
+    numel = 1
+    for d in a_shape:
+        numel *= d
+    return 2 * numel * out_shape[-1]
+
+
+# torch's FLOP registry lacks the grouped GEMM of the MoE experts; count it by the formula above.
+GROUPED_MM_FORMULA = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 FUSED_SDPA_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.sdpa_flop.__wrapped__,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.sdpa_backward_flop.__wrapped__,
@@ -161,7 +180,8 @@ def _count(cfg: ModelConfig, seq: int, *, backward: bool, recompute: str = "none
     x = torch.randint(0, cfg.vocab_size, (2, seq))
     backend = contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH)
     grad = contextlib.nullcontext() if backward else torch.no_grad()
-    counter = FlopCounterMode(display=False, custom_mapping=FUSED_SDPA_FORMULAS if fused else None)
+    counter = FlopCounterMode(display=False,
+                              custom_mapping={**GROUPED_MM_FORMULA, **(FUSED_SDPA_FORMULAS if fused else {})})
     with backend, grad, set_checkpoint_early_stop(False), counter as c:
         loss = model(x, x)
         if backward:

@@ -253,19 +253,26 @@ def test_context_parallel_degree_builds_its_topology(value):
     assert dims.cp_enabled and dims.build_topology().size("cp") == value and dims.dp == 2
 
 
-@pytest.mark.parametrize("key", ["ep"])
-@pytest.mark.parametrize("value", [2, 4, 8])
-def test_context_and_expert_parallel_degrees_may_only_be_one_for_now(key, value):
-    with pytest.raises(ConfigError, match=rf"^parallel\.{key}={value}: .* is not implemented yet; must be 1$"):
-        ParallelDims(**{key: value})
+@pytest.mark.parametrize("value", [2, 4])
+def test_expert_parallel_degree_builds_its_topology(value):
+    dims = ParallelDims(ep=value).with_world(2 * value)
+    assert dims.build_topology().size("ep") == value and dims.dp == 2 * value
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_expert_tp_is_null_or_tp(tp):
-    assert ParallelDims(tp=tp).expert_tp == tp and ParallelDims(tp=tp, etp=tp).expert_tp == tp
-    for etp in {1, 2, 4, 8} - {tp}:
-        with pytest.raises(ConfigError, match=rf"^parallel\.etp={etp}: must be null or equal to parallel\.tp={tp}"):
-            ParallelDims(tp=tp, etp=etp)
+def test_expert_grid_folds_over_the_dense_ranks_or_is_refused(tp):
+    """ep x etp must divide tp x cp x dp (the expert grid folds over the dense one); null etp = tp."""
+    assert ParallelDims(tp=tp).expert_tp == tp
+    world = 8
+    for etp in (1, 2, 4, 8):
+        for ep in (1, 2, 4, 8):
+            dims = ParallelDims(tp=tp, etp=etp, ep=ep).with_world(world)
+            if world % (ep * etp):
+                with pytest.raises(ConfigError, match=r"parallel"):
+                    dims.build_topology()
+                continue
+            topo = dims.build_topology()
+            assert (topo.size("etp"), topo.size("ep"), topo.size("edp")) == (etp, ep, world // (ep * etp))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16])

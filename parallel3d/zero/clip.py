@@ -3,7 +3,7 @@
 Each rank sums squares over the elements it owns (its shard of each layout for
 stages 1-3, everything for stage 0) of the parameters it counts: tensor-parallel-split
 parameters on every TP rank, TP-replicated ones (norms, row-parallel biases)
-only on TP rank 0, the tied embedding only in its embedding's copy. Per
+only on TP rank 0, routed experts (replicated over ``edp``) on every rank, the tied embedding only in its embedding's copy. Per
 replica group (``BufferLayout.reduce_kind``, dense: ``dp_cp``) the sum is then
 all-reduced over that group (only when shards differ, stages 1-3) and over its
 complement (``topology.complement``: ``model`` = tp x pp for ``dp_cp``), so every
@@ -24,6 +24,8 @@ from parallel3d.zero.buffers import Bucket
 
 def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
     """Whether this rank contributes ``param`` to the global norm."""
+    if param_meta.is_expert_param(param):  # every etp x ep rank holds a different piece of the experts
+        return True
     if not param_meta.is_tp_split(param) and pstate.coord("tp") != 0:
         return False
     if param_meta.is_tied_head_copy(param):

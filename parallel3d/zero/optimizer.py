@@ -67,6 +67,7 @@ from typing import Callable
 import torch
 
 from parallel3d import comm
+from parallel3d.param_meta import is_expert_param
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero import clip
 from parallel3d.zero.adamw import host_adamw_flat_, resolve_backend
@@ -88,6 +89,7 @@ from parallel3d.zero.units import find_units, unit_index_of
 log = logging.getLogger(__name__)
 
 DENSE_REDUCE_KIND = "dp_cp"  # the group holding the replicas of a dense parameter
+EXPERT_REDUCE_KIND = "edp"  # the group holding the replicas of a routed expert's parameter
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
 __all__ = ["StepInfo", "ZeroOptimizer", "make_grad_sync"]
 
@@ -232,13 +234,20 @@ class ZeroOptimizer:
         if units is not None:
             index = unit_index_of(units)
             unit_of = lambda p: index[id(p)]  # noqa: E731 - a bucket never spans two gather units
-        layout = BufferLayout(
-            named, bucket_numel=bucket_numel, reduce_kind=DENSE_REDUCE_KIND, replicas=self.replicas,
-            owner_count=self.replicas if sharded else 1,
-            owner_index=comm.group_rank(pstate, DENSE_REDUCE_KIND) if sharded else 0,
-            count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
-            unit_of=unit_of, first_bucket_numel=first_bucket_numel,
-        )
+        # Routed experts (parallel3d.moe) are replicated over the expert data-parallel group: a layout of their own.
+        layouts = []
+        for kind, params in ((DENSE_REDUCE_KIND, [(n, p) for n, p in named if not is_expert_param(p)]),
+                             (EXPERT_REDUCE_KIND, [(n, p) for n, p in named if is_expert_param(p)])):
+            if not params:
+                continue
+            replicas = comm.group_size(pstate, kind)
+            layouts.append(BufferLayout(
+                params, bucket_numel=bucket_numel, reduce_kind=kind, replicas=replicas,
+                owner_count=replicas if sharded else 1,
+                owner_index=comm.group_rank(pstate, kind) if sharded else 0,
+                count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
+                unit_of=unit_of, first_bucket_numel=first_bucket_numel,
+            ))
         self.device = named[0][1].device
         self._adamw = resolve_backend(fused_adamw_backend, self.device)
         self._multi_kind = _multi_kind(fused_adamw_backend, self.device)
@@ -247,21 +256,21 @@ class ZeroOptimizer:
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
         if units is not None:
             self.params: ReplicatedParams | ShardedParams = ShardedParams(
-                [layout], units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
+                layouts, units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
                 reshard=resolve_reshard(zero3_reshard, pstate.size("pp")))
         else:
             overlap_units = find_units(modules) if overlap_param_gather and sharded else None
-            self.params = ReplicatedParams([layout], pstate, device=self.device, sharded=sharded, memory=self.memory,
+            self.params = ReplicatedParams(layouts, pstate, device=self.device, sharded=sharded, memory=self.memory,
                                            overlap_units=overlap_units)
         grad_dtype = precision_dtype(grad_reduce_dtype)
         self.grad_sync: GradSync = make_grad_sync(
-            modules, [layout], pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
+            modules, layouts, pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
             reduce_scatter=reduce_scatter, memory=self.memory,
         )
         if isinstance(self.params, ShardedParams):
             self.grad_sync.add_observer(self.params)
         self.states: OptimizerStates = make_states(
-            offload, [layout], self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
+            offload, layouts, self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
             offload_dir=offload_dir, buffer_bytes=int(offload_buffer_mb * 2**20),
             tag="_".join(f"{dim}{index}" for dim, index in dataclasses.asdict(pstate.coords).items()),
         )
@@ -338,7 +347,10 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        local_sq: dict[str, torch.Tensor] = {}
+        # Both kinds on every rank, even one holding no experts (a dense pipeline stage, a dense model):
+        # the norm's reductions over each kind's groups span stages, so every rank must join them.
+        local_sq: dict[str, torch.Tensor] = {kind: torch.zeros((), dtype=torch.float64, device=self.device)
+                                             for kind in (DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND)}
         for g, layout in enumerate(self.layouts):
             sq = local_sq.setdefault(layout.reduce_kind, torch.zeros((), dtype=torch.float64, device=self.device))
             for b in layout.buckets:

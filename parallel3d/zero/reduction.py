@@ -1,8 +1,10 @@
 """Asynchronous reduction of one bucket over its replica group, and the queue of collectives in flight.
 
 Each call names the group kind it reduces over (the bucket's ``BufferLayout.reduce_kind``:
-``dp_cp`` for dense parameters). ``BucketReducer`` is the one place that divides
-gradients by the group's size ``n``: it multiplies each bucket by ``1/n`` right
+``dp_cp`` for dense parameters, ``edp`` for routed experts). ``BucketReducer`` is the one place that
+divides gradients: by the number of data replicas ``n = dp x cp`` whatever group it reduces over (an
+expert's gradient is summed over ``edp`` and its ep peers' tokens, but it is still the mean over the
+dp x cp micro-batch replicas, not over ``edp``). It multiplies each bucket by ``1/n`` right
 before its collective (no pass when n == 1), so every reduced value is already
 the replica *mean* and a half-precision partial sum never exceeds the largest
 per-rank value (fp16 cannot overflow in the reduction at large n just because it
@@ -26,6 +28,9 @@ import torch
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.memory import MemoryTracker, nbytes
+
+
+DATA_REPLICAS_KIND = "dp_cp"  # the ranks reading different micro-batches: every gradient is a mean over them
 
 
 def _noop() -> None:
@@ -94,13 +99,18 @@ class BucketReducer:
         self.max_temporaries = max_temporaries
         self._temporaries = 0
 
+    def _scale(self, full: torch.Tensor) -> None:
+        replicas = comm.group_size(self.pstate, DATA_REPLICAS_KIND)
+        if replicas > 1:
+            full.mul_(1.0 / replicas)
+
     def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop) -> None:
-        """``full`` becomes the mean over the ``kind`` group in place (stage 0)."""
+        """``full`` becomes the sum over the ``kind`` group divided by the data replicas, in place (stage 0)."""
         n = comm.group_size(self.pstate, kind)
+        self._scale(full)
         if n == 1:
             on_done()
             return
-        full.mul_(1.0 / n)
         self.pending.add(comm.all_reduce(full, self.pstate, kind, async_op=True), on_done, (full,))
 
     def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, kind: str, *, accumulate: bool,
@@ -112,11 +122,11 @@ class BucketReducer:
         piece = full.numel() // n
         index = comm.group_rank(self.pstate, kind)
         mine = full[index * piece : (index + 1) * piece]
+        self._scale(full)
         if n == 1:
             _deliver(target, mine, accumulate)
             on_done()
             return
-        full.mul_(1.0 / n)
         if self.as_all_reduce:
             work = comm.all_reduce(full, self.pstate, kind, async_op=True)
 

@@ -1,0 +1,48 @@
+"""Which routed experts a rank holds: the one place that maps groups to expert indices.
+
+With ``E`` experts over an expert-parallel group of ``ep`` ranks, ep rank ``r`` holds the
+``E_l = E / ep`` consecutive experts ``[r * E_l, (r + 1) * E_l)``; over the expert-tensor-
+parallel group of ``etp`` ranks, etp rank ``t`` holds slice ``t`` of each one's FFN width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from parallel3d.moe.collectives import group_rank, group_size
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """``num_experts`` routed experts over ``ep_group`` x ``etp_group`` (None: a group of one)."""
+
+    num_experts: int
+    ep_group: "dist.ProcessGroup | None" = None
+    etp_group: "dist.ProcessGroup | None" = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts % self.ep:
+            raise ValueError(f"moe.num_experts={self.num_experts}: must be divisible by the expert-parallel size "
+                             f"{self.ep}")
+
+    @property
+    def ep(self) -> int:
+        return group_size(self.ep_group)
+
+    @property
+    def etp(self) -> int:
+        return group_size(self.etp_group)
+
+    @property
+    def etp_rank(self) -> int:
+        return group_rank(self.etp_group)
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep
+
+    @property
+    def first_expert(self) -> int:
+        return group_rank(self.ep_group) * self.local_experts
