@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from kernels.testing import run_interpreted
 from parallel3d.moe import grouped_gemm
 from parallel3d.moe.grouped_gemm import grouped_linear, resolve_backend
-from parallel3d.pipeline.backward_split import input_grad
 from tests.moe_cases import poisoned_empty
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -140,32 +139,3 @@ def test_triton_kernel_equals_reference_in_interpreter(dtype: str) -> None:
     tol = TOL[getattr(torch, dtype)]
     for what, err, finite in run_interpreted(_triton_vs_loop, dtype, [0, 1, 5], timeout=300):
         assert finite == 1.0 and err <= tol, f"triton {dtype} {what}: relative error {err:.3g}"
-
-
-def test_split_backward_defers_the_weight_gemms(monkeypatch) -> None:
-    """B = autograd.grad(out, input) runs no weight-gradient GEMM; W runs exactly those."""
-    calls = {"tmm": 0, "mm": 0}
-    real_tmm, real_mm = grouped_gemm.group_tmm, grouped_gemm.group_mm
-
-    def counting_tmm(*args, **kwargs):
-        calls["tmm"] += 1
-        return real_tmm(*args, **kwargs)
-
-    def counting_mm(*args, **kwargs):
-        calls["mm"] += 1
-        return real_mm(*args, **kwargs)
-
-    monkeypatch.setattr(grouped_gemm, "group_tmm", counting_tmm)
-    monkeypatch.setattr(grouped_gemm, "group_mm", counting_mm)
-    sizes = [3, 0, 5]
-    x, weights, cot = _tensors(sizes, 8, 8, torch.float32, 1)
-    inp = x.clone().requires_grad_(True)
-    ws = [w.clone().requires_grad_(True) for w in weights]
-    out = grouped_linear(inp * 1.0, ws, sizes)
-    assert calls == {"tmm": 0, "mm": 1}
-    g_in, weight_grad = input_grad(out, cot, inp)
-    assert calls == {"tmm": 0, "mm": 2} and all(w.grad is None for w in ws)
-    weight_grad.run()
-    assert calls == {"tmm": 1, "mm": 2}
-    want = _reference(sizes, x, weights, cot)
-    _assert_close([out.detach(), g_in] + [w.grad for w in ws], want, 2e-6, "split backward")
