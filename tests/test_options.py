@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from models.transformer import RECOMPUTE_MODES
+from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d import config
 from parallel3d.checkpoint import CheckpointManager
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -201,12 +202,13 @@ def test_zero_optimizer_has_no_default_stage_of_its_own():
 # ---- the planner composes the same options -------------------------------------------------
 def test_layout_defaults_are_the_options_defaults():
     layout = Layout()
-    owners = {**{k: ParallelDims for k in ("tp", "pp", "sequence_parallel")},
+    owners = {**{k: ParallelDims for k in ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")},
+              **{k: ContextParallelOptions for k in ("cp_comm", "cp_a2a_size")},
               **{k: PipelineOptions for k in ("schedule", "virtual_stages")},
               **{k: ZeroOptions for k in ("zero_stage", "grad_reduce_dtype", "offload", "zero3_prefetch",
                                           "zero3_reshard")},
               **{k: TrainOptions for k in ("micro_batch_size", "seq_len", "recompute", "precision")}}
-    assert set(owners) | {"dp", "global_batch_size"} == {f.name for f in dataclasses.fields(Layout)}
+    assert set(owners) | {"dp", "global_batch_size", "expert_zero_stage"} == {f.name for f in dataclasses.fields(Layout)}
     for key, cls in owners.items():
         assert getattr(layout, key) == getattr(cls(), key), key
 

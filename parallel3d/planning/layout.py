@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from models.config import ModelConfig
-from parallel3d.option_checks import check_int
+from parallel3d.context_parallel.options import ContextParallelOptions
+from parallel3d.option_checks import ConfigError, check_choice, check_int
 from parallel3d.parallel_dims import ParallelDims
 from parallel3d.pipeline.options import PipelineOptions
 from parallel3d.topology import LayoutError, Topology
@@ -36,6 +37,12 @@ class Layout:
     tp: int = ParallelDims.tp
     pp: int = ParallelDims.pp
     dp: int = 1
+    cp: int = ParallelDims.cp
+    cp_comm: str = ContextParallelOptions.cp_comm
+    cp_a2a_size: int | None = ContextParallelOptions.cp_a2a_size
+    ep: int = ParallelDims.ep
+    etp: int | None = ParallelDims.etp  # None: the dense tp
+    expert_zero_stage: int | None = None  # None: the dense zero_stage (experts shard over edp)
     zero_stage: int = ZeroOptions.zero_stage
     sequence_parallel: bool = ParallelDims.sequence_parallel
     schedule: str = PipelineOptions.schedule
@@ -54,7 +61,10 @@ class Layout:
         if self.sequence_parallel is True and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
         check_int("parallel.dp", self.dp, 1)
+        if self.expert_zero_stage is not None:
+            check_choice("parallel.expert_zero_stage", self.expert_zero_stage, (0, 1, 2, 3))
         dims, pipeline = self.dims, self.pipeline
+        self.context_parallel  # validates cp_comm / cp_a2a_size
         if self.global_batch_size is None:
             mbs = check_int("train.micro_batch_size", self.micro_batch_size, 1)
             object.__setattr__(self, "global_batch_size", self.dp * mbs)
@@ -66,7 +76,17 @@ class Layout:
     # ---- the options this layout stands for ----------------------------------------------
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, sequence_parallel=self.sequence_parallel)
+        return ParallelDims(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, etp=self.etp,
+                            sequence_parallel=self.sequence_parallel)
+
+    @property
+    def context_parallel(self) -> ContextParallelOptions:
+        return ContextParallelOptions(cp_comm=self.cp_comm, cp_a2a_size=self.cp_a2a_size)
+
+    @property
+    def expert_zero(self) -> int:
+        """The ZeRO stage of the routed experts' parameters (sharded over edp)."""
+        return self.zero_stage if self.expert_zero_stage is None else self.expert_zero_stage
 
     @property
     def pipeline(self) -> PipelineOptions:
@@ -90,7 +110,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_microbatches(self) -> int:
@@ -123,6 +143,9 @@ class Layout:
             keys.append("offload")
         if self.zero_stage == 3:
             keys += ["zero3_prefetch", "zero3_reshard"]
+        if self.cp > 1:
+            keys += ["cp_comm"] + (["cp_a2a_size"] if self.cp_a2a_size is not None else [])
+        keys += [k for k in ("etp", "expert_zero_stage") if getattr(self, k) is not None]
         parts = [f"parallel.{k}={text(getattr(self, k))}" for k in keys]
         parts += [f"train.{k}={text(getattr(self, k))}" for k in TRAIN_KEYS]
         return " ".join(parts)
@@ -131,15 +154,19 @@ class Layout:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
         off = f" offload={self.offload}" if self.offload != "none" else ""
+        cp = f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else ""
+        ep = f" ep={self.ep}" + (f" etp={self.etp}" if self.etp is not None else "") if self.ep > 1 else ""
         return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp}{v} mbs={self.micro_batch_size} "
+            f"tp={self.tp}{cp}{ep} pp={self.pp} dp={self.dp}{v} mbs={self.micro_batch_size} "
             f"zero={self.zero_stage}{off} rc={self.recompute}{sp}"
         )
 
 
-PARALLEL_KEYS: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage", "sequence_parallel", "schedule", "virtual_stages",
+PARALLEL_KEYS: tuple[str, ...] = ("tp", "cp", "cp_comm", "cp_a2a_size", "ep", "etp", "pp", "dp", "zero_stage",
+                                  "expert_zero_stage", "sequence_parallel", "schedule", "virtual_stages",
                                   "grad_reduce_dtype", "offload", "zero3_prefetch", "zero3_reshard")
-OPTIONAL_PARALLEL_KEYS: tuple[str, ...] = ("offload", "zero3_prefetch", "zero3_reshard")  # printed when they matter
+OPTIONAL_PARALLEL_KEYS: tuple[str, ...] = ("offload", "zero3_prefetch", "zero3_reshard", "cp_comm", "cp_a2a_size",
+                                           "etp", "expert_zero_stage")  # printed when they matter
 TRAIN_KEYS: tuple[str, ...] = ("micro_batch_size", "seq_len", "global_batch_size", "recompute", "precision")
 
 
@@ -161,5 +188,11 @@ def check_fits_model(config: ModelConfig, layout: Layout) -> None:
             f"train.seq_len={layout.seq_len} is not divisible by parallel.tp={layout.tp} "
             f"(sequence parallel splits the sequence over the tensor-parallel group)"
         )
+    try:
+        layout.context_parallel.check_layout(cp=layout.cp, tp=layout.tp, seq_len=layout.seq_len,
+                                             num_heads=config.num_heads, num_kv_heads=config.kv_heads,
+                                             sequence_parallel=layout.sequence_parallel)
+    except ConfigError as exc:
+        raise LayoutError(str(exc)) from None
     if layout.seq_len > config.max_seq_len:
         raise LayoutError(f"train.seq_len={layout.seq_len} exceeds model.max_seq_len={config.max_seq_len}")
