@@ -441,7 +441,7 @@ def run_case(case: LayoutCase, work_dir: str, cache_dir: str, references: dict, 
 
     key = case.reference_key()
     if key not in references:
-        ref_dir = os.path.join(work_dir, f"ref-{key[0]}-{key[1]}")
+        ref_dir = os.path.join(work_dir, "ref-" + "-".join(map(str, key)))  # one directory per reference
         references[key] = train_reference(reference_values(case, ref_dir, cache_dir), quiet)
     out = os.path.join(work_dir, case.name)
     start = time.perf_counter()
