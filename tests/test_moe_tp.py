@@ -63,7 +63,7 @@ def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module, pstate: ParallelS
     return out
 
 
-def _model_vs_single(rank: int, world: int, layouts: list[dict], models: list[str]) -> list[dict]:
+def _model_vs_single(rank: int, world: int, layouts: list[dict], models: list[str], **overrides) -> list[dict]:
     ids = torch.randint(0, 500, (B, S), generator=torch.Generator().manual_seed(5))
     labels = torch.randint(0, 500, (B, S), generator=torch.Generator().manual_seed(6))
     out = []
@@ -71,7 +71,7 @@ def _model_vs_single(rank: int, world: int, layouts: list[dict], models: list[st
         pstate = ParallelState(Topology(**layout))
         for name in models:
             for losses in LOSSES:
-                cfg = get_config(name, moe=losses)
+                cfg = get_config(name, moe=losses, **overrides)
                 model = build_model(cfg, pstate, seed=3, dtype=torch.float64, sequence_parallel=True)
                 ref = build_model(cfg, ParallelState.single_process(), seed=3, dtype=torch.float64)
                 loss, ref_loss = model(ids, labels=labels), ref(ids, labels=labels)
@@ -99,10 +99,10 @@ def test_moe_model_at_tp2_sequence_parallel_equals_one_process() -> None:
 
 @pytest.mark.slow
 def test_moe_model_with_etp_other_than_tp_equals_one_process() -> None:
-    """4 ranks, one micro-batch: etp=4 over tp=2 x (ep folded elsewhere) is not a layout; tp=4 etp=2 ep=2,
-    tp=4 etp=1 ep=4, tp=2 cp... (cp needs its own reference shard): tp spans all ranks so the batch is one."""
+    """4 ranks, all of them tp (so the reference runs one batch): expert tp at 2 and 1 under tp=4, with the
+    experts split over ep=2 or 4, or replicated over edp=2."""
     layouts = [dict(tp=4, etp=2, ep=2), dict(tp=4, etp=1, ep=4), dict(tp=4, etp=1, ep=2)]
-    _check(run_on_ranks(_model_vs_single, 4, layouts, ["deepseek_tiny"], timeout=400))
+    _check(run_on_ranks(_model_vs_single, 4, layouts, ["deepseek_tiny"], num_kv_heads=4, timeout=400))
 
 
 def _gate_vs_single(rank: int, world: int) -> list[tuple[str, float]]:
