@@ -28,12 +28,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 
-def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool) -> None:
+def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool, *, cp: int = 1,
+                     capacity: bool = False) -> None:
     """Raise ValueError (one line) when the layout breaks the MoE token contract (module docstring)."""
     if moe_enabled and tp > 1 and not sequence_parallel:
         # Without it every tp rank holds the same tokens: the expert-parallel exchange would count them tp times.
         raise ValueError(f"model.moe with parallel.tp={tp}: needs parallel.sequence_parallel=true "
                          "(the expert-parallel ranks must hold different tokens)")
+    if moe_enabled and capacity and tp * cp > 1:
+        # Capacity ranks a whole micro-batch's tokens by layout-independent ids; the blocks do not pass them yet.
+        raise ValueError(f"model.moe.capacity_factor with parallel.tp={tp}, parallel.cp={cp}: capacity drops run "
+                         "only where one rank holds the whole micro-batch (tp = cp = 1) for now")
 
 
 def moe_token_group_kind(pstate: "ParallelState", sequence_parallel: bool) -> str:
