@@ -357,7 +357,7 @@ def ci_sample() -> tuple[LayoutCase, ...]:
 def case_by_id(case_id: int) -> LayoutCase:
     """The case of any id: a coverage id (``COVER_BASE + k``) is the CI sample's case of that id, or
     (if the sample did not need property k) the first valid draw under it."""
-    if case_id >= COVER_BASE:
+    if COVER_BASE <= case_id < COVER_BASE + len(CI_MUST_COVER):  # (MoE ids, MOE_BASE + k, lie above)
         for case in ci_sample():
             if case.case_id == case_id:
                 return case
