@@ -5,29 +5,40 @@ Groups: experts split over ``ep``, each expert's width over ``etp``; the ranks t
 micro-batch (capacity drops and the per-micro-batch balancing losses are defined over them)
 are ``tp_cp`` with sequence parallel, else ``cp``. The ep x etp ranks must hold different tokens,
 so tp > 1 needs sequence parallel (``check_moe_layout`` refuses it otherwise, before any work).
+Under sequence parallel each tp rank routes only its own chunk of the sequence, so the router's,
+shared experts' and shared-expert gate's weight gradients are partial sums over tp: as for the
+norms (``models.blocks.Norm``), ``copy_to_tp_region`` is applied to them at use time (identity
+forward, all-reduce of the gradient over tp in backward). Expert gradients need no such step:
+tokens meet their experts through the dispatcher, and the experts' replicas (``edp``) are summed.
 Parameters (``layers.{i}.mlp.router.weight``, ``layers.{i}.mlp.experts.{e}.w1/w2/w3`` by global
 expert index, ``layers.{i}.mlp.shared_experts.*``) depend only on (seed, global name).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from models.blocks import BuildContext
 from models.spec import BlockSpec
 from parallel3d.moe import MoELayer
+from parallel3d.tensor_parallel import copy_to_tp_region
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 
-def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool) -> None:
+def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool, *, cp: int = 1,
+                     capacity: bool = False) -> None:
     """Raise ValueError (one line) when the layout breaks the MoE token contract (module docstring)."""
-    if moe_enabled and tp > 1:
-        # Under sequence parallel the router and shared-expert weight gradients are partial sums over
-        # tp that nothing all-reduces yet: refuse rather than train wrongly.
-        raise ValueError(f"model.moe with parallel.tp={tp}: MoE models run at tp=1 for now (use ep and etp; "
-                         "the router gradient is not yet summed over tp)")
+    if moe_enabled and tp > 1 and not sequence_parallel:
+        # Without it every tp rank holds the same tokens: the expert-parallel exchange would count them tp times.
+        raise ValueError(f"model.moe with parallel.tp={tp}: needs parallel.sequence_parallel=true "
+                         "(the expert-parallel ranks must hold different tokens)")
+    if moe_enabled and capacity and tp * cp > 1:
+        # Capacity ranks a whole micro-batch's tokens by layout-independent ids; the blocks do not pass them yet.
+        raise ValueError(f"model.moe.capacity_factor with parallel.tp={tp}, parallel.cp={cp}: capacity drops run "
+                         "only where one rank holds the whole micro-batch (tp = cp = 1) for now")
 
 
 def moe_token_group_kind(pstate: "ParallelState", sequence_parallel: bool) -> str:
@@ -40,9 +51,11 @@ def moe_mlp(ctx: BuildContext, layer: int, spec: BlockSpec) -> MoELayer:
     assert spec.moe is not None
     check_moe_layout(True, ctx.pstate.size("tp"), ctx.sequence_parallel)
     pstate = ctx.pstate
+    split_over_tp = ctx.sequence_parallel and pstate.size("tp") > 1
     return MoELayer(spec.moe, spec.hidden_size, global_name=f"layers.{layer}.mlp", seed=ctx.seed,
                     init_std=ctx.config.init_std, output_std=ctx.residual_std,
                     ep_group=pstate.group("ep"), etp_group=pstate.group("etp"),
                     token_group=pstate.group(moe_token_group_kind(pstate, ctx.sequence_parallel)),
                     dtype=ctx.dtype, device=ctx.device, kernel_backend=ctx.config.backend,
-                    emulate_nccl=pstate.emulate_nccl, comm_stats=pstate.comm_stats)
+                    emulate_nccl=pstate.emulate_nccl, comm_stats=pstate.comm_stats,
+                    replicated_weight_fn=partial(copy_to_tp_region, pstate=pstate) if split_over_tp else None)

@@ -2,8 +2,11 @@
 optimizer step, and the ``moe/`` metrics every rank can report.
 
 - ``before_step``: every MoE layer's injected balancing-loss gradient gets the factor the
-  pipeline puts on each micro-batch's main loss (``loss_scale / num_microbatches``), so the
-  aux / z losses enter the gradient exactly as if they were added to each micro-batch's loss.
+  pipeline puts on each micro-batch's main loss (``loss_scale / num_microbatches``), times cp:
+  each cp rank's main loss is cp times its share (``models.transformer``) because the gradient
+  reduction averages over dp x cp, and the layers' aux / z terms are plain shares of the token
+  group's losses. So the aux / z losses enter the gradient exactly as if they were added to each
+  micro-batch's loss. (tp needs no factor: sequence parallel's gradients are summed over tp.)
 - ``finish``: after the step's last backward, ONE reduction of the layers' load statistics over
   the ranks that hold different tokens of this stage (dp x cp, times tp under sequence
   parallel), then each router's bias update (the same global load in every layout).
@@ -49,7 +52,7 @@ class MoEStep:
 
     def before_step(self, loss_scale: float, num_microbatches: int) -> None:
         for layer in self.layers.values():
-            layer.aux_loss_scale = loss_scale / num_microbatches
+            layer.aux_loss_scale = loss_scale * self.pstate.size("cp") / num_microbatches
 
     def finish(self) -> dict[str, float]:
         """Reduce the step's statistics, update the expert biases; the metrics of this rank's layers."""

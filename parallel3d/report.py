@@ -5,7 +5,9 @@ steps: train loss and eval loss; tokens/s; MFU (or TFLOP/s per device where the
 device's peak is unknown, e.g. CPUs); memory per rank (peak, max and min over ranks,
 plus the tracked model-state categories and activations, max over ranks); the pipeline
 bubble fraction ("n/a" without a pipeline: pp = 1); and a text panel (layout, steps, final
-and best losses, mean throughput). Without matplotlib it writes ``RUN_DIR/report.html``, self-contained with
+and best losses, mean throughput). A mixture of experts (``moe/layer_{i}/...`` keys) adds four
+panels, one line per MoE layer: tokens per expert (min and max), their coefficient of
+variation, the dropped fraction, and the aux and z losses. Without matplotlib it writes ``RUN_DIR/report.html``, self-contained with
 inline SVG, and says so. Every plotted number is a JSONL value as written; nothing is
 smoothed.
 """
@@ -30,6 +32,16 @@ MEMORY_SERIES = (
     ("mem_optimizer_moments_bytes_max", "optimizer moments"),
     ("mem_master_weights_bytes_max", "master weights"),
     ("mem_activations_bytes_max", "activations"),
+)
+
+
+# The per-layer MoE metrics (``parallel3d.moe_step.METRIC_NAMES``) and their panels: (title, ylabel,
+# ((metric, line label suffix), ...)).
+MOE_PANELS = (
+    ("MoE tokens per expert (min, max)", "tokens", (("tokens_max", " max"), ("tokens_min", " min"))),
+    ("MoE load: coefficient of variation", "std / mean", (("tokens_cv", ""),)),
+    ("MoE dropped fraction", "fraction of routed slots", (("dropped_fraction", ""),)),
+    ("MoE aux and z losses", "loss", (("aux_loss", " aux"), ("z_loss", " z"))),
 )
 
 
@@ -80,6 +92,25 @@ def panels(records: list[dict[str, Any]]) -> list[Panel]:
     positive = [v for _, _, values in out[3].lines for v in values if v > 0]
     out[3].lines = [line for line in out[3].lines if any(v > 0 for v in line[2])]
     out[3].log_y = bool(positive) and max(positive) > 100 * min(positive)
+    return out + moe_panels(records)
+
+
+def moe_layers(records: list[dict[str, Any]]) -> list[str]:
+    """The ``layer_{i}`` names with ``moe/`` metrics, in layer order."""
+    names = {key.split("/")[1] for r in records for key in r if key.startswith("moe/") and key.count("/") == 2}
+    return sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]) if n.rsplit("_", 1)[1].isdigit() else -1)
+
+
+def moe_panels(records: list[dict[str, Any]]) -> list[Panel]:
+    """``MOE_PANELS`` over every MoE layer of the run (none for a dense run)."""
+    layers = moe_layers(records)
+    if not layers:
+        return []
+    out = []
+    for title, ylabel, metrics in MOE_PANELS:
+        lines = [(f"{layer}{suffix}", *_series(records, f"moe/{layer}/{metric}"))
+                 for layer in layers for metric, suffix in metrics]
+        out.append(Panel(title, ylabel, [line for line in lines if line[1]]))
     return out
 
 
@@ -128,9 +159,11 @@ def build_figure(records: list[dict[str, Any]], run_dir: str):  # noqa: ANN201 -
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(15, 8.5), dpi=100, layout="constrained")
-    axes = fig.subplots(2, 3).ravel()
-    for ax, panel in zip(axes, panels(records)):
+    drawn = panels(records)
+    rows = math.ceil((len(drawn) + 1) / 3)  # the panels, then the text panel, three a row
+    fig = Figure(figsize=(15, 4.25 * rows), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, 3).ravel()
+    for ax, panel in zip(axes, drawn):
         for label, steps, values in panel.lines:
             ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
         ax.set_title(panel.title)
@@ -144,8 +177,9 @@ def build_figure(records: list[dict[str, Any]], run_dir: str):  # noqa: ANN201 -
         ax.grid(alpha=0.3)
         if len(panel.lines) > 1:
             ax.legend(fontsize=8)
-    text_ax = axes[-1]
-    text_ax.axis("off")
+    for ax in axes[len(drawn):]:
+        ax.axis("off")
+    text_ax = axes[len(drawn)]
     text_ax.text(0.0, 1.0, "\n".join(summary_lines(records, run_dir)), va="top", ha="left", fontsize=9,
                  family="monospace", wrap=True, transform=text_ax.transAxes)
     fig.suptitle(f"parallel3d run: {os.path.basename(os.path.abspath(run_dir))}")

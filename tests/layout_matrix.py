@@ -134,6 +134,8 @@ class LayoutCase:
             bits.append("docmask")
         if p.get("ep", 1) > 1:
             bits.append(f"ep{p['ep']}")
+        if p.get("etp", p["tp"]) != p["tp"]:
+            bits.append(f"etp{p['etp']}")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -219,10 +221,17 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
     case = _draw(rng, case_id)
     model = rng.choice(sorted(MOE_MODELS))
     layers = MOE_MODELS[model]["num_layers"]
+    two_chunks = 2 * case.parallel["pp"] <= layers  # the virtual schedules: 2 chunks per stage, 1+ layer each
     p = dict(case.parallel, ep=rng.choice(EP_DEGREES), virtual_stages=1, order=case.parallel["order"].replace("dp", "ep-dp"),
-             schedule=rng.choice([s for s in cfg.SCHEDULES if s not in ("interleaved_1f1b", "zbv")]))
-    p["pp_layers"] = [1, *_composition(rng, layers - 1, p["pp"] - 1)] if 1 < p["pp"] < layers and rng.random() < 0.5 \
-        else None
+             schedule=rng.choice([s for s in cfg.SCHEDULES if s not in ("interleaved_1f1b", "zbv") or two_chunks]))
+    if p["schedule"] in ("interleaved_1f1b", "zbv"):
+        p["virtual_stages"] = 2
+    p["pp_layers"] = [1, *_composition(rng, layers - 1, p["pp"] - 1)] \
+        if p["virtual_stages"] == 1 and 1 < p["pp"] < layers and rng.random() < 0.5 else None
+    # Expert tensor parallel: tp's default or another degree whose expert grid fills the world (so that
+    # draws meeting the rarer coverage properties stay valid often enough; the validator still decides).
+    world = p["tp"] * p["pp"] * p["dp"] * p.get("cp", 1)
+    p["etp"] = rng.choice([d for d in (p["tp"], 1, 2, 4) if world % (d * p["ep"] * p["pp"]) == 0] or [p["tp"]])
     return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl)
 
 
@@ -272,9 +281,14 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "cp_a2a+p2p": lambda c: c.parallel["cp_comm"] == "a2a+p2p" and c.parallel["cp_a2a_size"] not in (1, c.parallel["cp"]),
     "cp_document_mask": lambda c: c.parallel["cp"] > 1 and c.document_mask,
     # Mixtures of experts (drawn by _draw_moe): a pipeline stage without MoE layers must not hang or
-    # skew the expert reduction; experts in their own ZeRO-3 layout over edp.
-    "moe_ep>1_pp>=2_stage_without_moe": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["pp"] >= 2
+    # skew the expert reduction; experts in their own ZeRO-3 layout over edp; the router's gradient summed
+    # over tp under sequence parallel; expert tp folded apart from tp; cp's tokens in the capacity/loss set.
+    "moe_ep>1_pp>=3_stage_without_moe": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["pp"] >= 3
     and c.model == "deepseek" and (c.parallel["pp_layers"] or [0])[0] == 1,
+    "moe_ep>1_tp>1_sequence_parallel": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["tp"] > 1
+    and c.parallel["sequence_parallel"],
+    "moe_ep>1_etp!=tp": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel.get("etp", c.parallel["tp"]) != c.parallel["tp"],
+    "moe_ep>1_cp>1": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel.get("cp", 1) > 1,
     "moe_ep>1_zero3": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["zero_stage"] == 3,
 }
 
@@ -343,7 +357,7 @@ def ci_sample() -> tuple[LayoutCase, ...]:
 def case_by_id(case_id: int) -> LayoutCase:
     """The case of any id: a coverage id (``COVER_BASE + k``) is the CI sample's case of that id, or
     (if the sample did not need property k) the first valid draw under it."""
-    if case_id >= COVER_BASE:
+    if COVER_BASE <= case_id < COVER_BASE + len(CI_MUST_COVER):  # (MoE ids, MOE_BASE + k, lie above)
         for case in ci_sample():
             if case.case_id == case_id:
                 return case

@@ -56,12 +56,21 @@ def test_bad_moe_values_are_one_line_config_errors(moe, match):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp_is_refused_for_moe_models(sequence_parallel):
-    with pytest.raises(ConfigError, match=r"parallel\.tp=2: MoE models run at tp=1") as info:
-        _resolve("mixtral_tiny", world=2, parallel={"tp": 2, "sequence_parallel": sequence_parallel})
+def test_tp_without_sequence_parallel_is_refused():
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2: needs parallel\.sequence_parallel=true") as info:
+        _resolve("mixtral_tiny", world=2, parallel={"tp": 2, "sequence_parallel": False})
     assert "\n" not in str(info.value)
+    _resolve("mixtral_tiny", world=2, parallel={"tp": 2, "sequence_parallel": True})  # tests/test_moe_tp.py
+    _resolve("mixtral_tiny", world=4, parallel={"tp": 2, "etp": 1, "ep": 4, "sequence_parallel": True})
     _resolve("llama_tiny", world=2, parallel={"tp": 2, "sequence_parallel": False})  # dense: fine
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2, "sequence_parallel": True}, {"cp": 2}])
+def test_capacity_with_split_micro_batches_is_refused(parallel):
+    with pytest.raises(ConfigError, match=r"model\.moe\.capacity_factor with parallel\.tp=") as info:
+        _resolve("mixtral_tiny", world=2, parallel=parallel, model={"moe": {"capacity_factor": 1.0}})
+    assert "\n" not in str(info.value)
+    _resolve("mixtral_tiny", world=2, parallel={"ep": 2, "dp": 2}, model={"moe": {"capacity_factor": 1.0}})
 
 
 def test_training_logs_moe_metrics_and_updates_the_expert_bias_once_per_step(tmp_path):

@@ -85,3 +85,44 @@ def test_missing_run_dir_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "parallel3d.report", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def moe_run_dir(tmp_path_factory) -> str:
+    """A real mixture-of-experts run: deepseek_tiny (layer 0 dense), 3 steps, capacity drops on."""
+    root = tmp_path_factory.mktemp("report_moe")
+    out = str(root / "run")
+    values = {"train": {"steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "seq_len": 16, "device": "cpu",
+                        "out_dir": out, "eval_every": 0, "eval_iters": 1, "save_every": 0},
+              "model": {"moe": {"capacity_factor": 1.0, "z_loss_coeff": 0.001}},
+              "optimizer": {"warmup_steps": 1}, "data": {"cache_dir": str(root / "cache"), "valid_fraction": 0.05},
+              "logging": {"log_every": 1}}
+    train(resolve(job_from_dict(values, model="deepseek_tiny"), 1), ParallelState.single_process())
+    return out
+
+
+def test_moe_panels_plot_each_layers_metrics(moe_run_dir):
+    from parallel3d.moe_step import METRIC_NAMES
+
+    records = _records(moe_run_dir)
+    assert {m for *_, metrics in report.MOE_PANELS for m, _ in metrics} == set(METRIC_NAMES)
+    fig = report.build_figure(records, moe_run_dir)
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    steps = [r["step"] for r in records]
+    layers = sorted({k.split("/")[1] for k in records[0] if k.startswith("moe/")})
+    assert layers == ["layer_1", "layer_2", "layer_3"]  # layer 0 is dense: no line for it
+    for title, _, metrics in report.MOE_PANELS:
+        lines = {line.get_label(): line for line in by_title[title].get_lines()}
+        assert len(lines) == len(layers) * len(metrics), (title, sorted(lines))
+        for layer in layers:
+            for metric, suffix in metrics:
+                line = lines[f"{layer}{suffix}"]
+                assert list(line.get_xdata()) == steps
+                assert list(line.get_ydata()) == [r[f"moe/{layer}/{metric}"] for r in records], (layer, metric)
+    assert any(r["moe/layer_1/dropped_fraction"] > 0 for r in records)  # capacity 1.0 drops some slots
+    # The dense run's six cells are unchanged; here 5 + 4 panels and the text panel fill a 4 x 3 grid.
+    assert len(fig.axes) == 12 and sum(ax.axison for ax in fig.axes) == 9
+
+
+def test_dense_run_has_no_moe_panels(run_dir):
+    assert report.moe_panels(_records(run_dir)) == []

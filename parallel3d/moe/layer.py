@@ -25,10 +25,16 @@ Parameters (``global_name`` e.g. ``layers.3.mlp``): ``router.weight``, ``router.
 ``shared_expert_gate.weight``. Init depends only on (seed, global name).
 Gradient reduction the integrator owns: expert parameters are SUMMED over the expert
 data-parallel group and divided like dense gradients (by dp x cp, not by the edp size);
-the router, shared experts and gate are dense replicated parameters.
+the router, shared experts and gate are dense replicated parameters. Where the ranks of a
+dense-replica group hold different tokens (tp under sequence parallel), their gradients are
+partial sums over that group: ``replicated_weight_fn`` (applied to the router, shared-expert
+and gate weights at every use; e.g. identity forward, all-reduce of the gradient over tp)
+completes them; this module knows only the function, not the group.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +64,8 @@ class MoELayer(nn.Module):
                  token_group: "dist.ProcessGroup | None" = None, global_group: "dist.ProcessGroup | None" = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  kernel_backend: str = "auto", emulate_nccl: bool = False, comm_stats: ByteCounter | None = None,
-                 shared_experts: nn.Module | None = None) -> None:
+                 shared_experts: nn.Module | None = None,
+                 replicated_weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         o = options
         if o.pad_to_capacity and o.dispatcher != "alltoall":
@@ -69,7 +76,7 @@ class MoELayer(nn.Module):
         layout = ExpertLayout(o.num_experts, ep_group, etp_group)
         out_std = init_std if output_std is None else output_std
         self.router = TopKRouter(o, hidden, global_name=f"{global_name}.router", seed=seed, init_std=init_std,
-                                 dtype=dtype, device=device)
+                                 dtype=dtype, device=device, weight_fn=replicated_weight_fn)
         self.experts = GroupedExperts(o.num_experts, hidden, o.ffn_hidden, first=layout.first_expert,
                                       num_local=layout.local_experts, prefix=global_name, seed=seed,
                                       init_std=init_std, output_std=out_std, etp_rank=layout.etp_rank,
@@ -78,10 +85,12 @@ class MoELayer(nn.Module):
         if shared_experts is None and o.num_shared_experts:
             shared_experts = SharedExpertFFN(hidden, o.num_shared_experts * o.shared_width, prefix=global_name,
                                              seed=seed, init_std=init_std, output_std=out_std, dtype=dtype,
-                                             device=device, kernel_backend=kernel_backend)
+                                             device=device, kernel_backend=kernel_backend,
+                                             weight_fn=replicated_weight_fn)
         self.shared_experts = shared_experts
         self.shared_expert_gate = (SharedExpertGate(hidden, prefix=global_name, seed=seed, init_std=init_std,
-                                                    dtype=dtype, device=device) if o.shared_expert_gate else None)
+                                                    dtype=dtype, device=device, weight_fn=replicated_weight_fn)
+                                   if o.shared_expert_gate else None)
         if o.dispatcher == "alltoall":
             self.dispatcher: AllToAllDispatcher | AllGatherDispatcher = AllToAllDispatcher(
                 o.num_experts, ep_group, etp_group, pad_to_capacity=o.pad_to_capacity, emulate_nccl=emulate_nccl,

@@ -4,7 +4,9 @@
 float64 model):
 
 1. ``logits = tokens @ weight^T`` (``weight [E, h]``, replicated on every rank: its
-   gradient is a dense one, reduced like any replicated parameter);
+   gradient is a dense one, reduced like any replicated parameter; ``weight_fn``, if given,
+   is applied to the weight at use time, e.g. the caller's identity-forward / all-reduce-the-
+   gradient map when the ranks of a group hold different tokens of one micro-batch);
 2. ``scores = softmax(logits)`` or ``sigmoid(logits)`` (``score_function``);
 3. selection on ``scores + expert_bias`` (the bias, DeepSeek-V3's aux-loss-free balancing,
    chooses experts but never weights them). Group-limited routing (DeepSeek-V3's
@@ -23,6 +25,7 @@ layout and every micro-batch split that sees the same global batch makes the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,13 +76,15 @@ class TopKRouter(nn.Module):
 
     Parameters: ``weight [E, h]`` named ``{global_name}.weight`` (init normal(0, ``init_std``)
     from ``(seed, name)``); buffer ``expert_bias [E]`` fp32 when ``bias_update_rate > 0``.
+    ``weight_fn``: applied to ``weight`` at every use (None: the weight itself).
     """
 
     def __init__(self, options: MoEOptions, hidden: int, *, global_name: str, seed: int = 0,
                  init_std: float = 0.02, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.options = options
+        self.options, self.weight_fn = options, weight_fn
         self.weight = nn.Parameter(torch.empty(options.num_experts, hidden, dtype=dtype, device=device))
         normal_shard(self.weight, seed=seed, global_name=f"{global_name}.weight", std=init_std, split_dim=None,
                      tp_rank=0, tp_size=1)
@@ -93,7 +98,8 @@ class TopKRouter(nn.Module):
     def forward(self, tokens: torch.Tensor) -> Routing:
         o = self.options
         compute = torch.promote_types(tokens.dtype, torch.float32)  # fp32, or fp64 for a float64 model
-        logits = F.linear(tokens.to(compute), self.weight.to(compute))
+        weight = self.weight if self.weight_fn is None else self.weight_fn(self.weight)
+        logits = F.linear(tokens.to(compute), weight.to(compute))
         scores = torch.softmax(logits, dim=-1) if o.score_function == "softmax" else torch.sigmoid(logits)
         selection = scores.detach()
         if self.expert_bias is not None:

@@ -5,12 +5,16 @@
 ``sigmoid(x @ gate^T)`` (``gate [1, h]``). Shapes ``[T, h] -> [T, h]``.
 
 This module is replicated (every rank holds all of it; its gradients are reduced like
-any replicated dense parameter). A model that runs its dense FFNs tensor parallel may pass
+any replicated dense parameter). ``weight_fn``, if given, is applied to every weight at use
+time (e.g. the caller's identity-forward / all-reduce-the-gradient map over the ranks that hold
+different tokens of one micro-batch: tp under sequence parallel). A model that runs its dense FFNs tensor parallel may pass
 its own tensor-parallel FFN to ``MoELayer(shared_experts=...)`` instead.
 Names: ``{prefix}.shared_experts.w1/w2/w3`` and ``{prefix}.shared_expert_gate.weight``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,8 @@ from torch import nn
 from kernels import dispatch
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel.init import normal_shard
+
+WeightFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _weight(shape: tuple[int, int], name: str, seed: int, std: float, dtype: torch.dtype,
@@ -33,8 +39,10 @@ class SharedExpertFFN(nn.Module):
 
     def __init__(self, hidden: int, width: int, *, prefix: str, seed: int = 0, init_std: float = 0.02,
                  output_std: float | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, kernel_backend: str = "auto") -> None:
+                 device: torch.device | str | None = None, kernel_backend: str = "auto",
+                 weight_fn: WeightFn | None = None) -> None:
         super().__init__()
+        self.weight_fn = weight_fn
         name = f"{prefix}.shared_experts"
         self.w1 = _weight((width, hidden), f"{name}.w1", seed, init_std, dtype, device)
         self.w3 = _weight((width, hidden), f"{name}.w3", seed, init_std, dtype, device)
@@ -43,17 +51,21 @@ class SharedExpertFFN(nn.Module):
         self.kernel_backend = kernel_backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = dispatch.swiglu(F.linear(x, self.w1), F.linear(x, self.w3), backend=self.kernel_backend)
-        return F.linear(hidden, self.w2)
+        w1, w2, w3 = (w if self.weight_fn is None else self.weight_fn(w) for w in (self.w1, self.w2, self.w3))
+        hidden = dispatch.swiglu(F.linear(x, w1), F.linear(x, w3), backend=self.kernel_backend)
+        return F.linear(hidden, w2)
 
 
 class SharedExpertGate(nn.Module):
     """Qwen2-MoE's per-token gate ``sigmoid(x @ weight^T)``, ``weight [1, h]``."""
 
     def __init__(self, hidden: int, *, prefix: str, seed: int = 0, init_std: float = 0.02,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 weight_fn: WeightFn | None = None) -> None:
         super().__init__()
+        self.weight_fn = weight_fn
         self.weight = _weight((1, hidden), f"{prefix}.shared_expert_gate.weight", seed, init_std, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(x, self.weight))
+        weight = self.weight if self.weight_fn is None else self.weight_fn(self.weight)
+        return torch.sigmoid(F.linear(x, weight))
