@@ -112,7 +112,9 @@ class LayoutCase:
     def name(self) -> str:
         p, t = self.parallel, self.train
         zero = f"z{p['zero_stage']}"
-        if p["zero_stage"] == 3:
+        if p.get("expert_zero_stage") is not None:
+            zero += f"e{p['expert_zero_stage']}"
+        if 3 in (p["zero_stage"], p.get("expert_zero_stage")):
             zero += f"-{p['zero3_reshard']}-pf{p['zero3_prefetch']}"
         if p["offload"] != "none":
             zero += f"-off-{p['offload']}"
@@ -223,6 +225,13 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
              schedule=rng.choice([s for s in cfg.SCHEDULES if s not in ("interleaved_1f1b", "zbv")]))
     p["pp_layers"] = [1, *_composition(rng, layers - 1, p["pp"] - 1)] if 1 < p["pp"] < layers and rng.random() < 0.5 \
         else None
+    # The experts' own ZeRO stage (parallel.expert_zero_stage), drawn last: the draws above keep their odds.
+    if rng.random() < 0.5:
+        p["expert_zero_stage"] = rng.choice([s for s in cfg.ZERO_STAGES if s != p["zero_stage"]])
+        if p["offload"] != "none" and p["expert_zero_stage"] == 0:
+            p["expert_zero_stage"] = rng.choice([s for s in cfg.ZERO_STAGES if s not in (0, p["zero_stage"])])
+        if 3 not in (p["zero_stage"], p["expert_zero_stage"]):
+            p["zero3_reshard"] = "auto"
     return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl)
 
 
@@ -276,6 +285,9 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "moe_ep>1_pp>=2_stage_without_moe": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["pp"] >= 2
     and c.model == "deepseek" and (c.parallel["pp_layers"] or [0])[0] == 1,
     "moe_ep>1_zero3": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["zero_stage"] == 3,
+    # parallel.expert_zero_stage: experts and dense parameters at different ZeRO stages (ep > 1: edp != dp_cp).
+    "moe_ep>1_expert_zero_stage!=zero_stage": lambda c: c.parallel.get("ep", 1) > 1
+    and c.parallel.get("expert_zero_stage") not in (None, c.parallel["zero_stage"]),
 }
 
 
@@ -343,7 +355,7 @@ def ci_sample() -> tuple[LayoutCase, ...]:
 def case_by_id(case_id: int) -> LayoutCase:
     """The case of any id: a coverage id (``COVER_BASE + k``) is the CI sample's case of that id, or
     (if the sample did not need property k) the first valid draw under it."""
-    if case_id >= COVER_BASE:
+    if COVER_BASE <= case_id < COVER_BASE + len(CI_MUST_COVER):  # (MoE ids, MOE_BASE + k, are plain draws)
         for case in ci_sample():
             if case.case_id == case_id:
                 return case
