@@ -284,6 +284,8 @@ class ZeroOptimizer:
                 modules, part_layouts, pstate, zero_stage=st, device=self.device, grad_dtype=grad_dtype,
                 reduce_scatter=reduce_scatter, memory=self.memory,
             ))
+        for members, sync in zip(groups, sync_parts):  # tied embeddings are dense: one part sums them
+            sync.sums_tied = any(layouts[g].reduce_kind == DENSE_REDUCE_KIND for g in members)
         if len(stages) == 1:
             self.params = param_parts[0]
             self.grad_sync: GradSync | MixedGradSync = sync_parts[0]
