@@ -2,7 +2,10 @@
 
 Which ranks are replicas: every ``BufferLayout`` names its group kind (``reduce_kind``);
 dense parameters are replicated over ``dp_cp`` (``DENSE_REDUCE_KIND``: data and
-context parallel ranks hold the same weights), so ZeRO never assumes ``dp``.
+context parallel ranks hold the same weights), so ZeRO never assumes ``dp``. Routed experts
+(``EXPERT_REDUCE_KIND``, ``edp``) use ``expert_zero_stage`` (None: ``zero_stage``); each stage in use
+gets its own params / grad-sync strategy over its layouts (``mixed``), the states, norm and
+checkpoint views are per layout, so the table below holds per kind with its own N.
 
 Who holds what, per rank, at the peak of a step (Ψ = this model-parallel rank's
 parameter count, N = the replica group's size (dp * cp), g = bytes per gradient element: 4 for fp32 main grads,
