@@ -112,7 +112,9 @@ class LayoutCase:
     def name(self) -> str:
         p, t = self.parallel, self.train
         zero = f"z{p['zero_stage']}"
-        if p["zero_stage"] == 3:
+        if p.get("expert_zero_stage") is not None:
+            zero += f"e{p['expert_zero_stage']}"
+        if 3 in (p["zero_stage"], p.get("expert_zero_stage")):
             zero += f"-{p['zero3_reshard']}-pf{p['zero3_prefetch']}"
         if p["offload"] != "none":
             zero += f"-off-{p['offload']}"
@@ -232,6 +234,13 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
     # draws meeting the rarer coverage properties stay valid often enough; the validator still decides).
     world = p["tp"] * p["pp"] * p["dp"] * p.get("cp", 1)
     p["etp"] = rng.choice([d for d in (p["tp"], 1, 2, 4) if world % (d * p["ep"] * p["pp"]) == 0] or [p["tp"]])
+    # The experts' own ZeRO stage (parallel.expert_zero_stage), drawn last: the draws above keep their odds.
+    if rng.random() < 0.5:
+        p["expert_zero_stage"] = rng.choice([s for s in cfg.ZERO_STAGES if s != p["zero_stage"]])
+        if p["offload"] != "none" and p["expert_zero_stage"] == 0:
+            p["expert_zero_stage"] = rng.choice([s for s in cfg.ZERO_STAGES if s not in (0, p["zero_stage"])])
+        if 3 not in (p["zero_stage"], p["expert_zero_stage"]):
+            p["zero3_reshard"] = "auto"
     return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl)
 
 
@@ -290,6 +299,9 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     "moe_ep>1_etp!=tp": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel.get("etp", c.parallel["tp"]) != c.parallel["tp"],
     "moe_ep>1_cp>1": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel.get("cp", 1) > 1,
     "moe_ep>1_zero3": lambda c: c.parallel.get("ep", 1) > 1 and c.parallel["zero_stage"] == 3,
+    # parallel.expert_zero_stage: experts and dense parameters at different ZeRO stages (ep > 1: edp != dp_cp).
+    "moe_ep>1_expert_zero_stage!=zero_stage": lambda c: c.parallel.get("ep", 1) > 1
+    and c.parallel.get("expert_zero_stage") not in (None, c.parallel["zero_stage"]),
 }
 
 

@@ -46,13 +46,16 @@ def pipeline_messages(actions: list[Action], message_bytes: int) -> list[Message
             Messages("pp_recv", recvs, recvs * message_bytes, "schedule")]
 
 
-def zero_messages(layouts: list[BufferLayout], *, zero_stage: int, microbatches: int, grad_itemsize: int,
+def zero_messages(layouts: list[BufferLayout], *, zero_stage: int | list[int], microbatches: int, grad_itemsize: int,
                   zero3_mode: str, embedding_group: bool,
                   root_buckets: frozenset[tuple[int, int]] = frozenset()) -> list[Messages]:
     """``dp_cp`` gradient reductions and parameter gathers, and ``embedding`` sums, of one step;
-    ``root_buckets``: (layout index, bucket index) of stage 3's root units."""
+    ``zero_stage``: one stage, or each layout's (``parallel.expert_zero_stage``); ``root_buckets``:
+    (layout index, bucket index) of stage 3's root units."""
     out = []
+    stages = [zero_stage] * len(layouts) if isinstance(zero_stage, int) else zero_stage
     for g, layout in enumerate(layouts):
+        zero_stage = stages[g]
         buckets = layout.buckets
         grad_bytes = sum(b.size for b in buckets) * grad_itemsize
         param_bytes = sum(b.size for b in buckets) * layout.dtype.itemsize

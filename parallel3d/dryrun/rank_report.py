@@ -64,6 +64,14 @@ def build_optimizer(rj: ResolvedJob, chunks: list[torch.nn.Module], pstate) -> Z
     )
 
 
+def _root_buckets(optimizer: ZeroOptimizer) -> frozenset[tuple[int, int]]:
+    """(layout, bucket) of stage 3's root units, in the optimizer's layout indices (mixed stages too)."""
+    params = optimizer.params
+    parts = getattr(params, "parts", [params])
+    return frozenset(params.global_key(part, b) if part is not params else b
+                     for part in parts for u in getattr(part, "units", []) if u.is_root for b in u.buckets)
+
+
 def _stage_layers(rj: ResolvedJob, stage: int) -> int:
     p = rj.job.parallel
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=rj.train.seq_len)
@@ -91,10 +99,11 @@ def _fill(report: RankReport, rj: ResolvedJob) -> None:
         report.offloaded_bytes = held["offload_host"] + held["offload_disk"]
         grad_itemsize = precision_dtype(rj.zero.grad_reduce_dtype).itemsize
         report.messages += zero_messages(
-            optimizer.layouts, zero_stage=rj.zero.zero_stage, microbatches=rj.grad_accum,
+            optimizer.layouts, zero_stage=[optimizer.layout_stage(g) for g in range(len(optimizer.layouts))],
+            microbatches=rj.grad_accum,
             grad_itemsize=grad_itemsize, zero3_mode=rj.zero.zero3_mode(p.pp),
             embedding_group=len(pstate.ranks("embedding")) > 1,
-            root_buckets=frozenset(b for u in getattr(optimizer.params, "units", []) if u.is_root for b in u.buckets))
+            root_buckets=_root_buckets(optimizer))
     report.layers = _stage_layers(rj, stage)
     # The real job runs on NCCL: p2p batches complete as one unit (schedules' coalesced_p2p).
     schedule = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True)

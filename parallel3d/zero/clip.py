@@ -53,14 +53,16 @@ def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torc
     return total
 
 
-def reduce_norm(local_sq: dict[str, torch.Tensor], pstate: ParallelState, *, sharded: bool) -> float:
+def reduce_norm(local_sq: dict[str, torch.Tensor], pstate: ParallelState, *,
+                sharded: bool | dict[str, bool]) -> float:
     """The global L2 norm from this rank's sums of squares per replica group kind (inf/nan propagate).
 
-    ``sharded``: the replicas hold different shards (stages 1-3), so their sums add up."""
+    ``sharded`` (for every kind, or per kind): the replicas hold different shards (stages 1-3), so
+    their sums add up."""
     total = 0.0
     for kind in sorted(local_sq):  # the same order on every rank
         sq = local_sq[kind].reshape(1).clone()
-        if sharded:
+        if sharded if isinstance(sharded, bool) else sharded[kind]:
             comm.all_reduce(sq, pstate, kind)
         comm.all_reduce(sq, pstate, complement(kind))
         total += sq.item()

@@ -125,6 +125,9 @@ class GradSync(ABC):
             self._tied = []
         self._is_last = True
         self._finalized = False
+        # Whether finalize sums tied pieces (and checks them over ``embedding``): False for a part of
+        # ``mixed.MixedGradSync`` without the dense layout, so every rank joins that exchange once.
+        self.sums_tied = True
         self._closed: set[int] = set()  # params whose last microbatch's gradient has arrived this step
         self._observers: list[GradObserver] = []
 
@@ -216,6 +219,8 @@ class GradSync(ABC):
     def _sum_tied(self) -> None:
         """Sum the reduced tied-embedding pieces: on this rank where it holds both copies, else
         over the ``embedding`` group (first + last stage)."""
+        if not self.sums_tied:
+            return
         for (ga, a), (gb, b) in self._local_pairs:
             mine, other = self.grad_piece(ga, a), self.grad_piece(gb, b)
             if mine.shape != other.shape or a.piece_start - a.start != b.piece_start - b.start:

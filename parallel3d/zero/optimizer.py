@@ -2,7 +2,10 @@
 
 Which ranks are replicas: every ``BufferLayout`` names its group kind (``reduce_kind``);
 dense parameters are replicated over ``dp_cp`` (``DENSE_REDUCE_KIND``: data and
-context parallel ranks hold the same weights), so ZeRO never assumes ``dp``.
+context parallel ranks hold the same weights), so ZeRO never assumes ``dp``. Routed experts
+(``EXPERT_REDUCE_KIND``, ``edp``) use ``expert_zero_stage`` (None: ``zero_stage``); each stage in use
+gets its own params / grad-sync strategy over its layouts (``mixed``), the states, norm and
+checkpoint views are per layout, so the table below holds per kind with its own N.
 
 Who holds what, per rank, at the peak of a step (Ψ = this model-parallel rank's
 parameter count, N = the replica group's size (dp * cp), g = bytes per gradient element: 4 for fp32 main grads,
@@ -77,6 +80,7 @@ from parallel3d.zero.grad_replicated import ReplicatedGradSync
 from parallel3d.zero.grad_sharded import ShardedGradSync
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker
+from parallel3d.zero.mixed import MixedGradSync, MixedParams
 from parallel3d.zero.offload import make_states
 from parallel3d.zero.options import ZeroOptions, resolve_reshard
 from parallel3d.zero.owned import OwnedSegment, owned_segments
@@ -164,6 +168,7 @@ class ZeroOptimizer:
         *,
         zero_stage: int,
         lr: float,
+        expert_zero_stage: int | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -189,7 +194,7 @@ class ZeroOptimizer:
         if isinstance(modules, torch.nn.Module):
             modules = [modules]
         self.options = ZeroOptions(
-            zero_stage=zero_stage, bucket_size_mb=bucket_size_mb, grad_reduce_dtype=grad_reduce_dtype,
+            zero_stage=zero_stage, expert_zero_stage=expert_zero_stage, bucket_size_mb=bucket_size_mb, grad_reduce_dtype=grad_reduce_dtype,
             offload=offload, offload_dir=offload_dir, offload_buffer_mb=offload_buffer_mb,
             zero3_prefetch=zero3_prefetch, zero3_reshard=zero3_reshard, overlap_param_gather=overlap_param_gather)
         if clip_grad is not None and not clip_grad > 0:
@@ -228,8 +233,9 @@ class ZeroOptimizer:
 
         bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
         first_bucket_numel = min(bucket_numel, FIRST_BUCKET_BYTES // dtype.itemsize)
-        sharded = zero_stage > 0
-        units = find_units(modules) if zero_stage == 3 else None
+        # Each kind's stage: dense parameters at zero_stage, routed experts at expert_zero_stage.
+        self.stage_of_kind = {DENSE_REDUCE_KIND: zero_stage, EXPERT_REDUCE_KIND: self.options.expert_stage}
+        units = find_units(modules) if 3 in self.stage_of_kind.values() else None
         unit_of = None
         if units is not None:
             index = unit_index_of(units)
@@ -241,12 +247,13 @@ class ZeroOptimizer:
             if not params:
                 continue
             replicas = comm.group_size(pstate, kind)
+            sharded = self.stage_of_kind[kind] > 0
             layouts.append(BufferLayout(
                 params, bucket_numel=bucket_numel, reduce_kind=kind, replicas=replicas,
                 owner_count=replicas if sharded else 1,
                 owner_index=comm.group_rank(pstate, kind) if sharded else 0,
                 count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
-                unit_of=unit_of, first_bucket_numel=first_bucket_numel,
+                unit_of=unit_of if self.stage_of_kind[kind] == 3 else None, first_bucket_numel=first_bucket_numel,
             ))
         self.device = named[0][1].device
         self._adamw = resolve_backend(fused_adamw_backend, self.device)
@@ -254,21 +261,43 @@ class ZeroOptimizer:
         self._lists: TensorLists | None = None
         self._lists_key: tuple[int, ...] = ()
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
-        if units is not None:
-            self.params: ReplicatedParams | ShardedParams = ShardedParams(
-                layouts, units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
-                reshard=resolve_reshard(zero3_reshard, pstate.size("pp")))
-        else:
-            overlap_units = find_units(modules) if overlap_param_gather and sharded else None
-            self.params = ReplicatedParams(layouts, pstate, device=self.device, sharded=sharded, memory=self.memory,
-                                           overlap_units=overlap_units)
+        self._all_layouts = layouts
+        # One params / grad-sync strategy per stage in use (in layout order); mixed stages are
+        # presented under the global layout indices (``mixed``).
+        stages: list[int] = []
+        for layout in layouts:
+            if self.stage_of_kind[layout.reduce_kind] not in stages:
+                stages.append(self.stage_of_kind[layout.reduce_kind])
+        groups = [[g for g, layout in enumerate(layouts) if self.stage_of_kind[layout.reduce_kind] == st]
+                  for st in stages]
         grad_dtype = precision_dtype(grad_reduce_dtype)
-        self.grad_sync: GradSync = make_grad_sync(
-            modules, layouts, pstate, zero_stage=zero_stage, device=self.device, grad_dtype=grad_dtype,
-            reduce_scatter=reduce_scatter, memory=self.memory,
-        )
-        if isinstance(self.params, ShardedParams):
-            self.grad_sync.add_observer(self.params)
+        param_parts, sync_parts = [], []
+        for st, members in zip(stages, groups):
+            part_layouts = [layouts[g] for g in members]
+            if st == 3:
+                params_part: ReplicatedParams | ShardedParams = ShardedParams(
+                    part_layouts, units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
+                    reshard=resolve_reshard(zero3_reshard, pstate.size("pp")))
+            else:
+                overlap_units = find_units(modules) if overlap_param_gather and st > 0 else None
+                params_part = ReplicatedParams(part_layouts, pstate, device=self.device, sharded=st > 0,
+                                               memory=self.memory, overlap_units=overlap_units)
+            param_parts.append(params_part)
+            sync_parts.append(make_grad_sync(
+                modules, part_layouts, pstate, zero_stage=st, device=self.device, grad_dtype=grad_dtype,
+                reduce_scatter=reduce_scatter, memory=self.memory,
+            ))
+        for members, sync in zip(groups, sync_parts):  # tied embeddings are dense: one part sums them
+            sync.sums_tied = any(layouts[g].reduce_kind == DENSE_REDUCE_KIND for g in members)
+        if len(stages) == 1:
+            self.params = param_parts[0]
+            self.grad_sync: GradSync | MixedGradSync = sync_parts[0]
+        else:
+            self.params = MixedParams(param_parts, groups, layouts)
+            self.grad_sync = MixedGradSync(sync_parts, groups)
+        sharded_parts = [p for p in param_parts if isinstance(p, ShardedParams)]
+        if sharded_parts:  # it counts a unit's gradients whichever stage reduces them
+            self.grad_sync.add_observer(sharded_parts[0])
         self.states: OptimizerStates = make_states(
             offload, layouts, self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
             offload_dir=offload_dir, buffer_bytes=int(offload_buffer_mb * 2**20),
@@ -283,7 +312,11 @@ class ZeroOptimizer:
 
     @property
     def layouts(self) -> list[BufferLayout]:
-        return self.params.layouts
+        return self._all_layouts
+
+    def layout_stage(self, group: int) -> int:
+        """The ZeRO stage of layout ``group`` (dense: ``zero_stage``, experts: ``expert_zero_stage``)."""
+        return self.stage_of_kind[self.layouts[group].reduce_kind]
 
     @property
     def masters(self) -> list[torch.Tensor | None]:
@@ -360,7 +393,8 @@ class ZeroOptimizer:
                     # Also in elements another rank counts in the norm (e.g. TP replicas):
                     # an inf in the sum makes every rank of the job see the overflow.
                     sq += math.inf
-        norm = clip.reduce_norm(local_sq, self.pstate, sharded=self.zero_stage > 0)
+        norm = clip.reduce_norm(local_sq, self.pstate,
+                                sharded={kind: stage > 0 for kind, stage in self.stage_of_kind.items()})
         self.iteration += 1
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
@@ -468,11 +502,10 @@ class ZeroOptimizer:
         in every stage and offload mode (disk: views of the memory-mapped state files)."""
         return owned_segments(self)
 
-    @property
-    def replicated(self) -> bool:
-        """Whether every rank of a layout's replica group holds the whole optimizer state (stage 0)
-        rather than a shard."""
-        return self.zero_stage == 0
+    def layout_replicated(self, group: int) -> bool:
+        """Whether every rank of layout ``group``'s replica group holds its whole optimizer state
+        (stage 0) rather than a shard."""
+        return self.layout_stage(group) == 0
 
     @torch.no_grad()
     def params_from_master(self) -> None:

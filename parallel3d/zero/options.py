@@ -34,6 +34,8 @@ def resolve_reshard(mode: str, pp: int) -> str:
 class ZeroOptions:
     # 0: plain DP all-reduce; 1: sharded optimizer state; 2: + sharded grads; 3: + sharded params
     zero_stage: int = 0
+    # The routed experts' stage (their parameters, grads and optimizer state over edp); None: zero_stage.
+    expert_zero_stage: int | None = None
     bucket_size_mb: float = 25.0  # gradient bucket size for DP/ZeRO reduction
     # dtype gradients are accumulated over microbatches and reduced over DP in: fp32 (main
     # grads, the default) or the model's own bf16/fp16 (half the reduction bytes).
@@ -51,9 +53,14 @@ class ZeroOptions:
 
     def __post_init__(self) -> None:
         stage = check_choice("parallel.zero_stage", self.zero_stage, ZERO_STAGES)
+        expert = stage if self.expert_zero_stage is None else \
+            check_choice("parallel.expert_zero_stage", self.expert_zero_stage, ZERO_STAGES)
         check_range("parallel.bucket_size_mb", self.bucket_size_mb, 0.0, lo_open=True)
         check_choice("parallel.grad_reduce_dtype", self.grad_reduce_dtype, PRECISIONS)
         offload = check_choice("parallel.offload", self.offload, OFFLOAD_MODES)
+        if offload != "none" and stage > 0 and expert == 0:
+            raise ConfigError(f"parallel.expert_zero_stage=0: parallel.offload={offload} needs every stage >= 1 "
+                              f"(offload covers the experts' optimizer state too)")
         if offload != "none" and stage == 0:
             raise ConfigError(
                 f"parallel.offload={offload}: needs parallel.zero_stage >= 1 (with stage 0 every rank would keep and "
@@ -69,9 +76,14 @@ class ZeroOptions:
         check_int("parallel.zero3_prefetch", self.zero3_prefetch, 0)
         check_choice("parallel.zero3_reshard", self.zero3_reshard, ZERO3_RESHARD)
         check_bool("parallel.overlap_param_gather", self.overlap_param_gather)
-        if stage != 3 and self.zero3_reshard != "auto":
+        if 3 not in (stage, expert) and self.zero3_reshard != "auto":
             raise ConfigError(f"parallel.zero3_reshard={self.zero3_reshard}: only used with parallel.zero_stage=3 "
                               f"(zero_stage is {stage})")
+
+    @property
+    def expert_stage(self) -> int:
+        """The ZeRO stage of the routed experts (``expert_zero_stage``, or ``zero_stage`` when null)."""
+        return self.zero_stage if self.expert_zero_stage is None else self.expert_zero_stage
 
     def check_precision(self, precision: str) -> None:
         """Gradients are reduced in fp32 or in the training precision itself."""

@@ -34,6 +34,8 @@ class StateReader(Protocol):
 
     def read_state_piece(self, group: int, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def layout_replicated(self, group: int) -> bool: ...
+
 
 @dataclass(frozen=True)
 class OwnedSegment:
@@ -69,6 +71,6 @@ def owned_segments(opt: StateReader) -> list[OwnedSegment]:
                     name=seg.slot.name, param=seg.slot.param, shape=tuple(seg.slot.param.shape),
                     start=seg.param_start, length=seg.length,
                     master=master[lo:hi], exp_avg=m[lo:hi], exp_avg_sq=v[lo:hi],
-                    replica_kind=layout.reduce_kind if opt.replicated else None,
+                    replica_kind=layout.reduce_kind if opt.layout_replicated(g) else None,
                 ))
     return out
