@@ -84,10 +84,10 @@ def _mixtral_to_hf(cfg: ModelConfig) -> Any:
     if cfg.qk_norm or cfg.qkv_bias or m.num_shared_experts or _dense_layers(cfg) or not m.normalize_topk:
         raise ValueError("Mixtral has no q/k norms, q/k/v biases, shared experts, dense layers or unnormalised "
                          "top-k weights (use Qwen2-MoE / Qwen3-MoE configs)")
-    if m.ffn_hidden_size not in (None, cfg.ffn_size):
-        raise ValueError(f"Mixtral: model.moe.ffn_hidden_size={m.ffn_hidden_size} must equal "
-                         f"model.ffn_hidden_size={cfg.ffn_size} (one intermediate_size)")
-    return transformers.MixtralConfig(intermediate_size=cfg.ffn_size, num_local_experts=m.num_experts,
+    # Every Mixtral layer is MoE, so its one intermediate_size is the expert width (model.ffn_hidden_size,
+    # the dense width, is unused; reading the directory back gives ffn_hidden_size = the expert width).
+    return transformers.MixtralConfig(intermediate_size=m.ffn_hidden_size or cfg.ffn_size,
+                                      num_local_experts=m.num_experts,
                                       router_aux_loss_coef=m.aux_loss_coeff, **common)
 
 
