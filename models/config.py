@@ -130,7 +130,8 @@ class ModelConfig:
         for key in ("qk_norm", "qkv_bias"):
             value = getattr(self, key)
             if not (isinstance(value, bool) or (value is None and key == "qkv_bias")):
-                raise ValueError(f"model.{key}={value!r} must be true or false" + (" or null" if key == "qkv_bias" else ""))
+                allowed = "true, false or null" if key == "qkv_bias" else "true or false"
+                raise ValueError(f"model.{key}={value!r} must be {allowed}")
         self.mla.validate()
         if self.mla.enabled and ARCH_PRESETS[self.arch].positions != "rope":
             raise ValueError(f"model.mla with model.arch={self.arch!r}: latent attention needs rotary positions "

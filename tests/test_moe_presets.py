@@ -69,7 +69,8 @@ def test_latent_attention_equals_a_written_out_reference(q_lora):
     kv = (rms(ckv[..., :16], attn.kv_latent_norm.weight) @ attn.kv_up.weight.t()).view(2, 10, H, -1)
     inv = 1.0 / 10000.0 ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4)
     ang = torch.arange(10, dtype=torch.float64)[:, None] * inv[None]
-    q_rope, k_rope = _rope(q[..., 8:], ang.cos(), ang.sin()), _rope(ckv[..., 16:].view(2, 10, 1, 4), ang.cos(), ang.sin())
+    q_rope = _rope(q[..., 8:], ang.cos(), ang.sin())
+    k_rope = _rope(ckv[..., 16:].view(2, 10, 1, 4), ang.cos(), ang.sin())
     qf = torch.cat([q[..., :8], q_rope], -1)
     kf = torch.cat([kv[..., :8], k_rope.expand(2, 10, H, 4)], -1)
     expected = _reference_attention(qf, kf, kv[..., 8:]) @ attn.out.weight.t()
