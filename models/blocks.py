@@ -99,10 +99,13 @@ class Norm(nn.Module):
 
     With sequence parallel each rank normalises only its tokens, so the replicated
     weight/bias gradients are partial sums: ``copy_to_tp_region`` all-reduces them in backward.
+    ``per_head``: the norm runs over attention heads, which tp splits, so its gradients are partial
+    sums over tp with or without sequence parallel.
     """
 
-    def __init__(self, ctx: BuildContext, global_name: str, spec: NormSpec) -> None:
+    def __init__(self, ctx: BuildContext, global_name: str, spec: NormSpec, per_head: bool = False) -> None:
         super().__init__()
+        self.partial_grads = ctx.sequence_parallel or (per_head and ctx.pstate.size("tp") > 1)
         self.function = NORM_FUNCTIONS[spec.kind]
         self.eps, self.backend = spec.eps, ctx.config.backend
         self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
@@ -115,7 +118,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if self.sequence_parallel:
+        if self.partial_grads:
             weight = copy_to_tp_region(weight, self.pstate)
             bias = None if bias is None else copy_to_tp_region(bias, self.pstate)
         return self.function(x, weight, bias, self.eps, self.backend)
@@ -161,6 +164,10 @@ class Attention(nn.Module):
         self.selective = ctx.recompute == "selective"
         self.context_parallel = ctx.context_parallel
         self.qkv = ctx.column(h, spec.q_size + 2 * spec.kv_size, f"layers.{layer}.attn.qkv", spec.qkv_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm is not None:  # Qwen3: RMSNorm over each head's width, before rotary positions
+            self.q_norm = Norm(ctx, f"layers.{layer}.attn.q_norm", spec.qk_norm, per_head=True)
+            self.k_norm = Norm(ctx, f"layers.{layer}.attn.k_norm", spec.qk_norm, per_head=True)
         self.out = ctx.row(spec.q_size, h, f"layers.{layer}.attn.out", spec.out_bias)
 
     def forward(self, x: torch.Tensor, run: ForwardContext) -> torch.Tensor:
@@ -170,6 +177,8 @@ class Attention(nn.Module):
         # q is a view of the fused buffer when this rank holds one kv group (or q_per_kv == 1), else a copy.
         q = qkv[:, :, :, : self.q_per_kv].reshape(b, s, self.kv_local * self.q_per_kv, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if run.rope is not None:
             q, k = self._rope(q, k, *run.rope)
         q, k, v = _views_copied_out_if_mixed((q, k, v), qkv)
@@ -197,13 +206,15 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + drop(attn(norm1(x)))``, ``out = h + drop(mlp(norm2(h)))``."""
 
-    def __init__(self, ctx: BuildContext, layer: int, spec: BlockSpec, mlp: nn.Module) -> None:
+    def __init__(self, ctx: BuildContext, layer: int, spec: BlockSpec, mlp: nn.Module,
+                 attention: nn.Module | None = None) -> None:
+        """``attention``: another attention module (``models.mla``); default ``Attention`` of ``spec``."""
         super().__init__()
         self.layer = layer
         self.dropout, self.seed = ctx.config.dropout, ctx.seed
         self.pstate, self.sequence_parallel = ctx.pstate, ctx.sequence_parallel
         self.norm1 = Norm(ctx, f"layers.{layer}.norm1", spec.norm)
-        self.attn = Attention(ctx, layer, spec.attention)
+        self.attn = Attention(ctx, layer, spec.attention) if attention is None else attention
         self.norm2 = Norm(ctx, f"layers.{layer}.norm2", spec.norm)
         self.mlp = mlp
 

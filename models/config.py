@@ -5,7 +5,11 @@ One dataclass covers every architecture; ``arch`` names a preset of ``models.spe
   GPT configs tie input/output embeddings and use biases.
 - ``"llama"``: rotary positions, RMSNorm, SwiGLU MLP; the named Llama configs use
   grouped-query attention (``num_kv_heads``), an untied output and no biases.
-``use_bias``, ``tie_embeddings`` and ``num_kv_heads`` apply to any arch. ``spec`` is the
+``use_bias``, ``tie_embeddings`` and ``num_kv_heads`` apply to any arch; so do ``kv_channels`` (the
+attention head width when it is not ``hidden / heads``, Megatron's name; HF ``head_dim``),
+``qkv_bias`` (q/k/v biases apart from the others: Qwen2), ``qk_norm`` (per-head RMSNorm of queries
+and keys: Qwen3) and the ``mla`` section (multi-head latent attention: DeepSeek-V3,
+``models.mla_config``). ``spec`` is the
 resolved architecture (``models.spec.ModelSpec``) and ``shape`` its parameters and FLOPs
 (``models.shape.ModelShape``); code reads those, never ``arch``.
 """
@@ -17,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from kernels.runtime import BACKENDS
+from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 from models.shape import ModelShape
 from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
@@ -44,6 +49,10 @@ class ModelConfig:
     kernel_backend: str = "auto"  # kernels.backend: auto | triton | apex | torch
     name: str = ""
     moe: MoEConfig = field(default_factory=MoEConfig)  # model.moe: mixture-of-experts layers (models.moe_config)
+    kv_channels: int | None = None  # attention head width; None: hidden_size / num_heads
+    qkv_bias: bool | None = None  # biases on q, k, v; None: use_bias
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary positions (Qwen3)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # model.mla: multi-head latent attention (models.mla_config)
 
     @property
     def backend(self) -> str:
@@ -51,9 +60,11 @@ class ModelConfig:
         return self.kernel_backend if self.fused_kernels else "torch"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.moe, MoEConfig):  # a config section (mapping or schema dataclass)
-            values = asdict(self.moe) if is_dataclass(self.moe) else dict(self.moe)
-            object.__setattr__(self, "moe", MoEConfig(**values))
+        for key, cls in (("moe", MoEConfig), ("mla", MLAConfig)):
+            section = getattr(self, key)
+            if not isinstance(section, cls):  # a config section (mapping or schema dataclass)
+                values = asdict(section) if is_dataclass(section) else dict(section)
+                object.__setattr__(self, key, cls(**values))
         self.validate()
 
     # ---- derived -------------------------------------------------------------
@@ -63,7 +74,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """The width of one attention head (``kv_channels``, default ``hidden / heads``)."""
+        return self.hidden_size // self.num_heads if self.kv_channels is None else self.kv_channels
+
+    @property
+    def rope_dim(self) -> int:
+        """The width rotary positions turn: the head (or MLA's rotary part of it)."""
+        return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
 
     @property
     def ffn_size(self) -> int:
@@ -75,8 +92,12 @@ class ModelConfig:
         preset = ARCH_PRESETS[self.arch]
         norm = NormSpec(kind=preset.norm, size=self.hidden_size, bias=self.use_bias and NORM_TAKES_BIAS[preset.norm],
                         eps=self.norm_eps)
+        qk_norm = (NormSpec(kind="rmsnorm", size=self.head_dim, bias=False, eps=self.norm_eps)
+                   if self.qk_norm else None)
         attention = AttentionSpec(num_heads=self.num_heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                  qkv_bias=self.use_bias, out_bias=self.use_bias)
+                                  qkv_bias=self.use_bias if self.qkv_bias is None else self.qkv_bias,
+                                  out_bias=self.use_bias, qk_norm=qk_norm,
+                                  latent=self.mla.spec() if self.mla.enabled else None)
         block = BlockSpec(hidden_size=self.hidden_size, norm=norm, attention=attention,
                           mlp=MLPSpec(kind=preset.mlp, ffn_size=self.ffn_size, bias=self.use_bias))
         moe_block = replace(block, moe=self.moe.options(self.ffn_size)) if self.moe.enabled else block
@@ -103,7 +124,22 @@ class ModelConfig:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads!r} must be an integer >= 1 or null")
         if self.ffn_hidden_size is not None and (not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 1):
             raise ValueError(f"model.ffn_hidden_size={self.ffn_hidden_size!r} must be an integer >= 1 or null")
-        if self.hidden_size % self.num_heads:
+        if self.kv_channels is not None and (isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int)
+                                             or self.kv_channels < 1):
+            raise ValueError(f"model.kv_channels={self.kv_channels!r} must be an integer >= 1 or null")
+        for key in ("qk_norm", "qkv_bias"):
+            value = getattr(self, key)
+            if not (isinstance(value, bool) or (value is None and key == "qkv_bias")):
+                allowed = "true, false or null" if key == "qkv_bias" else "true or false"
+                raise ValueError(f"model.{key}={value!r} must be {allowed}")
+        self.mla.validate()
+        if self.mla.enabled and ARCH_PRESETS[self.arch].positions != "rope":
+            raise ValueError(f"model.mla with model.arch={self.arch!r}: latent attention needs rotary positions "
+                             f"(arch llama)")
+        if self.mla.enabled and self.qk_norm:
+            raise ValueError("model.qk_norm=true with model.mla: latent attention normalises its latents instead; "
+                             "allowed: qk_norm=false")
+        if self.kv_channels is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
             )
@@ -111,8 +147,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.kv_heads}"
             )
-        if ARCH_PRESETS[self.arch].positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if ARCH_PRESETS[self.arch].positions == "rope" and self.rope_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.rope_dim}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.kernel_backend not in BACKENDS:
@@ -123,8 +159,9 @@ class ModelConfig:
         self.moe.validate(self.num_layers, self.ffn_size)
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        if isinstance(changes.get("moe"), dict):  # a partial model.moe override keeps the other keys
-            changes["moe"] = replace(self.moe, **changes["moe"])
+        for key in ("moe", "mla"):  # a partial model.moe / model.mla override keeps the other keys
+            if isinstance(changes.get(key), dict):
+                changes[key] = replace(getattr(self, key), **changes[key])
         unknown = set(changes) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"unknown model keys {sorted(unknown)}; known: {[f.name for f in fields(self)]}")

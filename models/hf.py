@@ -6,6 +6,10 @@
 - ``to_hf(model)`` gathers the tp shards and returns the HF state dict, which
   ``transformers`` loads with ``load_state_dict(strict=True)``.
 - ``hf_config(config)`` makes the matching ``transformers`` config (no download).
+Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``models.hf_moe``) use checkpoint names, one
+tensor per expert; a transformers >= 5 module's fused experts are accepted on import
+(``models.hf_moe.unfuse_experts``) and ``models.hf_moe.fuse_experts`` makes ``to_hf``'s dict loadable
+into such a module.
 
 Each family's names and layouts are data (``models.hf_formats``): GPT-2's ``Conv1D`` stores
 ``[in, out]`` (the transpose of ours) and its ``c_attn`` output is ``[Q | K | V]``; Llama has
@@ -24,6 +28,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.hf_formats import hf_format, hf_format_of_model_type
+from models.hf_moe import unfuse_experts
 from models.shape import ParamShape
 from models.state import check_keys, full_state_dict, load_full_state_dict
 from models.transformer import TransformerLM, build_model
@@ -104,6 +109,8 @@ def _split_name(cfg: ModelConfig, unit: object, name: str) -> tuple[str, str, st
     else:
         prefix, rest = hf_format(cfg).layer_prefix.format(unit), name.split(".", 2)[2]
     module, suffix = rest.rsplit(".", 1)
+    if suffix not in ("weight", "bias"):  # expert matrices are named w1/w2/w3 themselves (parallel3d.moe)
+        module, suffix = rest, "weight"
     return prefix, module, suffix
 
 
@@ -167,7 +174,8 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _validate_hf_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    # transformers >= 5 modules fuse each layer's experts; checkpoints (our names) hold one per expert.
+    state = unfuse_experts({k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}, hf_format(cfg))
     expected = expected_hf_shapes(cfg)
     if cfg.tie_embeddings:  # the tied lm_head is optional in saved HF checkpoints
         state.pop("lm_head.weight", None)

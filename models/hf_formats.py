@@ -11,32 +11,11 @@ family. A new family is one more ``HFFormat``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from models.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class HFFormat:
-    """How one HF family stores a model of our ``arch`` (module docstring)."""
-
-    arch: str  # our ModelConfig.arch
-    model_type: str  # HF config.model_type
-    architecture: str  # the HF class written into config.json
-    modules: tuple[tuple[str, str], ...]  # (our module path, HF module path); layer paths are relative
-    layer_prefix: str  # HF prefix of layer i, "{}" standing for i
-    qkv: tuple[str, ...]  # HF module(s) holding our attn.qkv: (fused,) or (q, k, v)
-    transposed_weights: bool  # 2-D weights inside layers are stored [in, out]
-    config_to_hf: Callable[[ModelConfig], Any]  # our config -> a transformers config (raises if impossible)
-    config_from_hf: Callable[[Any], ModelConfig]  # a transformers config -> ours (raises if unsupported)
-
-    def hf_module(self, ours: str) -> str:
-        """The HF module path of our module path (a global one, or one relative to its layer)."""
-        for a, b in self.modules:
-            if a == ours:
-                return b
-        raise ValueError(f"HF {self.model_type} has no tensor for our {ours!r}")
+from models.hf_format_spec import HFFormat, rope_base as _rope_base
+from models.hf_moe import MOE_FORMATS, moe_format
 
 
 # ---- GPT-2 ---------------------------------------------------------------------------------
@@ -73,16 +52,6 @@ GPT2 = HFFormat(
 
 
 # ---- Llama ---------------------------------------------------------------------------------
-def _rope_base(hf: Any) -> float:
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    scaling = getattr(hf, "rope_scaling", None)
-    if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", "default") != "default"):
-        raise ValueError(f"HF rope_type={rope_type!r} (rope scaling) is not supported; only 'default'")
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
-    return float(10000.0 if theta is None else theta)
-
-
 def _llama_to_hf(cfg: ModelConfig) -> Any:
     import transformers  # the optional "hf" extra
 
@@ -124,20 +93,23 @@ LLAMA = HFFormat(
     transposed_weights=False, config_to_hf=_llama_to_hf, config_from_hf=_llama_from_hf,
 )
 
-HF_FORMATS: dict[str, HFFormat] = {f.arch: f for f in (GPT2, LLAMA)}
+HF_FORMATS: dict[str, HFFormat] = {f.arch: f for f in (GPT2, LLAMA)}  # dense families by our arch
 
 
 def hf_format(cfg: ModelConfig) -> HFFormat:
-    """The HF family that stores models of ``cfg.arch``."""
+    """The HF family that stores ``cfg``: by ``arch``; a mixture of experts by its features
+    (``models.hf_moe.moe_format``)."""
     if cfg.arch not in HF_FORMATS:
         raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face format; known: {sorted(HF_FORMATS)}")
+    if cfg.moe.enabled or cfg.qk_norm or cfg.qkv_bias is not None or cfg.mla.enabled:
+        return moe_format(cfg)
     return HF_FORMATS[cfg.arch]
 
 
 def hf_format_of_model_type(model_type: object) -> HFFormat:
     """The format of an HF config's ``model_type``."""
-    for fmt in HF_FORMATS.values():
+    for fmt in (*HF_FORMATS.values(), *MOE_FORMATS):
         if fmt.model_type == model_type:
             return fmt
-    known = " or ".join(repr(f.model_type) for f in HF_FORMATS.values())
+    known = " or ".join(repr(f.model_type) for f in (*HF_FORMATS.values(), *MOE_FORMATS))
     raise ValueError(f"HF model_type={model_type!r} is not supported; use {known}")

@@ -18,7 +18,8 @@ FLOPs per token, all ranks together, count matmuls only (2 per multiply-add), as
 does; norms, activations, softmax, bias adds and embedding lookups are not counted.
 - forward: 2 x the active matmul weight elements of every layer, plus attention, plus the head
   ``2 * h * V`` (tied or not: the logits matmul runs). Attention per layer is QK^T and PV,
-  ``4 * s_attended * num_heads * head_dim``, by the ``attention`` convention: ``"full"``:
+  ``2 * s_attended * num_heads * (qk_head_dim + v_head_dim)`` (``4 * s_attended * num_heads *
+  head_dim`` unless latent attention makes the widths differ), by the ``attention`` convention: ``"full"``:
   s_attended = s, every query against every key, as FlopCounterMode counts
   ``scaled_dot_product_attention`` (causal or not) and as Megatron-LM's formula counts;
   ``"causal"``: s/2, the pairs a causal mask keeps (diagonal ignored).
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Iterable
 
-from models.spec import BlockSpec, MLPSpec, ModelSpec, NormSpec
+from models.spec import AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
 from parallel3d.moe.options import MoEOptions
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
@@ -214,7 +215,7 @@ class LayerShape:
         _check_choice("attention", attention, ATTENTION_CONVENTIONS)
         attended = seq_len if attention == "full" else seq_len / 2
         a = self.block.attention
-        return LayerFlops(self._matmul_flops, 4.0 * attended * a.num_heads * a.head_dim)
+        return LayerFlops(self._matmul_flops, 2.0 * attended * a.num_heads * (a.score_dim + a.value_dim))
 
     @cached_property
     def _matmul_flops(self) -> float:
@@ -265,12 +266,35 @@ def moe_mlp_params(prefix: str, hidden_size: int, moe: MoEOptions) -> list[Param
     return out
 
 
+def attention_params(prefix: str, hidden_size: int, a: AttentionSpec) -> list[ParamShape]:
+    """The parameters of ``models.blocks.Attention`` (or ``models.mla.LatentAttention``) under ``prefix``
+    (``layers.<i>.attn``). Latent attention: the down projections (and their norms) are whole on every
+    tp rank, the up projections split by head (column), the output by head (row)."""
+    h, lat = hidden_size, a.latent
+    if lat is None:
+        out = _linear(f"{prefix}.qkv", h, a.q_size + 2 * a.kv_size, COLUMN, a.qkv_bias)
+        if a.qk_norm is not None:
+            out += [*_norm(f"{prefix}.q_norm", a.qk_norm), *_norm(f"{prefix}.k_norm", a.qk_norm)]
+        return out + _linear(f"{prefix}.out", a.q_size, h, ROW, a.out_bias)
+    q_width = a.num_heads * lat.qk_head_dim
+    if lat.q_lora_rank:
+        out = [ParamShape(f"{prefix}.q_down.weight", (lat.q_lora_rank, h), matmul=True),
+               ParamShape(f"{prefix}.q_latent_norm.weight", (lat.q_lora_rank,)),
+               *_linear(f"{prefix}.q_up", lat.q_lora_rank, q_width, COLUMN, False)]
+    else:
+        out = _linear(f"{prefix}.q", h, q_width, COLUMN, False)
+    return out + [ParamShape(f"{prefix}.kv_down.weight", (lat.kv_lora_rank + lat.qk_rope_dim, h), matmul=True),
+                  ParamShape(f"{prefix}.kv_latent_norm.weight", (lat.kv_lora_rank,)),
+                  *_linear(f"{prefix}.kv_up", lat.kv_lora_rank, a.num_heads * (lat.qk_nope_dim + lat.v_head_dim),
+                           COLUMN, False),
+                  *_linear(f"{prefix}.out", a.num_heads * lat.v_head_dim, h, ROW, a.out_bias)]
+
+
 def layer_shape(index: int, block: BlockSpec) -> LayerShape:
     """The parameters ``models.blocks.TransformerBlock`` builds for ``block`` as layer ``index``."""
-    p, h, a, mlp = f"layers.{index}.", block.hidden_size, block.attention, block.mlp
+    p, h, mlp = f"layers.{index}.", block.hidden_size, block.mlp
     params = [*_norm(p + "norm1", block.norm),
-              *_linear(p + "attn.qkv", h, a.q_size + 2 * a.kv_size, COLUMN, a.qkv_bias),
-              *_linear(p + "attn.out", a.q_size, h, ROW, a.out_bias),
+              *attention_params(p + "attn", h, block.attention),
               *_norm(p + "norm2", block.norm),
               *(moe_mlp_params(p + "mlp", h, block.moe) if block.moe is not None
                 else MLP_PARAMS[mlp.kind](p + "mlp", h, mlp))]

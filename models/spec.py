@@ -61,18 +61,46 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class LatentSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3 MLA): queries and keys/values pass through low-rank
+    latents. ``q_lora_rank`` 0: queries straight from the hidden state. Query/key heads are
+    ``qk_nope_dim + qk_rope_dim`` wide (rotary positions on the last ``qk_rope_dim``, one rotary key
+    shared by every head), value heads ``v_head_dim``."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
-    """Causal self-attention with ``num_heads`` query heads sharing ``num_kv_heads`` key/value heads."""
+    """Causal self-attention with ``num_heads`` query heads sharing ``num_kv_heads`` key/value heads.
+
+    ``head_dim`` need not be ``hidden / num_heads`` (Qwen3: ``model.kv_channels``). ``qk_norm``: an RMSNorm
+    of width ``head_dim`` over every query head and one over every key head, before rotary positions
+    (Qwen3). ``latent``: multi-head latent attention instead (``LatentSpec``; ``head_dim``, the kv
+    heads and ``qk_norm`` then unused).
+    """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     qkv_bias: bool
     out_bias: bool
+    qk_norm: NormSpec | None = None
+    latent: LatentSpec | None = None
 
     @property
     def kind(self) -> str:
-        """``mha`` (one kv head per query head), ``mqa`` (one kv head) or ``gqa`` (groups)."""
+        """``mla`` (latent), ``mha`` (one kv head per query head), ``mqa`` (one kv head) or ``gqa`` (groups)."""
+        if self.latent is not None:
+            return "mla"
         if self.num_kv_heads == self.num_heads:
             return "mha"
         return "mqa" if self.num_kv_heads == 1 else "gqa"
@@ -84,6 +112,16 @@ class AttentionSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def score_dim(self) -> int:
+        """The width of one query/key head (what QK^T contracts over)."""
+        return self.head_dim if self.latent is None else self.latent.qk_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The width of one value head (what PV produces per head)."""
+        return self.head_dim if self.latent is None else self.latent.v_head_dim
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from models.blocks import BuildContext, ForwardContext, Norm, TransformerBlock
 from models.config import ModelConfig
 from models.gpt import Embedding, GeluMLP
 from models.llama import SwiGLUMLP, rotary_tables
+from models.mla import LatentAttention
 from models.moe_block import moe_mlp
 from models.shape import RECOMPUTED
 from parallel3d import comm
@@ -178,7 +179,7 @@ class TransformerLM(nn.Module):
         if training and tuple(sample_ids.shape) != (b,):
             raise ValueError(f"sample_ids must have shape [{b}] (one global sample index per row), "
                              f"got {tuple(sample_ids.shape)}")
-        rope = rotary_tables(s, c.head_dim, c.rope_base, h.device) if c.spec.rotary else None
+        rope = rotary_tables(s, c.rope_dim, c.rope_base, h.device) if c.spec.rotary else None
         if rope is not None and positions is not None:
             rope = (rope[0][positions], rope[1][positions])
         run = ForwardContext(rope=rope, sample_ids=sample_ids, step=step, training=training,
@@ -200,7 +201,8 @@ class TransformerLM(nn.Module):
 def _block(ctx: BuildContext, layer: int) -> TransformerBlock:
     spec = ctx.config.spec.blocks[layer]
     mlp = moe_mlp(ctx, layer, spec) if spec.moe is not None else MLP_CLASSES[spec.mlp.kind](ctx, layer, spec.mlp)
-    return TransformerBlock(ctx, layer, spec, mlp)
+    attention = LatentAttention(ctx, layer, spec.attention) if spec.attention.latent is not None else None
+    return TransformerBlock(ctx, layer, spec, mlp, attention)
 
 
 def _resolve_layer_range(config: ModelConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:
@@ -247,7 +249,8 @@ def build_model(
         raise ValueError(f"seed must be an int, got {seed!r}")
     tp = pstate.size("tp")
     pstate.topology.check_model(num_layers=config.num_layers, num_heads=config.num_heads,
-                                num_kv_heads=config.kv_heads, hidden_size=config.hidden_size)
+                                num_kv_heads=config.kv_heads,
+                                hidden_size=config.hidden_size if config.kv_channels is None else None)
     if config.ffn_size % tp:
         raise ValueError(f"model.ffn_hidden_size={config.ffn_size} is not divisible by tp={tp}")
     a, b = _resolve_layer_range(config, layer_range)

@@ -148,7 +148,12 @@ def test_named_model_shards_match_the_shape(name, tp, pp):
 # ---- FLOPs against torch's counter ----------------------------------------------------------
 FLOP_CONFIGS = [get_config("gpt_tiny", kernel_backend="torch"), get_config("llama_tiny", kernel_backend="torch"),
                 *RANDOM[:5], get_config("mixtral_tiny", kernel_backend="torch"),
-                get_config("deepseek_tiny", kernel_backend="torch")]
+                get_config("deepseek_tiny", kernel_backend="torch"),
+                # heads wider than hidden / heads with per-head q/k norms (Qwen3), and latent attention (MLA)
+                get_config("llama_tiny", kernel_backend="torch", kv_channels=24, qk_norm=True, qkv_bias=True),
+                get_config("deepseek_tiny", kernel_backend="torch", dropout=0.0,
+                           mla=dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                    v_head_dim=12))]
 # The CPU SDPA kernel is not in torch's FLOP registry; map it onto torch's own SDPA formulas (those it
 # registers for the GPU flash / efficient / cuDNN kernels).
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:

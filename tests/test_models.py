@@ -82,6 +82,9 @@ TP2_CASES = [
     # (otherwise through kernels.dispatch.vocab_sharded_cross_entropy).
     ("gpt_tiny", 2, True, {"fused_kernels": False, "vocab_size": 509}),
     ("llama_tiny", 2, False, {"fused_kernels": False}),
+    # per-head q/k norms: their weight gradients are partial over tp (heads split) with or without sp
+    ("llama_tiny", 2, False, {"qk_norm": True, "kv_channels": 8, "qkv_bias": True}),
+    ("llama_tiny", 2, True, {"qk_norm": True}),
 ]
 
 TP4_CASES = [
