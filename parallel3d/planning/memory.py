@@ -37,9 +37,18 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.params import largest_layer_params, largest_tensor, rank_params, stage_layer_counts
+from parallel3d.planning.params import (
+    largest_layer_params,
+    largest_tensor,
+    rank_params,
+    stage_expert_params,
+    stage_layer_counts,
+)
+from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len
+from parallel3d.tensor_parallel.layers import padded_vocab_size
 
-CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
+CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
+                               "workspace")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class StageMemory:
     master_weights: float
     optimizer_moments: float
     activations: float
+    workspace: float = 0.0  # transients of one layer / the loss (cp K/V in flight, logits' gradients)
     host: float = 0.0  # offloaded optimizer state in host memory (not device memory)
     disk: float = 0.0  # offloaded optimizer state on disk
 
@@ -208,13 +218,45 @@ def estimate_memory(
                          f"model.num_layers={config.num_layers}")
     stages = []
     for stage in range(layout.pp):
-        params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
-        largest = largest_tensor(config, layout.tp, layout.pp, stage, stage_layers[stage])
-        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
-                                   largest, offload=layout.offload,
-                                   gathered_params=gather_window_params(config, layout, stage, stage_layers[stage]))
-        offloaded = offloaded_state_bytes(params, layout.dp, layout.zero_stage, layout.offload)
-        activations, inflight = stage_activation_bytes(config, layout, stage, stage_layers[stage], assumptions)
-        stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations,
-                                  **states, **offloaded))
+        stages.append(_stage_memory(config, layout, stage, stage_layers[stage], assumptions))
     return MemoryEstimate(config=config, layout=layout, stages=stages)
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a[k] + b[k] for k in a}
+
+
+def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions) -> float:
+    """Transient bytes at the step's peak beyond the kept activations: one layer's cp K/V buffers in
+    flight, and on the last stage the logit-sized gradients of the loss's backward."""
+    total = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes)
+    if stage == layout.pp - 1:
+        logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
+        total += assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
+    return total
+
+
+def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
+                  assumptions: ActivationAssumptions) -> StageMemory:
+    """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
+    states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
+    held = rank_params(config, layout.tp, layout.pp, stage, layers).total
+    etp = layout.etp or layout.tp
+    expert_whole, expert_held = stage_expert_params(config, layout.pp, stage, layers, layout.ep, etp)
+    dense = held - expert_whole  # rank_params counts every expert whole on every rank
+    largest = largest_tensor(config, layout.tp, layout.pp, stage, layers)
+    dp_cp = layout.dp * layout.cp
+    states = model_state_bytes(dense, dp_cp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
+                               largest, offload=layout.offload,
+                               gathered_params=gather_window_params(config, layout, stage, layers))
+    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
+    if expert_held:
+        edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
+        gathered = expert_held if layout.expert_zero == 3 else 0  # whole while their layer runs (upper bound)
+        states = _add(states, model_state_bytes(expert_held, edp, layout.expert_zero, layout.precision,
+                                                layout.grad_reduce_dtype, offload=layout.offload,
+                                                gathered_params=gathered))
+        offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
+    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
+    return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
+                       workspace=workspace_bytes(config, layout, stage, assumptions), **states, **offloaded)
