@@ -227,13 +227,14 @@ def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions) -> float:
-    """Transient bytes at the step's peak beyond the kept activations: one layer's cp K/V buffers in
-    flight, and on the last stage the logit-sized gradients of the loss's backward."""
-    total = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes)
+    """Transient bytes at the step's peak beyond the kept activations: the larger of one layer's cp K/V
+    buffers in flight and, on the last stage, the logit-sized gradients of the loss's backward (the loss's
+    backward has finished before any layer's attention backward starts, so they are never alive together)."""
+    loss = 0.0
     if stage == layout.pp - 1:
         logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
-        total += assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
-    return total
+        loss = assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
+    return max(cp_inflight_kv_bytes(config, layout, assumptions.element_bytes), loss)
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,

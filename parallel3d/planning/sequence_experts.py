@@ -63,7 +63,9 @@ def cp_inflight_kv_bytes(config: ModelConfig, layout: Layout, element_bytes: int
     if n_a2a > 1:  # send + receive buffers of the packed q/k/v all-to-all
         total += 2 * element_bytes * (q + kv)
     if layout.cp_comm in ("p2p", "a2a+p2p") and layout.cp // n_a2a > 1:
-        total += RING_BUFFERS * kv * (element_bytes + COMPUTE_BYTES)  # K/V blocks, and dK/dV in backward
+        # backward (the larger phase): min(n-1, 2) K/V receive buffers, and three fp32 dK/dV sets (two
+        # partial-gradient buffers, one arriving), as ring.py allocates them
+        total += min(layout.cp // n_a2a - 1, RING_BUFFERS) * kv * element_bytes + 3 * kv * COMPUTE_BYTES
     if layout.cp_comm == "allgather":
         total += layout.cp * kv * (element_bytes + COMPUTE_BYTES) + kv * COMPUTE_BYTES
     return total
