@@ -23,40 +23,51 @@ LONG = 4096
 SHORT_PER_RANK = 16  # baseline tokens per cp rank (2*cp chunks must divide the sequence)
 
 
-def _model(seq: int) -> dict:
-    return dict(name="rss_llama", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                ffn_hidden_size=176, tie_embeddings=False, use_bias=False, max_seq_len=seq)
+GQA = dict(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=176)
+# Full multi-head K/V and a narrow MLP: at cp=4 the K/V a layer has in flight exceed what backward
+# has freed before that layer's attention (its MLP half, the head), so the estimate's in-flight K/V
+# term is what the 10% check sees.
+KV_HEAVY = dict(hidden_size=128, num_heads=8, num_kv_heads=8, ffn_hidden_size=32)
 
 
-def _config(seq: int) -> ModelConfig:
-    m = _model(seq)
+def _model(seq: int, shape: dict) -> dict:
+    return dict(name="rss_llama", arch="llama", num_layers=2, **shape, tie_embeddings=False, use_bias=False,
+                max_seq_len=seq)
+
+
+def _config(seq: int, shape: dict) -> ModelConfig:
+    m = _model(seq, shape)
     m.pop("use_bias"), m.pop("tie_embeddings")
     return ModelConfig(**m, vocab_size=VOCAB, dropout=0.0, tie_embeddings=False, use_bias=False)
 
 
-def _estimated_part(cp: int, cp_comm: str) -> float:
-    config = _config(LONG)
+def _parallel(cp: int, cp_comm: str) -> dict:
+    return dict(cp=cp, cp_comm=cp_comm, **({"cp_a2a_size": 2} if cp_comm == "a2a+p2p" else {}))
+
+
+def _estimated_part(cp: int, cp_comm: str, shape: dict) -> float:
+    config = _config(LONG, shape)
     assumptions = ActivationAssumptions.for_model(config, "fp32", kernels="torch")
     def total(seq: int) -> float:
-        layout = Layout(cp=cp, cp_comm=cp_comm, seq_len=seq, micro_batch_size=1, precision="fp32")
+        layout = Layout(**_parallel(cp, cp_comm), seq_len=seq, micro_batch_size=1, precision="fp32")
         return estimate_memory(config, layout, assumptions).worst.total
     return total(LONG) - total(SHORT_PER_RANK * cp)
 
 
-def _measured_part(tmp_path, tokens: str, cp: int, cp_comm: str) -> list[int]:
+def _measured_part(tmp_path, tokens: str, cp: int, cp_comm: str, shape: dict) -> list[int]:
     def peaks(seq: int) -> list[int]:
-        values = job_values(tokens, str(tmp_path / f"out{cp}{cp_comm}{seq}"), _model(LONG),
-                            dict(cp=cp, cp_comm=cp_comm), dict(seq_len=seq, micro_batch_size=1, global_batch_size=1))
+        values = job_values(tokens, str(tmp_path / f"out{cp}{cp_comm}{seq}"), _model(LONG, shape),
+                            _parallel(cp, cp_comm), dict(seq_len=seq, micro_batch_size=1, global_batch_size=1))
         return peak_rss_of_job(values, cp)
     return [long - short for long, short in zip(peaks(LONG), peaks(SHORT_PER_RANK * cp))]
 
 
-def _check(tmp_path, comms: list[tuple[int, str]]) -> None:
+def _check(tmp_path, comms: list[tuple[int, str]], shape: dict = GQA) -> None:
     tokens = token_file(str(tmp_path))
     failures, by_cp = [], {}
     for cp, comm in comms:
-        measured = _measured_part(tmp_path, tokens, cp, comm)
-        want = _estimated_part(cp, comm)
+        measured = _measured_part(tmp_path, tokens, cp, comm, shape)
+        want = _estimated_part(cp, comm, shape)
         by_cp.setdefault(cp, []).extend(measured)
         for rank, got in enumerate(measured):
             if abs(want - got) > TOLERANCE * got:
@@ -74,6 +85,10 @@ def test_long_sequence_peak_falls_with_cp_as_estimated(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp_comm", ["allgather", "a2a"])
+@pytest.mark.parametrize("cp_comm", [
+    # Known gap: measured ~23-24 MiB, estimated 17.8 MiB (the all-gather backward's working set beyond
+    # the gathered K/V and dK/dV buffers is not modelled yet). strict: turns red once the estimate is right.
+    pytest.param("allgather", marks=pytest.mark.xfail(strict=True, reason="allgather backward working set")),
+    "a2a", "a2a+p2p"])
 def test_peak_per_cp_comm_as_estimated(tmp_path, cp_comm):
-    _check(tmp_path, [(1, "p2p"), (2, cp_comm)])
+    _check(tmp_path, [(1, "p2p"), (4, cp_comm)], shape=KV_HEAVY)

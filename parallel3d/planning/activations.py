@@ -63,6 +63,10 @@ class ActivationAssumptions:
     # the logits' gradient; 1 matches the peak RSS measured in tests/test_planning_measured_cp.py):
     # part of the step's transient workspace, not of the activations held between forward and backward.
     logits_backward_copies: int = 0
+    # fp32 temporaries of a flat optimizer shard's size the AdamW step allocates (the torch path of
+    # kernels/adamw.py: sqrt(v) and its quotient; the fused kernels none). Alive at the step, after
+    # the activations are freed.
+    adam_step_temporaries: int = 0
 
     @classmethod
     def korthikanti(cls) -> "ActivationAssumptions":
@@ -91,6 +95,7 @@ class ActivationAssumptions:
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
             logits_backward_copies=1 if reference else 0,
+            adam_step_temporaries=2 if reference else 0,
         )
 
 
@@ -165,6 +170,22 @@ def layer_activation_terms(
             per_score += 1 + e  # dropout mask and dropout output
         scores = per_score * a * s * layout.seq_len * b / t  # local queries x every key
     return LayerActivationTerms(replicated, sharded, scores)
+
+
+def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """Bytes of one layer's kept activations that its MLP half owns (second norm's input, the MLP's
+    input and kept tensors): backward frees them before it reaches that layer's attention."""
+    if layout.recompute == "full":
+        return 0.0
+    block = _block(config)
+    s, b, h, t, e = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp, \
+        assumptions.element_bytes
+    replicated = (_norm_bytes(assumptions) + e) * s * b * h
+    if layout.sequence_parallel:
+        replicated /= t
+    if block.moe is not None:
+        return replicated + moe_layer_activation_bytes(block, layout, e, assumptions.swiglu_tensors)
+    return replicated + _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * block.mlp.ffn_size / t
 
 
 def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:

@@ -35,6 +35,7 @@ from parallel3d.planning.activations import (
     inflight_chunks,
     kept_chunk_outputs,
     layer_activation_bytes,
+    mlp_half_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.params import (
@@ -227,14 +228,23 @@ def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions) -> float:
-    """Transient bytes at the step's peak beyond the kept activations: the larger of one layer's cp K/V
-    buffers in flight and, on the last stage, the logit-sized gradients of the loss's backward (the loss's
-    backward has finished before any layer's attention backward starts, so they are never alive together)."""
+    """Transient bytes at the step's peak beyond the kept activations.
+
+    Two moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
+    activations still kept), and the first attention backward with cp (one layer's K/V buffers in
+    flight, ``cp_inflight_kv_bytes``), by which time backward has freed that layer's MLP half and, on
+    the last stage, the head's kept tensors. The larger net excess over the kept activations counts.
+    """
+    last = stage == layout.pp - 1
     loss = 0.0
-    if stage == layout.pp - 1:
+    if last:
         logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
         loss = assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
-    return max(cp_inflight_kv_bytes(config, layout, assumptions.element_bytes), loss)
+    freed = mlp_half_activation_bytes(config, layout, assumptions)
+    if last:
+        freed += head_activation_bytes(config, layout, assumptions)
+    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes) - freed
+    return max(loss, attention, 0.0)
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
@@ -251,6 +261,7 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
                                largest, offload=layout.offload,
                                gathered_params=gather_window_params(config, layout, stage, layers))
     offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
+    edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
     if expert_held:
         edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
         gathered = expert_held if layout.expert_zero == 3 else 0  # whole while their layer runs (upper bound)
@@ -259,5 +270,13 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
                                                 gathered_params=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
     activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
+    workspace = workspace_bytes(config, layout, stage, assumptions)
+    if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
+        dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
+        expert_shard = 0
+        if expert_held:
+            expert_shard = math.ceil(expert_held / edp) if layout.expert_zero >= 1 else expert_held
+        step = assumptions.adam_step_temporaries * 4.0 * max(dense_shard, expert_shard)
+        workspace = max(workspace, step - activations)
     return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
-                       workspace=workspace_bytes(config, layout, stage, assumptions), **states, **offloaded)
+                       workspace=workspace, **states, **offloaded)
