@@ -205,3 +205,31 @@ def test_layout_that_does_not_fit_the_model_is_a_layout_error():
         estimate_memory(get_config("gpt_tiny"), Layout(tp=8, seq_len=32))
     with pytest.raises(LayoutError, match="max_seq_len"):
         estimate_memory(get_config("gpt_tiny"), Layout(seq_len=4096))
+
+
+def _cp_cases(n: int = 24) -> list[tuple]:
+    """Generated (cp, t, sp, selective, b, heads, s) cases: the paper's layer with cp ranks."""
+    import random
+
+    rng = random.Random(24)
+    cases = []
+    while len(cases) < n:
+        cp, t = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4])
+        heads = t * rng.choice([2, 4, 8])
+        s = 2 * cp * t * rng.choice([16, 64, 256])
+        cases.append((cp, t, rng.random() < 0.5 and t > 1, rng.random() < 0.5, rng.choice([1, 2]), heads, s))
+    return cases
+
+
+@pytest.mark.parametrize("cp, t, sp, selective, b, heads, s", _cp_cases())
+def test_ring_cp_layer_activations_are_the_paper_table_at_the_sequence_share(cp, t, sp, selective, b, heads, s):
+    # Ring cp keeps only its own share's tensors: every per-token term of Korthikanti's Table 2 at
+    # s/cp tokens; the unfused scores are (s/cp) queries x s keys, i.e. 5*a*s/h per local token.
+    h = heads * 64
+    config = ModelConfig(arch="gpt", num_layers=2, hidden_size=h, num_heads=heads, vocab_size=512, max_seq_len=s)
+    layout = Layout(tp=t, cp=cp, cp_comm="p2p", sequence_parallel=sp, micro_batch_size=b, seq_len=s,
+                    recompute="selective" if selective else "none")
+    got = layer_activation_bytes(config, layout, ActivationAssumptions.korthikanti())
+    local, score = s // cp, 0.0 if selective else 5 * heads * s / h
+    want = local * b * h / t * (34 + score) if sp else local * b * h * (10 + 24 / t + score / t)
+    assert got == pytest.approx(want, rel=1e-12)

@@ -25,6 +25,7 @@ from models.config import ModelConfig
 from models.spec import BlockSpec
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # fp32 statistics one norm of each kind keeps per token for backward: LayerNorm mean and rstd, RMSNorm rstd.
@@ -58,6 +59,14 @@ class ActivationAssumptions:
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
     small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
+    # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path:
+    # the logits' gradient; 1 matches the peak RSS measured in tests/test_planning_measured_cp.py):
+    # part of the step's transient workspace, not of the activations held between forward and backward.
+    logits_backward_copies: int = 0
+    # fp32 temporaries of a flat optimizer shard's size the AdamW step allocates (the torch path of
+    # kernels/adamw.py: sqrt(v) and its quotient; the fused kernels none). Alive at the step, after
+    # the activations are freed.
+    adam_step_temporaries: int = 0
 
     @classmethod
     def korthikanti(cls) -> "ActivationAssumptions":
@@ -85,6 +94,8 @@ class ActivationAssumptions:
             norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[_block(config).norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
+            logits_backward_copies=1 if reference else 0,
+            adam_step_temporaries=2 if reference else 0,
         )
 
 
@@ -123,7 +134,7 @@ def layer_activation_terms(
     config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
 ) -> LayerActivationTerms:
     block = _block(config)
-    s, b, h, t = layout.seq_len, layout.micro_batch_size, block.hidden_size, layout.tp
+    s, b, h, t = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp
     a, f, e = block.attention.num_heads, block.mlp.ffn_size, assumptions.element_bytes
     sbh = s * b * h
     if layout.recompute == "full":
@@ -141,19 +152,40 @@ def layer_activation_terms(
     if layout.sequence_parallel:
         replicated /= t
     # q, k, v and the attention projection input (the attention output).
-    q_k_v = block.attention.q_size + 2 * block.attention.kv_size
+    q_k_v = block.attention.q_size + 2 * block.attention.kv_size * kv_repeats(config, layout)
     sharded = e * s * b * q_k_v + e * s * b * block.attention.q_size
+    if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
+        sharded += e * s * b * block.attention.q_size  # the output in head layout, kept by the attention
     if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
         sharded += 4 * a * s * b  # log-sum-exp per head and token
-    sharded += _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * f
+    if block.moe is None:
+        sharded += _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * f
     sharded /= t
+    if block.moe is not None:  # per rank already (tokens, etp, shared experts over tp)
+        replicated += moe_layer_activation_bytes(block, layout, e, assumptions.swiglu_tensors)
     scores = 0.0
     if layout.recompute == "none" and not assumptions.fused_attention:
         per_score = e  # softmax output
         if assumptions.attention_dropout:
             per_score += 1 + e  # dropout mask and dropout output
-        scores = per_score * a * s * s * b / t
+        scores = per_score * a * s * layout.seq_len * b / t  # local queries x every key
     return LayerActivationTerms(replicated, sharded, scores)
+
+
+def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """Bytes of one layer's kept activations that its MLP half owns (second norm's input, the MLP's
+    input and kept tensors): backward frees them before it reaches that layer's attention."""
+    if layout.recompute == "full":
+        return 0.0
+    block = _block(config)
+    s, b, h, t, e = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp, \
+        assumptions.element_bytes
+    replicated = (_norm_bytes(assumptions) + e) * s * b * h
+    if layout.sequence_parallel:
+        replicated /= t
+    if block.moe is not None:
+        return replicated + moe_layer_activation_bytes(block, layout, e, assumptions.swiglu_tensors)
+    return replicated + _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * block.mlp.ffn_size / t
 
 
 def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
@@ -165,13 +197,13 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
     """First stage, per in-flight microbatch: the embedding-output dropout mask."""
     if not assumptions.hidden_dropout:
         return 0.0
-    sbh = layout.seq_len * layout.micro_batch_size * config.hidden_size
+    sbh = local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
     return sbh / layout.tp if layout.sequence_parallel else float(sbh)
 
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
-    s, b, h = layout.seq_len, layout.micro_batch_size, config.hidden_size
+    s, b, h = local_seq_len(layout), layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
     head_input = float(assumptions.element_bytes * s * b * h)
     norm_and_head_inputs = norm_input + head_input

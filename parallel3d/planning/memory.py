@@ -35,11 +35,21 @@ from parallel3d.planning.activations import (
     inflight_chunks,
     kept_chunk_outputs,
     layer_activation_bytes,
+    mlp_half_activation_bytes,
 )
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.params import largest_layer_params, largest_tensor, rank_params, stage_layer_counts
+from parallel3d.planning.params import (
+    largest_layer_params,
+    largest_tensor,
+    rank_params,
+    stage_expert_params,
+    stage_layer_counts,
+)
+from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len
+from parallel3d.tensor_parallel.layers import padded_vocab_size
 
-CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations")
+CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
+                               "workspace")
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,7 @@ class StageMemory:
     master_weights: float
     optimizer_moments: float
     activations: float
+    workspace: float = 0.0  # transients of one layer / the loss (cp K/V in flight, logits' gradients)
     host: float = 0.0  # offloaded optimizer state in host memory (not device memory)
     disk: float = 0.0  # offloaded optimizer state on disk
 
@@ -208,13 +219,64 @@ def estimate_memory(
                          f"model.num_layers={config.num_layers}")
     stages = []
     for stage in range(layout.pp):
-        params = rank_params(config, layout.tp, layout.pp, stage, stage_layers[stage]).total
-        largest = largest_tensor(config, layout.tp, layout.pp, stage, stage_layers[stage])
-        states = model_state_bytes(params, layout.dp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
-                                   largest, offload=layout.offload,
-                                   gathered_params=gather_window_params(config, layout, stage, stage_layers[stage]))
-        offloaded = offloaded_state_bytes(params, layout.dp, layout.zero_stage, layout.offload)
-        activations, inflight = stage_activation_bytes(config, layout, stage, stage_layers[stage], assumptions)
-        stages.append(StageMemory(stage=stage, params=params, inflight=inflight, activations=activations,
-                                  **states, **offloaded))
+        stages.append(_stage_memory(config, layout, stage, stage_layers[stage], assumptions))
     return MemoryEstimate(config=config, layout=layout, stages=stages)
+
+
+def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a[k] + b[k] for k in a}
+
+
+def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions) -> float:
+    """Transient bytes at the step's peak beyond the kept activations.
+
+    Two moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
+    activations still kept), and the first attention backward with cp (one layer's K/V buffers in
+    flight, ``cp_inflight_kv_bytes``), by which time backward has freed that layer's MLP half and, on
+    the last stage, the head's kept tensors. The larger net excess over the kept activations counts.
+    """
+    last = stage == layout.pp - 1
+    loss = 0.0
+    if last:
+        logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
+        loss = assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
+    freed = mlp_half_activation_bytes(config, layout, assumptions)
+    if last:
+        freed += head_activation_bytes(config, layout, assumptions)
+    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes) - freed
+    return max(loss, attention, 0.0)
+
+
+def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
+                  assumptions: ActivationAssumptions) -> StageMemory:
+    """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
+    states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
+    held = rank_params(config, layout.tp, layout.pp, stage, layers).total
+    etp = layout.etp or layout.tp
+    expert_whole, expert_held = stage_expert_params(config, layout.pp, stage, layers, layout.ep, etp)
+    dense = held - expert_whole  # rank_params counts every expert whole on every rank
+    largest = largest_tensor(config, layout.tp, layout.pp, stage, layers)
+    dp_cp = layout.dp * layout.cp
+    states = model_state_bytes(dense, dp_cp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
+                               largest, offload=layout.offload,
+                               gathered_params=gather_window_params(config, layout, stage, layers))
+    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
+    edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
+    if expert_held:
+        edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
+        gathered = expert_held if layout.expert_zero == 3 else 0  # whole while their layer runs (upper bound)
+        states = _add(states, model_state_bytes(expert_held, edp, layout.expert_zero, layout.precision,
+                                                layout.grad_reduce_dtype, offload=layout.offload,
+                                                gathered_params=gathered))
+        offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
+    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
+    workspace = workspace_bytes(config, layout, stage, assumptions)
+    if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
+        dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
+        expert_shard = 0
+        if expert_held:
+            expert_shard = math.ceil(expert_held / edp) if layout.expert_zero >= 1 else expert_held
+        step = assumptions.adam_step_temporaries * 4.0 * max(dense_shard, expert_shard)
+        workspace = max(workspace, step - activations)
+    return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
+                       workspace=workspace, **states, **offloaded)

@@ -52,3 +52,15 @@ def largest_layer_params(config: ModelConfig, tp: int, layers: int | Sequence[in
     """Parameters of the largest of the stage's ``layers`` on one tp rank (0 without layers)."""
     shape = config.shape
     return max((shape.layers[i].params.per_rank(tp) for i in stage_layer_ids(shape, layers)), default=0)
+
+
+def stage_expert_params(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int],
+                        ep: int = 1, etp: int = 1) -> tuple[int, int]:
+    """``(all, held)`` routed-expert parameters of a stage's ``layers``: every expert whole, and what one
+    rank holds (``num_experts / ep`` experts, each ``1 / etp`` of its width). Zero for dense models."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} out of range for pp={pp}")
+    shape = config.shape
+    whole = sum(t.numel for i in stage_layer_ids(shape, layers) for t in shape.layers[i].tensors
+                if t.expert is not None)
+    return whole, -(-whole // (ep * etp))

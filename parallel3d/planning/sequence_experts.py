@@ -1,0 +1,88 @@
+"""What context parallelism and experts add to one rank's activations and step workspace.
+
+Context parallelism (``parallel3d.context_parallel``) gives each of the cp ranks ``seq_len / cp``
+tokens, so every per-token activation falls by cp. What each ``cp_comm`` variant holds beyond that:
+
+- ``p2p`` (ring): keeps only its own K/V between forward and backward; while a layer runs, at most
+  two received K/V blocks are in flight (``ring.py`` double-buffers), and in backward the travelling
+  dK/dV (compute dtype, fp32) as well.
+- ``allgather``: the gathered K/V of all cp ranks while a layer's attention runs (re-gathered in
+  backward, with a gathered dK/dV buffer in the compute dtype and this rank's reduce-scattered share).
+- ``a2a`` (Ulysses): attention keeps the head-sharded full-sequence q/k/v (kv heads repeated when cp
+  exceeds them) and its head-layout output; the all-to-all's send and receive buffers are in flight.
+- ``a2a+p2p``: both, the ring running on the head-sharded tensors of its a2a group.
+
+In-flight buffers live one layer at a time, so they are workspace (counted once), not activations.
+Experts (``parallel3d.moe``): every token is dispatched ``top_k`` times; the expert FFN keeps the
+permuted rows, its SwiGLU tensors (width ``ffn / etp``) and its output rows for the weighted combine;
+the fp32 router keeps its logits and probabilities. Expert parallelism moves rows between ranks but,
+dropless and balanced, leaves ``tokens * top_k`` rows per rank: ep shrinks expert *states*, not these.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.spec import BlockSpec
+from parallel3d.context_parallel.ulysses import kv_repeats as ulysses_kv_repeats
+from parallel3d.planning.layout import Layout
+
+COMPUTE_BYTES = 4  # the fp32 compute dtype of CP's blockwise attention accumulators and dK/dV
+RING_BUFFERS = 2  # K/V blocks a ring rank has in flight (double buffering)
+
+
+def local_seq_len(layout: Layout) -> int:
+    """Tokens of one sequence on one cp rank."""
+    return layout.seq_len // layout.cp
+
+
+def a2a_size(layout: Layout) -> int:
+    """Ranks of the all-to-all of the a2a variants (1: none)."""
+    if layout.cp == 1 or layout.cp_comm not in ("a2a", "a2a+p2p"):
+        return 1
+    return layout.cp if layout.cp_comm == "a2a" else int(layout.cp_a2a_size or 1)
+
+
+def kv_repeats(config: ModelConfig, layout: Layout) -> int:
+    """How often a2a repeats each kv head (1 otherwise): GQA heads fewer than the a2a group."""
+    n = a2a_size(layout)
+    if n == 1:
+        return 1
+    return ulysses_kv_repeats(config.num_heads // layout.tp, config.kv_heads // layout.tp, n)
+
+
+def cp_inflight_kv_bytes(config: ModelConfig, layout: Layout, element_bytes: int) -> float:
+    """Peak bytes of K/V (and dK/dV) buffers a cp rank has in flight during one layer (module doc)."""
+    if layout.cp == 1:
+        return 0.0
+    block = config.spec.blocks[0]
+    tokens = local_seq_len(layout) * layout.micro_batch_size
+    kv = 2 * block.attention.kv_size * kv_repeats(config, layout) / layout.tp * tokens  # k and v elements
+    q = block.attention.q_size / layout.tp * tokens
+    n_a2a = a2a_size(layout)
+    total = 0.0
+    if n_a2a > 1:  # send + receive buffers of the packed q/k/v all-to-all
+        total += 2 * element_bytes * (q + kv)
+    if layout.cp_comm in ("p2p", "a2a+p2p") and layout.cp // n_a2a > 1:
+        # backward (the larger phase): min(n-1, 2) K/V receive buffers, and three fp32 dK/dV sets (two
+        # partial-gradient buffers, one arriving), as ring.py allocates them
+        total += min(layout.cp // n_a2a - 1, RING_BUFFERS) * kv * element_bytes + 3 * kv * COMPUTE_BYTES
+    if layout.cp_comm == "allgather":
+        total += layout.cp * kv * (element_bytes + COMPUTE_BYTES) + kv * COMPUTE_BYTES
+    return total
+
+
+def moe_layer_activation_bytes(block: BlockSpec, layout: Layout, element_bytes: int, swiglu_tensors: int) -> float:
+    """Bytes one MoE layer's MLP keeps for backward on one rank (module doc), for one microbatch."""
+    moe = block.moe
+    tokens = local_seq_len(layout) * layout.micro_batch_size
+    if layout.sequence_parallel:
+        tokens /= layout.tp
+    h, rows = block.hidden_size, tokens * moe.top_k
+    etp = layout.etp or layout.tp
+    router = 2 * COMPUTE_BYTES * tokens * moe.num_experts  # fp32 logits and probabilities
+    experts = element_bytes * rows * (2 * h + swiglu_tensors * moe.ffn_hidden / etp)
+    combine = COMPUTE_BYTES * rows  # the top-k weights the combine multiplies by
+    shared = 0.0
+    if moe.num_shared_experts:
+        shared = element_bytes * tokens * swiglu_tensors * moe.num_shared_experts * moe.shared_width / layout.tp
+    return router + experts + combine + shared
