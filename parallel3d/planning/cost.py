@@ -61,6 +61,16 @@ class CostOptions:
     overlapped_zero_stages: tuple[int, ...] = (2, 3)
     # Bytes per gradient element in the DP reduction (None: the precision's gradient dtype).
     dp_grad_bytes: int | None = None
+    # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
+    # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
+    overlap_param_gather: bool = False
+
+    @classmethod
+    def megatron_core(cls) -> "CostOptions":
+        """Megatron-Core (2024) recipes: fused attention, distributed optimizer with the gradient
+        reduce-scatter overlapped with the last backward and the parameter all-gather with the first
+        forward (overlap_grad_reduce / overlap_param_gather), bf16 gradient reduction."""
+        return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
@@ -141,7 +151,10 @@ class CommModel:
         """
         if kind not in self._spans:
             topo = self.topology
-            ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
+            if kind in ("tp", "cp", "dp", "pp"):
+                ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
+            else:  # expert kinds (ep, ...) live on the expert grid
+                ranks = topo.group_of(kind, 0)
             nodes, per_node = self.cluster.nodes_spanned(ranks)
             self._spans[kind] = (len(ranks), nodes, per_node)
         return self._spans[kind]
@@ -165,6 +178,21 @@ class CommModel:
 
     def all_reduce(self, nbytes: float, kind: str) -> float:
         return 2.0 * self.reduce_scatter(nbytes, kind)
+
+    def all_to_all(self, nbytes: float, kind: str) -> float:
+        """An all-to-all in which each member sends ``nbytes`` in total, (n-1)/n of it away; the
+        share bound for other nodes goes over the member's own NIC."""
+        n, nodes, per_node = self._span(kind)
+        if n == 1:
+            return 0.0
+        local = (per_node - 1) / n * nbytes / self.intra
+        remote = (n - per_node) / n * nbytes / self.inter if nodes > 1 else 0.0
+        return max(local, remote)
+
+    def cp_hop(self, nbytes: float) -> float:
+        """One ring step of the cp group: over NVLink when the whole group is in one node."""
+        n, nodes, _ = self._span("cp")
+        return P2P_LATENCY_S + nbytes / (self.intra if nodes == 1 else self.inter)
 
     def p2p(self, nbytes: float) -> float:
         """One activation/gradient message between neighbouring stages."""
@@ -235,25 +263,72 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     dev, t = cluster.device, layout.tp
     flops_rate = dev.peak_flops * dev.matmul_efficiency
     layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    mm_t, att_t = layer.matmul / t / flops_rate, layer.attention / t / flops_rate
+    c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
+    mm_t, att_t = layer.matmul / (t * c) / flops_rate, layer.attention / (t * c) / flops_rate
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
         attention_dropout=not options.fused_attention,
         fused_attention=options.fused_attention,
     )
-    stored = layer_activation_terms(config, layout.replace(recompute="none"), assumptions)
-    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s
-    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s
-    act_bytes = assumptions.element_bytes * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    # Activation bytes of the whole sequence, then this rank's 1/cp share (the estimator's own cp
+    # handling is for memory; the traffic here is per token either way).
+    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_a2a_size=None), assumptions)
+    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s / c
+    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
+    e = assumptions.element_bytes
+    act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
     tp_t = 2 * comm.all_reduce(act_bytes, "tp")
-    fwd = mm_t + att_t + elem_t + score_t + tp_t
-    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t
+    cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
+    ep_t = ep_time(config, layout, comm, act_bytes)
+    fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
+    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t + cp_b + ep_t
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":
-        bwd += att_t + score_t
+        bwd += att_t + score_t + cp_f
     return LayerTimes(fwd, bwd)
+
+
+def cp_times(config: ModelConfig, layout: Layout, comm: CommModel, att_t: float, e: int) -> tuple[float, float]:
+    """Exposed context-parallel time of one layer, (forward, backward).
+
+    p2p (ring): cp - 1 rounds each passing this rank's K and V block to the next rank, overlapped
+    with the attention block computed meanwhile; the backward also returns dK, dV (twice the bytes).
+    allgather: K and V gathered before attention (forward) and dK, dV reduce-scattered (backward),
+    not overlapped. a2a (Ulysses): four all-to-alls of the [b, s/cp, h] q, k, v, out forward and
+    backward. a2a+p2p: the a2a over ``cp_a2a_size`` ranks, the ring over the rest.
+    """
+    c = layout.cp
+    if c == 1:
+        return 0.0, 0.0
+    tokens = layout.micro_batch_size * layout.seq_len / c
+    kv = 2 * e * tokens * config.kv_heads * config.head_dim / layout.tp  # this rank's K and V block
+    qkvo = 4 * e * tokens * config.hidden_size / layout.tp
+    ring_ranks, a2a_ranks = c, 1
+    if layout.cp_comm == "a2a":
+        ring_ranks, a2a_ranks = 1, c
+    elif layout.cp_comm == "a2a+p2p":
+        a2a_ranks = layout.cp_a2a_size or c
+        ring_ranks = c // a2a_ranks
+    hop = comm.cp_hop(kv)
+    if layout.cp_comm == "allgather":
+        gather = comm.all_gather(kv * c, "cp")
+        return gather, 2 * gather
+    ring_f = max(0.0, (ring_ranks - 1) * hop - att_t) if ring_ranks > 1 else 0.0
+    ring_b = max(0.0, 2 * (ring_ranks - 1) * hop - 2 * att_t) if ring_ranks > 1 else 0.0
+    a2a = comm.all_to_all(qkvo, "cp") * (a2a_ranks - 1) / (c - 1) if a2a_ranks > 1 else 0.0
+    return ring_f + a2a, ring_b + a2a
+
+
+def ep_time(config: ModelConfig, layout: Layout, comm: CommModel, act_bytes: float) -> float:
+    """The EP all-to-alls of one (MoE) layer in one pass: dispatch and combine of top_k copies of
+    each token (mean over the layers, dense ones have none); the same again in the other pass."""
+    if layout.ep == 1 or not config.moe.enabled:
+        return 0.0
+    moe_layers = sum(config.moe.is_moe_layer(i) for i in range(config.num_layers))
+    per_layer = 2 * comm.all_to_all(act_bytes * config.moe.top_k, "ep")
+    return per_layer * moe_layers / config.num_layers
 
 
 def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
@@ -353,6 +428,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             reduce_t, gather_t = _zero3_exposed(layout, reduce_t, gather_t, pipe.busy[stage], stage_layers[stage])
         elif layout.zero_stage in options.overlapped_zero_stages:
             reduce_t = max(0.0, reduce_t - bwd(stage, 0))  # hidden behind the last microbatch's backward
+        if options.overlap_param_gather and layout.zero_stage in (1, 2):
+            gather_t = max(0.0, gather_t - fwd(stage, 0))  # behind the next step's first forward
         shard = n / layout.dp if layout.zero_stage >= 1 else n
         opt_t = _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
