@@ -36,6 +36,7 @@ from typing import Callable
 
 from models.config import ModelConfig
 from models.shape import LayerFlops
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
@@ -227,19 +228,20 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipeline
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
 
-    Once every stage is in its steady state (m >= p), each further microbatch
-    (each further group of p for interleaved 1F1B, whose microbatch count must
-    stay a multiple of p) adds the same time to every stage, so finish times are
-    linear in m: simulate m = p and the next allowed count and extend the line
+    Once every stage is in its steady state (m >= 2p covers every schedule, ZB-V's V included),
+    each further group of p microbatches (interleaved 1F1B's count must stay a multiple of p)
+    adds the same time to every stage, so finish times are linear in m: simulate m = 2p and
+    3p and extend the line
     (exact for these schedules; tests compare it with a full simulation). Keeps
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
-    step = p if name == "interleaved_1f1b" else 1
-    if m <= p + step:
+    step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p
+    base = 2 * p
+    if m <= base + step:
         return _simulate_once(name, p, m, v, fwd, bwd, p2p)
-    a = _simulate_once(name, p, p, v, fwd, bwd, p2p)
-    b = _simulate_once(name, p, p + step, v, fwd, bwd, p2p)
-    k = (m - p) / step
+    a = _simulate_once(name, p, base, v, fwd, bwd, p2p)
+    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p)
+    k = (m - base) / step
 
     def line(x: float, y: float) -> float:
         return x + (y - x) * k
@@ -247,7 +249,7 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipel
     return PipelineTimes(
         line(a.makespan, b.makespan),
         [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
-        [x * m / p for x in a.busy],
+        [x * m / base for x in a.busy],
     )
 
 
@@ -394,15 +396,18 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     lt = layer_times(config, layout, cluster, comm, options)
     emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config)
 
+    placement = placement_for(layout.schedule, p, p * v)
+    first, last = placement.stage_and_chunk(0), placement.stage_and_chunk(p * v - 1)
+
     def chunk_layers(stage: int) -> float:
         return stage_layers[stage] / v
 
     def fwd(stage: int, chunk: int) -> float:
-        extra = emb_f if (stage, chunk) == (0, 0) else head_f if (stage, chunk) == (p - 1, v - 1) else 0.0
+        extra = emb_f if (stage, chunk) == first else head_f if (stage, chunk) == last else 0.0
         return chunk_layers(stage) * lt.fwd + extra
 
     def bwd(stage: int, chunk: int) -> float:
-        extra = emb_b if (stage, chunk) == (0, 0) else head_b if (stage, chunk) == (p - 1, v - 1) else 0.0
+        extra = emb_b if (stage, chunk) == first else head_b if (stage, chunk) == last else 0.0
         return chunk_layers(stage) * lt.bwd + extra
 
     e = 4 if layout.precision == "fp32" else 2
