@@ -78,7 +78,12 @@ def test_plan_prints_ranked_layouts_and_writes_json(tmp_path):
     ranked = json.loads(out.read_text())["layouts"]
     assert 1 <= len(ranked) <= 3
     assert [r["step_time_s"] for r in ranked] == sorted(r["step_time_s"] for r in ranked)
-    assert all(r["tp"] * r["pp"] * r["dp"] == 16 for r in ranked)
+    assert all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 16 for r in ranked)
+    # Issue 26: stage layer counts, memory by category and a why-it-loses line per layout.
+    assert all(sum(r["stage_layers"]) == 32 and len(r["stage_layers"]) == r["pp"] for r in ranked)
+    assert all(sum(r["memory_bytes"].values()) <= r["peak_bytes"] for r in ranked)
+    assert all(r["tokens_per_s"] == pytest.approx(64 * 4096 / r["step_time_s"]) for r in ranked)
+    assert text.count("next loses: +") == len(ranked) - 1
 
 
 def test_device_mem_flag_becomes_an_override():

@@ -21,6 +21,7 @@ from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
+from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.planner import Plan, PlanRequest, plan
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import LayoutError
@@ -51,7 +52,9 @@ class PlanOptions:
     simulate_top: int = 24
     json: Optional[str] = None
     kernels: str = "fused"
-    uneven_stages: bool = False
+    uneven_stages: bool = True
+    max_cp: int = 1
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zb_h1"])
 
 
 @dataclass
@@ -189,6 +192,12 @@ def format_plan(result: Plan, top_k: int) -> str:
     ]
     for i, cand in enumerate(result.ranked[:top_k], 1):
         lines.append(format_candidate_row(str(i), cand))
+        w = cand.memory.worst
+        lines.append(f"      {cand.layout.short()} {cand.layout.schedule}; memory/rank GiB: weights "
+                     f"{w.weights / GiB:.1f} grads {w.gradients / GiB:.1f} master {w.master_weights / GiB:.1f} "
+                     f"moments {w.optimizer_moments / GiB:.1f} activations {w.activations / GiB:.1f}")
+        if i < min(top_k, len(result.ranked)):
+            lines.append("      next loses: " + why_slower(result.ranked[i], cand))
     if result.ranked:
         lines += ["", "best as overrides: " + result.ranked[0].layout.overrides()]
     else:
@@ -196,9 +205,25 @@ def format_plan(result: Plan, top_k: int) -> str:
     return "\n".join(lines)
 
 
+def why_slower(worse, better) -> str:
+    """One line: the step-time component that grows most from ``better`` to ``worse``."""
+    def parts(c) -> dict[str, float]:
+        st = c.step
+        return {"compute": st.pipeline_s * (1 - st.bubble_fraction), "bubble": st.pipeline_s * st.bubble_fraction,
+                "exposed DP comm": st.dp_exposed_s, "optimizer": st.optimizer_s}
+    a, b = parts(worse), parts(better)
+    key = max(a, key=lambda k: a[k] - b[k])
+    return (f"+{worse.step.step_time_s - better.step.step_time_s:.3f} s/step, mostly {key} "
+            f"({b[key]:.3f} -> {a[key]:.3f} s)")
+
+
 def plan_json(result: Plan, top_k: int) -> list[dict]:
     return [
-        {**c.layout.to_dict(), "peak_bytes": c.peak_bytes, "step_time_s": c.step.step_time_s,
+        {**c.layout.to_dict(), "stage_layers": stage_layer_counts(result.config, c.layout.pp, c.layout.virtual_stages),
+         "memory_bytes": {k: getattr(c.memory.worst, k) for k in
+                          ("weights", "gradients", "master_weights", "optimizer_moments", "activations")},
+         "tokens_per_s": c.step.tokens_per_s(), "dp_exposed_s": c.step.dp_exposed_s,
+         "peak_bytes": c.peak_bytes, "step_time_s": c.step.step_time_s,
          "bubble_fraction": c.step.bubble_fraction, "tflops_per_gpu": c.step.tflops_per_gpu, "mfu": c.step.mfu}
         for c in result.ranked[:top_k]
     ]
@@ -221,7 +246,8 @@ def run_plan(job: PlanningJob) -> str:
         micro_batch_sizes=tuple(o.micro_batch_sizes), max_virtual_stages=o.max_virtual_stages,
         zero_stages=tuple(o.zero_stages), offload_modes=tuple(o.offload), memory_fraction=o.memory_fraction,
         top_k=o.top_k,
-        simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages,
+        simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages, max_cp=o.max_cp,
+        schedules=tuple(o.schedules),
     )
     result = plan(model, cluster, request)
     if o.json:

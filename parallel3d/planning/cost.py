@@ -36,16 +36,16 @@ from typing import Callable
 
 from models.config import ModelConfig
 from models.shape import LayerFlops
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_layer_counts
 from parallel3d.tensor_parallel.layers import padded_vocab_size
-from parallel3d.topology import Topology
 
-P2P_LATENCY_S = 20e-6  # per message: launch + handshake, small next to megabyte payloads
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ class CostOptions:
     overlapped_zero_stages: tuple[int, ...] = (2, 3)
     # Bytes per gradient element in the DP reduction (None: the precision's gradient dtype).
     dp_grad_bytes: int | None = None
+    # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
+    # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
+    overlap_param_gather: bool = False
+
+    @classmethod
+    def megatron_core(cls) -> "CostOptions":
+        """Megatron-Core (2024) recipes: fused attention, distributed optimizer with the gradient
+        reduce-scatter overlapped with the last backward and the parameter all-gather with the first
+        forward (overlap_grad_reduce / overlap_param_gather), bf16 gradient reduction."""
+        return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
@@ -121,60 +131,6 @@ def step_flops(config: ModelConfig, layout: Layout) -> tuple[float, float]:
     return flops.model * tokens, flops.hardware * tokens
 
 
-# ---- communication ---------------------------------------------------------------------
-class CommModel:
-    """Ring collective and P2P times for the groups of one layout on one cluster."""
-
-    def __init__(self, cluster: ClusterSpec, topology: Topology) -> None:
-        self.cluster, self.topology = cluster, topology
-        dev = cluster.device
-        self.intra = dev.intra_node_bytes_per_s * dev.link_efficiency
-        self.inter = dev.inter_node_bytes_per_s * dev.link_efficiency
-        self._spans: dict[str, tuple[int, int, int]] = {}
-
-    def _span(self, kind: str) -> tuple[int, int, int]:
-        """(group size, nodes it spans, members per node) of rank 0's group of ``kind``.
-
-        Every group of a kind has the same shape, so rank 0's stands for all. Its
-        members are asked of the topology coordinate by coordinate, which is cheap
-        even at thousands of ranks (``Topology.groups`` would build every group).
-        """
-        if kind not in self._spans:
-            topo = self.topology
-            ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
-            nodes, per_node = self.cluster.nodes_spanned(ranks)
-            self._spans[kind] = (len(ranks), nodes, per_node)
-        return self._spans[kind]
-
-    def reduce_scatter(self, nbytes: float, kind: str) -> float:
-        """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``.
-
-        Hierarchical: within each node over NVLink, then across nodes where each of the
-        ``per_node`` members drives its own NIC with 1/per_node of the data.
-        """
-        n, nodes, per_node = self._span(kind)
-        if n == 1:
-            return 0.0
-        t = (per_node - 1) / per_node * nbytes / self.intra
-        if nodes > 1:
-            t += (nodes - 1) / nodes * nbytes / per_node / self.inter
-        return t
-
-    def all_gather(self, nbytes: float, kind: str) -> float:
-        return self.reduce_scatter(nbytes, kind)
-
-    def all_reduce(self, nbytes: float, kind: str) -> float:
-        return 2.0 * self.reduce_scatter(nbytes, kind)
-
-    def p2p(self, nbytes: float) -> float:
-        """One activation/gradient message between neighbouring stages."""
-        if self.topology.pp == 1:
-            return 0.0
-        nxt = self.topology.next_stage_rank(0)
-        same_node = self.cluster.node_of(0) == self.cluster.node_of(nxt)
-        return P2P_LATENCY_S + nbytes / (self.intra if same_node else self.inter)
-
-
 # ---- pipeline ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PipelineTimes:
@@ -199,19 +155,20 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipeline
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
 
-    Once every stage is in its steady state (m >= p), each further microbatch
-    (each further group of p for interleaved 1F1B, whose microbatch count must
-    stay a multiple of p) adds the same time to every stage, so finish times are
-    linear in m: simulate m = p and the next allowed count and extend the line
+    Once every stage is in its steady state (m >= 2p covers every schedule, ZB-V's V included),
+    each further group of p microbatches (interleaved 1F1B's count must stay a multiple of p)
+    adds the same time to every stage, so finish times are linear in m: simulate m = 2p and
+    3p and extend the line
     (exact for these schedules; tests compare it with a full simulation). Keeps
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
-    step = p if name == "interleaved_1f1b" else 1
-    if m <= p + step:
+    step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p
+    base = 2 * p
+    if m <= base + step:
         return _simulate_once(name, p, m, v, fwd, bwd, p2p)
-    a = _simulate_once(name, p, p, v, fwd, bwd, p2p)
-    b = _simulate_once(name, p, p + step, v, fwd, bwd, p2p)
-    k = (m - p) / step
+    a = _simulate_once(name, p, base, v, fwd, bwd, p2p)
+    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p)
+    k = (m - base) / step
 
     def line(x: float, y: float) -> float:
         return x + (y - x) * k
@@ -219,7 +176,7 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipel
     return PipelineTimes(
         line(a.makespan, b.makespan),
         [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
-        [x * m / p for x in a.busy],
+        [x * m / base for x in a.busy],
     )
 
 
@@ -235,24 +192,30 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     dev, t = cluster.device, layout.tp
     flops_rate = dev.peak_flops * dev.matmul_efficiency
     layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    mm_t, att_t = layer.matmul / t / flops_rate, layer.attention / t / flops_rate
+    c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
+    mm_t, att_t = layer.matmul / (t * c) / flops_rate, layer.attention / (t * c) / flops_rate
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
         attention_dropout=not options.fused_attention,
         fused_attention=options.fused_attention,
     )
-    stored = layer_activation_terms(config, layout.replace(recompute="none"), assumptions)
-    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s
-    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s
-    act_bytes = assumptions.element_bytes * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    # Activation bytes of the whole sequence, then this rank's 1/cp share (the estimator's own cp
+    # handling is for memory; the traffic here is per token either way).
+    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_a2a_size=None), assumptions)
+    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s / c
+    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
+    e = assumptions.element_bytes
+    act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
     tp_t = 2 * comm.all_reduce(act_bytes, "tp")
-    fwd = mm_t + att_t + elem_t + score_t + tp_t
-    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t
+    cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
+    ep_t = ep_time(config, layout, comm, act_bytes)
+    fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
+    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t + cp_b + ep_t
     if layout.recompute == "full":
         bwd += fwd
     elif layout.recompute == "selective":
-        bwd += att_t + score_t
+        bwd += att_t + score_t + cp_f
     return LayerTimes(fwd, bwd)
 
 
@@ -319,15 +282,18 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     lt = layer_times(config, layout, cluster, comm, options)
     emb_f, emb_b, head_f, head_b = _end_times(layout, cluster, comm, config)
 
+    placement = placement_for(layout.schedule, p, p * v)
+    first, last = placement.stage_and_chunk(0), placement.stage_and_chunk(p * v - 1)
+
     def chunk_layers(stage: int) -> float:
         return stage_layers[stage] / v
 
     def fwd(stage: int, chunk: int) -> float:
-        extra = emb_f if (stage, chunk) == (0, 0) else head_f if (stage, chunk) == (p - 1, v - 1) else 0.0
+        extra = emb_f if (stage, chunk) == first else head_f if (stage, chunk) == last else 0.0
         return chunk_layers(stage) * lt.fwd + extra
 
     def bwd(stage: int, chunk: int) -> float:
-        extra = emb_b if (stage, chunk) == (0, 0) else head_b if (stage, chunk) == (p - 1, v - 1) else 0.0
+        extra = emb_b if (stage, chunk) == first else head_b if (stage, chunk) == last else 0.0
         return chunk_layers(stage) * lt.bwd + extra
 
     e = 4 if layout.precision == "fp32" else 2
@@ -353,6 +319,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             reduce_t, gather_t = _zero3_exposed(layout, reduce_t, gather_t, pipe.busy[stage], stage_layers[stage])
         elif layout.zero_stage in options.overlapped_zero_stages:
             reduce_t = max(0.0, reduce_t - bwd(stage, 0))  # hidden behind the last microbatch's backward
+        if options.overlap_param_gather and layout.zero_stage in (1, 2):
+            gather_t = max(0.0, gather_t - fwd(stage, 0))  # behind the next step's first forward
         shard = n / layout.dp if layout.zero_stage >= 1 else n
         opt_t = _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t

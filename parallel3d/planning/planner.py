@@ -31,7 +31,11 @@ from models.config import ModelConfig
 from models.transformer import RECOMPUTE_MODES
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, estimate_step
-from parallel3d.planning.layout import Layout
+from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
+from parallel3d.option_checks import ConfigError
+from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
+from parallel3d.planning.layout import Layout, check_fits_model
+from parallel3d.topology import LayoutError
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.zero.options import ZERO_STAGES
@@ -56,10 +60,16 @@ class PlanRequest:
     simulate_top: int = 24
     # Also try pipeline depths that do not divide num_layers (the engine's balanced split,
     # stages at most ~10% apart), e.g. pp=16 for Llama 3.1 405B's 126 layers.
-    uneven_stages: bool = False
+    uneven_stages: bool = True
+    # Schedules searched (any of the runtime's ``SCHEDULES`` but gpipe). zbv is priced by the same
+    # simulator but off by default: the memory estimator builds its action list per stage, ~1 s a
+    # layout, too slow for a default search (plan.schedules=[1f1b,interleaved_1f1b,zb_h1,zbv]).
+    schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zb_h1")
+    # Largest context-parallel degree searched (powers of two); 1 turns CP off.
+    max_cp: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top"):
+        for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"plan.{key}={value!r} must be an integer >= 1")
@@ -76,6 +86,10 @@ class PlanRequest:
         if not self.offload_modes or any(o not in ("none", "cpu") for o in self.offload_modes):
             raise ValueError(f"plan.offload={list(self.offload_modes)!r} must be a non-empty subset of "
                              f"['none', 'cpu'] (disk offload is estimated, not searched)")
+        bad_s = [n for n in self.schedules if n not in SCHEDULES or n == "gpipe"]
+        if not self.schedules or bad_s:
+            raise ValueError(f"plan.schedules={list(self.schedules)!r} must be a non-empty subset of "
+                             f"{[n for n in SCHEDULES if n != 'gpipe']}")
         bad_rc = [r for r in self.recompute_modes if r not in RECOMPUTE_ORDER]
         if not self.recompute_modes or bad_rc:
             raise ValueError(f"plan.recompute_modes={list(self.recompute_modes)!r} must be a subset of {list(RECOMPUTE_ORDER)}")
@@ -136,30 +150,87 @@ def pipeline_sizes(num_layers: int, uneven: bool = False) -> list[int]:
     return sizes
 
 
+def context_parallel_options(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
+                             tp: int) -> list[tuple[int, str, int | None]]:
+    """(cp, cp_comm, cp_a2a_size) choices: cp = 1, and for each power-of-two cp up to
+    ``request.max_cp`` every ``cp_comm`` variant (a2a+p2p with each proper a2a size)."""
+    out: list[tuple[int, str, int | None]] = [(1, "p2p", None)]
+    for c in _powers_of_two_upto(request.max_cp)[1:]:
+        for comm in CP_COMM_VARIANTS:
+            sizes = [a for a in _powers_of_two_upto(c)[1:-1]] if comm == "a2a+p2p" else [None]
+            out += [(c, comm, a) for a in sizes]
+    return out
+
+
+def expert_parallel_sizes(config: ModelConfig, folded: int) -> list[int]:
+    """ep degrees for an MoE model: divisors of the routed expert count that divide tp*cp*dp."""
+    if not config.moe.enabled:
+        return [1]
+    return [e for e in range(1, config.moe.num_experts + 1) if config.moe.num_experts % e == 0 and folded % e == 0]
+
+
+def schedule_choices(config: ModelConfig, pp: int, m: int, request: PlanRequest) -> list[tuple[str, int]]:
+    """Every runtime schedule (``SCHEDULES``, minus GPipe: 1F1B's time with more memory) with the
+    virtual-stage counts its options allow; chunks may hold unequal layer counts (uneven stages)."""
+    out = []
+    for name in SCHEDULES:
+        if name not in request.schedules or (pp == 1 and name != "1f1b"):
+            continue
+        for v in range(1, request.max_virtual_stages + 1):
+            if pp * v > config.num_layers or (not request.uneven_stages and config.num_layers % (pp * v)):
+                continue
+            try:
+                PipelineOptions(schedule=name, virtual_stages=v).check_layout(pp)
+                PipelineOptions(schedule=name, virtual_stages=v).check_microbatches(pp, m)
+            except ConfigError:
+                continue
+            out.append((name, v))
+    return out
+
+
 def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest) -> list[Layout]:
     """Every layout in the search space (module docstring), before any memory check."""
     layouts = []
     gbs = request.global_batch_size
     for tp in tensor_parallel_sizes(config, cluster.gpus_per_node):
-        for pp in pipeline_sizes(config.num_layers, request.uneven_stages):
-            if cluster.gpus % (tp * pp):
+        for cp, cp_comm, a2a in context_parallel_options(config, cluster, request, tp):
+            if cp > 1 and request.seq_len % (2 * cp * tp):
                 continue
-            dp = cluster.gpus // (tp * pp)
-            for mbs in request.micro_batch_sizes:
-                if gbs % (dp * mbs):
+            for pp in pipeline_sizes(config.num_layers, request.uneven_stages):
+                if cluster.gpus % (tp * cp * pp):
                     continue
-                m = gbs // (dp * mbs)
-                schedules = [("1f1b", 1)] + ([("zb_h1", 1)] if pp > 1 else [])
-                if pp > 1 and m % pp == 0:
-                    schedules += [("interleaved_1f1b", v) for v in range(2, request.max_virtual_stages + 1)
-                                  if config.num_layers % (pp * v) == 0]
-                for schedule, v in schedules:
-                    layouts.append(Layout(
-                        tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
-                        micro_batch_size=mbs, seq_len=request.seq_len, global_batch_size=gbs,
-                        precision=request.precision,
-                    ))
+                dp = cluster.gpus // (tp * cp * pp)
+                for ep in expert_parallel_sizes(config, tp * cp * dp):
+                    for mbs in request.micro_batch_sizes:
+                        if gbs % (dp * mbs):
+                            continue
+                        m = gbs // (dp * mbs)
+                        for schedule, v in schedule_choices(config, pp, m, request):
+                            try:
+                                layout = Layout(
+                                    tp=tp, cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a, ep=ep, pp=pp, dp=dp,
+                                    sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
+                                    micro_batch_size=mbs, seq_len=request.seq_len, global_batch_size=gbs,
+                                    precision=request.precision)
+                                check_fits_model(config, layout)
+                            except (ConfigError, LayoutError, ValueError):
+                                continue
+                            layouts.append(layout)
     return layouts
+
+
+def memory_layout(layout: Layout) -> Layout:
+    """``layout`` with at most 3p microbatches, for the memory estimate only.
+
+    A schedule's peak of in-flight activations is reached within its warm-up and first steady
+    round (at most 2p microbatches for every runtime schedule, ZB-V's V included); further
+    microbatches repeat the steady state, so the peak is the same and building the schedule for
+    3p instead of m keeps large searches fast (tests compare both).
+    """
+    cap = 3 * layout.pp
+    if layout.pp == 1 or layout.num_microbatches <= cap:
+        return layout
+    return layout.replace(global_batch_size=layout.dp * layout.micro_batch_size * cap)
 
 
 def analytic_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
@@ -195,7 +266,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                     if offload != "none" and zero == 0:
                         continue
                     layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload)
-                    memory = estimate_memory(config, layout, stage_layers=splits[key])
+                    memory = estimate_memory(config, memory_layout(layout), stage_layers=splits[key])
                     if memory.peak_bytes > budget:
                         continue
                     fits_on_device |= offload == "none"
@@ -222,7 +293,7 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
              options: CostOptions | None = None) -> Candidate:
     """Memory and simulated step time of one given layout (e.g. a published one)."""
     splits = stage_layer_counts(config, layout.pp, layout.virtual_stages)
-    memory = estimate_memory(config, layout, stage_layers=splits)
+    memory = estimate_memory(config, memory_layout(layout), stage_layers=splits)
     step = estimate_step(config, layout, cluster, options or CostOptions(), splits)
     return Candidate(layout, memory, step, simulated=True)
 

@@ -1,0 +1,127 @@
+"""Communication times of one layout's groups on one cluster: ring/hierarchical collectives, P2P,
+the context-parallel exchange (ring, all-gather, all-to-all) and the expert all-to-all.
+
+Invariant: a group's placement (members per node, nodes spanned) comes from the topology's own
+rank order, so a collective runs at NVLink bandwidth only when its group really sits in one node.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.layout import Layout
+from parallel3d.topology import Topology
+
+P2P_LATENCY_S = 20e-6  # per message: launch + handshake, small next to megabyte payloads
+
+
+class CommModel:
+    """Ring collective and P2P times for the groups of one layout on one cluster."""
+
+    def __init__(self, cluster: ClusterSpec, topology: Topology) -> None:
+        self.cluster, self.topology = cluster, topology
+        dev = cluster.device
+        self.intra = dev.intra_node_bytes_per_s * dev.link_efficiency
+        self.inter = dev.inter_node_bytes_per_s * dev.link_efficiency
+        self._spans: dict[str, tuple[int, int, int]] = {}
+
+    def _span(self, kind: str) -> tuple[int, int, int]:
+        """(group size, nodes it spans, members per node) of rank 0's group of ``kind``.
+
+        Every group of a kind has the same shape, so rank 0's stands for all. Its
+        members are asked of the topology coordinate by coordinate, which is cheap
+        even at thousands of ranks (``Topology.groups`` would build every group).
+        """
+        if kind not in self._spans:
+            topo = self.topology
+            if kind in ("tp", "cp", "dp", "pp"):
+                ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
+            else:  # expert kinds (ep, ...) live on the expert grid
+                ranks = topo.group_of(kind, 0)
+            nodes, per_node = self.cluster.nodes_spanned(ranks)
+            self._spans[kind] = (len(ranks), nodes, per_node)
+        return self._spans[kind]
+
+    def reduce_scatter(self, nbytes: float, kind: str) -> float:
+        """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``.
+
+        Hierarchical: within each node over NVLink, then across nodes where each of the
+        ``per_node`` members drives its own NIC with 1/per_node of the data.
+        """
+        n, nodes, per_node = self._span(kind)
+        if n == 1:
+            return 0.0
+        t = (per_node - 1) / per_node * nbytes / self.intra
+        if nodes > 1:
+            t += (nodes - 1) / nodes * nbytes / per_node / self.inter
+        return t
+
+    def all_gather(self, nbytes: float, kind: str) -> float:
+        return self.reduce_scatter(nbytes, kind)
+
+    def all_reduce(self, nbytes: float, kind: str) -> float:
+        return 2.0 * self.reduce_scatter(nbytes, kind)
+
+    def all_to_all(self, nbytes: float, kind: str) -> float:
+        """An all-to-all in which each member sends ``nbytes`` in total, (n-1)/n of it away; the
+        share bound for other nodes goes over the member's own NIC."""
+        n, nodes, per_node = self._span(kind)
+        if n == 1:
+            return 0.0
+        local = (per_node - 1) / n * nbytes / self.intra
+        remote = (n - per_node) / n * nbytes / self.inter if nodes > 1 else 0.0
+        return max(local, remote)
+
+    def cp_hop(self, nbytes: float) -> float:
+        """One ring step of the cp group: over NVLink when the whole group is in one node."""
+        n, nodes, _ = self._span("cp")
+        return P2P_LATENCY_S + nbytes / (self.intra if nodes == 1 else self.inter)
+
+    def p2p(self, nbytes: float) -> float:
+        """One activation/gradient message between neighbouring stages."""
+        if self.topology.pp == 1:
+            return 0.0
+        nxt = self.topology.next_stage_rank(0)
+        same_node = self.cluster.node_of(0) == self.cluster.node_of(nxt)
+        return P2P_LATENCY_S + nbytes / (self.intra if same_node else self.inter)
+
+
+def cp_times(config: ModelConfig, layout: Layout, comm: CommModel, att_t: float, e: int) -> tuple[float, float]:
+    """Exposed context-parallel time of one layer, (forward, backward).
+
+    p2p (ring): cp - 1 rounds each passing this rank's K and V block to the next rank, overlapped
+    with the attention block computed meanwhile; the backward also returns dK, dV (twice the bytes).
+    allgather: K and V gathered before attention (forward) and dK, dV reduce-scattered (backward),
+    not overlapped. a2a (Ulysses): four all-to-alls of the [b, s/cp, h] q, k, v, out forward and
+    backward. a2a+p2p: the a2a over ``cp_a2a_size`` ranks, the ring over the rest.
+    """
+    c = layout.cp
+    if c == 1:
+        return 0.0, 0.0
+    tokens = layout.micro_batch_size * layout.seq_len / c
+    kv = 2 * e * tokens * config.kv_heads * config.head_dim / layout.tp  # this rank's K and V block
+    qkvo = 4 * e * tokens * config.hidden_size / layout.tp
+    ring_ranks, a2a_ranks = c, 1
+    if layout.cp_comm == "a2a":
+        ring_ranks, a2a_ranks = 1, c
+    elif layout.cp_comm == "a2a+p2p":
+        a2a_ranks = layout.cp_a2a_size or c
+        ring_ranks = c // a2a_ranks
+    hop = comm.cp_hop(kv)
+    if layout.cp_comm == "allgather":
+        gather = comm.all_gather(kv * c, "cp")
+        return gather, 2 * gather
+    ring_f = max(0.0, (ring_ranks - 1) * hop - att_t) if ring_ranks > 1 else 0.0
+    ring_b = max(0.0, 2 * (ring_ranks - 1) * hop - 2 * att_t) if ring_ranks > 1 else 0.0
+    a2a = comm.all_to_all(qkvo, "cp") * (a2a_ranks - 1) / (c - 1) if a2a_ranks > 1 else 0.0
+    return ring_f + a2a, ring_b + a2a
+
+
+def ep_time(config: ModelConfig, layout: Layout, comm: CommModel, act_bytes: float) -> float:
+    """The EP all-to-alls of one (MoE) layer in one pass: dispatch and combine of top_k copies of
+    each token (mean over the layers, dense ones have none); the same again in the other pass."""
+    if layout.ep == 1 or not config.moe.enabled:
+        return 0.0
+    moe_layers = sum(config.moe.is_moe_layer(i) for i in range(config.num_layers))
+    per_layer = 2 * comm.all_to_all(act_bytes * config.moe.top_k, "ep")
+    return per_layer * moe_layers / config.num_layers

@@ -1,0 +1,214 @@
+"""The planner against published training runs (``published_runs.yaml``): the held-out table.
+
+For every scored run (split ``calibration`` or ``held_out``) the run's model, cluster and layout
+are rebuilt as a ``ModelConfig``, ``ClusterSpec`` and ``Layout``; the cost model times the
+published layout and its predicted throughput is turned into an MFU in the *source's own FLOPs
+convention* (its attention convention, whether recompute is counted, its peak): predicted
+tokens/s per GPU x the FLOPs per token the source counts / the source's peak. The FLOPs per token
+is the one the source's own numbers imply where they pin it down (TFLOP/s and tokens/s both
+published), else ``models.shape`` under the convention.
+
+Rows the planner cannot price in the source's terms (fp8, MLA, sliding-window attention, a
+schedule the runtime lacks) are listed as skipped with the reason, never silently dropped.
+
+The rank check runs the planner's search with the run's global batch, sequence and precision
+and asks whether the published layout is in the top 5, or whether every layout above it is
+predicted at least as fast within 3% of it (``rank_ok``).
+
+Invariant: nothing here is fitted per run; the only tuned numbers live in the device YAMLs and
+``CostOptions``, and were set on the ``calibration`` rows only.
+``python -m parallel3d.planning.validation [--split held_out|calibration|all] [--rank]`` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from models.moe_config import MoEConfig
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.cost import CostOptions
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.planner import PlanRequest, evaluate, plan
+from parallel3d.planning.published import load_published_runs
+from parallel3d.planning.published_schema import PublishedRun
+from parallel3d.topology import LayoutError
+
+MFU_TOLERANCE = 0.10  # relative, the issue's bar
+RANK_TOP = 5
+RANK_SLACK = 0.03
+SCORED_SPLITS: tuple[str, ...] = ("calibration", "held_out")
+PRICEABLE_SCHEDULES = {"none": "1f1b", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"}
+
+
+class Unpriceable(ValueError):
+    """The run uses something the cost model cannot price in the source's terms."""
+
+
+def run_config(run: PublishedRun) -> ModelConfig:
+    """The run's model as a ``ModelConfig`` (raises ``Unpriceable`` for what the shape module lacks)."""
+    m = run.model
+    if m.mla is not None or m.attention in ("mla", "gqa_swa"):
+        raise Unpriceable(f"attention={m.attention} (no MLA / sliding-window shape)")
+    if m.head_dim is not None and m.head_dim * m.heads != m.hidden:
+        raise Unpriceable(f"head_dim={m.head_dim} != hidden/heads")
+    # squared-ReLU (Nemotron) has the gelu MLP's two matrices and FLOPs; only the activation differs.
+    arch = "llama" if m.mlp == "swiglu" else "gpt"
+    moe = MoEConfig()
+    if m.moe is not None:
+        moe = MoEConfig(num_experts=m.moe.experts, top_k=m.moe.top_k, ffn_hidden_size=m.moe.expert_ffn,
+                        num_shared_experts=m.moe.shared_experts,
+                        shared_ffn_hidden_size=m.moe.shared_expert_ffn or None,
+                        dense_first=m.moe.dense_layers, capacity_factor=m.moe.capacity_factor)
+    return ModelConfig(arch=arch, num_layers=m.layers, hidden_size=m.hidden, num_heads=m.heads,
+                       num_kv_heads=m.kv_heads, ffn_hidden_size=m.ffn, vocab_size=m.vocab,
+                       max_seq_len=run.batch.seq_len, tie_embeddings=m.tied_embeddings,
+                       use_bias=arch == "gpt", name=m.name, moe=moe)
+
+
+def run_layout(run: PublishedRun) -> Layout:
+    lay = run.layout
+    if lay.precision not in ("fp16", "bf16"):
+        raise Unpriceable(f"precision={lay.precision}")
+    if lay.schedule not in PRICEABLE_SCHEDULES:
+        raise Unpriceable(f"schedule={lay.schedule}")
+    schedule = PRICEABLE_SCHEDULES[lay.schedule]
+    return Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep,
+                  etp=None if lay.etp == lay.tp else lay.etp, zero_stage=lay.zero_stage,
+                  sequence_parallel=lay.sequence_parallel and lay.tp > 1, schedule=schedule,
+                  virtual_stages=lay.vp, micro_batch_size=lay.micro_batch, seq_len=run.batch.seq_len,
+                  global_batch_size=run.batch.global_batch, recompute=lay.recompute, precision=lay.precision)
+
+
+def run_cluster(run: PublishedRun) -> ClusterSpec:
+    hw = run.hardware
+    return ClusterSpec.build(hw.gpus, hw.gpus_per_node, hw.device)
+
+
+# Sources that measured 2021-22 Megatron-LM (no distributed optimizer, unfused attention, gradients
+# all-reduced after the backward); every other run is priced as Megatron-Core / torchtitan-style
+# overlapped data parallelism. Chosen by the framework the source states, not fitted per row.
+MEGATRON_2021_SOURCES: tuple[str, ...] = ("Narayanan et al.", "Korthikanti et al.")
+
+
+def run_options(run: PublishedRun) -> CostOptions:
+    """The ``CostOptions`` of the framework the source measured."""
+    if any(run.source.citation.startswith(s) for s in MEGATRON_2021_SOURCES):
+        return CostOptions.megatron_sc21()
+    return CostOptions.megatron_core()
+
+
+def source_flops_per_token(run: PublishedRun, config: ModelConfig) -> float:
+    """FLOPs per token as the source counts them (module docstring)."""
+    implied = run.implied_flops_per_token
+    if implied is not None:
+        return implied
+    conv = run.flops_convention
+    attention = conv.attention if conv.attention in ("full", "causal", "none") else "full"
+    recompute = run.layout.recompute if conv.recompute_counted == "yes" else "none"
+    flops = config.shape.flops_per_token(run.batch.seq_len, attention=attention, recompute=recompute)
+    return flops.hardware if recompute != "none" else flops.model
+
+
+@dataclass(frozen=True)
+class RowResult:
+    run: PublishedRun
+    published_mfu: float | None
+    predicted_mfu: float | None
+    skipped: str = ""  # why the row is not scored
+    rank: int | None = None  # 1-based position of the published layout in the search (None: not run)
+    rank_ok: bool | None = None
+
+    @property
+    def error(self) -> float | None:
+        if self.published_mfu is None or self.predicted_mfu is None:
+            return None
+        return (self.predicted_mfu - self.published_mfu) / self.published_mfu
+
+    @property
+    def mfu_ok(self) -> bool:
+        return self.error is not None and abs(self.error) <= MFU_TOLERANCE
+
+
+def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_time: float,
+               options: CostOptions) -> tuple[int, bool]:
+    """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule)."""
+    request = PlanRequest(global_batch_size=layout.global_batch_size, seq_len=layout.seq_len,
+                          precision=layout.precision, top_k=RANK_TOP, simulate_top=16)
+    ranked = plan(config, cluster, request, options).ranked
+    faster = [c for c in ranked if c.step.step_time_s < step_time]
+    position = len(faster) + 1
+    ok = position <= RANK_TOP or all(c.step.step_time_s <= step_time * (1 + RANK_SLACK) for c in faster)
+    return position, ok
+
+
+def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False) -> RowResult:
+    options = options or run_options(run)
+    try:
+        config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
+    except Unpriceable as exc:
+        return RowResult(run, run.mfu, None, skipped=str(exc))
+    published = run.mfu
+    if published is None:
+        return RowResult(run, None, None, skipped="no published MFU or TFLOP/s")
+    try:
+        cand = evaluate(config, layout, cluster, options)
+    except (LayoutError, ValueError) as exc:  # e.g. more chunks than layers: a split the runtime lacks
+        return RowResult(run, published, None, skipped=str(exc).split("; ")[0][:90])
+    tokens_per_s_gpu = cand.step.tokens_per_s() / cluster.gpus
+    peak = (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
+    predicted = tokens_per_s_gpu * source_flops_per_token(run, config) / peak
+    rank = ok = None
+    if with_rank:
+        rank, ok = rank_check(config, layout, cluster, cand.step.step_time_s, options)
+    return RowResult(run, published, predicted, rank=rank, rank_ok=ok)
+
+
+def validate(split: str = "held_out", with_rank: bool = False,
+             options: CostOptions | None = None) -> list[RowResult]:
+    splits = SCORED_SPLITS if split == "all" else (split,)
+    return [validate_run(r, options, with_rank) for r in load_published_runs() if r.split in splits]
+
+
+def summary(rows: list[RowResult]) -> tuple[int, float, float]:
+    """(scored rows, mean |error|, worst |error|) over the rows that were priced."""
+    errors = [abs(r.error) for r in rows if r.error is not None]
+    if not errors:
+        return 0, 0.0, 0.0
+    return len(errors), sum(errors) / len(errors), max(errors)
+
+
+def format_rows(rows: list[RowResult]) -> str:
+    lines = [f"{'run':38s} {'split':11s} {'GPUs':>5s} {'layout':28s} {'pub MFU':>7s} {'pred':>6s} "
+             f"{'err':>7s} {'rank':>5s}  ok"]
+    for r in rows:
+        lay = r.run.layout
+        text = f"tp{lay.tp} pp{lay.pp} vp{lay.vp} cp{lay.cp} ep{lay.ep} dp{lay.dp} m{lay.micro_batch}"
+        if r.skipped:
+            lines.append(f"{r.run.id:38s} {r.run.split:11s} {r.run.hardware.gpus:5d} {text:28s} skipped: {r.skipped}")
+            continue
+        rank = "-" if r.rank is None else str(r.rank)
+        ok = r.mfu_ok and r.rank_ok is not False
+        lines.append(f"{r.run.id:38s} {r.run.split:11s} {r.run.hardware.gpus:5d} {text:28s} "
+                     f"{100 * r.published_mfu:6.1f}% {100 * r.predicted_mfu:5.1f}% {100 * r.error:+6.1f}% "
+                     f"{rank:>5s}  {'yes' if ok else 'MISS'}")
+    n, mean, worst = summary(rows)
+    lines.append(f"scored {n} rows: mean |MFU error| {100 * mean:.1f}%, worst {100 * worst:.1f}% "
+                 f"(bar: {100 * MFU_TOLERANCE:.0f}%)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parallel3d.planning.validation", description=__doc__.split("\n")[0])
+    parser.add_argument("--split", choices=("held_out", "calibration", "all"), default="held_out")
+    parser.add_argument("--rank", action="store_true", help="also run the search per row (slow for large runs)")
+    args = parser.parse_args(argv)
+    rows = validate(args.split, args.rank)
+    print(format_rows(rows))
+    return 0 if all(r.skipped or (r.mfu_ok and r.rank_ok is not False) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The planner's search space (issue 26): CP variants, EP for MoE, uneven stages by default, every
+runtime schedule, and the capped-microbatch memory shortcut against the full estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import ModelConfig
+from models.moe_config import MoEConfig
+from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
+from parallel3d.pipeline.options import SCHEDULES
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.memory import estimate_memory
+from parallel3d.planning.planner import PlanRequest, enumerate_layouts, memory_layout, pipeline_sizes
+
+
+def _dense(layers: int = 12) -> ModelConfig:
+    return ModelConfig(arch="llama", num_layers=layers, hidden_size=1024, num_heads=16, num_kv_heads=8,
+                       ffn_hidden_size=2816, vocab_size=32000, max_seq_len=8192)
+
+
+def test_uneven_stages_are_searched_by_default_and_llama405b_depth_is_found():
+    assert 16 in pipeline_sizes(126, PlanRequest(global_batch_size=16, seq_len=8).uneven_stages)
+    assert 16 not in pipeline_sizes(126, False)
+
+
+def test_every_cp_comm_variant_is_searched():
+    req = PlanRequest(global_batch_size=64, seq_len=8192, max_cp=4, micro_batch_sizes=(1,))
+    found = {(l.cp, l.cp_comm) for l in enumerate_layouts(_dense(), ClusterSpec.build(32, 8, "h100_80gb"), req)}
+    for comm in CP_COMM_VARIANTS:
+        assert (4, comm) in found, comm
+    assert all(l.world_size == 32 for l in enumerate_layouts(_dense(), ClusterSpec.build(32, 8, "h100_80gb"), req))
+
+
+def test_ep_is_searched_for_moe_only():
+    moe = ModelConfig(arch="llama", num_layers=8, hidden_size=512, num_heads=8, ffn_hidden_size=1024,
+                      vocab_size=32000, max_seq_len=4096, moe=MoEConfig(num_experts=8, top_k=2))
+    req = PlanRequest(global_batch_size=64, seq_len=4096, micro_batch_sizes=(1,))
+    cluster = ClusterSpec.build(16, 8, "h100_80gb")
+    eps = {l.ep for l in enumerate_layouts(moe, cluster, req)}
+    assert eps == {1, 2, 4, 8}
+    assert {l.ep for l in enumerate_layouts(_dense(8), cluster, req)} == {1}
+
+
+def test_searched_schedules_are_the_requested_runtime_schedules():
+    req = PlanRequest(global_batch_size=64, seq_len=1024, micro_batch_sizes=(1,),
+                      schedules=tuple(s for s in SCHEDULES if s != "gpipe"))
+    found = {l.schedule for l in enumerate_layouts(_dense(), ClusterSpec.build(8, 8, "h100_80gb"), req)}
+    assert found == set(req.schedules)
+    with pytest.raises(ValueError, match="plan.schedules"):
+        PlanRequest(global_batch_size=8, seq_len=8, schedules=("nope",))
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_capped_microbatch_memory_equals_the_full_estimate(schedule, v):
+    layout = Layout(tp=1, pp=4, dp=1, schedule=schedule, virtual_stages=v, micro_batch_size=1, seq_len=512,
+                    global_batch_size=40)
+    capped = memory_layout(layout)
+    assert capped.num_microbatches < layout.num_microbatches
+    assert estimate_memory(_dense(8), capped).peak_bytes == estimate_memory(_dense(8), layout).peak_bytes
