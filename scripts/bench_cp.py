@@ -109,6 +109,7 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
                     shares = [torch.empty_like(t) for _ in range(world)]
                     dist.all_gather(shares, t.contiguous())
                     result["fingerprints"].setdefault(label, {})[name] = fingerprint(unsplit_from_cp(shares))
+                del o, grads, shares  # not held through the measured step
             gate.measure(lambda: step(kwargs))
         shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)

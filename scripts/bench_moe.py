@@ -86,6 +86,7 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
             o = step()
             w1 = torch.stack([expert.w1.grad for expert in layer.experts.values()])
             result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, layer.router.weight.grad, w1, world)
+            del o, w1  # not held through the measured step
         layer.zero_grad(set_to_none=True)
         x.grad = None
         gate.measure(step)

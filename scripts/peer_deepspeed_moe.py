@@ -122,6 +122,7 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
             w1 = torch.stack([e.w1.weight.grad for e in moe.deepspeed_moe.experts.deepspeed_experts])
             result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, moe.deepspeed_moe.gate.wg.weight.grad,
                                                          w1, world)
+            del o, w1  # not held through the measured step
         moe.zero_grad(set_to_none=True)
         x.grad = None
         gate.measure(step)
