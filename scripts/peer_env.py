@@ -7,12 +7,17 @@ parallel3d installed (``scripts/`` is on their path as the running script's dire
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing as mp
 import os
+import queue
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,11 +42,29 @@ def deepspeed_python(venv: str, no_install: bool) -> str | None:
     return str(py)
 
 
-def run_peer(py: str, script: str, args: list[str]) -> dict:
-    """Run ``scripts/<script>`` under ``py`` (on CPU, one thread) and return the JSON it prints last."""
+def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> dict:
+    """Run ``scripts/<script>`` under ``py`` (on CPU, one thread) and return the JSON it prints last.
+
+    DeepSpeed JIT-builds a C++ op (its CPU shared-memory collectives) into ``TORCH_EXTENSIONS_DIR``
+    at start-up, ~40 s. A build killed half-way leaves a ``lock`` file on which every later build
+    in that directory waits forever, so each run gets a FRESH directory, seeded with a copy of
+    the finished build kept beside the peer's interpreter (``<venv>/torch_extensions``, made
+    from the first successful run's directory, never holding a lock): ninja finds it up to date."""
     cmd = [py, str(Path(__file__).resolve().parent / script), "--port", str(free_port()), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu"))
+    kept = Path(os.path.abspath(py)).parent.parent / "torch_extensions"  # the venv, not its base python
+    with tempfile.TemporaryDirectory(prefix="p3d-peer-ext-") as ext:
+        if kept.is_dir():
+            shutil.copytree(kept, ext, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                                       TORCH_EXTENSIONS_DIR=ext))
+        if proc.returncode == 0 and not kept.exists() and any(Path(ext).iterdir()):
+            partial = Path(tempfile.mkdtemp(prefix="torch_extensions.", dir=kept.parent))
+            shutil.copytree(ext, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+            try:
+                partial.rename(kept)  # atomic: a reader sees no copy or the whole one
+            except OSError:  # another run kept its copy first
+                shutil.rmtree(partial, ignore_errors=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         raise RuntimeError(f"DeepSpeed peer failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -68,3 +91,106 @@ def rank_zero_result(worker: Callable, world: int, port: int, args: Any) -> Any:
     for proc in procs:
         proc.join()
     return got[0]
+
+
+# ---- peak memory of rank processes, read by their parent from /proc -----------------------------
+# glibc's malloc keeps freed blocks below its (self-raising) mmap threshold in its heaps, so resident
+# memory would depend on allocation history; a fixed 64 KiB threshold gives every tensor its own
+# mapping, returned when the tensor dies, and the resident set follows the live tensors.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def track_live_memory() -> None:
+    """Call first thing in a rank process whose peak RSS is measured (see above)."""
+    libc = ctypes.CDLL("libc.so.6")
+    for param, value in ((_M_MMAP_THRESHOLD, 64 * 1024), (_M_TRIM_THRESHOLD, 128 * 1024), (_M_ARENA_MAX, 1)):
+        libc.mallopt(param, value)
+
+
+def _status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {key} in /proc/{pid}/status")
+
+
+class PeakGate:
+    """Peak resident memory of rank processes around one call, read from OUTSIDE them.
+
+    Ranks call ``gate.measure(fn)`` (all together, the same number of times); their parent
+    runs ``observe(pids)`` once per call: it records each rank's resident set, resets the
+    kernel's high-water mark (``/proc/<pid>/clear_refs``: 5), lets the ranks run ``fn``
+    and reads the mark (``VmHWM``) before they go on. Returns, per call, the largest peak
+    over ranks and the largest rise over the rank's own resident set before ``fn``."""
+
+    def __init__(self, ctx: Any, world: int, timeout: float = 900.0) -> None:
+        self.barrier = ctx.Barrier(world + 1)
+        self.timeout = timeout
+
+    def measure(self, fn: Callable[[], Any]) -> Any:
+        self.barrier.wait(self.timeout)  # ready: the parent reads the resident set and resets the mark
+        self.barrier.wait(self.timeout)
+        result = fn()
+        self.barrier.wait(self.timeout)  # done: the parent reads the mark before anything else runs
+        self.barrier.wait(self.timeout)
+        return result
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+    def observe(self, pids: list[int]) -> dict:
+        self.barrier.wait(self.timeout)
+        base = [_status_kib(p, "VmRSS") for p in pids]
+        for p in pids:
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")
+        self.barrier.wait(self.timeout)
+        self.barrier.wait(self.timeout)
+        peak = [_status_kib(p, "VmHWM") for p in pids]
+        self.barrier.wait(self.timeout)
+        return {"peak_rss_bytes": 1024 * max(peak), "peak_over_base_bytes": 1024 * max(a - b for a, b in zip(peak, base))}
+
+
+def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int = 0, timeout: float = 1800) -> tuple:
+    """Spawn ``worker(rank, world, port, args, out, gate)`` on ``world`` ranks; each puts ``(rank, "ok"|"err",
+    payload)`` and calls ``gate.measure`` ``measures`` times (``gate.abort()`` on error). Returns rank 0's
+    payload and the ``measures`` observations of ``PeakGate``; raises with the failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    gate = PeakGate(ctx, world)
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, out, gate)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    observed: list = []
+    failure: list = []
+
+    def watch() -> None:
+        try:
+            for _ in range(measures):
+                observed.append(gate.observe([p.pid for p in procs]))
+        except BaseException as exc:  # noqa: BLE001 - a broken barrier: a rank failed, reported below
+            failure.append(exc)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    got = {}
+    try:
+        while len(got) < world:
+            try:
+                rank, status, payload = out.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} gave no result in {timeout:.0f}s")
+            if status == "err":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            got[rank] = payload
+        watcher.join(timeout=60)
+        if failure or len(observed) != measures:
+            raise RuntimeError(f"memory observation failed: {failure or 'incomplete'}")
+    finally:
+        gate.abort()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return got[0], observed

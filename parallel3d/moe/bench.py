@@ -7,7 +7,7 @@ all-to-all / all-gather, expert-TP gather), expert compute (the grouped GEMMs an
 combine (the reverse exchange and weighted sum) and a whole forward + backward. Each phase
 is bracketed by a device synchronisation, so a phase's time includes waiting for the
 slowest peer of its collectives (that wait is part of what dispatch costs). Returns
-medians in seconds plus the token and expert-row counts; ``scripts/bench_moe.py`` (to come)
+medians in seconds plus the token and expert-row counts; ``scripts/bench_moe.py``
 tabulates them at ep 1 / 2 / 4.
 """
 

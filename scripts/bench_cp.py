@@ -1,0 +1,296 @@
+"""Benchmark context-parallel attention (every ``cp_comm``) at cp 1 / 2 / 4 against DeepSpeed Ulysses.
+
+    .venv/bin/python scripts/bench_cp.py [--cp 1 2 4] [--seq 2048] [--q-heads 8] [--kv-heads 4] [--head-dim 64]
+        [--rounds 3] [--steps 3] [--peers deepspeed] [--no-install] [--quick] [--out bench_results/cp.json]
+
+One attention layer, forward + backward, fp32, gloo, one thread per rank, on this rank's
+load-balanced share of one ``[batch, seq]`` sequence (causal, GQA). Per cp size, ``rounds``
+rounds each launch our ranks once (every variant: ``p2p``, ``allgather``, ``a2a`` and
+``a2a+p2p/a`` for every a2a size ``a`` dividing cp; ``parallel3d.context_parallel.bench``
+times them) and DeepSpeed once (``peer_deepspeed_ulysses.py`` under DeepSpeed's own
+environment, created on first use by ``peer_env.deepspeed_python``), the launch order
+alternating per round so that load on a shared machine hits both. A variant's time is the
+slowest rank's median step of a round; the table gives min / median / max over rounds and
+the ratio to DeepSpeed paired within each round (median [min - max]).
+
+Before any timing counts, the first round checks the numbers: every variant's whole output
+and dq / dk / dv (gathered from the ranks) on the same seeded inputs
+(``peer_deepspeed_ulysses.cp_inputs``) must match torch's float64 attention, and DeepSpeed's
+must too (fingerprints: norm and cosines with seeded random tensors; ``--tolerance``). A
+mismatch is printed and the script exits 1.
+
+Peak memory per rank: ``VmHWM`` of the rank processes, read from outside them by their parent
+around one step of each variant (``peer_env.PeakGate``; ``peak RSS`` includes the interpreter
+and torch, ``+step`` is the rise over the resident set just before the step).
+
+Ring overlap (cp > 1): the ring forward timed three ways (``bench_ring_overlap``): its cp - 1
+K/V exchanges alone, its block computations alone and overlapped; ``hidden`` = (comm +
+compute - overlapped) / comm. Targets (met / not met): our ``a2a`` at least as fast as
+DeepSpeed's (paired median ratio <= 1), and ``p2p`` hiding at least half its communication
+where the compute per ring step exceeds one transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from peer_deepspeed_ulysses import cp_inputs, fingerprint, fingerprint_mismatch  # noqa: E402
+from peer_env import deepspeed_python, free_port, run_peer, run_ranks, track_live_memory  # noqa: E402
+
+TENSORS = ("out", "dq", "dk", "dv")
+
+
+def variant_labels(cp: int) -> list[str]:
+    return ["p2p", "allgather", "a2a"] + [f"a2a+p2p/{a}" for a in range(1, cp + 1) if cp % a == 0]
+
+
+def _variants(rank: int, world: int) -> tuple:
+    """The cp group over all ranks and ``{label: context_parallel_attention kwargs}`` (every rank
+    creates every sub-group, in the same order)."""
+    import torch.distributed as dist
+
+    from parallel3d.context_parallel import CPGroup, hierarchical_rank_lists
+
+    ranks = list(range(world))
+    cp = CPGroup(dist.new_group(ranks), ranks, rank)
+    variants: dict[str, dict] = {"p2p": {"cp_comm": "p2p"}, "allgather": {"cp_comm": "allgather"},
+                                 "a2a": {"cp_comm": "a2a"}}
+    for label in variant_labels(world)[3:]:
+        a = int(label.split("/")[1])
+        mine = {}
+        for kind, lists in zip(("cp_a2a", "cp_ring"), hierarchical_rank_lists(ranks, a)):
+            for members in lists:
+                pg = dist.new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    mine[kind] = CPGroup(pg, members, rank, kind=kind, stats=cp.stats)
+        variants[label] = {"cp_comm": "a2a+p2p", "a2a_group": mine["cp_a2a"], "ring_group": mine["cp_ring"]}
+    return cp, variants
+
+
+def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
+    try:
+        track_live_memory()
+        import torch.distributed as dist
+
+        from parallel3d.context_parallel import context_parallel_attention, split_for_cp, unsplit_from_cp
+        from parallel3d.context_parallel.bench import bench_ring_overlap, bench_variants
+
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        cp, variants = _variants(rank, world)
+        full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
+        q, k, v, dout = (split_for_cp(full[n], world, rank).contiguous() for n in ("q", "k", "v", "dout"))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        del full
+
+        def step(kwargs: dict):
+            o = context_parallel_attention(q, k, v, cp_group=cp, backend=args.backend, **kwargs)
+            return o, torch.autograd.grad(o, (q, k, v), dout)
+
+        result: dict = {"fingerprints": {}}
+        for label, kwargs in variants.items():
+            if args.check:
+                o, grads = step(kwargs)
+                for name, t in zip(TENSORS, (o, *grads)):
+                    shares = [torch.empty_like(t) for _ in range(world)]
+                    dist.all_gather(shares, t.contiguous())
+                    result["fingerprints"].setdefault(label, {})[name] = fingerprint(unsplit_from_cp(shares))
+                del o, grads, shares  # not held through the measured step
+            gate.measure(lambda: step(kwargs))
+        shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
+        result["median_ms"] = bench_variants(cp, variants=variants, **shape)
+        result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 else None
+        out.put((rank, "ok", result))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        gate.abort()
+        out.put((rank, "err", traceback.format_exc()))
+
+
+def reference_fingerprints(args) -> dict[str, list[float]]:
+    """torch's float64 whole attention (``kernels.attention_math.attention_reference``) on the same inputs."""
+    from kernels.attention_math import attention_reference
+
+    full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
+    q, k, v = (full[n].double().requires_grad_() for n in ("q", "k", "v"))
+    o = attention_reference(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), full["dout"].double())
+    return {name: fingerprint(t) for name, t in zip(TENSORS, (o, *grads))}
+
+
+def deepspeed_skip_reason(args, cp: int) -> str | None:
+    """DeepSpeed's Ulysses splits kv heads evenly only (its uneven path is another code path)."""
+    if args.kv_heads % cp or args.q_heads % cp:
+        return f"DeepSpeed Ulysses needs heads divisible by cp={cp} (q {args.q_heads}, kv {args.kv_heads})"
+    return None
+
+
+def _shape_args(args) -> list[str]:
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim",
+                                                                     "steps", "warmup", "seed")]
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "rounds": values}
+
+
+def bench_cp_size(args, cp: int, ds_py: str | None, reference: dict) -> dict:
+    """All rounds at one cp size: per-round times, memory, overlap, and the numerical checks."""
+    labels = variant_labels(cp)
+    skip = deepspeed_skip_reason(args, cp) if ds_py else "DeepSpeed not run"
+    ours: dict[str, list[float]] = {lb: [] for lb in labels}
+    memory: dict[str, list[dict]] = {lb: [] for lb in labels + ["deepspeed"]}
+    ds_times: list[float] = []
+    overlaps: list[dict] = []
+    checks: dict[str, dict[str, float]] = {}
+    for r in range(args.rounds):
+        order = ["ours", "deepspeed"] if r % 2 == 0 else ["deepspeed", "ours"]
+        for who in order:
+            check = r == 0
+            if who == "ours":
+                got, observed = run_ranks(_worker, cp, free_port(), SimpleNamespace(**vars(args), check=check),
+                                          measures=len(labels))
+                for lb, mem in zip(labels, observed):
+                    ours[lb].append(got["median_ms"][lb])
+                    memory[lb].append(mem)
+                if got["overlap"]:
+                    overlaps.append(got["overlap"])
+                for lb, fps in got["fingerprints"].items():
+                    checks[lb] = {n: fingerprint_mismatch(fps[n], reference[n]) for n in TENSORS}
+            elif skip is None:
+                res = run_peer(ds_py, "peer_deepspeed_ulysses.py", [f"--cp={cp}", *_shape_args(args)]
+                               + (["--check"] if check else []))
+                ds_times.append(res["median_ms"])
+                memory["deepspeed"].append({k: res[k] for k in ("peak_rss_bytes", "peak_over_base_bytes")})
+                if "fingerprints" in res:
+                    checks["deepspeed"] = {n: fingerprint_mismatch(res["fingerprints"][n], reference[n])
+                                           for n in TENSORS}
+        print(f"[bench] cp={cp} round {r + 1}/{args.rounds} done", flush=True)
+    rows = []
+    for lb in labels + (["deepspeed"] if ds_times else []):
+        times = ours[lb] if lb != "deepspeed" else ds_times
+        ratios = [a / b for a, b in zip(times, ds_times)] if ds_times and lb != "deepspeed" else []
+        mem = memory[lb]
+        rows.append({"cp": cp, "impl": "deepspeed Ulysses" if lb == "deepspeed" else f"ours {lb}",
+                     "step_ms": _spread(times), "vs_deepspeed": _spread(ratios) if ratios else None,
+                     "peak_rss_bytes": max(m["peak_rss_bytes"] for m in mem),
+                     "peak_over_base_bytes": max(m["peak_over_base_bytes"] for m in mem),
+                     "mismatch": max(checks[lb].values())})
+    overlap = None
+    if overlaps:
+        keys = ("comm_ms", "compute_ms", "overlapped_ms", "hidden")
+        overlap = {k: _spread([o[k] for o in overlaps]) for k in keys}
+        per_block = overlap["compute_ms"]["median"] / cp
+        per_transfer = overlap["comm_ms"]["median"] / (cp - 1)
+        overlap.update(compute_per_step_ms=per_block, transfer_ms=per_transfer, applies=per_block > per_transfer,
+                       met=overlap["hidden"]["median"] >= 0.5)
+    return {"cp": cp, "rows": rows, "overlap": overlap, "deepspeed_skipped": skip if not ds_times else None}
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def report(results: list[dict], args) -> tuple[list[str], dict]:
+    lines = [f"shape: batch {args.batch}, seq {args.seq}, heads q {args.q_heads} / kv {args.kv_heads}, head_dim "
+             f"{args.head_dim}, fp32, causal, backend {args.backend}; {args.rounds} alternating rounds x {args.steps} "
+             f"steps (+{args.warmup} warm-up), gloo, 1 thread/rank, {os.cpu_count()} cores, load "
+             f"{os.getloadavg()[0]:.2f} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
+    head = (f"{'cp':>2} {'implementation':<20} {'min ms':>8} {'median ms':>9} {'max ms':>8} {'x deepspeed [range]':>22} "
+            f"{'peak RSS MiB':>12} {'+step MiB':>9} {'mismatch':>9}")
+    lines += [head, "-" * len(head)]
+    for res in results:
+        for r in res["rows"]:
+            t = r["step_ms"]
+            vs = r["vs_deepspeed"]
+            ratio = f"{vs['median']:.2f} [{vs['min']:.2f}-{vs['max']:.2f}]" if vs else "-"
+            lines.append(f"{r['cp']:>2} {r['impl']:<20} {t['min']:>8.2f} {t['median']:>9.2f} {t['max']:>8.2f} "
+                         f"{ratio:>22} {_mib(r['peak_rss_bytes']):>12} {_mib(r['peak_over_base_bytes']):>9} "
+                         f"{r['mismatch']:>9.1e}")
+        if res["deepspeed_skipped"]:
+            lines.append(f"{res['cp']:>2} deepspeed skipped: {res['deepspeed_skipped']}")
+    lines.append("mismatch: largest fingerprint difference from torch's float64 attention (output, dq, dk, dv)")
+    lines.append("")
+    head = (f"{'cp':>2} {'comm ms':>8} {'compute ms':>10} {'overlapped ms':>13} {'hidden [range]':>18} "
+            f"{'compute/step ms':>15} {'transfer ms':>11} {'target':>10}")
+    lines += ["ring (p2p) forward overlap", head, "-" * len(head)]
+    targets: dict = {}
+    for res in results:
+        o = res["overlap"]
+        if o is None:
+            continue
+        h = o["hidden"]
+        status = ("met" if o["met"] else "NOT met") if o["applies"] else "n/a"
+        targets[f"p2p_overlap_cp{res['cp']}"] = status
+        lines.append(f"{res['cp']:>2} {o['comm_ms']['median']:>8.2f} {o['compute_ms']['median']:>10.2f} "
+                     f"{o['overlapped_ms']['median']:>13.2f} {h['median']:>6.2f} [{h['min']:.2f}-{h['max']:.2f}] "
+                     f"{o['compute_per_step_ms']:>15.2f} {o['transfer_ms']:>11.2f} {status:>10}")
+    for res in results:
+        a2a = next((r for r in res["rows"] if r["impl"] == "ours a2a"), None)
+        if res["cp"] > 1 and a2a and a2a["vs_deepspeed"]:
+            targets[f"a2a_vs_deepspeed_cp{res['cp']}"] = "met" if a2a["vs_deepspeed"]["median"] <= 1.0 else "NOT met"
+    lines.append("targets (our a2a <= DeepSpeed Ulysses, paired median; p2p hides >= 1/2 of its communication where "
+                 "compute per ring step > one transfer, else n/a): "
+                 + (", ".join(f"{k} {v}" for k, v in targets.items()) or "none measured"))
+    return lines, targets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    for name, default in (("batch", 1), ("seq", 2048), ("q-heads", 8), ("kv-heads", 4), ("head-dim", 64),
+                          ("rounds", 3), ("steps", 3), ("warmup", 1), ("seed", 0)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--backend", default="auto", help="block attention backend (auto, torch, math, triton)")
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest fingerprint difference accepted")
+    ap.add_argument("--peers", nargs="*", default=["deepspeed"], choices=["deepspeed"])
+    ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
+    ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: cp 2, a tiny shape, 1 round of 1 step (every check still runs)")
+    ap.add_argument("--out", default="bench_results/cp.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.cp, args.seq, args.q_heads, args.kv_heads, args.head_dim = [2], 64, 4, 2, 16
+        args.rounds, args.steps, args.warmup = 1, 1, 0
+    for cp in args.cp:
+        if args.seq % (2 * cp):
+            ap.error(f"--seq={args.seq} must divide into 2 * cp = {2 * cp} chunks")
+    ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
+    reference = reference_fingerprints(args)
+    results = [bench_cp_size(args, cp, ds_py, reference) for cp in args.cp]
+    lines, targets = report(results, args)
+    print("\n".join(lines))
+    bad = [(res["cp"], r["impl"], r["mismatch"]) for res in results for r in res["rows"] if r["mismatch"] > args.tolerance]
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
+    path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "load_average": os.getloadavg(), "results": results, "targets": targets,
+                                "mismatches": bad}, indent=1))
+    print(f"wrote {path}")
+    if bad:
+        for cp, impl, m in bad:
+            print(f"MISMATCH cp={cp} {impl}: fingerprint difference {m:.2e} > tolerance {args.tolerance:.0e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
