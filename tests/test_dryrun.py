@@ -55,7 +55,7 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
         assert r["grad_bytes"] == 4 * padded  # fp32 main grads, whole buffer at stage 1
         assert r["optimizer_state_bytes"] == 12 * (padded // dp)
         assert r["activation_bytes"] > 0
-        sends = {m["kind"]: m for m in r["messages"]}["pp_send"]
+        sends = {m["kind"]: m for m in r["messages"]}["pp send"]
         ends = stage in (0, pp - 1)
         assert sends["count"] == (1 if ends else 2) * m
         hidden, seq = rj.model.hidden_size, rj.train.seq_len // (tp if rj.dims.sequence_parallel else 1)

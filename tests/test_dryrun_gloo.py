@@ -64,7 +64,8 @@ def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
     stats.reset()
     opt.zero_grad()
-    trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    result = trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    held["activation_bytes"] = result.peak_activation_bytes  # the engine's count on real storages
     opt.step()
     opt.finish_param_sync()
     sent = {f"{kind} {op}": (stats.calls[(kind, op)], stats.bytes[(kind, op)]) for kind, op in stats.bytes}
@@ -81,8 +82,14 @@ def test_dry_run_bytes_equal_a_real_gloo_run(case, tmp_path):
         report = dry_run_rank(rj, rank)
         assert report.error is None, report.error
         held, sent = real[rank]
+        real_activations = held.pop("activation_bytes")
         dry = {k: getattr(report, k) for k in held}
         assert dry == held, f"rank {rank}: dry run {dry} != real run {held}"
+        # Activations: the same engine count, on meta storages. Meta kernels save more than the CPU
+        # kernels (attention on meta saves its probabilities; measured +11% to +31% on these tiny
+        # models), never less: so a bound, not equality (README: what is not exact).
+        assert 0 < real_activations <= report.activation_bytes <= 1.5 * real_activations, \
+            f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real {real_activations}"
         assert held["optimizer_state_bytes"] > 0 and held["param_bytes"] > 0
         _check_messages(report.messages, sent, rank)
 
