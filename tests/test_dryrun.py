@@ -124,8 +124,8 @@ def _tiny(extra: list[str]):
 
 @pytest.mark.parametrize("extra,world", [
     (["parallel.pp=4", "train.global_batch_size=12"], 4),
-    (["parallel.pp=2", "parallel.zero_stage=2", "train.global_batch_size=16"], 4),
-], ids=["pp4-1f1b", "pp2dp2-z2"])
+    (["parallel.pp=2", "parallel.zero_stage=2", "train.recompute=full", "train.global_batch_size=16"], 4),
+], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute"])
 def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
     """Steps run at fewer microbatches and extrapolated (``dryrun.step``) give the messages and the
     activation peak of the full step run with every microbatch, on every rank."""

@@ -6,7 +6,7 @@ so a shape mismatch between chunks, a p2p message of the wrong shape, a ZeRO buf
 fault, or an optimizer step that does not fit the layout raises here as it would at step 1.
 Receives from the ranks not simulated complete at once on the fake backend and leave their
 meta buffers of the pipeline's message shape; data reads are answered by ``MetaValues``;
-attention saves what a fused kernel saves (``FusedAttentionOnMeta``).
+attention saves what a fused kernel saves (``fused_attention_on_meta``).
 
 Measured from the step itself: the peak activation bytes (the engine's saved-tensor count,
 ``StepResult.peak_activation_bytes``, on meta storages) and every message through ``comm``
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel3d.config import ResolvedJob
-from parallel3d.dryrun.meta_attention import FusedAttentionOnMeta
+from parallel3d.dryrun.meta_attention import fused_attention_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.schedules import build_schedule
@@ -93,7 +93,7 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
              for _ in range(microbatches)]
     stats = pstate.comm_stats
     stats.reset()
-    with MetaValues(), FusedAttentionOnMeta():
+    with MetaValues(), fused_attention_on_meta():
         optimizer.zero_grad()
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
         optimizer.step()
