@@ -68,6 +68,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _check_sizes(pstate: ParallelState, kind: str, op: str, full: torch.Tensor, piece: torch.Tensor, n: int) -> None:
+    """The whole buffer must be n pieces of one dtype. NCCL and gloo check this themselves, but a
+    fake backend (the dry run's) does not: checked here, the dry run's step finds a bad ZeRO bucket."""
+    if full.numel() != n * piece.numel() or full.dtype != piece.dtype:
+        raise ValueError(f"rank {pstate.rank}: {op} on the {kind} group {pstate.ranks(kind)}: the whole buffer "
+                         f"({full.numel()} x {full.dtype}) is not {n} pieces of {piece.numel()} x {piece.dtype}")
+
+
 def all_reduce(
     tensor: torch.Tensor,
     pstate: ParallelState,
@@ -97,6 +105,7 @@ def all_gather_into_tensor(
     if n == 1:
         output.copy_(shard.reshape(output.shape))
         return None
+    _check_sizes(pstate, kind, "all_gather", output, shard, n)
     pstate.comm_stats.add(kind, "all_gather", _nbytes(output) * (n - 1) / n)
     with _named_failure(pstate, kind, "all_gather"):
         return _all_gather_single(output, shard.contiguous(), group=pstate.group(kind), async_op=async_op)
@@ -115,6 +124,7 @@ def reduce_scatter_tensor(
     if n == 1:
         output.copy_(full.reshape(output.shape))
         return None
+    _check_sizes(pstate, kind, "reduce_scatter", full, output, n)
     pstate.comm_stats.add(kind, "reduce_scatter", _nbytes(full) * (n - 1) / n)
     with _named_failure(pstate, kind, "reduce_scatter"):
         return _reduce_scatter_single(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from parallel3d.config import resolve
 from parallel3d.dryrun import __main__ as cli
@@ -22,7 +23,7 @@ from parallel3d.option_checks import ConfigError
 from parallel3d.train import compose_job
 
 GPT3 = ["model=gpt3_175b", "parallel.tp=8", "parallel.pp=16", "parallel.zero_stage=1", "train.precision=bf16",
-        "train.global_batch_size=512", "train.micro_batch_size=1", "train.seq_len=2048"]
+        "train.global_batch_size=128", "train.micro_batch_size=1", "train.seq_len=2048"]
 LLAMA405 = ["model=llama31_405b", "parallel.tp=8", "parallel.pp=16", "parallel.zero_stage=1",
             "parallel.sequence_parallel=true", "train.precision=bf16", "train.global_batch_size=2048",
             "train.micro_batch_size=1", "train.seq_len=8192"]
@@ -55,7 +56,7 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
         assert r["grad_bytes"] == 4 * padded  # fp32 main grads, whole buffer at stage 1
         assert r["optimizer_state_bytes"] == 12 * (padded // dp)
         assert r["activation_bytes"] > 0
-        sends = {m["kind"]: m for m in r["messages"]}["pp_send"]
+        sends = {m["kind"]: m for m in r["messages"]}["pp send"]
         ends = stage in (0, pp - 1)
         assert sends["count"] == (1 if ends else 2) * m
         hidden, seq = rj.model.hidden_size, rj.train.seq_len // (tp if rj.dims.sequence_parallel else 1)
@@ -114,3 +115,53 @@ def test_dry_run_rank_reports_zero_stage_3_shards():
         assert reports[stage].error is None, reports[stage].error
     assert reports[3].param_bytes * 2 == reports[0].param_bytes
     assert reports[3].optimizer_state_bytes * 2 == reports[0].optimizer_state_bytes
+
+
+def _tiny(extra: list[str]):
+    job, _ = compose_job(["model=gpt_tiny", "train.micro_batch_size=1", "train.seq_len=32", *extra])
+    return job
+
+
+@pytest.mark.parametrize("extra,world", [
+    (["parallel.pp=4", "train.global_batch_size=12"], 4),
+    (["parallel.pp=2", "parallel.zero_stage=2", "train.recompute=full", "train.global_batch_size=16"], 4),
+], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute"])
+def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
+    """Steps run at fewer microbatches and extrapolated (``dryrun.step``) give the messages and the
+    activation peak of the full step run with every microbatch, on every rank."""
+    rj = resolve(_tiny(extra), world_size=world)
+    reduced = {r: dry_run_rank(rj, r) for r in range(world)}
+    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
+    for rank, short in reduced.items():
+        full = dry_run_rank(rj, rank)
+        assert short.error is None and full.error is None, (short.error, full.error)
+        assert len(short.step_microbatches) == 2 and full.step_microbatches == [rj.grad_accum]
+        assert short.messages == full.messages, rank
+        assert short.activation_bytes == full.activation_bytes > 0
+
+
+def test_a_stage_with_a_wrong_output_shape_fails_in_the_step_naming_its_rank(monkeypatch, capsys):
+    """A model bug only a step finds (stage 0's chunk returns half its sequence): building passes,
+    the step's first send fails, and the dry run names the rank; the other stage still runs."""
+    real_build = rank_report.build_chunks
+
+    class HalfSequence(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)[:, : args[0].shape[1] // 2]
+
+    def build(rj, pstate):
+        chunks = real_build(rj, pstate)
+        return [HalfSequence(c) for c in chunks] if pstate.coord("pp") == 0 else chunks
+
+    monkeypatch.setattr(rank_report, "build_chunks", build)
+    code = cli.main(["model=gpt_tiny", "parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1",
+                     "train.seq_len=32", "dryrun.world_size=2", "dryrun.ranks=0,1"])
+    out, err = capsys.readouterr()
+    assert code == cli.EXIT_FAILED
+    assert len(err.strip().splitlines()) == 1 and err.startswith("dry run failed: rank 0: "), err
+    assert "sends shape (1, 16, " in err, err
+    assert "rank 1: actions" in out

@@ -3,8 +3,10 @@
 Cases are generated (``_cases``: every ZeRO stage 0-3, layouts tp x pp x dp = 4, model and precision drawn). The real
 run builds each rank's ``Trainer`` (the trainer's own chunks and ``ZeroOptimizer``) on gloo and
 reads the bytes from the optimizer's tensors (weight buffers or shards, gradient buffers or
-shards, masters and moments); the dry run builds every rank on the fake backend and the meta
-device, in this process. They must agree exactly, rank by rank.
+shards, masters and moments) and runs one step, counting its messages (``comm_stats``); the dry
+run builds every rank on the fake backend and the meta device, in this process, and runs its
+step there. Bytes and every message (calls and bytes per group kind and op) must agree exactly,
+rank by rank.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
     stats.reset()
     opt.zero_grad()
-    trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    result = trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    held["activation_bytes"] = result.peak_activation_bytes  # the engine's count on real storages
     opt.step()
     opt.finish_param_sync()
     sent = {f"{kind} {op}": (stats.calls[(kind, op)], stats.bytes[(kind, op)]) for kind, op in stats.bytes}
@@ -79,21 +82,20 @@ def test_dry_run_bytes_equal_a_real_gloo_run(case, tmp_path):
         report = dry_run_rank(rj, rank)
         assert report.error is None, report.error
         held, sent = real[rank]
+        real_activations = held.pop("activation_bytes")
         dry = {k: getattr(report, k) for k in held}
         assert dry == held, f"rank {rank}: dry run {dry} != real run {held}"
+        # Activations: the same engine count, on meta storages. A few meta kernels save tensors of
+        # other sizes than the CPU kernels (GQA's repeated kv heads, a 0-d scalar; measured -0.7% to
+        # +3.6% on these cases), so a 5% bound, not equality (README: what is not exact).
+        assert real_activations > 0 and abs(report.activation_bytes - real_activations) <= 0.05 * real_activations, \
+            f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real {real_activations}"
         assert held["optimizer_state_bytes"] > 0 and held["param_bytes"] > 0
-        _check_messages(report.messages, sent, rank, case["dp"])
+        _check_messages(report.messages, sent, rank)
 
 
-def _check_messages(dry_messages, sent: dict, rank: int, dp: int) -> None:
-    """pp sends and dp_cp reduce-scatters / all-gathers of the real step: the same calls, and the
-    same bytes in ``comm``'s convention (a send's bytes; (n-1)/n of a collective's full buffer,
-    rounded down per call)."""
-    dry = {m.kind.replace("pp_send", "pp send"): m for m in dry_messages}
-    for key in ("pp send", "dp_cp reduce_scatter", "dp_cp all_gather"):
-        calls, nbytes = sent.get(key, (0, 0))
-        m = dry.get(key)
-        assert (m.count if m else 0) == calls, f"rank {rank} {key}: dry run {m} != real {calls} calls"
-        if m is not None:
-            expected = m.bytes if key == "pp send" else m.bytes * (dp - 1) / dp
-            assert expected - calls <= nbytes <= expected, f"rank {rank} {key}: {m.bytes} -> {nbytes}"
+def _check_messages(dry_messages, sent: dict, rank: int) -> None:
+    """Every message of the real step (each group kind and op: calls and bytes in ``comm``'s
+    convention) is the dry run's step's, and the dry run has no other."""
+    dry = {m.kind: (m.count, m.bytes) for m in dry_messages}
+    assert dry == sent, f"rank {rank}: dry run {dry} != real step {sent}"

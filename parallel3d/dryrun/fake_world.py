@@ -4,7 +4,8 @@ torch's ``fake`` backend (``torch.testing._internal.distributed.fake_pg``) answe
 collective at once without sending anything, but its groups have the real sizes and
 ranks: code that asks ``comm.group_size`` / ``group_rank`` (ZeRO sharding, the pipeline's
 peers) sees the real job. Only one default group exists per process, so ranks are
-visited one after another, each tearing its world down.
+visited one after another, each tearing its world down. A step runs on it: every p2p receive
+and collective completes at once and leaves its meta output as allocated (right shape and dtype).
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
 
+# The fake backend for meta tensors too: a step's receives and collectives then run on the
+# meta device, a receive leaving its (meta) buffer of the pipeline's message shape as it is.
+FAKE_BACKEND = "cpu:fake,meta:fake"
+
 
 @contextmanager
 def fake_rank_state(topology: Topology, rank: int) -> Iterator[ParallelState]:
     """``rank``'s state in ``topology``, every group created on the fake backend, device meta."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without torch.distributed initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=topology.world_size)
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=topology.world_size)
     try:
-        yield ParallelState(topology, rank=rank, backend="fake", device="meta")
+        # The real job runs on NCCL: p2p batches complete as one unit (``p2p_coalesces``).
+        yield ParallelState(topology, rank=rank, backend=FAKE_BACKEND, device="meta", emulate_nccl=True)
     finally:
         dist.destroy_process_group()

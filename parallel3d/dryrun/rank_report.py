@@ -4,9 +4,11 @@
 the rank's model chunks (the trainer's ``build_chunks``), its ``ZeroOptimizer`` (parameter,
 gradient and optimizer-state bytes are the optimizer's own ``MemoryTracker`` counts after
 construction, i.e. its real flat buffers and shards, padding included), and its stage's
-schedule (``build_schedule``). Activation bytes are the planner's estimate for the stage
-(``planning.memory.stage_activation_bytes``, fused-kernel assumptions). Any failure becomes
-``RankReport.error``: one line naming the rank.
+schedule (``build_schedule``); then it runs one training step of that schedule on meta tensors
+(``step``: the engine, the optimizer step and the parameter sync, as the trainer's step 1).
+Activation bytes and messages per step are measured from that step; the planner's activation
+estimate (``planning.memory.stage_activation_bytes``) is reported beside the measured peak.
+Any failure, in the build or the step, becomes ``RankReport.error``: one line naming the rank.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import torch
 
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state
-from parallel3d.dryrun.messages import Messages, pipeline_messages, tensor_parallel_messages, zero_messages
+from parallel3d.dryrun.messages import Messages
+from parallel3d.dryrun.step import Counts, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS
-from parallel3d.pipeline.p2p import MessageSpec
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule
@@ -30,7 +32,6 @@ from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.memory import stage_activation_bytes
 from parallel3d.trainer import build_chunks
 from parallel3d.zero import ZeroOptimizer
-from parallel3d.zero.precision import precision_dtype
 
 
 @dataclass
@@ -45,7 +46,9 @@ class RankReport:
     grad_bytes: int = 0
     optimizer_state_bytes: int = 0  # fp32 masters + Adam moments on the device
     offloaded_bytes: int = 0  # optimizer state in host memory or on disk
-    activation_bytes: int = 0  # planner's estimate at the stage's peak
+    activation_bytes: int = 0  # measured: the step's peak of saved activations (meta storages)
+    activation_bytes_planner: int = 0  # the planner's estimate at the stage's peak, beside it
+    step_microbatches: list[int] = field(default_factory=list)  # microbatch counts of the steps run
     actions: dict[str, int] = field(default_factory=dict)  # schedule actions per step by kind
     messages: list[Messages] = field(default_factory=list)
     error: str | None = None
@@ -64,14 +67,6 @@ def build_optimizer(rj: ResolvedJob, chunks: list[torch.nn.Module], pstate) -> Z
     )
 
 
-def _root_buckets(optimizer: ZeroOptimizer) -> frozenset[tuple[int, int]]:
-    """(layout, bucket) of stage 3's root units, in the optimizer's layout indices (mixed stages too)."""
-    params = optimizer.params
-    parts = getattr(params, "parts", [params])
-    return frozenset(params.global_key(part, b) if part is not params else b
-                     for part in parts for u in getattr(part, "units", []) if u.is_root for b in u.buckets)
-
-
 def _stage_layers(rj: ResolvedJob, stage: int) -> int:
     p = rj.job.parallel
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=rj.train.seq_len)
@@ -85,41 +80,47 @@ def _activation_bytes(rj: ResolvedJob, stage: int, layers: int) -> int:
     return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions)[0])
 
 
+def _build(rj: ResolvedJob, pstate) -> tuple[list[torch.nn.Module], ZeroOptimizer]:
+    chunks = build_chunks(rj, pstate)
+    return chunks, build_optimizer(rj, chunks, pstate)
+
+
+def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, first) -> Counts:
+    """Run the step (reduced when ``reduced_microbatches`` allows; ``step`` module doc), fill the
+    report's measured activation peak and step sizes; the step's messages at the full count."""
+    p, m = rj.job.parallel, rj.grad_accum
+    reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage)
+    if reduced is None:
+        full = run_step(rj, pstate, *first, m)
+        report.step_microbatches = [m]
+        report.activation_bytes = full.peak_activation_bytes
+        return full.messages
+    a = run_step(rj, pstate, *first, reduced[0])
+    b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
+    report.step_microbatches = list(reduced)
+    report.activation_bytes = a.peak_activation_bytes
+    return extrapolate(a, b, m)
+
+
 def _fill(report: RankReport, rj: ResolvedJob) -> None:
-    p, t = rj.job.parallel, rj.train
+    p = rj.job.parallel
     with fake_rank_state(rj.topology, report.rank) as pstate:
         report.coords = {d: pstate.coord(d) for d in ("tp", "cp", "dp", "pp") if pstate.size(d) > 1}
         stage = pstate.coord("pp")
-        chunks = build_chunks(rj, pstate)
+        chunks, optimizer = _build(rj, pstate)
         report.params = sum(q.numel() for c in chunks for q in c.parameters())
-        optimizer = build_optimizer(rj, chunks, pstate)
         held = optimizer.memory.current
         report.param_bytes, report.grad_bytes = held["model_weights"], held["gradients"]
         report.optimizer_state_bytes = held["master_weights"] + held["optimizer_moments"]
         report.offloaded_bytes = held["offload_host"] + held["offload_disk"]
-        grad_itemsize = precision_dtype(rj.zero.grad_reduce_dtype).itemsize
-        report.messages += zero_messages(
-            optimizer.layouts, zero_stage=[optimizer.layout_stage(g) for g in range(len(optimizer.layouts))],
-            microbatches=rj.grad_accum,
-            grad_itemsize=grad_itemsize, zero3_mode=rj.zero.zero3_mode(p.pp),
-            embedding_group=len(pstate.ranks("embedding")) > 1,
-            root_buckets=_root_buckets(optimizer))
-    report.layers = _stage_layers(rj, stage)
-    # The real job runs on NCCL: p2p batches complete as one unit (schedules' coalesced_p2p).
-    schedule = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True)
-    actions = schedule[stage]
-    report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS if any(a.kind == k for a in actions)}
-    dtype = precision_dtype(t.precision)
-    spec = MessageSpec.from_config(micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
-                                   hidden_size=rj.model.hidden_size, dtype=dtype, tp_size=p.tp,
-                                   sequence_parallel=p.sequence_parallel)
-    message_bytes = spec.dtype.itemsize * int(torch.Size(spec.shape).numel())
-    report.messages = pipeline_messages(actions, message_bytes) + report.messages
-    full_activation = t.micro_batch_size * t.seq_len * rj.model.hidden_size * dtype.itemsize
-    report.messages += tensor_parallel_messages(p.tp, report.layers, rj.grad_accum, full_activation,
-                                                sequence_parallel=p.sequence_parallel,
-                                                full_recompute=t.recompute == "full")
-    report.activation_bytes = _activation_bytes(rj, stage, report.layers)
+        report.layers = _stage_layers(rj, stage)
+        actions = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True)[stage]
+        report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS
+                          if any(a.kind == k for a in actions)}
+        report.activation_bytes_planner = _activation_bytes(rj, stage, report.layers)
+        counts = _step_messages(rj, pstate, stage, report, (chunks, optimizer))
+    report.messages = [Messages(f"{kind} {op}", calls, nbytes, "step")
+                       for (kind, op), (calls, nbytes) in sorted(counts.items())]
 
 
 def dry_run_rank(rj: ResolvedJob, rank: int) -> RankReport:

@@ -25,23 +25,28 @@ def format_reports(rj: ResolvedJob, reports: list[RankReport]) -> str:
         f"{rj.grad_accum} | seq {t.seq_len} | {t.precision}",
         "",
         f"{'rank':>6} {'coords':<18} {'layers':>6} {'params':>14} {'param GiB':>9} {'grad GiB':>9} "
-        f"{'optim GiB':>9} {'activ GiB':>9}",
+        f"{'optim GiB':>9} {'activ GiB':>9} {'planner':>9}",
     ]
     for r in reports:
         if r.error:
             lines.append(f"{r.rank:>6} ERROR {r.error}")
             continue
         lines.append(f"{r.rank:>6} {_coords(r):<18} {r.layers:>6} {r.params:>14,} {_gib(r.param_bytes)} "
-                     f"{_gib(r.grad_bytes)} {_gib(r.optimizer_state_bytes)} {_gib(r.activation_bytes)}"
+                     f"{_gib(r.grad_bytes)} {_gib(r.optimizer_state_bytes)} {_gib(r.activation_bytes)} "
+                     f"{_gib(r.activation_bytes_planner)}"
                      + (f" (+{r.offloaded_bytes / GiB:.2f} GiB offloaded)" if r.offloaded_bytes else ""))
-    lines += ["", "per step (bytes handed to collectives / sent; source):"]
+    lines += ["", "activ: the step's measured peak of saved activations; planner: the planner's estimate",
+              "", "per step, measured from the step (calls; bytes this rank sends, comm's ring convention):"]
     for r in reports:
         if r.error:
             continue
         acts = " ".join(f"{k}={v}" for k, v in r.actions.items())
-        lines.append(f"  rank {r.rank}: actions {acts}")
+        ran = r.step_microbatches
+        how = (f"step run with {ran[0]} microbatches" if len(ran) == 1 else
+               f"steps run with {ran[0]} and {ran[1]} microbatches, extrapolated to {rj.grad_accum}")
+        lines.append(f"  rank {r.rank}: actions {acts} ({how})")
         for m in r.messages:
-            lines.append(f"    {m.kind:<30} {m.count:>8} msgs {m.bytes / GiB:>10.3f} GiB  ({m.how})")
+            lines.append(f"    {m.kind:<30} {m.count:>8} msgs {m.bytes / GiB:>10.3f} GiB")
     return "\n".join(lines)
 
 

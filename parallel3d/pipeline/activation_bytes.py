@@ -25,7 +25,7 @@ def storage_key(t: torch.Tensor) -> int:
 
 def held_bytes(tensors: Iterable[torch.Tensor], exclude: set[int]) -> int:
     """Bytes of the distinct storages behind ``tensors``, leaving out the storage keys ``exclude``."""
-    sizes = {storage_key(t): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    sizes = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for k, n in sizes.items() if k not in exclude)
 
 
@@ -63,11 +63,10 @@ class SavedBytes:
     @property
     def storages(self) -> dict[int, int]:
         """storage key -> bytes of each non-parameter storage seen (tensors are dropped once counted)."""
-        for t in self._seen:
-            if t.device.type != "meta":
-                key = storage_key(t)
-                if key not in self.param_storages and key not in self._counted:
-                    self._counted[key] = t.untyped_storage().nbytes()
+        for t in self._seen:  # meta tensors too: a dry run's step measures its activations on meta
+            key = storage_key(t)
+            if key not in self.param_storages and key not in self._counted:
+                self._counted[key] = t.untyped_storage().nbytes()
         self._seen = []
         return self._counted
 

@@ -264,7 +264,7 @@ class PipelineEngine:
         """Forward and backward every microbatch once; grads accumulate into ``.grad``."""
         self._check_microbatches(microbatches)
         # Parameters may have been moved into flat buffers (ZeRO) since construction.
-        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters() if p.device.type != "meta"}
+        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters()}
         undeferred = [backward_inputs(c.parameters()) for c in self.chunks] if self.split_backward else []
         waited = self.p2p.wait_time
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)

@@ -1,0 +1,51 @@
+"""Attention on meta tensors as a fused kernel, so the dry run's activation count matches the job's.
+
+On the meta device ``F.scaled_dot_product_attention`` falls back to its math form, which saves
+the ``s x s`` attention probabilities for backward; the real job's fused kernels (flash on GPU,
+flash-for-CPU on CPU) save only the output and its log-sum-exp. ``fused_attention_on_meta`` routes
+meta calls without a mask or dropout to ``_scaled_dot_product_flash_attention_for_cpu`` (it has a
+meta kernel and autograd), so what autograd saves is a fused kernel's. Grouped-query calls repeat
+the kv heads first (saved as the repeated copies: a slight over-count of k and v).
+Invariant: calls with any non-meta tensor run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+           enable_gqa=False) -> torch.Tensor | None:
+    if query.device.type != "meta" or attn_mask is not None or dropout_p:
+        return None
+    repeat = query.shape[-3] // key.shape[-3]
+    if repeat > 1 and enable_gqa:
+        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    return _flash(query, key, value, 0.0, is_causal, scale=scale)[0]
+
+
+@contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """Inside: meta attention saves what a fused kernel saves (module doc). It replaces
+    ``F.scaled_dot_product_attention`` for the duration (restored after), not a thread-local
+    mode: full recompute re-runs the forward inside backward, where a mode may not be active,
+    and the recomputed tensors must match the forward's."""
+    original = F.scaled_dot_product_attention
+
+    @functools.wraps(original)
+    def routed(*args, **kwargs):
+        out = _fused(*args, **kwargs)
+        return original(*args, **kwargs) if out is None else out
+
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

@@ -1,0 +1,117 @@
+"""One training step of a rank's schedule, run on meta tensors over the fake backend.
+
+``run_step`` does what ``Trainer`` does for step 1 (``zero_grad``, ``PipelineEngine.run_step``
+over meta microbatches of the config's shape, ``ZeroOptimizer.step``, ``finish_param_sync``),
+so a shape mismatch between chunks, a p2p message of the wrong shape, a ZeRO buffer or bucket
+fault, or an optimizer step that does not fit the layout raises here as it would at step 1.
+Receives from the ranks not simulated complete at once on the fake backend and leave their
+meta buffers of the pipeline's message shape; data reads are answered by ``MetaValues``;
+attention saves what a fused kernel saves (``fused_attention_on_meta``).
+
+Measured from the step itself: the peak activation bytes (the engine's saved-tensor count,
+``StepResult.peak_activation_bytes``, on meta storages) and every message through ``comm``
+(``CommStats``: calls and bytes per (group kind, op), ``comm``'s byte convention).
+
+Fewer microbatches (``reduced_microbatches``): every microbatch runs the same code on the same
+shapes, so a step's messages are ``a + b m`` in the microbatch count ``m`` once the stage's
+schedule has the same warm-up (the same peak of microbatches in flight). The step runs at
+``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's peak) and is
+extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
+number of microbatches in flight as the full step. ``m <= m2``: the full step runs once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel3d.config import ResolvedJob
+from parallel3d.dryrun.meta_attention import fused_attention_on_meta
+from parallel3d.dryrun.meta_values import MetaValues
+from parallel3d.pipeline.engine import PipelineEngine
+from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.zero.precision import precision_dtype
+
+__all__ = ["StepMeasure", "in_flight_peak", "reduced_microbatches", "run_step"]
+
+Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """What one step of ``microbatches`` microbatches did on this rank."""
+
+    microbatches: int
+    peak_activation_bytes: int
+    messages: Counts
+
+
+def in_flight_peak(name: str, pp: int, m: int, v: int, stage: int) -> int:
+    """Most microbatch-chunks whose activations the stage holds at once (F until B, or W when split)."""
+    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
+    split = any(a.kind == "W" for a in actions)
+    live = peak = 0
+    for a in actions:
+        live += (a.kind == "F") - (a.kind == ("W" if split else "B"))
+        peak = max(peak, live)
+    return peak
+
+
+def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int) -> tuple[int, int] | None:
+    """``(m1, m2)``: the two smallest valid counts below ``m`` whose schedule for ``stage`` has the
+    full step's in-flight peak; None when none are (then run all ``m``)."""
+    want = in_flight_peak(name, pp, m, v, stage)
+    found: list[int] = []
+    for k in range(1, m):
+        try:
+            if in_flight_peak(name, pp, k, v, stage) == want:
+                found.append(k)
+        except ValueError:  # a count the schedule does not take (e.g. interleaved: a multiple of pp)
+            continue
+        if len(found) == 2:
+            return found[0], found[1]
+    return None
+
+
+def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> PipelineEngine:
+    """The trainer's engine (``Trainer.__init__``) for ``microbatches`` microbatches."""
+    p, t = rj.job.parallel, rj.job.train
+    return PipelineEngine(
+        chunks, pstate, schedule=p.schedule, num_microbatches=microbatches,
+        micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
+        dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel, grad_sync=optimizer.grad_sync,
+    )
+
+
+def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> StepMeasure:
+    """One step of ``microbatches`` microbatches on this rank (module doc); raises what step 1 would."""
+    t, p = rj.job.train, rj.job.parallel
+    engine = _engine(rj, chunks, pstate, optimizer, microbatches)
+    shape = (t.micro_batch_size, t.seq_len // p.cp)
+    batch = [{k: torch.zeros(shape, dtype=torch.long, device="meta") for k in engine.microbatch_keys}
+             for _ in range(microbatches)]
+    stats = pstate.comm_stats
+    stats.reset()
+    with MetaValues(), fused_attention_on_meta():
+        optimizer.zero_grad()
+        result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
+        optimizer.step()
+        optimizer.finish_param_sync()
+    counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}
+    stats.reset()
+    return StepMeasure(microbatches, result.peak_activation_bytes, counts)
+
+
+def extrapolate(a: StepMeasure, b: StepMeasure, m: int) -> Counts:
+    """Messages at ``m`` microbatches from steps at ``a`` and ``b`` microbatches (linear, exact integers)."""
+    out: Counts = {}
+    span = b.microbatches - a.microbatches
+    for key in dict.fromkeys([*a.messages, *b.messages]):
+        (ca, ba), (cb, bb) = a.messages.get(key, (0, 0)), b.messages.get(key, (0, 0))
+        if (cb - ca) % span or (bb - ba) % span:
+            raise RuntimeError(f"{key}: messages are not linear in the microbatch count "
+                               f"({a.microbatches}: {ca} calls, {b.microbatches}: {cb})")
+        k = m - a.microbatches
+        out[key] = (ca + (cb - ca) // span * k, ba + (bb - ba) // span * k)
+    return out
