@@ -42,7 +42,7 @@ class Layout:
     cp_a2a_size: int | None = ContextParallelOptions.cp_a2a_size
     ep: int = ParallelDims.ep
     etp: int | None = ParallelDims.etp  # None: the dense tp
-    expert_zero_stage: int | None = None  # None: the dense zero_stage (experts shard over edp)
+    expert_zero_stage: int | None = ZeroOptions.expert_zero_stage  # None: the dense zero_stage (experts shard over edp)
     zero_stage: int = ZeroOptions.zero_stage
     sequence_parallel: bool = ParallelDims.sequence_parallel
     schedule: str = PipelineOptions.schedule
@@ -94,7 +94,8 @@ class Layout:
 
     @property
     def zero(self) -> ZeroOptions:
-        return ZeroOptions(zero_stage=self.zero_stage, grad_reduce_dtype=self.grad_reduce_dtype, offload=self.offload,
+        return ZeroOptions(zero_stage=self.zero_stage, expert_zero_stage=self.expert_zero_stage,
+                           grad_reduce_dtype=self.grad_reduce_dtype, offload=self.offload,
                            offload_dir=UNCHOSEN_OFFLOAD_DIR if self.offload == "disk" else None,
                            zero3_prefetch=self.zero3_prefetch, zero3_reshard=self.zero3_reshard)
 
