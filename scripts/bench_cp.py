@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from peer_deepspeed_ulysses import cp_inputs, fingerprint, fingerprint_mismatch  # noqa: E402
-from peer_env import deepspeed_python, free_port, run_peer, run_ranks, track_live_memory  # noqa: E402
+from peer_env import (deepspeed_python, free_port, run_peer, run_ranks,  # noqa: E402
+                      track_live_memory, write_results)
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -277,19 +277,7 @@ def main() -> None:
     results = [bench_cp_size(args, cp, ds_py, reference) for cp in args.cp]
     lines, targets = report(results, args)
     print("\n".join(lines))
-    bad = [(res["cp"], r["impl"], r["mismatch"]) for res in results for r in res["rows"] if r["mismatch"] > args.tolerance]
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
-    path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "load_average": os.getloadavg(), "results": results, "targets": targets,
-                                "mismatches": bad}, indent=1))
-    print(f"wrote {path}")
-    if bad:
-        for cp, impl, m in bad:
-            print(f"MISMATCH cp={cp} {impl}: fingerprint difference {m:.2e} > tolerance {args.tolerance:.0e}")
-        sys.exit(1)
+    write_results(args, results, targets, "cp")
 
 
 if __name__ == "__main__":

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +42,8 @@ import torch  # noqa: E402
 
 from peer_deepspeed_moe import CHECKED, gather_fingerprints, moe_tokens, moe_weights  # noqa: E402
 from peer_deepspeed_ulysses import fingerprint, fingerprint_mismatch  # noqa: E402
-from peer_env import deepspeed_python, free_port, run_peer, run_ranks, track_live_memory  # noqa: E402
+from peer_env import (deepspeed_python, free_port, run_peer, run_ranks, timed_steps,  # noqa: E402
+                      track_live_memory, write_results)
 
 PHASES = ("route_s", "dispatch_s", "experts_s", "combine_s", "forward_backward_s")
 
@@ -90,17 +89,11 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
         layer.zero_grad(set_to_none=True)
         x.grad = None
         gate.measure(step)
-        times = []
-        for i in range(args.warmup + args.steps):
+        def clear() -> None:
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= args.warmup:
-                times.append(elapsed.item() * 1e3)
+
+        times = timed_steps(step, args.steps, args.warmup, clear)
         result["median_ms"] = statistics.median(times)
         phases = bench_dispatch_vs_experts(layer, x.detach(), steps=args.steps, warmup=args.warmup)
         slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64)
@@ -249,19 +242,7 @@ def main() -> None:
     results = [bench_ep_size(args, ep, ds_py) for ep in args.ep]
     lines, targets = report(results, args)
     print("\n".join(lines))
-    bad = [(res["ep"], r["impl"], r["mismatch"]) for res in results for r in res["rows"] if r["mismatch"] > args.tolerance]
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
-    path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "load_average": os.getloadavg(), "results": results, "targets": targets,
-                                "mismatches": bad}, indent=1))
-    print(f"wrote {path}")
-    if bad:
-        for ep, impl, m in bad:
-            print(f"MISMATCH ep={ep} {impl}: fingerprint difference {m:.2e} > tolerance {args.tolerance:.0e}")
-        sys.exit(1)
+    write_results(args, results, targets, "ep")
 
 
 if __name__ == "__main__":

@@ -30,14 +30,13 @@ import datetime
 import json
 import os
 import statistics
-import time
 import traceback
 
 import torch
 from torch import nn
 
 from peer_deepspeed_ulysses import fingerprint
-from peer_env import run_ranks, track_live_memory
+from peer_env import run_ranks, timed_steps, track_live_memory
 
 CHECKED = ("out", "dx", "d_router", "d_w1")
 
@@ -126,17 +125,11 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
         moe.zero_grad(set_to_none=True)
         x.grad = None
         gate.measure(step)
-        times = []
-        for i in range(args.warmup + args.steps):
+        def clear() -> None:
             moe.zero_grad(set_to_none=True)
             x.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= args.warmup:
-                times.append(elapsed.item() * 1e3)
+
+        times = timed_steps(step, args.steps, args.warmup, clear)
         result["median_ms"] = statistics.median(times)
         out.put((rank, "ok", result))
         dist.barrier()

@@ -25,12 +25,11 @@ import datetime
 import json
 import os
 import statistics
-import time
 import traceback
 
 import torch
 
-from peer_env import run_ranks, track_live_memory
+from peer_env import run_ranks, timed_steps, track_live_memory
 
 PROJECTIONS = 4
 
@@ -107,15 +106,7 @@ def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
             result["fingerprints"] = {n: fingerprint(t) for n, t in zip(("out", "dq", "dk", "dv"), whole)}
             del whole, o, grads
         gate.measure(step)
-        times = []
-        for i in range(args.warmup + args.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= args.warmup:
-                times.append(elapsed.item() * 1e3)
+        times = timed_steps(step, args.steps, args.warmup)
         result["median_ms"] = statistics.median(times)
         out.put((rank, "ok", result))
         dist.barrier()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -194,3 +195,47 @@ def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int 
             if proc.is_alive():
                 proc.kill()
     return got[0], observed
+
+
+def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
+                before: Callable[[], None] | None = None) -> list[float]:
+    """Wall ms of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the slowest rank's
+    (a barrier starts each; ``before`` runs outside the timing, e.g. to clear gradients)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(warmup + steps):
+        if before is not None:
+            before()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(elapsed.item() * 1e3)
+    return times
+
+
+def write_results(args: Any, results: list[dict], targets: Any, dim: str) -> None:
+    """Write the benchmark's JSON to ``args.out`` and exit 1 after naming every row whose fingerprint
+    differs from the reference by more than ``args.tolerance`` (``dim``: "cp" or "ep")."""
+    import datetime
+
+    import torch
+
+    bad = [(res[dim], r["impl"], r["mismatch"]) for res in results for r in res["rows"]
+           if r["mismatch"] > args.tolerance]
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
+    path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "load_average": os.getloadavg(), "results": results, "targets": targets,
+                                "mismatches": bad}, indent=1))
+    print(f"wrote {path}")
+    if bad:
+        for size, impl, m in bad:
+            print(f"MISMATCH {dim}={size} {impl}: fingerprint difference {m:.2e} > tolerance {args.tolerance:.0e}")
+        sys.exit(1)
