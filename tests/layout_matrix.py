@@ -88,7 +88,7 @@ MOE_MODELS: dict[str, dict[str, Any]] = {
                                            dense_first=1, score_function="sigmoid", bias_update_rate=0.01,
                                            aux_loss_coeff=0.001, aux_loss_scope="sequence")),
 }
-MOE_BASE, MOE_CASES = 30_000, 6  # ids of the MoE draws in the whole matrix (above the reshard pairs' 20_000)
+MOE_BASE, MOE_CASES = 30_000, 16  # ids of the MoE draws in the whole matrix (above the reshard pairs' 20_000)
 EP_DEGREES = (1, 2, 4)
 
 
