@@ -37,7 +37,6 @@ import datetime
 import os
 import statistics
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,7 +46,7 @@ import torch  # noqa: E402
 
 from peer_deepspeed_ulysses import cp_inputs, fingerprint, fingerprint_mismatch  # noqa: E402
 from peer_env import (deepspeed_python, free_port, run_peer, run_ranks,  # noqa: E402
-                      track_live_memory, write_results)
+                      write_results)
 
 TENSORS = ("out", "dq", "dk", "dv")
 
@@ -79,48 +78,39 @@ def _variants(rank: int, world: int) -> tuple:
     return cp, variants
 
 
-def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
-    try:
-        track_live_memory()
-        import torch.distributed as dist
+def _worker(rank: int, world: int, args, gate) -> dict:
+    """One rank under ``peer_env.run_ranks`` (which prepares the process and reports the result)."""
+    import torch.distributed as dist
 
-        from parallel3d.context_parallel import context_parallel_attention, split_for_cp, unsplit_from_cp
-        from parallel3d.context_parallel.bench import bench_ring_overlap, bench_variants
+    from parallel3d.context_parallel import context_parallel_attention, split_for_cp, unsplit_from_cp
+    from parallel3d.context_parallel.bench import bench_ring_overlap, bench_variants
 
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        cp, variants = _variants(rank, world)
-        full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
-        q, k, v, dout = (split_for_cp(full[n], world, rank).contiguous() for n in ("q", "k", "v", "dout"))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        del full
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    cp, variants = _variants(rank, world)
+    full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
+    q, k, v, dout = (split_for_cp(full[n], world, rank).contiguous() for n in ("q", "k", "v", "dout"))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    del full
 
-        def step(kwargs: dict):
-            o = context_parallel_attention(q, k, v, cp_group=cp, backend=args.backend, **kwargs)
-            return o, torch.autograd.grad(o, (q, k, v), dout)
+    def step(kwargs: dict):
+        o = context_parallel_attention(q, k, v, cp_group=cp, backend=args.backend, **kwargs)
+        return o, torch.autograd.grad(o, (q, k, v), dout)
 
-        result: dict = {"fingerprints": {}}
-        for label, kwargs in variants.items():
-            if args.check:
-                o, grads = step(kwargs)
-                for name, t in zip(TENSORS, (o, *grads)):
-                    shares = [torch.empty_like(t) for _ in range(world)]
-                    dist.all_gather(shares, t.contiguous())
-                    result["fingerprints"].setdefault(label, {})[name] = fingerprint(unsplit_from_cp(shares))
-                del o, grads, shares  # not held through the measured step
-            gate.measure(lambda: step(kwargs))
-        shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                     head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
-        result["median_ms"] = bench_variants(cp, variants=variants, **shape)
-        result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 else None
-        out.put((rank, "ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        gate.abort()
-        out.put((rank, "err", traceback.format_exc()))
+    result: dict = {"fingerprints": {}}
+    for label, kwargs in variants.items():
+        if args.check:
+            o, grads = step(kwargs)
+            for name, t in zip(TENSORS, (o, *grads)):
+                shares = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(shares, t.contiguous())
+                result["fingerprints"].setdefault(label, {})[name] = fingerprint(unsplit_from_cp(shares))
+            del o, grads, shares  # not held through the measured step
+        gate.measure(lambda: step(kwargs))
+    shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                 head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
+    result["median_ms"] = bench_variants(cp, variants=variants, **shape)
+    result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 else None
+    return result
 
 
 def reference_fingerprints(args) -> dict[str, list[float]]:

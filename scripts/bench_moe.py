@@ -32,7 +32,6 @@ import datetime
 import os
 import statistics
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,68 +42,59 @@ import torch  # noqa: E402
 from peer_deepspeed_moe import CHECKED, gather_fingerprints, moe_tokens, moe_weights  # noqa: E402
 from peer_deepspeed_ulysses import fingerprint, fingerprint_mismatch  # noqa: E402
 from peer_env import (deepspeed_python, free_port, run_peer, run_ranks, timed_steps,  # noqa: E402
-                      track_live_memory, write_results)
+                      write_results)
 
 PHASES = ("route_s", "dispatch_s", "experts_s", "combine_s", "forward_backward_s")
 
 
-def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
-    try:
-        track_live_memory()
-        import torch.distributed as dist
+def _worker(rank: int, world: int, args, gate) -> dict:
+    """One rank under ``peer_env.run_ranks`` (which prepares the process and reports the result)."""
+    import torch.distributed as dist
 
-        from parallel3d.moe.bench import bench_dispatch_vs_experts
-        from parallel3d.moe.layer import MoELayer
-        from parallel3d.moe.options import MoEOptions
+    from parallel3d.moe.bench import bench_dispatch_vs_experts
+    from parallel3d.moe.layer import MoELayer
+    from parallel3d.moe.options import MoEOptions
 
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-        ep_group = dist.new_group(list(range(world))) if world > 1 else None
-        options = MoEOptions(num_experts=args.experts, top_k=args.top_k, ffn_hidden=args.ffn, score_function="softmax",
-                             normalize_topk=True, dispatcher=args.dispatcher)
-        layer = MoELayer(options, args.hidden, global_name="moe", ep_group=ep_group)
-        w = moe_weights(args.hidden, args.ffn, args.experts, args.seed)
-        with torch.no_grad():
-            layer.router.weight.copy_(w["router"])
-            for e, expert in layer.experts.items():
-                for name in ("w1", "w2", "w3"):
-                    getattr(expert, name).copy_(w[name][int(e)])
-        x, dout = moe_tokens(rank, args.batch, args.seq, args.hidden, args.seed)
-        x.requires_grad_()
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    ep_group = dist.new_group(list(range(world))) if world > 1 else None
+    options = MoEOptions(num_experts=args.experts, top_k=args.top_k, ffn_hidden=args.ffn, score_function="softmax",
+                         normalize_topk=True, dispatcher=args.dispatcher)
+    layer = MoELayer(options, args.hidden, global_name="moe", ep_group=ep_group)
+    w = moe_weights(args.hidden, args.ffn, args.experts, args.seed)
+    with torch.no_grad():
+        layer.router.weight.copy_(w["router"])
+        for e, expert in layer.experts.items():
+            for name in ("w1", "w2", "w3"):
+                getattr(expert, name).copy_(w[name][int(e)])
+    x, dout = moe_tokens(rank, args.batch, args.seq, args.hidden, args.seed)
+    x.requires_grad_()
 
-        def step() -> torch.Tensor:
-            o = layer(x)
-            (o * dout).sum().backward()
-            layer.stats.reset()
-            return o
+    def step() -> torch.Tensor:
+        o = layer(x)
+        (o * dout).sum().backward()
+        layer.stats.reset()
+        return o
 
-        result: dict = {}
-        if args.check:
-            o = step()
-            w1 = torch.stack([expert.w1.grad for expert in layer.experts.values()])
-            result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, layer.router.weight.grad, w1, world)
-            del o, w1  # not held through the measured step
+    result: dict = {}
+    if args.check:
+        o = step()
+        w1 = torch.stack([expert.w1.grad for expert in layer.experts.values()])
+        result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, layer.router.weight.grad, w1, world)
+        del o, w1  # not held through the measured step
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    gate.measure(step)
+    def clear() -> None:
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        gate.measure(step)
-        def clear() -> None:
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
 
-        times = timed_steps(step, args.steps, args.warmup, clear)
-        result["median_ms"] = statistics.median(times)
-        phases = bench_dispatch_vs_experts(layer, x.detach(), steps=args.steps, warmup=args.warmup)
-        slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        result["phases_ms"] = {p.removesuffix("_s"): 1e3 * float(t) for p, t in zip(PHASES, slowest)}
-        out.put((rank, "ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        gate.abort()
-        out.put((rank, "err", traceback.format_exc()))
+    times = timed_steps(step, args.steps, args.warmup, clear)
+    result["median_ms"] = statistics.median(times)
+    phases = bench_dispatch_vs_experts(layer, x.detach(), steps=args.steps, warmup=args.warmup)
+    slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    result["phases_ms"] = {p.removesuffix("_s"): 1e3 * float(t) for p, t in zip(PHASES, slowest)}
+    return result
 
 
 def reference_fingerprints(args, world: int) -> dict[str, list[float]]:

@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import traceback
 
 import torch
 from torch import nn
 
 from peer_deepspeed_ulysses import fingerprint
-from peer_env import run_ranks, timed_steps, track_live_memory
+from peer_env import run_ranks, timed_steps
 
 CHECKED = ("out", "dx", "d_router", "d_w1")
 
@@ -84,59 +82,49 @@ class SwiGLU(nn.Module):
         return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
-def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
-    try:
-        track_live_memory()
-        import torch.distributed as dist
+def _worker(rank: int, world: int, args, gate) -> dict:
+    """One rank under ``peer_env.run_ranks`` (which prepares the process and reports the result)."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        import deepspeed
-        from deepspeed.moe.layer import MoE
+    import deepspeed
+    from deepspeed.moe.layer import MoE
 
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
-        moe = MoE(args.hidden, SwiGLU(args.hidden, args.ffn), num_experts=args.experts, ep_size=world, k=args.top_k,
-                  drop_tokens=False, noisy_gate_policy=None, use_rts=False, top2_2nd_expert_sampling=False)
-        moe.set_deepspeed_parallelism()
-        w = moe_weights(args.hidden, args.ffn, args.experts, args.seed)
-        local = args.experts // world
-        with torch.no_grad():
-            moe.deepspeed_moe.gate.wg.weight.copy_(w["router"])
-            for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
-                for name in ("w1", "w2", "w3"):
-                    getattr(expert, name).weight.copy_(w[name][rank * local + i])
-        x, dout = moe_tokens(rank, args.batch, args.seq, args.hidden, args.seed)
-        x.requires_grad_()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
+    moe = MoE(args.hidden, SwiGLU(args.hidden, args.ffn), num_experts=args.experts, ep_size=world, k=args.top_k,
+              drop_tokens=False, noisy_gate_policy=None, use_rts=False, top2_2nd_expert_sampling=False)
+    moe.set_deepspeed_parallelism()
+    w = moe_weights(args.hidden, args.ffn, args.experts, args.seed)
+    local = args.experts // world
+    with torch.no_grad():
+        moe.deepspeed_moe.gate.wg.weight.copy_(w["router"])
+        for i, expert in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
+            for name in ("w1", "w2", "w3"):
+                getattr(expert, name).weight.copy_(w[name][rank * local + i])
+    x, dout = moe_tokens(rank, args.batch, args.seq, args.hidden, args.seed)
+    x.requires_grad_()
 
-        def step() -> torch.Tensor:
-            o, _, _ = moe(x)
-            (o * dout).sum().backward()
-            return o
+    def step() -> torch.Tensor:
+        o, _, _ = moe(x)
+        (o * dout).sum().backward()
+        return o
 
-        result: dict = {}
-        if args.check:
-            o = step()
-            w1 = torch.stack([e.w1.weight.grad for e in moe.deepspeed_moe.experts.deepspeed_experts])
-            result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, moe.deepspeed_moe.gate.wg.weight.grad,
-                                                         w1, world)
-            del o, w1  # not held through the measured step
+    result: dict = {}
+    if args.check:
+        o = step()
+        w1 = torch.stack([e.w1.weight.grad for e in moe.deepspeed_moe.experts.deepspeed_experts])
+        result["fingerprints"] = gather_fingerprints(o.detach(), x.grad, moe.deepspeed_moe.gate.wg.weight.grad,
+                                                     w1, world)
+        del o, w1  # not held through the measured step
+    moe.zero_grad(set_to_none=True)
+    x.grad = None
+    gate.measure(step)
+    def clear() -> None:
         moe.zero_grad(set_to_none=True)
         x.grad = None
-        gate.measure(step)
-        def clear() -> None:
-            moe.zero_grad(set_to_none=True)
-            x.grad = None
 
-        times = timed_steps(step, args.steps, args.warmup, clear)
-        result["median_ms"] = statistics.median(times)
-        out.put((rank, "ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        gate.abort()
-        out.put((rank, "err", traceback.format_exc()))
+    times = timed_steps(step, args.steps, args.warmup, clear)
+    result["median_ms"] = statistics.median(times)
+    return result
 
 
 def main() -> None:

@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import traceback
 
 import torch
 
-from peer_env import run_ranks, timed_steps, track_live_memory
+from peer_env import run_ranks, timed_steps
 
 PROJECTIONS = 4
 
@@ -70,50 +68,40 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(1, 2)
 
 
-def _worker(rank: int, world: int, port: int, args, out, gate) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
-    try:
-        track_live_memory()
-        import torch.distributed as dist
+def _worker(rank: int, world: int, args, gate) -> dict:
+    """One rank under ``peer_env.run_ranks`` (which prepares the process and reports the result)."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        import deepspeed
-        from deepspeed.sequence.layer import DistributedAttention
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
 
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
-        group = dist.new_group(list(range(world)))
-        attn = DistributedAttention(_local_attention, group, scatter_idx=2, gather_idx=1)
-        full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
-        share = args.seq // world
-        q, k, v, dout = (full[n][:, rank * share:(rank + 1) * share].contiguous() for n in ("q", "k", "v", "dout"))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        del full
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=600))
+    group = dist.new_group(list(range(world)))
+    attn = DistributedAttention(_local_attention, group, scatter_idx=2, gather_idx=1)
+    full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
+    share = args.seq // world
+    q, k, v, dout = (full[n][:, rank * share:(rank + 1) * share].contiguous() for n in ("q", "k", "v", "dout"))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    del full
 
-        def step():
-            o = attn(q, k, v, 0)
-            return o, torch.autograd.grad(o, (q, k, v), dout)
+    def step():
+        o = attn(q, k, v, 0)
+        return o, torch.autograd.grad(o, (q, k, v), dout)
 
-        result: dict = {}
-        if args.check:
-            o, grads = step()
-            whole = []
-            for t in (o, *grads):
-                parts = [torch.empty_like(t) for _ in range(world)]
-                dist.all_gather(parts, t.contiguous())
-                whole.append(torch.cat(parts, dim=1))
-            result["fingerprints"] = {n: fingerprint(t) for n, t in zip(("out", "dq", "dk", "dv"), whole)}
-            del whole, o, grads
-        gate.measure(step)
-        times = timed_steps(step, args.steps, args.warmup)
-        result["median_ms"] = statistics.median(times)
-        out.put((rank, "ok", result))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        gate.abort()
-        out.put((rank, "err", traceback.format_exc()))
+    result: dict = {}
+    if args.check:
+        o, grads = step()
+        whole = []
+        for t in (o, *grads):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            whole.append(torch.cat(parts, dim=1))
+        result["fingerprints"] = {n: fingerprint(t) for n, t in zip(("out", "dq", "dk", "dv"), whole)}
+        del whole, o, grads
+    gate.measure(step)
+    times = timed_steps(step, args.steps, args.warmup)
+    result["median_ms"] = statistics.median(times)
+    return result
 
 
 def main() -> None:

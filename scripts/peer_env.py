@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -153,14 +154,34 @@ class PeakGate:
         return {"peak_rss_bytes": 1024 * max(peak), "peak_over_base_bytes": 1024 * max(a - b for a, b in zip(peak, base))}
 
 
+def _rank_main(worker: Callable, rank: int, world: int, port: int, args: Any, out: Any, gate: PeakGate) -> None:
+    """A rank process: memory tracking, one thread, the rendezvous environment; then ``worker(rank, world,
+    args, gate)`` (which creates its process group) and its result, or its traceback, put on ``out``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
+    try:
+        track_live_memory()
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+        out.put((rank, "ok", worker(rank, world, args, gate)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        gate.abort()
+        out.put((rank, "err", traceback.format_exc()))
+
+
 def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int = 0, timeout: float = 1800) -> tuple:
-    """Spawn ``worker(rank, world, port, args, out, gate)`` on ``world`` ranks; each puts ``(rank, "ok"|"err",
-    payload)`` and calls ``gate.measure`` ``measures`` times (``gate.abort()`` on error). Returns rank 0's
-    payload and the ``measures`` observations of ``PeakGate``; raises with the failing rank's traceback."""
+    """Spawn ``worker(rank, world, args, gate) -> payload`` on ``world`` ranks (``_rank_main``); each calls
+    ``gate.measure`` ``measures`` times. Returns rank 0's payload and the ``measures`` observations of
+    ``PeakGate``; raises with the failing rank's traceback."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     gate = PeakGate(ctx, world)
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, out, gate)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(worker, r, world, port, args, out, gate)) for r in range(world)]
     for proc in procs:
         proc.start()
     observed: list = []
