@@ -124,7 +124,9 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
         schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
         grad_reduce_dtype=zero.grad_reduce_dtype, offload=zero.offload, zero3_prefetch=zero.zero3_prefetch,
-        zero3_reshard=zero.zero3_reshard,
+        zero3_reshard=zero.zero3_reshard, cp=dims.cp, cp_comm=rj.context_parallel.cp_comm,
+        cp_a2a_size=rj.context_parallel.cp_a2a_size, ep=dims.ep, etp=dims.etp,
+        expert_zero_stage=zero.expert_zero_stage,
     )
     model = rj.model
     ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers)
