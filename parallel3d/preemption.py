@@ -116,7 +116,8 @@ class StopPolicy:
     def should_stop(self, iteration_s: float) -> str | None:
         """Collective (every rank, every step boundary): the reason to stop, the same on every rank."""
         reason = self.local_reason(iteration_s)
-        code = 0 if reason is None else (2 if self.received is not None else 1)
+        # The code carries the signal number so every rank names the same signal; a budget stop is 1.
+        code = 0 if reason is None else (int(self.received) + 1 if self.received is not None else 1)
         if self.pstate.world_size > 1:
             flag = torch.tensor([code], dtype=torch.int32, device=self.pstate.device)
             comm.all_reduce_world(flag, self.pstate, op=dist.ReduceOp.MAX)
@@ -124,5 +125,6 @@ class StopPolicy:
         if code == 0:
             return None
         if reason is None:  # another rank asked
-            reason = "a preemption signal on another rank" if code == 2 else "the time budget on another rank"
+            reason = (f"{signal.Signals(code - 1).name} received on another rank" if code > 1
+                      else "the time budget on another rank")
         return reason

@@ -135,7 +135,7 @@ def test_world_agreements_cover_every_rank(layout, tmp_path):
     for rank, out in enumerate(results):
         assert out["slots"] == [10.0 * r for r in range(8)]
         assert out["reduced"] == (7.0, 0.0, 28.0, 3.5)
-        expected_stop = "received SIGTERM" if rank == 7 else "a preemption signal on another rank"
+        expected_stop = "received SIGTERM" if rank == 7 else "SIGTERM received on another rank"
         assert out["stop"] == expected_stop
         assert out["saved"] is False  # rank 2's failed write vetoes the commit everywhere
     assert not os.path.exists(tmp_path / "step_00000001")

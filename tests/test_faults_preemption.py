@@ -5,6 +5,7 @@ losses are bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -119,7 +120,8 @@ def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_p
         text = "\n".join(run.lines)
         assert status != 0 and seconds < STOP_BOUND_S, text[-3000:]
         stop = [line for line in run.lines if line.startswith("stopping at step")]
-        assert len(stop) == 1 and "received SIGTERM" in stop[0], text[-3000:]
+        # torchrun signals the ranks one by one, so the logging rank may hear of it from another rank first
+        assert len(stop) == 1 and re.search(r"(received SIGTERM|SIGTERM received on another rank)", stop[0]), text[-3000:]
         assert f"exitcode: {EXIT_STOPPED}" in text or "SIGTERM" in text
         assert not any(line.startswith("[rank") and "failed:" in line for line in run.lines), text[-3000:]
         stops.append((int(stop[0].split()[3]), seconds))
