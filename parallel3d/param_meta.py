@@ -16,6 +16,13 @@ Attributes set on ``torch.nn.Parameter`` objects (by the layers that create them
   embedding); the grad norm and checkpoints skip it, the embedding's copy stands for both.
 - ``expert_index`` (int): a routed expert's global index (``parallel3d.moe.experts``); the
   parameter is replicated over ``edp`` only, each rank of ``etp x ep`` holds a different piece.
+- ``etp_split_dim`` (int | None): for a routed expert, the dimension split over the expert
+  tensor-parallel group ``etp`` (its own grid: ``etp`` may differ from ``tp``); ``tp_split_dim``
+  is not set on experts.
+
+``shard_grid`` is the one reading of these: which group kind a parameter's shards are laid
+out over (``tp`` or ``etp``) and along which dimension. Checkpoints (``checkpoint_io``) map
+every parameter to its global tensor through it.
 - ``no_weight_decay`` (bool): norms and biases are excluded from weight decay.
 - ``wgrad_deferrable`` (bool): the parameter is read only by layers that can defer its
   gradient (``parallel3d.deferred_grads``), so a zero-bubble ``B`` may leave it to ``W``.
@@ -82,3 +89,13 @@ def no_weight_decay(param: torch.Tensor) -> bool:
 def is_expert_param(param: torch.Tensor) -> bool:
     """A routed expert's parameter (replicas: the ``edp`` group; see ``expert_index``)."""
     return getattr(param, "expert_index", None) is not None
+
+
+def shard_grid(param: torch.Tensor) -> tuple[str, int | None]:
+    """``(kind, dim)``: the group kind whose ranks hold different chunks of ``param`` along ``dim``
+    (chunk ``coord(kind)``), or whose every rank holds all of it (``dim`` None).
+
+    Routed experts use the expert grid (``etp``, ``etp_split_dim``), everything else ``tp``."""
+    if is_expert_param(param):
+        return "etp", getattr(param, "etp_split_dim", None)
+    return "tp", tp_split_dim(param)

@@ -1,4 +1,4 @@
-"""From a flat range of a tp-local parameter to rectangular boxes of the global tensor.
+"""From a flat range of a rank-local parameter to rectangular boxes of the global tensor.
 
 A ZeRO segment is a flat range ``[a, b)`` of a row-major tp-local tensor. It is not a
 rectangle of the global tensor (a row-parallel weight's shard is a column block, so
@@ -8,8 +8,8 @@ consecutive local rows are far apart globally), but it is exactly the union of a
     shape (4, 6), range [3, 20):   row 0 cols 3..5  |  rows 1..2 all cols  |  row 3 cols 0..1
 
 ``flat_range_boxes`` returns them in flat order (so box ``i`` is ``flat[lo_i:hi_i].view(sizes_i)``
-of the range's data, no copy). ``to_global`` shifts a local box by the tp shard's offset
-along the split dimension and clips rows past the unpadded vocabulary (padding rows exist
+of the range's data, no copy). ``to_global`` shifts a local box by the shard's offset
+along the split dimension (the shard grid is tp, or etp for routed experts: ``param_meta.shard_grid``) and clips rows past the unpadded vocabulary (padding rows exist
 only in memory: the checkpoint holds the canonical, unpadded tensor).
 """
 
@@ -72,17 +72,17 @@ def _in_row(row: int, sub: Box) -> Box:
     return Box((row, *sub.offsets), (1, *sub.sizes), sub.flat_start)
 
 
-def to_global(box: Box, local_shape: tuple[int, ...], split_dim: int | None, tp_rank: int,
+def to_global(box: Box, local_shape: tuple[int, ...], split_dim: int | None, shard: int,
               unpadded_rows: int | None) -> Box | None:
-    """``box`` of tp rank ``tp_rank``'s shard in the coordinates of the whole, unpadded tensor;
+    """``box`` of shard ``shard`` in the coordinates of the whole, unpadded tensor;
     None when it lies entirely in vocabulary padding.
 
-    The shard is chunk ``tp_rank`` along ``split_dim`` (None: replicated over tp), each chunk
+    The shard is chunk ``shard`` along ``split_dim`` (None: replicated over its group), each chunk
     ``local_shape[split_dim]`` long; ``unpadded_rows`` cuts dim 0 of the whole tensor.
     """
     offsets, sizes = list(box.offsets), list(box.sizes)
     if split_dim is not None:
-        offsets[split_dim] += tp_rank * local_shape[split_dim]
+        offsets[split_dim] += shard * local_shape[split_dim]
     if unpadded_rows is not None and sizes:
         keep = min(offsets[0] + sizes[0], unpadded_rows) - offsets[0]
         if keep <= 0:
@@ -91,12 +91,12 @@ def to_global(box: Box, local_shape: tuple[int, ...], split_dim: int | None, tp_
     return Box(tuple(offsets), tuple(sizes), box.flat_start)
 
 
-def global_shape(local_shape: tuple[int, ...], split_dim: int | None, tp_size: int,
+def global_shape(local_shape: tuple[int, ...], split_dim: int | None, shards: int,
                  unpadded_rows: int | None) -> tuple[int, ...]:
-    """The whole tensor's canonical shape (tp chunks joined, vocabulary padding dropped)."""
+    """The whole tensor's canonical shape (``shards`` chunks joined, vocabulary padding dropped)."""
     shape = list(local_shape)
     if split_dim is not None:
-        shape[split_dim] *= tp_size
+        shape[split_dim] *= shards
     if unpadded_rows is not None:
         shape[0] = unpadded_rows
     return tuple(shape)
