@@ -15,13 +15,21 @@ layout matrix's generator (``tests/layout_matrix.py``: config schema choices, va
 filtered, reproducible by id), the target drawn with the source's model and global batch;
 CI's generated pairs always include an interleaved schedule, ZB-V, explicit ``pp_layers`` and a
 change of the context-parallel degree cp.
+
+Mixtures of experts: ``moe_pair`` draws both sides with the layout matrix's MoE generator
+(``_draw_moe``: the ``mixtral`` / ``deepseek`` matrix models; ep, etp, tp, cp, pp, dp, ZeRO stage
+and ``parallel.expert_zero_stage``), the target with the source's model and global batch. CI runs
+one pair per ``MOE_PAIR_MUST_COVER`` property, each drawn under its property and within
+``moe_affordable`` (ids ``MOE_COVER_BASE + 2k``); ``--layout-matrix=all`` adds unconstrained
+draws (ids ``MOE_PAIR_BASE + 2k``). The deepseek model's router carries the aux-loss-free
+expert bias, a buffer: the continued curve holds only if the checkpoint restores it too.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tests import layout_matrix as lm
 
@@ -30,6 +38,10 @@ SAVE_STEP = 2
 RTOL = 1e-6
 GENERATED = 0  # CI: the issue's pairs plus one generated pair per PAIR_MUST_COVER property (suite < 15 min)
 PAIR_BASE = 20_000  # generated pair k draws case ids PAIR_BASE + 2k (source) and + 2k + 1 (target)
+MOE_GENERATED = 0  # CI: one MoE pair per MOE_PAIR_MUST_COVER property
+MOE_PAIR_BASE = 40_000  # MoE pair k: ids MOE_PAIR_BASE + 2k, + 2k + 1 (>= layout_matrix.MOE_BASE: MoE draws)
+MOE_COVER_BASE = 41_000  # the MoE pair covering property k: ids MOE_COVER_BASE + 2k, + 2k + 1
+MOE_CI_MAX_WORLD = 4
 
 ISSUE_LAYOUT = {"tp": 2, "pp": 2, "dp": 2, "zero_stage": 2}
 ISSUE_OTHERS = ({"tp": 1, "pp": 4, "dp": 2, "zero_stage": 1}, {"tp": 4, "pp": 1, "dp": 2, "zero_stage": 0},
@@ -61,6 +73,12 @@ class Side:
             bits.append(f"v{p['virtual_stages']}")
         if p.get("pp_layers"):
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
+        if p.get("ep", 1) > 1:
+            bits.append(f"ep{p['ep']}")
+        if p.get("etp", p.get("tp", 1)) != p.get("tp", 1):
+            bits.append(f"etp{p['etp']}")
+        if p.get("expert_zero_stage") is not None:
+            bits.append(f"ez{p['expert_zero_stage']}")
         return "-".join(bits)
 
 
@@ -110,9 +128,9 @@ PAIR_MUST_COVER = {
 MAX_PAIR_DRAWS = 50
 
 
-def ci_pairs(generated: int = GENERATED) -> list[Pair]:
-    """The issue's pairs, the first ``generated`` generated ones, and the first generated pair
-    with each ``PAIR_MUST_COVER`` property that those lack."""
+def ci_pairs(generated: int = GENERATED, moe_generated: int = MOE_GENERATED) -> list[Pair]:
+    """The issue's pairs, the first ``generated`` generated ones, the first generated pair
+    with each ``PAIR_MUST_COVER`` property that those lack, and the MoE pairs (``moe_ci_pairs``)."""
     drawn = [generated_pair(k) for k in range(generated)]
     for label, holds in PAIR_MUST_COVER.items():
         k = generated
@@ -123,7 +141,53 @@ def ci_pairs(generated: int = GENERATED) -> list[Pair]:
             if holds(pair):
                 drawn.append(pair)
             k += 1
-    return issue_pairs() + drawn
+    return issue_pairs() + drawn + moe_ci_pairs(moe_generated)
+
+
+def moe_pair(k: int, base: int = MOE_PAIR_BASE, where: Callable[[Pair], bool] = lambda p: True,
+             model: str | None = None, fits: Callable[[lm.LayoutCase], bool] = lambda c: True) -> Pair:
+    """MoE pair ``k`` from ids ``base + 2k`` (source, of ``model`` if given) and ``base + 2k + 1`` (the
+    target: same model and global batch, another layout, and the pair meets ``where``); both ``fits``."""
+    source = lm.generate_case(base + 2 * k, lambda c: (model is None or c.model == model) and fits(c))
+
+    def target_ok(c: lm.LayoutCase) -> bool:
+        return (c.model == source.model and c.train["global_batch_size"] == source.train["global_batch_size"]
+                and _side(c).label() != _side(source).label() and fits(c)
+                and where(Pair(source.model, _side(source), _side(c))))
+
+    target = lm.generate_case(base + 2 * k + 1, target_ok)
+    return Pair(source.model, _side(source), _side(target))
+
+
+def _etp(side: Side) -> int:
+    return side.parallel.get("etp", side.parallel.get("tp", 1))
+
+
+# What CI's MoE pairs must include, one pair per property unless an earlier one has it:
+# (the model the pair trains, the property). Together: both MoE models, experts re-split
+# over another expert tensor-parallel degree, and experts moved to other ep ranks.
+MOE_PAIR_MUST_COVER: dict[str, tuple[str, Callable[[Pair], bool]]] = {
+    "mixtral, etp != tp on save or resume": ("mixtral", lambda p: any(
+        _etp(s) != s.parallel.get("tp", 1) for s in (p.source, p.target))),
+    "deepseek (expert bias buffer), resume at another ep": ("deepseek", lambda p: p.source.parallel.get("ep", 1)
+                                                            != p.target.parallel.get("ep", 1)),
+}
+
+
+def moe_affordable(case: lm.LayoutCase) -> bool:
+    """CI's MoE pairs stay small on 2 cores: at most ``MOE_CI_MAX_WORLD`` ranks, the layout matrix's
+    microbatch budget, no disk offload (slow in small chunks; the dense pairs cover it)."""
+    return case.world_size <= MOE_CI_MAX_WORLD and lm.affordable_for_ci(case, "")
+
+
+def moe_ci_pairs(generated: int = MOE_GENERATED) -> list[Pair]:
+    """One pair drawn under each ``MOE_PAIR_MUST_COVER`` property not met yet, then ``generated``
+    unconstrained MoE pairs."""
+    out: list[Pair] = []
+    for k, (model, holds) in enumerate(MOE_PAIR_MUST_COVER.values()):
+        if not any(p.model == model and holds(p) for p in out):
+            out.append(moe_pair(k, MOE_COVER_BASE, holds, model, moe_affordable))
+    return out + [moe_pair(k) for k in range(generated)]
 
 
 def job_values(pair: Pair, side: Side, out_dir: str, cache_dir: str, **train: Any) -> dict[str, Any]:
@@ -143,15 +207,34 @@ def checkpoint_of(out_dir: str, step: int) -> str:
 
 
 def params_differing_from(trainer: Any, state_dir: str) -> list[str]:
-    """Names of this rank's parameters that are not exactly the checkpoint's weights."""
-    from parallel3d.checkpoint_io.state import read_tensors
-    from parallel3d.tensor_parallel.sharding import shard_of
+    """Names of this rank's parameters that are not exactly the checkpoint's weights (a parameter
+    holds its box of the global tensor, ``pieces.held_box``: tp chunks, etp chunks for routed
+    experts, zero vocabulary padding), and of buffers that are not the checkpoint's."""
+    import torch
+
+    from parallel3d.checkpoint_io.pieces import BUFFER_PREFIX, held_box
+    from parallel3d.checkpoint_io.state import read_metadata, read_tensors
 
     params = {p.global_name: p for c in trainer.chunks for p in c.parameters()}
     full = read_tensors(state_dir, [f"model.{n}" for n in params])
+    differing = []
     with trainer.optimizer.gathered_params():  # ZeRO-3 holds shards only: gather to compare (dp-collective)
-        return [n for n, p in params.items()
-                if not bool((p.detach() == shard_of(full[f"model.{n}"], p, trainer.pstate).to(p.dtype)).all())]
+        for n, p in params.items():
+            want = torch.zeros_like(p)
+            box = held_box(p, trainer.pstate)
+            if box is not None:
+                want[tuple(slice(0, s) for s in box.sizes)] = \
+                    full[f"model.{n}"][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            if not torch.equal(p.detach(), want):
+                differing.append(n)
+    # Buffers (the router's expert bias): a chunk's module paths are global names (independent of
+    # how pieces name them), so each must be stored under its path and equal the stored value.
+    held = {f"{BUFFER_PREFIX}{n}": b for c in trainer.chunks for n, b in c.named_buffers()}
+    stored = set(read_metadata(state_dir).state_dict_metadata)
+    differing += [k for k in held if k not in stored]
+    saved = read_tensors(state_dir, [k for k in held if k in stored]) if held else {}
+    differing += [k for k, v in saved.items() if not torch.equal(v.to(held[k].dtype), held[k])]
+    return differing
 
 
 def resume_on_rank(rank: int, world: int, values: dict, checkpoint: str, copy_dir: str) -> tuple[list, list[str]]:

@@ -1,9 +1,11 @@
-"""Resume a checkpoint at another layout (tp, pp, dp, ZeRO stage, schedule, virtual stages,
-pp_layers): exact state, the same continued loss curve (``tests/reshard_matrix.py``).
+"""Resume a checkpoint at another layout (tp, pp, dp, cp, ZeRO stage, schedule, virtual stages,
+pp_layers; for mixtures of experts ep, etp and the experts' own ZeRO stage): exact state, the
+same continued loss curve (``tests/reshard_matrix.py``).
 
-CI runs ``reshard_matrix.ci_pairs()``: the issue's pairs and generated ones (covering an
-interleaved schedule and explicit ``pp_layers``); ``--layout-matrix=all`` draws
-``GENERATED_ALL`` generated pairs.
+CI runs ``reshard_matrix.ci_pairs()``: the issue's pairs, generated ones (covering an
+interleaved schedule and explicit ``pp_layers``) and MoE pairs (``MOE_PAIR_MUST_COVER``: etp !=
+tp on one side, another ep); ``--layout-matrix=all`` draws ``GENERATED_ALL`` generated dense
+pairs and ``MOE_GENERATED_ALL`` MoE pairs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from tests import reshard_matrix as rm
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 GENERATED_ALL = 12
+MOE_GENERATED_ALL = 6
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pair" in metafunc.fixturenames:
         every = metafunc.config.getoption("--layout-matrix") == "all"
-        pairs = rm.ci_pairs(GENERATED_ALL if every else rm.GENERATED)
+        pairs = rm.ci_pairs(GENERATED_ALL if every else rm.GENERATED, MOE_GENERATED_ALL if every else rm.MOE_GENERATED)
         metafunc.parametrize("pair", pairs, ids=[p.name for p in pairs])
 
 
