@@ -4,7 +4,7 @@ keep-last-K, finding a checkpoint to resume) is ``parallel3d.checkpoint``.
 
 | module | what |
 |---|---|
-| ``boxes`` | a flat range of a tp-local tensor -> rectangular boxes of the global tensor |
+| ``boxes`` | a flat range of a tp-local (experts: etp-local) tensor -> rectangular boxes of the global tensor |
 | ``pieces`` | keys, and this rank's pieces to write / to read as views of its optimizer state |
 | ``planners`` | ``torch.distributed.checkpoint`` planners over pieces |
 | ``state`` | ``write_state`` / ``read_state`` (collective), ``read_tensors`` (one process) |

@@ -74,7 +74,8 @@ def _global_shape(seg: OwnedSegment, pstate: "ParallelState") -> tuple[int, ...]
 
 def held_box(param: torch.Tensor, pstate: "ParallelState") -> Box | None:
     """The box of the global (unpadded) tensor that this rank's ``param`` holds (its leading
-    ``box.sizes`` of every dimension; the rest is vocabulary padding); None: padding only."""
+    ``box.sizes`` of every dimension; the rest is vocabulary padding); None: padding only.
+    ``param`` must be whole (under ZeRO-3: inside ``ZeroOptimizer.gathered_params``)."""
     dim, _, index = _grid(param, pstate)
     whole = Box((0,) * param.ndim, tuple(param.shape), 0)
     return to_global(whole, tuple(param.shape), dim, index, getattr(param, "unpadded_rows", None))
