@@ -27,6 +27,8 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import LayoutError, Topology
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.slow  # four gloo ranks per case
+
 MODELS = ("mixtral_tiny", "deepseek_tiny")
 SEED = 3
 WORLD = 4
@@ -142,8 +144,14 @@ def _region(offsets, sizes):
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
-@pytest.mark.parametrize("model,save,load", cases(), ids=lambda v: v if isinstance(v, str) else
-                         "-".join(f"{k}{v[k]}" for k in ("tp", "pp", "dp", "ep", "etp")) + f"-z{v['zero_stage']}e{v['expert_zero_stage']}")
+def _case_id(value: str | dict) -> str:
+    if isinstance(value, str):
+        return value
+    dims = "-".join(f"{k}{value[k]}" for k in ("tp", "pp", "dp", "ep", "etp"))
+    return f"{dims}-z{value['zero_stage']}e{value['expert_zero_stage']}"
+
+
+@pytest.mark.parametrize("model,save,load", cases(), ids=_case_id)
 def test_expert_checkpoint_is_complete_and_loads_at_another_layout(model, save, load, tmp_path):
     per_rank = run_on_ranks(_save_then_load, WORLD, model, save, load, str(tmp_path / "ckpt"))
     reference = _reference(model)
