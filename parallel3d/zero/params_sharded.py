@@ -179,10 +179,12 @@ class ShardedParams:
         u.grads[id(param)] = u.grads.get(id(param), 0) + 1
         if is_last_microbatch:
             u.closed.add(id(param))
-        done = min(u.grads.get(id(p), 0) for p in u.params)  # backwards of this unit complete
+        # ``grads`` holds only parameters with a gradient beyond the completed backwards, and a count
+        # rises by one at a time: all of them present = one more backward complete (O(1) to test).
+        done = len(u.grads) == len(u.params)
         if done:
-            u.pending = max(0, u.pending - done)
-            u.grads = {k: n - done for k, n in u.grads.items() if n > done}
+            u.pending = max(0, u.pending - 1)
+            u.grads = {k: n - 1 for k, n in u.grads.items() if n > 1}
             u.in_backward = bool(u.grads)
         if self.per_microbatch:
             if done and not u.grads:  # no backward half-done (a B still owing its W): nothing reads the unit
