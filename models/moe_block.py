@@ -5,10 +5,12 @@ Groups: experts split over ``ep``, each expert's width over ``etp``; the ranks t
 micro-batch (capacity drops and the per-micro-batch balancing losses are defined over them)
 are ``tp_cp`` with sequence parallel, else ``cp``. The ep x etp ranks must hold different tokens,
 so tp > 1 needs sequence parallel (``check_moe_layout`` refuses it otherwise, before any work).
-Under sequence parallel each tp rank routes only its own chunk of the sequence, so the router's,
-shared experts' and shared-expert gate's weight gradients are partial sums over tp: as for the
-norms (``models.blocks.Norm``), ``copy_to_tp_region`` is applied to them at use time (identity
-forward, all-reduce of the gradient over tp in backward). Expert gradients need no such step:
+Under sequence parallel each tp rank routes only its own chunk of the sequence, so the router's
+and shared-expert gate's weight gradients are partial sums over tp: as for the norms
+(``models.blocks.Norm``), ``copy_to_tp_region`` is applied to them at use time (identity
+forward, all-reduce of the gradient over tp in backward). The shared experts are split over tp
+like the dense SwiGLU MLP (``parallel3d.moe.shared_experts``: column-parallel in, row-parallel out,
+sequence-parallel gather / reduce-scatter around them). Expert gradients need no such step:
 tokens meet their experts through the dispatcher, and the experts' replicas (``edp``) are summed.
 Parameters (``layers.{i}.mlp.router.weight``, ``layers.{i}.mlp.experts.{e}.w1/w2/w3`` by global
 expert index, ``layers.{i}.mlp.shared_experts.*``) depend only on (seed, global name).
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 from models.blocks import BuildContext
 from models.spec import BlockSpec
 from parallel3d.moe import MoELayer
+from parallel3d.moe.shared_experts import SharedExpertFFN
 from parallel3d.tensor_parallel import copy_to_tp_region
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,10 +55,17 @@ def moe_mlp(ctx: BuildContext, layer: int, spec: BlockSpec) -> MoELayer:
     check_moe_layout(True, ctx.pstate.size("tp"), ctx.sequence_parallel)
     pstate = ctx.pstate
     split_over_tp = ctx.sequence_parallel and pstate.size("tp") > 1
-    return MoELayer(spec.moe, spec.hidden_size, global_name=f"layers.{layer}.mlp", seed=ctx.seed,
+    moe, name = spec.moe, f"layers.{layer}.mlp"
+    shared = None
+    if moe.num_shared_experts:
+        shared = SharedExpertFFN(spec.hidden_size, moe.num_shared_experts * moe.shared_width, prefix=name,
+                                 seed=ctx.seed, init_std=ctx.config.init_std, output_std=ctx.residual_std,
+                                 dtype=ctx.dtype, device=ctx.device, kernel_backend=ctx.config.backend,
+                                 pstate=pstate, sequence_parallel=ctx.sequence_parallel)
+    return MoELayer(moe, spec.hidden_size, global_name=name, seed=ctx.seed,
                     init_std=ctx.config.init_std, output_std=ctx.residual_std,
                     ep_group=pstate.group("ep"), etp_group=pstate.group("etp"),
                     token_group=pstate.group(moe_token_group_kind(pstate, ctx.sequence_parallel)),
                     dtype=ctx.dtype, device=ctx.device, kernel_backend=ctx.config.backend,
-                    emulate_nccl=pstate.emulate_nccl, comm_stats=pstate.comm_stats,
+                    emulate_nccl=pstate.emulate_nccl, comm_stats=pstate.comm_stats, shared_experts=shared,
                     replicated_weight_fn=partial(copy_to_tp_region, pstate=pstate) if split_over_tp else None)

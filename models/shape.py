@@ -251,7 +251,8 @@ MLP_PARAMS: dict[str, Callable[[str, int, MLPSpec], list[ParamShape]]] = {
 
 def moe_mlp_params(prefix: str, hidden_size: int, moe: MoEOptions) -> list[ParamShape]:
     """The parameters of ``parallel3d.moe.MoELayer`` under ``prefix``: the router (every token), the routed
-    experts (each used by ``top_k / num_experts`` of the tokens), the shared experts and their gate."""
+    experts (each used by ``top_k / num_experts`` of the tokens), the shared experts (split over tp) and
+    their gate (whole on every tp rank)."""
     h, f, used = hidden_size, moe.ffn_hidden, moe.top_k / moe.num_experts
     out = [ParamShape(f"{prefix}.router.weight", (moe.num_experts, h), matmul=True)]
     for e in range(moe.num_experts):
@@ -259,8 +260,9 @@ def moe_mlp_params(prefix: str, hidden_size: int, moe: MoEOptions) -> list[Param
             out.append(ParamShape(f"{prefix}.experts.{e}.{name}", shape, matmul=True, active=used, expert=e))
     if moe.num_shared_experts:
         width = moe.num_shared_experts * moe.shared_width
-        out += [ParamShape(f"{prefix}.shared_experts.{name}", shape, matmul=True)
-                for name, shape in (("w1", (width, h)), ("w3", (width, h)), ("w2", (h, width)))]
+        # split over tp like the dense SwiGLU MLP: w1/w3 column parallel (rows), w2 row parallel (columns)
+        out += [ParamShape(f"{prefix}.shared_experts.{name}", shape, split_dim=dim, matmul=True)
+                for name, shape, dim in (("w1", (width, h), 0), ("w3", (width, h), 0), ("w2", (h, width), 1))]
     if moe.shared_expert_gate:
         out.append(ParamShape(f"{prefix}.shared_expert_gate.weight", (1, h), matmul=True))
     return out

@@ -155,3 +155,52 @@ def test_configs_a_family_cannot_hold_are_refused():
         hf_config(get_config("deepseek_tiny"))
     with pytest.raises(ValueError, match="model.mla"):
         hf_config(get_config("deepseek_v3_671b"))
+
+
+def _init_from_hf_on_rank(rank: int, world: int, cfg: ModelConfig, directory: str, reference: dict) -> dict:
+    """``train.init_from=hf:DIR``'s loader at tp=``world`` (sequence parallel): each parameter's error
+    against its tp slice of the one-process conversion, and the shared experts' held fraction."""
+    from parallel3d.checkpoint_io.hf_init import load_hf_weights
+    from parallel3d.param_meta import tp_split_dim
+    from parallel3d.topology import Topology
+    from parallel3d.zero.optimizer import ZeroOptimizer
+
+    # etp=1: routed experts whole on each rank (checkpoint pieces do not cut etp slices yet)
+    pstate = ParallelState(Topology(tp=world, etp=1))
+    model = build_model(cfg, pstate, seed=5, dtype=torch.float32, sequence_parallel=True)
+    opt = ZeroOptimizer(model, pstate, zero_stage=1, lr=0.1)
+    load_hf_weights(opt, pstate, f"hf:{directory}", cfg)
+    errors, held = {}, {}
+    for p in model.parameters():
+        want, dim = reference[p.global_name], tp_split_dim(p)
+        if dim is not None:
+            if getattr(p, "unpadded_rows", None) is not None:  # vocabulary rows padded to a multiple of tp: zeros
+                want = torch.cat([want, want.new_zeros(p.shape[0] * world - want.shape[0], *want.shape[1:])])
+            want = want.narrow(dim, pstate.coord("tp") * p.shape[dim], p.shape[dim])
+        errors[p.global_name] = float((p.detach() - want).abs().max()) if p.shape == want.shape else float("inf")
+        if ".shared_experts." in p.global_name:
+            held[p.global_name] = p.numel() / reference[p.global_name].numel()
+    opt.close()
+    pstate.destroy()
+    return dict(errors=errors, held=held)
+
+
+@pytest.mark.slow
+def test_init_from_hf_fills_tp_split_shared_experts(tmp_path):
+    """Qwen2-MoE (one gated shared expert) read at tp=2: the shared expert is split over tp like the dense
+    MLP, and every rank's slice is the HF weight's (checkpoint pieces cut the boxes by ``tp_split_dim``)."""
+    from tests.harness import run_on_ranks
+
+    seeds = [s for s in range(40) if random_moe_config("qwen2_moe", s).num_heads % 2 == 0
+             and random_moe_config("qwen2_moe", s).kv_heads % 2 == 0][:2]
+    assert seeds
+    for seed in seeds:
+        cfg = random_moe_config("qwen2_moe", seed)
+        hf = _hf_model(cfg, 3)
+        directory = tmp_path / f"qwen2_moe{seed}"
+        hf.save_pretrained(directory)
+        reference = full_state_dict(from_hf(hf))
+        for rank, r in enumerate(run_on_ranks(_init_from_hf_on_rank, 2, cfg, str(directory), reference, timeout=200)):
+            bad = {k: v for k, v in r["errors"].items() if v > 0}
+            assert not bad, (seed, rank, bad)
+            assert r["held"] and all(v == 0.5 for v in r["held"].values()), (seed, rank, r["held"])

@@ -19,6 +19,7 @@ from parallel3d.param_meta import set_meta
 from parallel3d.topology import Topology
 from parallel3d.zero.optimizer import ZeroOptimizer
 from parallel3d.zero.options import ZeroOptions
+from tests import layout_matrix as lm
 from tests.harness import run_on_ranks
 
 STAGE_PAIRS = [(d, e) for d in range(4) for e in range(4) if d != e]
@@ -77,3 +78,27 @@ def test_bad_expert_zero_stage_names_the_key() -> None:
     with pytest.raises(ConfigError, match="parallel.expert_zero_stage=0"):
         ZeroOptions(zero_stage=1, expert_zero_stage=0, offload="cpu")
     assert ZeroOptions(zero_stage=2).expert_stage == 2 and ZeroOptions(zero_stage=2, expert_zero_stage=3).expert_stage == 3
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("moe_zero_corpus"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reshard", ["auto", "microbatch"])
+def test_expert_zero3_under_zbv_equals_one_process(reshard: str, tmp_path, cache_dir: str) -> None:
+    """The smallest layout of matrix case 30005's crash: pp 2 with ZB-V runs both microbatches' B of a
+    chunk before their W; the MoE block's experts, router and norms take their gradients in B, the
+    attention weights in W. Stage 3 used to count a unit's gradients across those interleaved halves,
+    freed the experts in the middle of the second B and segfaulted there. Compared with one process."""
+    parallel = dict(tp=1, pp=2, dp=1, zero_stage=1, expert_zero_stage=3, schedule="zbv", virtual_stages=2,
+                    sequence_parallel=False, order="tp-pp-ep-dp", pp_layers=None, bucket_size_mb=0.01,
+                    offload="none", zero3_reshard=reshard, zero3_prefetch=1, cp=1, cp_comm="p2p",
+                    cp_a2a_size=None, ep=1, etp=1)
+    case = lm.LayoutCase(case_id=-30005, model="mixtral", parallel=parallel,
+                         train={"global_batch_size": 2, "micro_batch_size": 1, "recompute": "full"})
+    assert lm.is_valid(case)
+    result = lm.run_case(case, str(tmp_path), cache_dir, {}, timeout=300, quiet=True)
+    assert result.ok, f"{case.name}: " + "; ".join(result.problems())
+    assert len(result.curve) == lm.STEPS

@@ -84,5 +84,8 @@ def moe_layer_activation_bytes(block: BlockSpec, layout: Layout, element_bytes: 
     combine = COMPUTE_BYTES * rows  # the top-k weights the combine multiplies by
     shared = 0.0
     if moe.num_shared_experts:
-        shared = element_bytes * tokens * swiglu_tensors * moe.num_shared_experts * moe.shared_width / layout.tp
+        # split over tp like the dense MLP: every token of the sequence (gathered under sequence
+        # parallel), 1/tp of the width
+        whole = local_seq_len(layout) * layout.micro_batch_size
+        shared = element_bytes * whole * swiglu_tensors * moe.num_shared_experts * moe.shared_width / layout.tp
     return router + experts + combine + shared

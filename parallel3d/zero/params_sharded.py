@@ -24,6 +24,16 @@ When a unit is whole (``reshard``):
   with pipelining. One all-gather per unit per step; inside the step the weights
   cost what they cost in stage 2, between steps Ψ/N.
 
+Backwards interleave. Zero-bubble schedules split a backward in two (``B``: input and
+undeferred weight gradients; ``W``: the deferred weight gradients) and may run several
+microbatches' ``B`` before their ``W`` and forwards in between, so "every parameter has
+had one gradient" does not mark the end of one backward. A unit counts gradients per
+parameter instead: its k-th backward is complete once every parameter has had k gradients
+(each parameter's gradients arrive in microbatch order). ``microbatch`` releases a unit
+when its backwards so far are all complete (no ``B`` waiting for its ``W``); ``step``
+releases it once every parameter has had the gradient of its chunk's last microbatch
+(``prepare(True)``). A forward while autograd's engine is running is a recomputation.
+
 Prefetch (``prefetch`` units deep): right before a unit computes, the gathers of
 the next ``prefetch`` units are issued asynchronously, in forward order during
 forward and in backward order during backward (both recorded in the first step;
@@ -55,6 +65,11 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.memory import MemoryTracker, nbytes
 from parallel3d.zero.units import GatherUnit
+
+def _recomputing() -> bool:
+    """Whether autograd's engine is running on this thread (a forward now recomputes activations)."""
+    return torch._C._current_graph_task_id() != -1
+
 
 def _tensors_requiring_grad(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
@@ -132,7 +147,7 @@ class ShardedParams:
     def release_all(self) -> None:
         for u in self.units:
             self._release(u)
-            u.in_backward, u.pending, u.grads_seen, u.backward_calls = False, 0, 0, 0
+            u.in_backward, u.pending, u.grads, u.closed = False, 0, {}, set()
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -161,13 +176,22 @@ class ShardedParams:
         u = self._unit_of.get(id(param))
         if u is None:
             return
-        u.grads_seen += 1
-        if u.grads_seen < len(u.params):
-            return
-        u.pending = max(0, u.pending - max(1, u.backward_calls))
-        u.in_backward, u.grads_seen, u.backward_calls = False, 0, 0
-        if self.per_microbatch or is_last_microbatch:
+        u.grads[id(param)] = u.grads.get(id(param), 0) + 1
+        if is_last_microbatch:
+            u.closed.add(id(param))
+        # ``grads`` holds only parameters with a gradient beyond the completed backwards, and a count
+        # rises by one at a time: all of them present = one more backward complete (O(1) to test).
+        done = len(u.grads) == len(u.params)
+        if done:
+            u.pending = max(0, u.pending - 1)
+            u.grads = {k: n - 1 for k, n in u.grads.items() if n > 1}
+            u.in_backward = bool(u.grads)
+        if self.per_microbatch:
+            if done and not u.grads:  # no backward half-done (a B still owing its W): nothing reads the unit
+                self._release(u)
+        elif len(u.closed) == len(u.params):  # every parameter's last gradient of the step is in
             self._release(u)
+            u.closed.clear()
 
     def grads_finalized(self) -> None:
         self.release_all()
@@ -175,7 +199,7 @@ class ShardedParams:
 
     # ---- hooks ---------------------------------------------------------------------------
     def _pre_forward(self, u: GatherUnit, module: torch.nn.Module, args: Any) -> None:
-        if u.in_backward:  # recomputation inside the unit's backward: already whole
+        if _recomputing():  # inside the unit's backward: its pre-backward hook gathered it
             self._gather(u, wait=True)
             return
         self._gather(u, wait=False)
@@ -184,7 +208,7 @@ class ShardedParams:
         self._wait_unit(u)
 
     def _post_forward(self, u: GatherUnit, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if u.in_backward:
+        if _recomputing():
             return
         tensors = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         if tensors:
@@ -198,15 +222,13 @@ class ShardedParams:
 
             for t in tensors:
                 t.register_hook(before_backward)
-            if self.per_microbatch and not u.is_root:
+            if self.per_microbatch and not u.is_root and not u.grads:
                 self._release(u)
         elif u.pending == 0:  # no backward will follow (evaluation): nothing keeps the unit whole
             self._release(u)
 
     def _pre_backward(self, u: GatherUnit) -> None:
-        if not u.in_backward:
-            u.in_backward, u.grads_seen, u.backward_calls = True, 0, 0
-        u.backward_calls += 1
+        u.in_backward = True
         self._gather(u, wait=False)
         self._note(self._bwd_order, u)
         self._prefetch_after(u, forward=False)

@@ -35,10 +35,10 @@ class GatherUnit:
     """Parameters gathered as one: ``module``'s forward hooks gather and free them.
 
     Mutable state (owned by ``params_sharded.ShardedParams``): ``gathered`` (all
-    buckets whole or arriving), ``in_backward`` (between the unit's pre-backward
-    hook and its last parameter gradient: a forward now is a recomputation),
-    ``pending`` (forwards with grad whose backward has not started), and the
-    counters of the backward in progress.
+    buckets whole or arriving), ``in_backward`` (a backward of the unit started and
+    not complete), ``pending`` (forwards with grad whose backward has not completed),
+    ``grads`` (id(param) -> gradients received beyond the unit's completed backwards)
+    and ``closed`` (ids of the parameters whose last-microbatch gradient of the step is in).
     """
 
     index: int
@@ -51,8 +51,8 @@ class GatherUnit:
     gathered: bool = False
     in_backward: bool = False
     pending: int = 0
-    grads_seen: int = 0
-    backward_calls: int = 0
+    grads: dict[int, int] = field(default_factory=dict, repr=False)
+    closed: set[int] = field(default_factory=set, repr=False)
 
     @property
     def numel(self) -> int:
