@@ -104,8 +104,7 @@ class GradSync(ABC):
         # Every group of a ParallelState has its backend, so gloo's fast path is the job's choice.
         as_all_reduce = reduce_scatter == "all_reduce" or (reduce_scatter == "auto" and pstate.backend == "gloo")
         self.pending = PendingCollectives()
-        self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending, memory=memory,
-                                     max_temporaries=MAX_STAGING_BUFFERS)
+        self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending)
         self._where: dict[int, tuple[int, Bucket, int]] = {}  # id(param) -> (group, bucket, slot index)
         self._tied: list[tuple[int, Bucket]] = []
         self._tied_checked = False
@@ -184,6 +183,16 @@ class GradSync(ABC):
 
     def staging_buffers(self) -> list[torch.Tensor]:
         return []
+
+    def holds(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` lies in one of this strategy's layouts."""
+        return id(param) in self._where
+
+    @abstractmethod
+    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient in the gradient dtype, as a view of its bucket's buffer (None: its
+        bucket holds no buffer now, stage 2/3 between reductions). With the gradient dtype equal to
+        the parameter's, ``param.grad`` is this view while it is bound (autograd adds in place)."""
 
     # ---- strategy hooks ----------------------------------------------------------------
     @abstractmethod

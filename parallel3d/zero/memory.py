@@ -64,6 +64,8 @@ def held_bytes(*, weights: list[torch.Tensor], gradients: list[torch.Tensor | No
             total += st.nbytes()
         return total
 
-    return {"model_weights": size(weights), "gradients": size(gradients), "master_weights": size(masters),
-            "optimizer_moments": size(moments), "buckets": size(buckets), "offload_host": offload_host,
-            "offload_disk": offload_disk}
+    held = {"model_weights": size(weights)}
+    held_buckets = size(buckets)  # before gradients: a stage-2 ``.grad`` may view a staging buffer
+    held.update(gradients=size(gradients), master_weights=size(masters), optimizer_moments=size(moments),
+                buckets=held_buckets, offload_host=offload_host, offload_disk=offload_disk)
+    return held
