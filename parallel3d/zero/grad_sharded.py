@@ -5,20 +5,27 @@ gradient dtype: fp32 main grads by default, or ``grad_reduce_dtype``) plus a
 few bucket-sized staging buffers (``staging``). As DeepSpeed's stage 2 does,
 every backward (every microbatch, not just the last one) reduces as it goes:
 
-1. A post-accumulate-grad hook copies (first contribution) or adds (later ones)
-   ``param.grad`` into its bucket's staging buffer, converting to the gradient
-   dtype, and drops ``.grad``: no full-size gradient outlives its hook.
+1. A bucket opens at its first gradient: it gets a zeroed pooled buffer, and each
+   slot's main grad (``main_grad``) is a view of it. With the gradient dtype equal
+   to the parameters' (fp32 training, or bf16 gradients), every ``.grad`` not set
+   yet becomes that view, so autograd accumulates the bucket's later gradients
+   straight into the buffer (as into Megatron's main-grad buffer); only the
+   gradient that opened the bucket (or a ``.grad`` set outside backward) is added
+   by the hook. With fp32 main grads of a bf16/fp16 model the hook adds each
+   ``.grad`` into its view and drops it: no full-size gradient outlives its hook.
 2. When every parameter of the bucket has contributed the same number of times
-   (normally: once, in this backward), the bucket is complete: it is scaled by
-   1/dp and reduce-scattered; the result is written into (first time this step)
-   or added to this rank's shard, and the staging buffer is recycled.
+   (normally: once, in this backward), the bucket is complete: its ``.grad``
+   views are detached, it is scaled by 1/dp and reduce-scattered from the hook,
+   on the buffer itself; the result lands in this rank's shard (first time this
+   step) or in the buffer's own piece and is added to the shard (a collective
+   cannot add), and the buffer is recycled once the collective completed.
 3. A bucket that is not complete at the end of a backward keeps accumulating in
    its staging buffer: one holding parameters of two model chunks (interleaved
    schedules run the chunks' backwards at different times) or a parameter that
    got no gradient. ``finalize`` launches these, treating missing gradients as 0.
 
-So at any microbatch the gradient memory is the shard plus staging buffers plus
-the one ``.grad`` a hook is consuming. The price is DeepSpeed's: one
+So at any microbatch the gradient memory is the shard plus the pooled bucket
+buffers plus the one separate ``.grad`` a hook is consuming. The price is DeepSpeed's: one
 reduce-scatter per bucket per microbatch instead of per step.
 
 Completion rule (2) is what makes any interleaving of chunks work: a launch

@@ -26,8 +26,11 @@ Invariants every strategy keeps:
 - Gradients live in the gradient dtype: fp32 ("main grads", the default with
   bf16/fp16 parameters: every microbatch's half-precision ``.grad`` is added
   into fp32 by a post-accumulate-grad hook and dropped) or the parameter dtype
-  (``grad_reduce_dtype`` equal to the precision: half the bytes; with fp32
-  training this is the zero-copy path where ``.grad`` is a buffer view).
+  (``grad_reduce_dtype`` equal to the precision: half the bytes; this is the
+  zero-copy path where ``.grad`` is a view of its bucket and autograd adds in place).
+- Every parameter's main grad (``main_grad``) is a view of its bucket's contiguous
+  buffer, and every reduction runs on that buffer: no gradient is copied on its way
+  to the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
 - Collectives are launched from gradient hooks in backward order and by
   ``finalize`` in bucket order; every DP rank runs the same model and schedule,
   so it produces the same gradients in the same order (as DDP assumes) and the

@@ -21,9 +21,9 @@ the default, or 2 with ``grad_reduce_dtype`` equal to bf16/fp16):
 In bytes with mixed precision and stage 3: 2Ψ/N + gΨ/N + 12Ψ/N (16Ψ/N with
 bf16 gradients), plus the gather window (``params_sharded``: the chunk's root
 unit and 1 + ``zero3_prefetch`` units whole at a time, or the whole stage during
-a step with ``zero3_reshard=step``), the ``buckets`` (a few staging buffers of
-one bucket in the gradient dtype, and in-flight reduce-scatter outputs of 1/N
-bucket) and the one ``.grad`` a hook is consuming. With ``offload`` the 12 bytes
+a step with ``zero3_reshard=step``), the ``buckets`` (stages 2-3: a few pooled
+buffers of one bucket in the gradient dtype; reduce-scatters land in place or in
+the shard, never in a temporary) and the one ``.grad`` a hook is consuming. With ``offload`` the 12 bytes
 (master + moments) move to host memory (``cpu``) or disk (``disk``;
 ``states``/``offload``). With ``precision=fp32`` and no offload the parameters
 are their own master weights. ``memory_bytes`` reports what is held now,
