@@ -65,6 +65,7 @@ from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, m
 # *_bf16: bf16 parameters with bf16 gradient reduction (ZeRO's 16 bytes per parameter).
 METHODS = ("ddp", "fsdp2", "fsdp2_rs", "zero0", "zero1", "zero1_ar", "zero2", "zero2_ar", "zero3", "zero3_ar",
            "zero2_cpu", "zero3_cpu", "zero3_disk", "fsdp2_rs_bf16", "zero3_bf16", "zero3_bf16_cpu")
+TORCH_ADAMW = dict(betas=(0.9, 0.999), weight_decay=0.01)  # torch.optim.AdamW's defaults, as DDP/FSDP2/DeepSpeed run
 PEERS = {"zero1": "deepspeed_zero1", "zero1_ar": "deepspeed_zero1", "zero2": "deepspeed_zero2",
          "zero2_ar": "deepspeed_zero2", "zero3": "fsdp2_rs", "zero3_ar": "fsdp2_rs", "zero3_bf16": "fsdp2_rs_bf16",
          "zero2_cpu": "zero2", "zero3_cpu": "zero3", "zero3_disk": "zero3", "zero3_bf16_cpu": "zero3_bf16"}
@@ -129,8 +130,10 @@ class Runner:
             ps = self.pstate = ParallelState(Topology(tp=1, pp=1, dp=n))
             parts = method.removeprefix("zero").split("_")
             offload = "cpu" if "cpu" in parts else "disk" if "disk" in parts else "none"
+            # torch.optim.AdamW's hyper-parameters (the peers' optimizer), not OptimizerOptions' defaults.
             self.zero = ZeroOptimizer(
-                [self.model], ps, zero_stage=int(parts[0]), lr=LR, bucket_size_mb=BUCKET_MB,
+                [self.model], ps, zero_stage=int(parts[0]), lr=LR, betas=TORCH_ADAMW["betas"],
+                weight_decay=TORCH_ADAMW["weight_decay"], clip_grad=None, bucket_size_mb=BUCKET_MB,
                 reduce_scatter="auto" if "ar" in parts else "reduce_scatter", precision="bf16" if bf16 else "fp32",
                 grad_reduce_dtype="bf16" if bf16 else "fp32", offload=offload,
                 offload_dir=os.path.join(offload_root, method) if offload == "disk" else None,

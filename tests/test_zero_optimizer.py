@@ -291,3 +291,20 @@ def test_warmup_cosine_schedule():
     assert s(14) == s(100) == 0.1
     with pytest.raises(ValueError, match="min_lr"):
         WarmupCosine(max_lr=1.0, min_lr=2.0, warmup_steps=1, decay_steps=2)
+
+
+def test_adamw_defaults_are_the_options_defaults():
+    """One source of truth: an optimizer built without hyper-parameters uses ``OptimizerOptions``'
+    defaults (and ``ZeroOptions``' for the sharding keys), read from a constructed options object."""
+    import dataclasses
+    import inspect
+
+    from parallel3d.zero import OptimizerOptions, ZeroOptions
+
+    o, z = OptimizerOptions(), ZeroOptions()
+    opt = ZeroOptimizer(make_mlp(), ParallelState.single_process(), zero_stage=0, lr=LR)
+    assert (opt.betas, opt.eps, opt.weight_decay, opt.clip_grad) == (o.betas, o.eps, o.weight_decay, o.clip_grad)
+    params = inspect.signature(ZeroOptimizer).parameters
+    for f in dataclasses.fields(ZeroOptions):
+        if f.name != "zero_stage":
+            assert params[f.name].default == getattr(z, f.name), f.name

@@ -191,11 +191,14 @@ def test_stage3_peak_memory_matches_formula():
             assert len(set(r["unit_bytes"])) == 1  # equal units: the window is easy to state
             window = (1 + prefetch) * r["unit_bytes"][0] if reshard == "microbatch" else sum(r["unit_bytes"])
             assert peak["model_weights"] == 2 * shard + window, (label, peak["model_weights"], 2 * shard, window)
-            assert peak["gradients"] == 2 * shard + 2 * r["max_param"], label  # shard + the .grad being consumed
+            # The shard + the .grad a hook consumes: bf16 gradients of bf16 parameters accumulate straight
+            # into their open bucket (counted there), so only a bucket's first gradient is a separate
+            # tensor, at most the largest parameter.
+            assert 2 * shard < peak["gradients"] <= 2 * shard + 2 * r["max_param"], label
             assert peak["master_weights"] == 4 * shard and peak["optimizer_moments"] == 8 * shard, label
             persistent = peak["master_weights"] + peak["optimizer_moments"] + 2 * shard + 2 * shard
             assert persistent == pytest.approx(16 * psi / n, rel=0.05), label  # ZeRO-3's 16Ψ/N (padding aside)
-            buckets = r["staging"] * r["max_bucket"] * 2 * (1 + 1 / n)
+            buckets = r["staging"] * r["max_bucket"] * 2  # staging only: reduce-scatters need no temporary
             total = sum(peak[k] for k in ("model_weights", "gradients", "master_weights", "optimizer_moments"))
             assert total == pytest.approx(16 * psi / n + window, rel=0.05), label
             assert 0 < peak["buckets"] <= buckets, label

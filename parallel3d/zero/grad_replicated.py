@@ -10,12 +10,15 @@ dtype whatever the accumulation. Two ways gradients get there:
   post-accumulate-grad hook adds each microbatch's half-precision ``.grad``
   into the fp32 buffer and drops it, so the sum over microbatches is fp32.
 
-During the backward that completes a parameter's accumulation
-(``prepare(True)``) the hook also counts its bucket's ready gradients and starts
-the bucket's reduction as soon as it is complete: an all-reduce (stage 0) or a
-reduce-scatter into this rank's piece of the buffer (stage 1), overlapping with
-the backward of the layers before it (buckets are in backward order), as DDP
-does. ``finalize`` launches the rest (e.g. buckets of unused parameters).
+Either way each parameter's main grad (``main_grad(param)``) is a view of its
+bucket in the buffer, as Megatron's main-grad buffer is. During the backward
+that completes a parameter's accumulation (``prepare(True)``) the hook also
+counts its bucket's ready gradients and starts the bucket's reduction as soon as
+it is complete, on the buffer itself: an in-place all-reduce (stage 0) or an
+in-place reduce-scatter whose output is this rank's piece of the bucket (stage
+1: DDP's bytes, no temporary, no copy), overlapping with the backward of the
+layers before it (buckets are in backward order), as DDP does. ``finalize``
+launches the rest (e.g. buckets of unused parameters).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class ReplicatedGradSync(GradSync):
 
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
         return self.grad_bufs[group].piece_view(bucket)
+
+    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        g, b, i = self._where[id(param)]
+        return self._views[(g, b.index, i)]
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [gb.data for gb in self.grad_bufs]
@@ -119,7 +126,7 @@ class ReplicatedGradSync(GradSync):
         full = gb.bucket_view(bucket)
         if self.stage == 0:
             self.reducer.all_reduce(full, gb.layout.reduce_kind)
-        else:  # this rank's piece lies inside `full`: the reducer lands it via a temporary
+        else:  # in place: this rank's piece of the bucket is the collective's output (no copy, no temporary)
             self.reducer.reduce_scatter(full, gb.piece_view(bucket), gb.layout.reduce_kind, accumulate=False)
 
     @torch.no_grad()

@@ -5,20 +5,27 @@ gradient dtype: fp32 main grads by default, or ``grad_reduce_dtype``) plus a
 few bucket-sized staging buffers (``staging``). As DeepSpeed's stage 2 does,
 every backward (every microbatch, not just the last one) reduces as it goes:
 
-1. A post-accumulate-grad hook copies (first contribution) or adds (later ones)
-   ``param.grad`` into its bucket's staging buffer, converting to the gradient
-   dtype, and drops ``.grad``: no full-size gradient outlives its hook.
+1. A bucket opens at its first gradient: it gets a zeroed pooled buffer, and each
+   slot's main grad (``main_grad``) is a view of it. With the gradient dtype equal
+   to the parameters' (fp32 training, or bf16 gradients), every ``.grad`` not set
+   yet becomes that view, so autograd accumulates the bucket's later gradients
+   straight into the buffer (as into Megatron's main-grad buffer); only the
+   gradient that opened the bucket (or a ``.grad`` set outside backward) is added
+   by the hook. With fp32 main grads of a bf16/fp16 model the hook adds each
+   ``.grad`` into its view and drops it: no full-size gradient outlives its hook.
 2. When every parameter of the bucket has contributed the same number of times
-   (normally: once, in this backward), the bucket is complete: it is scaled by
-   1/dp and reduce-scattered; the result is written into (first time this step)
-   or added to this rank's shard, and the staging buffer is recycled.
+   (normally: once, in this backward), the bucket is complete: its ``.grad``
+   views are detached, it is scaled by 1/dp and reduce-scattered from the hook,
+   on the buffer itself; the result lands in this rank's shard (first time this
+   step) or in the buffer's own piece and is added to the shard (a collective
+   cannot add), and the buffer is recycled once the collective completed.
 3. A bucket that is not complete at the end of a backward keeps accumulating in
    its staging buffer: one holding parameters of two model chunks (interleaved
    schedules run the chunks' backwards at different times) or a parameter that
    got no gradient. ``finalize`` launches these, treating missing gradients as 0.
 
-So at any microbatch the gradient memory is the shard plus staging buffers plus
-the one ``.grad`` a hook is consuming. The price is DeepSpeed's: one
+So at any microbatch the gradient memory is the shard plus the pooled bucket
+buffers plus the one separate ``.grad`` a hook is consuming. The price is DeepSpeed's: one
 reduce-scatter per bucket per microbatch instead of per step.
 
 Completion rule (2) is what makes any interleaving of chunks work: a launch
@@ -42,10 +49,12 @@ from parallel3d.zero.staging import StagingPool
 
 @dataclass
 class _OpenBucket:
-    """A bucket accumulating in a staging buffer. ``counts[i]``: contributions of slot i so far."""
+    """A bucket accumulating in a pooled buffer. ``counts[i]``: contributions of slot i so far;
+    ``views[i]``: slot i's main grad, a view of ``base`` in the gradient dtype."""
 
     base: torch.Tensor  # the pooled buffer
     view: torch.Tensor  # base[:bucket.size]
+    views: list[torch.Tensor]
     counts: list[int]
     total: int = 0
     most: int = 0
@@ -69,11 +78,18 @@ class ShardedGradSync(GradSync):
             memory.add("gradients", nbytes(shard))
             self.grad_shards.append(shard)
             self.pools.append(StagingPool(layout.max_bucket_size, grad_dtype, device, memory))
+        # Same dtype: ``.grad`` itself is the bucket view while the bucket is open (autograd adds in place).
+        self.in_place = [layout.dtype == grad_dtype for layout in layouts]
         self._open: dict[tuple[int, int], _OpenBucket] = {}
         self._reset_step()
 
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
         return shard_slice(self.grad_shards[group], bucket)
+
+    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        g, b, i = self._where[id(param)]
+        ob = self._open.get((g, b.index))
+        return None if ob is None else ob.views[i]
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return list(self.grad_shards)
@@ -90,21 +106,20 @@ class ShardedGradSync(GradSync):
     def _launch_leftovers(self) -> None:
         for g, layout in enumerate(self.layouts):
             for b in layout.buckets:
-                for i, s in enumerate(b.slots):
-                    if s.param.grad is not None:  # a .grad set outside backward
-                        self._stage(g, b, i, s.param)
                 key = (g, b.index)
-                if key in self._open:
-                    ob = self._open[key]
-                    for i, s in enumerate(b.slots):
-                        if ob.counts[i] == 0:  # no gradient this step: contributes 0
-                            ob.view[s.start - b.start : s.end - b.start].zero_()
-                    self._launch(g, b)
+                ob = self._open.get(key)
+                for i, s in enumerate(b.slots):
+                    grad = s.param.grad
+                    if grad is not None and (ob is None or grad.data_ptr() != ob.views[i].data_ptr()):
+                        ob = self._stage(g, b, i, s.param)  # a .grad set outside backward
+                if ob is not None:
+                    self._launch(g, b)  # a slot without gradient this step contributes its zeros
                 elif key not in self._written:  # nothing arrived this step on any rank: no collective
                     shard_slice(self.grad_shards[g], b).zero_()
 
     def _reset_step(self) -> None:
-        for (g, _), ob in self._open.items():  # a step abandoned mid-accumulation
+        for (g, b), ob in self._open.items():  # a step abandoned mid-accumulation
+            self._unbind(g, self.layouts[g].buckets[b], ob)
             self.pools[g].release(ob.base)
         self._open: dict[tuple[int, int], _OpenBucket] = {}
         self._written: set[tuple[int, int]] = set()  # buckets whose shard slice holds this step's sum
@@ -116,32 +131,49 @@ class ShardedGradSync(GradSync):
 
     # ---- internals ---------------------------------------------------------------------
     @torch.no_grad()
+    def _open_bucket(self, group: int, bucket: Bucket) -> _OpenBucket:
+        """A zeroed pooled buffer for ``bucket``; with ``in_place``, every slot's ``.grad`` that is
+        not set yet becomes its view, so autograd accumulates the later gradients straight into it."""
+        base = self.pools[group].acquire(self.pending)
+        view = base[: bucket.size]
+        view.zero_()  # padding and slots still to come (the sum starts at 0)
+        views = [view[s.start - bucket.start : s.end - bucket.start].view(s.param.shape) for s in bucket.slots]
+        ob = self._open[(group, bucket.index)] = _OpenBucket(base=base, view=view, views=views,
+                                                             counts=[0] * len(bucket.slots))
+        if self.in_place[group]:
+            for s, v in zip(bucket.slots, views):
+                if s.param.grad is None:
+                    s.param.grad = v
+        return ob
+
+    @torch.no_grad()
     def _stage(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> _OpenBucket:
-        """Move ``param.grad`` into the bucket's staging buffer (opening it if needed) and drop it."""
-        key = (group, bucket.index)
-        ob = self._open.get(key)
-        if ob is None:
-            base = self.pools[group].acquire(self.pending)
-            view = base[: bucket.size]
-            view[bucket.used :].zero_()  # padding
-            ob = self._open[key] = _OpenBucket(base=base, view=view, counts=[0] * len(bucket.slots))
+        """Count ``param``'s new contribution, bringing ``param.grad`` into the bucket's view unless
+        autograd accumulated it there already; a separate ``.grad`` does not outlive this hook."""
+        ob = self._open.get((group, bucket.index)) or self._open_bucket(group, bucket)
+        dst = ob.views[index]
         grad = param.grad
-        self.memory.transient("gradients", nbytes(grad))
-        s = bucket.slots[index]
-        dst = ob.view[s.start - bucket.start : s.end - bucket.start].view(grad.shape)
-        if ob.counts[index] == 0:
-            dst.copy_(grad)  # converts to the gradient dtype
-        else:
-            dst.add_(grad)
-        param.grad = None  # the full gradient does not outlive its hook
+        if grad.data_ptr() != dst.data_ptr():
+            self.memory.transient("gradients", nbytes(grad))
+            dst.add_(grad)  # converts to the gradient dtype (main grads)
+            param.grad = dst if self.in_place[group] else None
         ob.counts[index] += 1
         ob.total += 1
         ob.most = max(ob.most, ob.counts[index])
         return ob
 
+    @staticmethod
+    def _unbind(group: int, bucket: Bucket, ob: _OpenBucket) -> None:
+        """Detach every ``.grad`` still viewing the bucket: its buffer goes to a collective or the pool."""
+        for s, v in zip(bucket.slots, ob.views):
+            grad = s.param.grad
+            if grad is not None and grad.data_ptr() == v.data_ptr():
+                s.param.grad = None
+
     def _launch(self, group: int, bucket: Bucket) -> None:
         key = (group, bucket.index)
         ob = self._open.pop(key)
+        self._unbind(group, bucket, ob)
         accumulate = key in self._written
         self._written.add(key)
         pool = self.pools[group]

@@ -26,8 +26,11 @@ Invariants every strategy keeps:
 - Gradients live in the gradient dtype: fp32 ("main grads", the default with
   bf16/fp16 parameters: every microbatch's half-precision ``.grad`` is added
   into fp32 by a post-accumulate-grad hook and dropped) or the parameter dtype
-  (``grad_reduce_dtype`` equal to the precision: half the bytes; with fp32
-  training this is the zero-copy path where ``.grad`` is a buffer view).
+  (``grad_reduce_dtype`` equal to the precision: half the bytes; this is the
+  zero-copy path where ``.grad`` is a view of its bucket and autograd adds in place).
+- Every parameter's main grad (``main_grad``) is a view of its bucket's contiguous
+  buffer, and every reduction runs on that buffer: no gradient is copied on its way
+  to the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
 - Collectives are launched from gradient hooks in backward order and by
   ``finalize`` in bucket order; every DP rank runs the same model and schedule,
   so it produces the same gradients in the same order (as DDP assumes) and the
@@ -104,8 +107,7 @@ class GradSync(ABC):
         # Every group of a ParallelState has its backend, so gloo's fast path is the job's choice.
         as_all_reduce = reduce_scatter == "all_reduce" or (reduce_scatter == "auto" and pstate.backend == "gloo")
         self.pending = PendingCollectives()
-        self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending, memory=memory,
-                                     max_temporaries=MAX_STAGING_BUFFERS)
+        self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending)
         self._where: dict[int, tuple[int, Bucket, int]] = {}  # id(param) -> (group, bucket, slot index)
         self._tied: list[tuple[int, Bucket]] = []
         self._tied_checked = False
@@ -184,6 +186,16 @@ class GradSync(ABC):
 
     def staging_buffers(self) -> list[torch.Tensor]:
         return []
+
+    def holds(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param`` lies in one of this strategy's layouts."""
+        return id(param) in self._where
+
+    @abstractmethod
+    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient in the gradient dtype, as a view of its bucket's buffer (None: its
+        bucket holds no buffer now, stage 2/3 between reductions). With the gradient dtype equal to
+        the parameter's, ``param.grad`` is this view while it is bound (autograd adds in place)."""
 
     # ---- strategy hooks ----------------------------------------------------------------
     @abstractmethod

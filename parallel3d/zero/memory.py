@@ -43,3 +43,29 @@ class MemoryTracker:
 
     def reset_peak(self) -> None:
         self.peak = dict(self.current)
+
+
+def held_bytes(*, weights: list[torch.Tensor], gradients: list[torch.Tensor | None], masters: list[torch.Tensor | None],
+               moments: list[torch.Tensor], buckets: list[torch.Tensor], offload_host: int,
+               offload_disk: int) -> dict[str, int]:
+    """Bytes held now per category, each storage counted once (in the first category naming it),
+    measured from the tensors themselves rather than from the running counts."""
+    seen: set[int] = set()
+
+    def size(tensors: list) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or not st.nbytes():
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return total
+
+    held = {"model_weights": size(weights)}
+    held_buckets = size(buckets)  # before gradients: a stage-2 ``.grad`` may view a staging buffer
+    held.update(gradients=size(gradients), master_weights=size(masters), optimizer_moments=size(moments),
+                buckets=held_buckets, offload_host=offload_host, offload_disk=offload_disk)
+    return held

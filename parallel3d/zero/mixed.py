@@ -135,6 +135,12 @@ class MixedGradSync:
     def staging_buffers(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.staging_buffers()]
 
+    def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        for p in self.parts:
+            if p.holds(param):
+                return p.main_grad(param)
+        raise KeyError("main_grad: the parameter is not in this optimizer")
+
 
 class _ConsumedRelay:
     """Passes a part's consumed gradients on; ``finalize`` is told by ``MixedGradSync`` itself."""

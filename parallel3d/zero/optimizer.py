@@ -21,9 +21,9 @@ the default, or 2 with ``grad_reduce_dtype`` equal to bf16/fp16):
 In bytes with mixed precision and stage 3: 2Ψ/N + gΨ/N + 12Ψ/N (16Ψ/N with
 bf16 gradients), plus the gather window (``params_sharded``: the chunk's root
 unit and 1 + ``zero3_prefetch`` units whole at a time, or the whole stage during
-a step with ``zero3_reshard=step``), the ``buckets`` (a few staging buffers of
-one bucket in the gradient dtype, and in-flight reduce-scatter outputs of 1/N
-bucket) and the one ``.grad`` a hook is consuming. With ``offload`` the 12 bytes
+a step with ``zero3_reshard=step``), the ``buckets`` (stages 2-3: a few pooled
+buffers of one bucket in the gradient dtype; reduce-scatters land in place or in
+the shard, never in a temporary) and the one ``.grad`` a hook is consuming. With ``offload`` the 12 bytes
 (master + moments) move to host memory (``cpu``) or disk (``disk``;
 ``states``/``offload``). With ``precision=fp32`` and no offload the parameters
 are their own master weights. ``memory_bytes`` reports what is held now,
@@ -31,7 +31,8 @@ are their own master weights. ``memory_bytes`` reports what is held now,
 counts updated at every allocation, gather and release, and inside the gradient
 hooks, ``memory``).
 
-The pieces, one per concept: ``params`` (``ReplicatedParams`` for stages 0-2,
+The pieces, one per concept (``assembly`` picks them per stage, ``update`` does a step's
+arithmetic, this class is the facade): ``params`` (``ReplicatedParams`` for stages 0-2,
 ``ShardedParams`` for stage 3) holds the parameters; ``grad_sync``
 (``ReplicatedGradSync`` for stages 0/1, ``ShardedGradSync`` for 2/3) reduces the
 gradients and owns their finalisation (``GradSync.finalize``, once per step);
@@ -59,10 +60,9 @@ without a forward in between calls ``finish_param_sync`` first, or passes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import dataclasses
-import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable
@@ -70,44 +70,22 @@ from typing import Callable
 import torch
 
 from parallel3d import comm
-from parallel3d.param_meta import is_expert_param
 from parallel3d.parallel_state import ParallelState
 from parallel3d.zero import clip
-from parallel3d.zero.adamw import host_adamw_flat_, resolve_backend
-from parallel3d.zero.adamw_multi import TensorLists, build_lists, multi_tensor_adamw_
-from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
-from parallel3d.zero.grad_replicated import ReplicatedGradSync
-from parallel3d.zero.grad_sharded import ShardedGradSync
-from parallel3d.zero.grad_sync import GradSync
-from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker
-from parallel3d.zero.mixed import MixedGradSync, MixedParams
+from parallel3d.zero.adamw import resolve_backend
+from parallel3d.zero.assembly import DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND, build_layouts, build_strategies, named_params
+from parallel3d.zero.buffers import Bucket, BufferLayout
+from parallel3d.zero.memory import MEMORY_CATEGORIES, MemoryTracker, held_bytes
 from parallel3d.zero.offload import make_states
-from parallel3d.zero.options import ZeroOptions, resolve_reshard
+from parallel3d.zero.options import OptimizerOptions, ZeroOptions
 from parallel3d.zero.owned import OwnedSegment, owned_segments
-from parallel3d.zero.params_replicated import ReplicatedParams
-from parallel3d.zero.params_sharded import ShardedParams
 from parallel3d.zero.precision import LossScaler, precision_dtype
-from parallel3d.zero.states import DeviceStates, OptimizerStates, StateChunk
-from parallel3d.zero.units import find_units, unit_index_of
+from parallel3d.zero.states import OptimizerStates
+from parallel3d.zero.units import find_units
+from parallel3d.zero.update import AdamWUpdate, global_grad_norm
 
 log = logging.getLogger(__name__)
-
-DENSE_REDUCE_KIND = "dp_cp"  # the group holding the replicas of a dense parameter
-EXPERT_REDUCE_KIND = "edp"  # the group holding the replicas of a routed expert's parameter
-FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
-__all__ = ["StepInfo", "ZeroOptimizer", "make_grad_sync"]
-
-
-def make_grad_sync(modules: list[torch.nn.Module], layouts: list[BufferLayout], pstate: ParallelState, *,
-                   zero_stage: int, device: torch.device, grad_dtype: torch.dtype, reduce_scatter: str,
-                   memory: MemoryTracker) -> GradSync:
-    """The gradient-synchronisation strategy of ``zero_stage``."""
-    common = dict(device=device, grad_dtype=grad_dtype, reduce_scatter=reduce_scatter, memory=memory)
-    if zero_stage in (0, 1):
-        return ReplicatedGradSync(modules, layouts, pstate, zero_stage=zero_stage, **common)
-    if zero_stage in (2, 3):
-        return ShardedGradSync(modules, layouts, pstate, **common)
-    raise ValueError(f"no gradient synchronisation for ZeRO stage {zero_stage}")
+__all__ = ["StepInfo", "ZeroOptimizer"]
 
 
 @dataclass(frozen=True)
@@ -116,28 +94,6 @@ class StepInfo:
     skipped: bool  # non-finite gradient somewhere in the job: nobody stepped
     loss_scale: float  # the scale used for this step's gradients
     lr: float
-
-
-def _named_params(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
-    out, seen = [], set()
-    for i, m in enumerate(modules):
-        for name, p in m.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            out.append((getattr(p, "global_name", None) or (name if len(modules) == 1 else f"{i}.{name}"), p))
-    return out
-
-
-def _multi_kind(backend: str, device: torch.device) -> str:
-    """How the vectorised update runs for ``fused_adamw_backend=backend`` (``adamw_multi``): "torch" is
-    torch's foreach ops in the reference's order; "auto" torch's fused AdamW (CPU or CUDA) unless the
-    Triton interpreter is on; "kernels" our Triton kernel per tensor."""
-    if backend == "torch":
-        return "foreach"
-    if backend == "auto" and device.type in ("cpu", "cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        return "fused"
-    return "per_tensor"
 
 
 class ZeroOptimizer:
@@ -159,6 +115,8 @@ class ZeroOptimizer:
     parameters ("auto", "microbatch", "step"; see ``params_sharded``).
     ``overlap_param_gather``: stages 1-2 overlap the post-step all-gather with the next
     forward (module doc; ignored by stages 0 and 3, which have none after the step).
+    The AdamW defaults (betas, eps, weight_decay, clip_grad) are ``OptimizerOptions``' and the
+    sharding defaults ``ZeroOptions``': no default is stated here.
     """
 
     def __init__(
@@ -169,10 +127,10 @@ class ZeroOptimizer:
         zero_stage: int,
         lr: float,
         expert_zero_stage: int | None = None,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        clip_grad: float | None = None,
+        betas: tuple[float, float] = (OptimizerOptions.beta1, OptimizerOptions.beta2),
+        eps: float = OptimizerOptions.eps,
+        weight_decay: float = OptimizerOptions.weight_decay,
+        clip_grad: float | None = OptimizerOptions.clip_grad,
         bucket_size_mb: float = ZeroOptions.bucket_size_mb,
         precision: str = "fp32",
         lr_schedule: Callable[[int], float] | None = None,
@@ -204,7 +162,7 @@ class ZeroOptimizer:
                              f"weight_decay={weight_decay}")
         dtype = precision_dtype(precision)
         self.options.check_precision(precision)
-        named = _named_params(modules)
+        named = named_params(modules)
         if not named:
             raise ValueError("ZeroOptimizer: the modules have no trainable parameters")
         for name, p in named:
@@ -217,7 +175,7 @@ class ZeroOptimizer:
         self.precision = precision
         self.grad_reduce_dtype = grad_reduce_dtype
         self.offload = offload
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.lr = lr
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule
         self.scaler = LossScaler(
@@ -225,86 +183,48 @@ class ZeroOptimizer:
             backoff_factor=loss_scale_backoff_factor, growth_interval=loss_scale_growth_interval,
             min_scale=loss_scale_min,
         )
-        self._adamw = resolve_backend(fused_adamw_backend)  # validates early; device-specific below
+        resolve_backend(fused_adamw_backend)  # validates the name before any buffer is built
         # Dense parameters are replicated over dp and cp: their gradients reduce over dp_cp.
         self.replicas = comm.group_size(pstate, DENSE_REDUCE_KIND)
         self.iteration = 0  # step() calls, skipped or not (drives the LR schedule)
         self.adam_step = 0  # applied updates (drives bias correction)
 
-        bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
-        first_bucket_numel = min(bucket_numel, FIRST_BUCKET_BYTES // dtype.itemsize)
         # Each kind's stage: dense parameters at zero_stage, routed experts at expert_zero_stage.
         self.stage_of_kind = {DENSE_REDUCE_KIND: zero_stage, EXPERT_REDUCE_KIND: self.options.expert_stage}
         units = find_units(modules) if 3 in self.stage_of_kind.values() else None
-        unit_of = None
-        if units is not None:
-            index = unit_index_of(units)
-            unit_of = lambda p: index[id(p)]  # noqa: E731 - a bucket never spans two gather units
         # Routed experts (parallel3d.moe) are replicated over the expert data-parallel group: a layout of their own.
-        layouts = []
-        for kind, params in ((DENSE_REDUCE_KIND, [(n, p) for n, p in named if not is_expert_param(p)]),
-                             (EXPERT_REDUCE_KIND, [(n, p) for n, p in named if is_expert_param(p)])):
-            if not params:
-                continue
-            replicas = comm.group_size(pstate, kind)
-            sharded = self.stage_of_kind[kind] > 0
-            layouts.append(BufferLayout(
-                params, bucket_numel=bucket_numel, reduce_kind=kind, replicas=replicas,
-                owner_count=replicas if sharded else 1,
-                owner_index=comm.group_rank(pstate, kind) if sharded else 0,
-                count_in_norm=lambda p: clip.counts_in_norm(p, pstate),
-                unit_of=unit_of if self.stage_of_kind[kind] == 3 else None, first_bucket_numel=first_bucket_numel,
-            ))
+        self._all_layouts = build_layouts(named, pstate, self.stage_of_kind, units, dtype=dtype,
+                                          bucket_size_mb=bucket_size_mb)
         self.device = named[0][1].device
-        self._adamw = resolve_backend(fused_adamw_backend, self.device)
-        self._multi_kind = _multi_kind(fused_adamw_backend, self.device)
-        self._lists: TensorLists | None = None
-        self._lists_key: tuple[int, ...] = ()
+        self._update = AdamWUpdate(betas=betas, eps=eps, weight_decay=weight_decay,
+                                   fused_adamw_backend=fused_adamw_backend, device=self.device)
         self.memory = MemoryTracker(MEMORY_CATEGORIES)
-        self._all_layouts = layouts
-        # One params / grad-sync strategy per stage in use (in layout order); mixed stages are
-        # presented under the global layout indices (``mixed``).
-        stages: list[int] = []
-        for layout in layouts:
-            if self.stage_of_kind[layout.reduce_kind] not in stages:
-                stages.append(self.stage_of_kind[layout.reduce_kind])
-        groups = [[g for g, layout in enumerate(layouts) if self.stage_of_kind[layout.reduce_kind] == st]
-                  for st in stages]
         grad_dtype = precision_dtype(grad_reduce_dtype)
-        param_parts, sync_parts = [], []
-        for st, members in zip(stages, groups):
-            part_layouts = [layouts[g] for g in members]
-            if st == 3:
-                params_part: ReplicatedParams | ShardedParams = ShardedParams(
-                    part_layouts, units, pstate, device=self.device, memory=self.memory, prefetch=zero3_prefetch,
-                    reshard=resolve_reshard(zero3_reshard, pstate.size("pp")))
-            else:
-                overlap_units = find_units(modules) if overlap_param_gather and st > 0 else None
-                params_part = ReplicatedParams(part_layouts, pstate, device=self.device, sharded=st > 0,
-                                               memory=self.memory, overlap_units=overlap_units)
-            param_parts.append(params_part)
-            sync_parts.append(make_grad_sync(
-                modules, part_layouts, pstate, zero_stage=st, device=self.device, grad_dtype=grad_dtype,
-                reduce_scatter=reduce_scatter, memory=self.memory,
-            ))
-        for members, sync in zip(groups, sync_parts):  # tied embeddings are dense: one part sums them
-            sync.sums_tied = any(layouts[g].reduce_kind == DENSE_REDUCE_KIND for g in members)
-        if len(stages) == 1:
-            self.params = param_parts[0]
-            self.grad_sync: GradSync | MixedGradSync = sync_parts[0]
-        else:
-            self.params = MixedParams(param_parts, groups, layouts)
-            self.grad_sync = MixedGradSync(sync_parts, groups)
-        sharded_parts = [p for p in param_parts if isinstance(p, ShardedParams)]
-        if sharded_parts:  # it counts a unit's gradients whichever stage reduces them
-            self.grad_sync.add_observer(sharded_parts[0])
+        parts = build_strategies(modules, self._all_layouts, pstate, self.stage_of_kind, units, device=self.device,
+                                 grad_dtype=grad_dtype, reduce_scatter=reduce_scatter, memory=self.memory,
+                                 zero3_prefetch=zero3_prefetch, zero3_reshard=zero3_reshard,
+                                 overlap_param_gather=overlap_param_gather)
+        self.params = parts.params
+        self.grad_sync = parts.grad_sync
         self.states: OptimizerStates = make_states(
-            offload, layouts, self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
+            offload, self._all_layouts, self.params.piece, device=self.device, grad_dtype=grad_dtype, memory=self.memory,
             offload_dir=offload_dir, buffer_bytes=int(offload_buffer_mb * 2**20),
             tag="_".join(f"{dim}{index}" for dim, index in dataclasses.asdict(pstate.coords).items()),
         )
 
     # ---- public API ----------------------------------------------------------------
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self._update.betas
+
+    @property
+    def eps(self) -> float:
+        return self._update.eps
+
+    @property
+    def weight_decay(self) -> float:
+        return self._update.weight_decay
+
     @property
     def loss_scale(self) -> float:
         """Multiply the loss by this before backward (1.0 unless fp16)."""
@@ -380,21 +300,9 @@ class ZeroOptimizer:
         lr = self.current_lr()
         used_scale = self.scaler.scale
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
-        # Both kinds on every rank, even one holding no experts (a dense pipeline stage, a dense model):
-        # the norm's reductions over each kind's groups span stages, so every rank must join them.
-        local_sq: dict[str, torch.Tensor] = {kind: torch.zeros((), dtype=torch.float64, device=self.device)
-                                             for kind in (DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND)}
-        for g, layout in enumerate(self.layouts):
-            sq = local_sq.setdefault(layout.reduce_kind, torch.zeros((), dtype=torch.float64, device=self.device))
-            for b in layout.buckets:
-                piece = self.grad_sync.grad_piece(g, b)
-                sq += clip.piece_sq_sum(piece, b, inv)
-                if not clip.uncounted_all_finite(piece, b):
-                    # Also in elements another rank counts in the norm (e.g. TP replicas):
-                    # an inf in the sum makes every rank of the job see the overflow.
-                    sq += math.inf
-        norm = clip.reduce_norm(local_sq, self.pstate,
-                                sharded={kind: stage > 0 for kind, stage in self.stage_of_kind.items()})
+        norm = global_grad_norm(self.layouts, self.grad_sync.grad_piece, self.pstate,
+                                kinds=(DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND), stage_of_kind=self.stage_of_kind,
+                                inv_scale=inv, device=self.device)
         self.iteration += 1
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
@@ -404,50 +312,12 @@ class ZeroOptimizer:
             return StepInfo(grad_norm=norm, skipped=True, loss_scale=used_scale, lr=lr)
         coef = inv * clip.clip_coefficient(norm, self.clip_grad)
         self.adam_step += 1
-        if isinstance(self.states, DeviceStates):
-            self._update_all(coef, lr)
-        else:  # offloaded: streamed chunk by chunk through host memory
-            update = host_adamw_flat_ if self.states.on_host else self._adamw
-            for chunk in self.states.update_chunks(self.grad_sync.grad_piece, self.params.piece):
-                self._update_chunk(chunk, coef, lr, update)
+        self._update.apply(self.layouts, self.states, self.grad_sync.grad_piece, self.params.piece, coef=coef,
+                           lr=lr, step=self.adam_step)
         self.params.publish(asynchronous=True)
         self.scaler.update(overflow=False)
         self.grad_sync.reset()
         return StepInfo(grad_norm=norm, skipped=False, loss_scale=used_scale, lr=lr)
-
-    def _update_all(self, coef: float, lr: float) -> None:
-        """One vectorised AdamW over every piece (``adamw_multi``); masters of bf16/fp16 models are
-        copied into the parameters' pieces afterwards."""
-        states = self.states
-        assert isinstance(states, DeviceStates)
-        key = tuple(self.grad_sync.grad_piece(g, layout.buckets[0]).data_ptr() for g, layout in enumerate(self.layouts))
-        if self._lists is None or key != self._lists_key:  # views of persistent tensors: built once
-            self._lists = build_lists(self.layouts, states.read_piece, self.grad_sync.grad_piece,
-                                      bool(self.weight_decay))
-            self._lists_key = key
-        beta1, beta2 = self.betas
-        multi_tensor_adamw_(self._lists, coef=coef, step=self.adam_step, lr=lr, beta1=beta1, beta2=beta2,
-                            eps=self.eps, weight_decay=self.weight_decay, kind=self._multi_kind,
-                            per_tensor=self._adamw)
-        for g, master in enumerate(states.masters):
-            if master is not None:
-                for b in self.layouts[g].buckets:
-                    self.params.piece(g, b).copy_(shard_slice(master, b))
-
-    def _update_chunk(self, chunk: StateChunk, coef: float, lr: float, update: Callable[..., None]) -> None:
-        b, lo, hi = chunk.bucket, chunk.lo, chunk.hi
-        grad = chunk.grad.float() * coef
-        if self.weight_decay and lr:
-            for seg in b.segments:
-                if not seg.slot.decay:
-                    continue
-                start = max(seg.shard_start - b.shard_offset, lo)
-                end = min(seg.shard_end - b.shard_offset, hi)
-                if start < end:  # decoupled decay, before the Adam update (as torch does)
-                    chunk.master[start - lo : end - lo].mul_(1 - lr * self.weight_decay)
-        beta1, beta2 = self.betas
-        update(chunk.master, grad, chunk.exp_avg, chunk.exp_avg_sq, step=self.adam_step, lr=lr, beta1=beta1,
-               beta2=beta2, eps=self.eps)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -471,30 +341,12 @@ class ZeroOptimizer:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now per category, summed over distinct tensor storages."""
-        seen: set[int] = set()
-
-        def size(tensors) -> int:
-            total = 0
-            for t in tensors:
-                if t is None:
-                    continue
-                st = t.untyped_storage()
-                if st.data_ptr() in seen or not st.nbytes():
-                    continue
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-            return total
-
         params = [s.param for layout in self.layouts for s in layout.slots]
         masters, moments = self.states.device_tensors()
-        out = {"model_weights": size(self.params.storage_tensors() + params)}
-        out["gradients"] = size(self.grad_sync.gradient_tensors() + [p.grad for p in params])
-        out["master_weights"] = size(masters)
-        out["optimizer_moments"] = size(moments)
-        out["buckets"] = size(self.grad_sync.staging_buffers())
-        out["offload_host"] = self.states.host_bytes()
-        out["offload_disk"] = self.states.disk_bytes()
-        return out
+        return held_bytes(weights=self.params.storage_tensors() + params,
+                          gradients=self.grad_sync.gradient_tensors() + [p.grad for p in params],
+                          masters=masters, moments=moments, buckets=self.grad_sync.staging_buffers(),
+                          offload_host=self.states.host_bytes(), offload_disk=self.states.disk_bytes())
 
     # ---- checkpoints -------------------------------------------------------------------
     def owned_segments(self) -> list[OwnedSegment]:

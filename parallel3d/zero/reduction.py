@@ -27,7 +27,6 @@ import torch
 
 from parallel3d import comm
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero.memory import MemoryTracker, nbytes
 
 
 DATA_REPLICAS_KIND = "dp_cp"  # the ranks reading different micro-batches: every gradient is a mean over them
@@ -84,20 +83,14 @@ class BucketReducer:
 
     ``as_all_reduce``: reduce-scatters are done as an in-place all-reduce of the
     whole bucket, keeping this rank's piece (gloo's opt-in fast path, see
-    ``grad_sync``). Temporary reduce-scatter outputs (1/n of a bucket) are
-    counted as ``buckets``; at most ``max_temporaries`` are in flight (beyond
-    that, launching waits for the oldest collective), so stage 1 does not hold
-    a temporary for every bucket of the last backward at once.
+    ``grad_sync``). A reduce-scatter never allocates: its output is the target or
+    the bucket's own piece.
     """
 
-    def __init__(self, pstate: ParallelState, *, as_all_reduce: bool, pending: PendingCollectives,
-                 memory: MemoryTracker, max_temporaries: int) -> None:
+    def __init__(self, pstate: ParallelState, *, as_all_reduce: bool, pending: PendingCollectives) -> None:
         self.pstate = pstate
         self.as_all_reduce = as_all_reduce
         self.pending = pending
-        self.memory = memory
-        self.max_temporaries = max_temporaries
-        self._temporaries = 0
 
     def _scale(self, full: torch.Tensor) -> None:
         replicas = comm.group_size(self.pstate, DATA_REPLICAS_KIND)
@@ -117,7 +110,13 @@ class BucketReducer:
                        on_done: Callable[[], None] = _noop) -> None:
         """This rank's piece of the mean of ``full`` over the ``kind`` group is written into (or, if
         ``accumulate``, added to) ``target`` (``full.numel() // n`` elements; it may be ``full``'s own
-        piece). ``full`` is scaled in place and must not be touched until ``on_done`` runs."""
+        piece). ``full`` is scaled in place and must not be touched until ``on_done`` runs; this
+        rank's piece of it may be overwritten by the result.
+
+        No copy on the way: a target that is ``full``'s own piece is reduced in place (the output
+        is the input's piece, as NCCL's in-place reduce-scatter, and gloo's, accept); a separate
+        target receives the collective's output directly; accumulating lands in ``full``'s own
+        piece and adds that to the target (a collective cannot add)."""
         n = comm.group_size(self.pstate, kind)
         piece = full.numel() // n
         index = comm.group_rank(self.pstate, kind)
@@ -136,26 +135,28 @@ class BucketReducer:
 
             self.pending.add(work, done_all_reduce, (full,))
             return
-        same_storage = target.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-        if not accumulate and not same_storage:  # land straight in the target
+        if _is_piece_of(target, mine):  # in place: NCCL's documented in-place form, and gloo's
+            work = comm.reduce_scatter_tensor(mine, full, self.pstate, kind, async_op=True)
+            self.pending.add(work, on_done, (full,))
+            return
+        if target.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            raise ValueError("reduce_scatter: the target shares the bucket's storage but is not this rank's piece")
+        if not accumulate:  # land straight in the target
             work = comm.reduce_scatter_tensor(target, full, self.pstate, kind, async_op=True)
             self.pending.add(work, on_done, (full, target))
             return
-        # gloo's reduce-scatter must not write into its own input, and a collective cannot add:
-        # land in a temporary piece, then copy/add it.
-        self.pending.poll()
-        while self._temporaries >= self.max_temporaries and len(self.pending):
-            self.pending.wait_oldest()
-        out = torch.empty_like(target)
-        size = nbytes(out)
-        self.memory.add("buckets", size)
-        self._temporaries += 1
-        work = comm.reduce_scatter_tensor(out, full, self.pstate, kind, async_op=True)
+        # A collective cannot add: land in this rank's own piece of ``full`` (in place, no
+        # temporary; ``full`` is the caller's until ``on_done``), then add that to the target.
+        work = comm.reduce_scatter_tensor(mine, full, self.pstate, kind, async_op=True)
 
-        def done_temporary() -> None:
-            _deliver(target, out, accumulate)
-            self.memory.add("buckets", -size)
-            self._temporaries -= 1
+        def done_accumulate() -> None:
+            target.add_(mine)
             on_done()
 
-        self.pending.add(work, done_temporary, (full, out))
+        self.pending.add(work, done_accumulate, (full, target))
+
+
+def _is_piece_of(target: torch.Tensor, mine: torch.Tensor) -> bool:
+    """Whether ``target`` is exactly ``mine`` (this rank's piece of the reduced buffer)."""
+    return (target.data_ptr() == mine.data_ptr() and target.numel() == mine.numel()
+            and target.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr())
