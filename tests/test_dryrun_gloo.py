@@ -107,9 +107,13 @@ def _check_messages(dry_messages, sent: dict, rank: int) -> None:
 
 # ---- MoE layouts: expert parallelism on the fake backend vs real gloo ranks -----------------------------------
 # Routing is data: the dry run assumes it balanced (parallel3d.dryrun.meta_routing). Exact for every byte of
-# parameters, gradients and optimizer state, and for every message whose size does not depend on the routing
-# (calls of every kind; bytes of every kind but the token all-to-alls, ``ep``/``etp all_to_all``).
+# parameters, gradients and optimizer state, and for every message whose size does not depend on the routing:
+# calls of every kind; bytes of every kind but the alltoall dispatcher's token exchanges (``ep``/``etp
+# all_to_all``; the allgather dispatcher moves every token, so its bytes are exact too). Those, summed over the
+# ranks, are the balanced routing's within ROUTED_TOLERANCE of the real run's (a freshly initialised router
+# routes nearly evenly: measured +1.1% and +2.4% on the two alltoall cases).
 ROUTED_KINDS = ("ep all_to_all", "etp all_to_all")
+ROUTED_TOLERANCE = 0.10
 
 
 def _moe_cases(seed: int = 25) -> list[dict]:
@@ -142,6 +146,8 @@ def test_moe_dry_run_equals_a_real_gloo_run(case, tmp_path):
     real = run_on_ranks(_real_bytes, WORLD, overrides, timeout=180)
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=WORLD)
+    routed = case["dispatcher"] == "alltoall"
+    dry_routed = real_routed = 0
     for rank in range(WORLD):
         report = dry_run_rank(rj, rank)
         assert report.error is None, report.error
@@ -153,6 +159,11 @@ def test_moe_dry_run_equals_a_real_gloo_run(case, tmp_path):
         assert set(dry_msgs) == set(sent), f"rank {rank}: kinds {sorted(dry_msgs)} != {sorted(sent)}"
         for kind, (calls, nbytes) in sent.items():
             assert dry_msgs[kind][0] == calls, f"rank {rank} {kind}: {dry_msgs[kind][0]} calls, real {calls}"
-            if kind not in ROUTED_KINDS:
+            if routed and kind in ROUTED_KINDS:
+                dry_routed, real_routed = dry_routed + dry_msgs[kind][1], real_routed + nbytes
+            else:
                 assert dry_msgs[kind][1] == nbytes, f"rank {rank} {kind}: {dry_msgs[kind][1]} bytes, real {nbytes}"
-        assert any(kind in ROUTED_KINDS or kind.startswith("ep ") for kind in sent), sorted(sent)
+        assert "ep all_to_all" in sent, sorted(sent)
+    if routed:
+        assert real_routed > 0 and abs(dry_routed / real_routed - 1) <= ROUTED_TOLERANCE, \
+            f"token all-to-all bytes over the ranks: balanced {dry_routed}, real {real_routed}"
