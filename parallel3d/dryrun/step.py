@@ -24,6 +24,7 @@ number of microbatches in flight as the full step. ``m <= m2``: the full step ru
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,9 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     stats = pstate.comm_stats
     stats.reset()
     moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)
-    with MetaValues(), fused_attention_on_meta(), balanced_routing_on_meta():
+    # Dense jobs skip the MoE handling: one dispatch mode less on every meta operator.
+    routing = balanced_routing_on_meta() if rj.model.moe.enabled else contextlib.nullcontext()
+    with MetaValues(), fused_attention_on_meta(), routing:
         optimizer.zero_grad()
         moe.before_step(optimizer.loss_scale, microbatches)
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
