@@ -6,7 +6,10 @@
 - ``to_hf(model)`` gathers the tp shards and returns the HF state dict, which
   ``transformers`` loads with ``load_state_dict(strict=True)``.
 - ``hf_config(config)`` makes the matching ``transformers`` config (no download).
-Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``models.hf_moe``) use checkpoint names, one
+DeepSeek-V3 (latent attention, ``models.hf_deepseek``) adds a row order (``HFFormat.reorder``) and the
+routers' expert-bias buffers (``HFFormat.layer_buffers``: ``from_hf`` loads them, ``to_hf`` writes them,
+zero where the source has none). Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``models.hf_moe``) use
+checkpoint names, one
 tensor per expert; a transformers >= 5 module's fused experts are accepted on import
 (``models.hf_moe.unfuse_experts``) and ``models.hf_moe.fuse_experts`` makes ``to_hf``'s dict loadable
 into such a module.
@@ -129,9 +132,15 @@ def to_hf_unit(full: Mapping[str, torch.Tensor], cfg: ModelConfig, unit: object)
         elif fmt.transposed_weights and unit != GLOBALS and value.dim() == 2:
             out[f"{prefix}{fmt.hf_module(module)}.{suffix}"] = value.t()
         else:
+            if fmt.reorder is not None:
+                value = fmt.reorder(cfg, module, value, True)
             out[f"{prefix}{fmt.hf_module(module)}.{suffix}"] = value
     if unit == GLOBALS and cfg.spec.tied_head:
         out[f"{fmt.hf_module('head')}.weight"] = full[cfg.shape.word_embedding.name]
+    for ours, theirs, shape in _unit_buffers(cfg, unit):
+        # A buffer the source lacks (a checkpoint's master weights, a model without expert bias) is zero.
+        default = torch.zeros(shape, dtype=torch.float32, device=next(iter(full.values())).device)
+        out[f"{hf_format(cfg).layer_prefix.format(unit)}{theirs}"] = full.get(ours, default)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -149,8 +158,32 @@ def from_hf_unit(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, unit: object)
             full[t.name] = group_qkv(*parts, cfg)
             continue
         value = hf[f"{prefix}{fmt.hf_module(module)}.{suffix}"]
+        if fmt.reorder is not None:
+            value = fmt.reorder(cfg, module, value, False)
         full[t.name] = value.t() if fmt.transposed_weights and unit != GLOBALS and value.dim() == 2 else value
+    for ours, theirs, _ in _unit_buffers(cfg, unit):
+        full[ours] = hf[f"{fmt.layer_prefix.format(unit)}{theirs}"]
     return full
+
+
+def _unit_buffers(cfg: ModelConfig, unit: object) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(our full buffer name, HF path within the layer, shape) of the non-parameter tensors of ``unit``."""
+    fmt = hf_format(cfg)
+    if unit == GLOBALS or fmt.layer_buffers is None:
+        return []
+    return [(f"layers.{unit}.{ours}", theirs, shape) for ours, theirs, shape in fmt.layer_buffers(cfg, unit)]
+
+
+def _load_buffers(model: TransformerLM, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy converted buffers into ``model``; one the model has no place for must be zero (it changes nothing)."""
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in values.items():
+            if name in buffers:
+                buffers[name].copy_(value)
+            elif bool(value.ne(0).any()):
+                raise ValueError(f"{name}: the HF weights hold a nonzero value but the model has no such buffer "
+                                 f"(an expert bias needs model.moe.bias_update_rate > 0)")
 
 
 def _to_hf_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -210,7 +243,10 @@ def from_hf(
         raise ValueError(f"from_hf expects a transformers model or a state dict, got {type(hf_model_or_state_dict)}")
     state = _validate_hf_state(state, config)
     model = build_model(config, pstate or ParallelState.single_process(), **build_kwargs)
-    load_full_state_dict(model, _from_hf_tensors(state, config))
+    converted = _from_hf_tensors(state, config)
+    params = {t.name for t in config.shape.tensors()}
+    load_full_state_dict(model, {k: v for k, v in converted.items() if k in params})
+    _load_buffers(model, {k: v for k, v in converted.items() if k not in params})
     return model
 
 
@@ -221,4 +257,4 @@ def to_hf(model: TransformerLM) -> dict[str, torch.Tensor]:
         raise ValueError(f"to_hf needs the whole model; this module holds layers {model.layer_range} "
                          f"(pre_process={model.pre_process}, post_process={model.post_process})")
     hf_config(cfg)  # raises if the HF family cannot represent this config
-    return _to_hf_tensors(full_state_dict(model), cfg)
+    return _to_hf_tensors({**dict(model.named_buffers()), **full_state_dict(model)}, cfg)

@@ -1,7 +1,7 @@
 """``HFFormat``: how one Hugging Face ``transformers`` family stores a model (the data ``models.hf`` converts by).
 
-The families themselves: ``models.hf_formats`` (GPT-2, Llama) and ``models.hf_moe`` (Mixtral, Qwen2-MoE,
-Qwen3-MoE).
+The families themselves: ``models.hf_formats`` (GPT-2, Llama), ``models.hf_moe`` (Mixtral, Qwen2-MoE,
+Qwen3-MoE) and ``models.hf_deepseek`` (DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ class HFFormat:
     moe_module: str = ""  # the HF MoE block in checkpoints ("block_sparse_moe" / "mlp")
     fused_moe_module: str = "mlp"  # the same block in transformers >= 5 modules
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # our w1, w3, w2 per expert
+    # Rows a family orders otherwise than we do (DeepSeek-V3's interleaved rotary pairs):
+    # ``reorder(cfg, our module path, tensor, to_hf)`` -> the tensor in the other order (None: none do).
+    reorder: Callable[[ModelConfig, str, Any, bool], Any] | None = None
+    # Non-parameter tensors a family stores per layer (DeepSeek-V3's e_score_correction_bias, our router's
+    # expert_bias buffer): ``layer_buffers(cfg, layer)`` -> ((our path in the layer, HF path, shape), ...).
+    layer_buffers: Callable[[ModelConfig, int], tuple[tuple[str, str, tuple[int, ...]], ...]] | None = None
 
     def hf_module(self, ours: str) -> str:
         """The HF module path of our module path (a global one, or one relative to its layer)."""

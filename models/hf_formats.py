@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.config import ModelConfig
+from models.hf_deepseek import DEEPSEEK_V3
 from models.hf_format_spec import HFFormat, rope_base as _rope_base
 from models.hf_moe import MOE_FORMATS, moe_format
 
@@ -97,19 +98,22 @@ HF_FORMATS: dict[str, HFFormat] = {f.arch: f for f in (GPT2, LLAMA)}  # dense fa
 
 
 def hf_format(cfg: ModelConfig) -> HFFormat:
-    """The HF family that stores ``cfg``: by ``arch``; a mixture of experts by its features
-    (``models.hf_moe.moe_format``)."""
+    """The HF family that stores ``cfg``: by ``arch``; latent attention is DeepSeek-V3; a mixture of experts
+    by its features (``models.hf_moe.moe_format``)."""
     if cfg.arch not in HF_FORMATS:
         raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face format; known: {sorted(HF_FORMATS)}")
-    if cfg.moe.enabled or cfg.qk_norm or cfg.qkv_bias is not None or cfg.mla.enabled:
+    if cfg.mla.enabled:  # latent attention: only DeepSeek-V3 (which refuses what it cannot hold)
+        return DEEPSEEK_V3
+    if cfg.moe.enabled or cfg.qk_norm or cfg.qkv_bias is not None:
         return moe_format(cfg)
     return HF_FORMATS[cfg.arch]
 
 
 def hf_format_of_model_type(model_type: object) -> HFFormat:
     """The format of an HF config's ``model_type``."""
-    for fmt in (*HF_FORMATS.values(), *MOE_FORMATS):
+    formats = (*HF_FORMATS.values(), *MOE_FORMATS, DEEPSEEK_V3)
+    for fmt in formats:
         if fmt.model_type == model_type:
             return fmt
-    known = " or ".join(repr(f.model_type) for f in (*HF_FORMATS.values(), *MOE_FORMATS))
+    known = " or ".join(repr(f.model_type) for f in formats)
     raise ValueError(f"HF model_type={model_type!r} is not supported; use {known}")

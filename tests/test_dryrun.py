@@ -165,3 +165,28 @@ def test_a_stage_with_a_wrong_output_shape_fails_in_the_step_naming_its_rank(mon
     assert len(err.strip().splitlines()) == 1 and err.startswith("dry run failed: rank 0: "), err
     assert "sends shape (1, 16, " in err, err
     assert "rank 1: actions" in out
+
+
+DEEPSEEK_V3 = ["model=deepseek_v3_671b", "parallel.pp=16", "parallel.ep=64", "parallel.zero_stage=1",
+               "train.precision=bf16", "train.global_batch_size=2048", "train.micro_batch_size=1", "train.seq_len=4096"]
+
+
+def test_deepseek_v3_671b_dry_run_at_2048_ranks_moves_the_balanced_token_bytes(tmp_path):
+    """DeepSeek-V3's own layout (pp 16 x ep 64 over dp 128, 2,048 ranks): the last stage's MoE layers run on meta
+    with balanced routing (``dryrun.meta_routing``), so its token all-to-all bytes are known from the shapes alone:
+    per micro-batch and MoE layer, the count exchange (E int64 to the ep - 1 others) and four row exchanges
+    (dispatch, combine, and their two backward ones) of T*k*(ep - 1)/ep rows of h bf16 values."""
+    result = _run(DEEPSEEK_V3, 2048, "last", tmp_path)
+    job, _ = compose_job(DEEPSEEK_V3)
+    rj = resolve(job, world_size=2048)
+    (r,) = result["ranks"]
+    assert r["error"] is None and r["coords"]["ep"] == 63 and r["coords"]["pp"] == 15
+    m, moe, ep = rj.grad_accum, rj.model.moe, rj.dims.ep
+    moe_layers = sum(moe.is_moe_layer(i) for i in range(rj.model.num_layers - r["layers"], rj.model.num_layers))
+    assert moe_layers == r["layers"] > 0
+    slots = rj.train.micro_batch_size * rj.train.seq_len * moe.top_k
+    rows = slots * (ep - 1) // ep * rj.model.hidden_size * 2
+    counts = moe.num_experts * 8 * (ep - 1) // ep
+    sent = {x["kind"]: x for x in r["messages"]}["ep all_to_all"]
+    assert sent["count"] == 5 * m * moe_layers
+    assert sent["bytes"] == m * moe_layers * (4 * rows + counts)

@@ -5,7 +5,9 @@ the ``s x s`` attention probabilities for backward; the real job's fused kernels
 flash-for-CPU on CPU) save only the output and its log-sum-exp. ``fused_attention_on_meta`` routes
 meta calls without a mask or dropout to ``_scaled_dot_product_flash_attention_for_cpu`` (it has a
 meta kernel and autograd), so what autograd saves is a fused kernel's. Grouped-query calls repeat
-the kv heads first (saved as the repeated copies: a slight over-count of k and v).
+the kv heads first (saved as the repeated copies: a slight over-count of k and v). Latent attention's narrower value heads
+(``models.mla``: v_head_dim < the q/k width) are padded to the q/k width for the kernel, which
+takes one head size, and the output sliced back (an over-count of v and the output).
 Invariant: calls with any non-meta tensor run unchanged.
 """
 
@@ -28,6 +30,11 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     repeat = query.shape[-3] // key.shape[-3]
     if repeat > 1 and enable_gqa:
         key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    dv = value.shape[-1]
+    if dv != query.shape[-1]:  # latent attention (value heads narrower than query heads): pad, then slice
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return _flash(query, key, value, 0.0, is_causal, scale=scale)[0][..., :dv]
     return _flash(query, key, value, 0.0, is_causal, scale=scale)[0]
 
 

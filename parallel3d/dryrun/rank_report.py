@@ -47,7 +47,7 @@ class RankReport:
     optimizer_state_bytes: int = 0  # fp32 masters + Adam moments on the device
     offloaded_bytes: int = 0  # optimizer state in host memory or on disk
     activation_bytes: int = 0  # measured: the step's peak of saved activations (meta storages)
-    activation_bytes_planner: int = 0  # the planner's estimate at the stage's peak, beside it
+    activation_bytes_planner: int | None = 0  # the planner's estimate at the stage's peak (None: it has none)
     step_microbatches: list[int] = field(default_factory=list)  # microbatch counts of the steps run
     actions: dict[str, int] = field(default_factory=dict)  # schedule actions per step by kind
     messages: list[Messages] = field(default_factory=list)
@@ -74,10 +74,14 @@ def _stage_layers(rj: ResolvedJob, stage: int) -> int:
     return sum(b - a for a, b in stage_layer_ranges(ranges, p.pp, stage, place))
 
 
-def _activation_bytes(rj: ResolvedJob, stage: int, layers: int) -> int:
+def _activation_bytes(rj: ResolvedJob, stage: int, layers: int) -> int | None:
+    """The planner's estimate, or None where the planner has none for this model (the measured peak stands)."""
     _, layout, _ = layout_from_job(rj.job, ClusterSpec.build(rj.world_size, 1))
-    assumptions = ActivationAssumptions.for_model(rj.model, layout.precision)
-    return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions)[0])
+    try:
+        assumptions = ActivationAssumptions.for_model(rj.model, layout.precision)
+        return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions)[0])
+    except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block
+        return None
 
 
 def _build(rj: ResolvedJob, pstate) -> tuple[list[torch.nn.Module], ZeroOptimizer]:
@@ -105,7 +109,7 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
 def _fill(report: RankReport, rj: ResolvedJob) -> None:
     p = rj.job.parallel
     with fake_rank_state(rj.topology, report.rank) as pstate:
-        report.coords = {d: pstate.coord(d) for d in ("tp", "cp", "dp", "pp") if pstate.size(d) > 1}
+        report.coords = {d: pstate.coord(d) for d in ("tp", "cp", "ep", "dp", "pp") if pstate.size(d) > 1}
         stage = pstate.coord("pp")
         chunks, optimizer = _build(rj, pstate)
         report.params = sum(q.numel() for c in chunks for q in c.parameters())

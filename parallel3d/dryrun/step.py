@@ -1,12 +1,14 @@
 """One training step of a rank's schedule, run on meta tensors over the fake backend.
 
-``run_step`` does what ``Trainer`` does for step 1 (``zero_grad``, ``PipelineEngine.run_step``
-over meta microbatches of the config's shape, ``ZeroOptimizer.step``, ``finish_param_sync``),
+``run_step`` does what ``Trainer`` does for step 1 (``zero_grad``, the MoE layers' ``before_step``,
+``PipelineEngine.run_step`` over meta microbatches of the config's shape, ``MoEStep.finish``,
+``ZeroOptimizer.step``, ``finish_param_sync``),
 so a shape mismatch between chunks, a p2p message of the wrong shape, a ZeRO buffer or bucket
 fault, or an optimizer step that does not fit the layout raises here as it would at step 1.
 Receives from the ranks not simulated complete at once on the fake backend and leave their
 meta buffers of the pipeline's message shape; data reads are answered by ``MetaValues``;
-attention saves what a fused kernel saves (``fused_attention_on_meta``).
+attention saves what a fused kernel saves (``fused_attention_on_meta``); MoE layers route as if
+balanced (``meta_routing``: their token counts are data, so the all-to-all sizes are an assumption).
 
 Measured from the step itself: the peak activation bytes (the engine's saved-tensor count,
 ``StepResult.peak_activation_bytes``, on meta storages) and every message through ``comm``
@@ -22,13 +24,16 @@ number of microbatches in flight as the full step. ``m <= m2``: the full step ru
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.meta_attention import fused_attention_on_meta
+from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
+from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.zero.precision import precision_dtype
@@ -93,9 +98,14 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
              for _ in range(microbatches)]
     stats = pstate.comm_stats
     stats.reset()
-    with MetaValues(), fused_attention_on_meta():
+    moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)
+    # Dense jobs skip the MoE handling: one dispatch mode less on every meta operator.
+    routing = balanced_routing_on_meta() if rj.model.moe.enabled else contextlib.nullcontext()
+    with MetaValues(), fused_attention_on_meta(), routing:
         optimizer.zero_grad()
+        moe.before_step(optimizer.loss_scale, microbatches)
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
+        moe.finish()
         optimizer.step()
         optimizer.finish_param_sync()
     counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}

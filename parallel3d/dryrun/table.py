@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from parallel3d.config import ResolvedJob
+from parallel3d.dryrun.meta_routing import ASSUMPTION
 from parallel3d.dryrun.rank_report import RankReport
 
 GiB = 2**30
@@ -33,10 +34,13 @@ def format_reports(rj: ResolvedJob, reports: list[RankReport]) -> str:
             continue
         lines.append(f"{r.rank:>6} {_coords(r):<18} {r.layers:>6} {r.params:>14,} {_gib(r.param_bytes)} "
                      f"{_gib(r.grad_bytes)} {_gib(r.optimizer_state_bytes)} {_gib(r.activation_bytes)} "
-                     f"{_gib(r.activation_bytes_planner)}"
+                     f"{'n/a' if r.activation_bytes_planner is None else _gib(r.activation_bytes_planner):>9}"
                      + (f" (+{r.offloaded_bytes / GiB:.2f} GiB offloaded)" if r.offloaded_bytes else ""))
-    lines += ["", "activ: the step's measured peak of saved activations; planner: the planner's estimate",
-              "", "per step, measured from the step (calls; bytes this rank sends, comm's ring convention):"]
+    lines += ["", "activ: the step's measured peak of saved activations; planner: the planner's estimate"
+              + (" (n/a: none for this model)" if any(r.activation_bytes_planner is None for r in reports) else "")]
+    if rj.model.moe.enabled:
+        lines.append(ASSUMPTION)
+    lines += ["", "per step, measured from the step (calls; bytes this rank sends, comm's ring convention):"]
     for r in reports:
         if r.error:
             continue
