@@ -59,14 +59,21 @@ class ActivationAssumptions:
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
     small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
-    # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path:
-    # the logits' gradient; 1 matches the peak RSS measured in tests/test_planning_measured_cp.py):
+    # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
+    # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
+    # the CPU allocator's peak shows in tests/test_planning_measured_cp.py):
     # part of the step's transient workspace, not of the activations held between forward and backward.
     logits_backward_copies: int = 0
     # fp32 temporaries of a flat optimizer shard's size the AdamW step allocates (the torch path of
     # kernels/adamw.py: sqrt(v) and its quotient; the fused kernels none). Alive at the step, after
     # the activations are freed.
     adam_step_temporaries: int = 0
+    # torch's CPU flash attention in cp's blockwise backward (contiguous copies, repeated K/V heads;
+    # sequence_experts.cp_backward_workspace_bytes); False: the Triton kernel.
+    reference_attention_blocks: bool = False
+    # Whole gathered copies the collective backend allocates for a cp all-gather (gloo, the CPU
+    # backend of the reference path: 1; NCCL gathers in place: 0).
+    gather_staging_copies: int = 0
 
     @classmethod
     def korthikanti(cls) -> "ActivationAssumptions":
@@ -94,8 +101,10 @@ class ActivationAssumptions:
             norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[_block(config).norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
-            logits_backward_copies=1 if reference else 0,
+            logits_backward_copies=2 if reference else 0,
             adam_step_temporaries=2 if reference else 0,
+            reference_attention_blocks=reference,
+            gather_staging_copies=1 if reference else 0,
         )
 
 

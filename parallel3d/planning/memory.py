@@ -243,7 +243,9 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
     freed = mlp_half_activation_bytes(config, layout, assumptions)
     if last:
         freed += head_activation_bytes(config, layout, assumptions)
-    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes) - freed
+    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes,
+                                     reference_kernels=assumptions.reference_attention_blocks,
+                                     gather_staging_copies=assumptions.gather_staging_copies) - freed
     return max(loss, attention, 0.0)
 
 
