@@ -48,6 +48,11 @@ from parallel3d.planning.params import (
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
+# Gradient buckets as parallel3d.zero's optimizer cuts them (its defaults): about 1 MiB first, then
+# up to ``bucket_size_mb`` of parameter-dtype bytes each.
+FIRST_BUCKET_BYTES = 2**20
+BUCKET_SIZE_MB = 25.0
+
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
                                "workspace")
 
@@ -249,6 +254,27 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
     return max(loss, attention, 0.0)
 
 
+def largest_grad_piece(params: int, owners: int, zero_stage: int, weight_bytes: int,
+                       bucket_size_mb: float = BUCKET_SIZE_MB) -> int:
+    """Elements of the largest gradient piece one rank owns of a group of ``params`` parameters: the
+    first bucket holds ~1 MiB, the rest fills buckets of ``bucket_size_mb``; stages >= 1 own
+    ``1 / owners`` of each bucket."""
+    first = FIRST_BUCKET_BYTES // weight_bytes
+    bucket = int(bucket_size_mb * 2**20) // weight_bytes
+    piece = params if params <= first else max(min(bucket, params - first), first)
+    return math.ceil(piece / owners) if zero_stage >= 1 else piece
+
+
+def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes: int,
+                                 assumptions: ActivationAssumptions) -> float:
+    """Bytes alive at the end of backward while stage-1 reduce-scatters run, for ``(params, owners,
+    zero_stage)`` gradient groups: the backend's copy of each whole buffer and the owned pieces
+    (``ActivationAssumptions.reduce_scatter_staging_copies``)."""
+    copies = assumptions.reduce_scatter_staging_copies
+    return sum(grad_bytes * params * (copies + 1 / owners) for params, owners, stage in groups
+               if copies and stage == 1 and owners > 1)
+
+
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
                   assumptions: ActivationAssumptions) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
@@ -279,6 +305,14 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
         if expert_held:
             expert_shard = math.ceil(expert_held / edp) if layout.expert_zero >= 1 else expert_held
         step = assumptions.adam_step_temporaries * 4.0 * max(dense_shard, expert_shard)
+        weight_bytes = PrecisionBytes.for_precision(layout.precision).weight
+        pieces = [largest_grad_piece(dense, dp_cp, layout.zero_stage, weight_bytes)]
+        if expert_held:
+            pieces.append(largest_grad_piece(expert_held, edp, layout.expert_zero, weight_bytes))
+        step = max(step, assumptions.clip_piece_bytes * max(pieces))
         workspace = max(workspace, step - activations)
+    groups = [(dense, dp_cp, layout.zero_stage)] + ([(expert_held, edp, layout.expert_zero)] if expert_held else [])
+    grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad
+    workspace = max(workspace, reduce_scatter_staging_bytes(groups, grad_bytes, assumptions) - activations)
     return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
                        workspace=workspace, **states, **offloaded)
