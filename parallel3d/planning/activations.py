@@ -106,7 +106,7 @@ class ActivationAssumptions:
             fused_attention=True,
             chunk_output_kept=True,
             sent_outputs_freed=True,
-            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[_block(config).norm.kind] if reference else None,
+            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[config.spec.blocks[0].norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
             logits_backward_copies=2 if reference else 0,
@@ -131,11 +131,17 @@ class LayerActivationTerms:
         return self.replicated + self.sharded + self.scores
 
 
-def _block(config: ModelConfig) -> BlockSpec:
-    """The block every layer has: the per-layer terms below assume the layers are alike."""
-    if not config.shape.uniform_layers:
-        raise ValueError("the activation estimate assumes every layer has the same block (models.spec)")
-    return config.spec.blocks[0]
+def _block(config: ModelConfig, layer: int | None = None) -> BlockSpec:
+    """Global layer ``layer``'s block; without it, the block most layers have (all of them in a
+    uniform model; DeepSeek-V3's MoE block, not its 3 dense first layers). The memory estimate
+    names every layer (``memory.stage_activation_bytes``); per-layer callers that do not (the step
+    time model) get that representative layer."""
+    blocks = config.spec.blocks
+    if layer is not None:
+        return blocks[layer]
+    if config.shape.uniform_layers:
+        return blocks[0]
+    return max(blocks, key=blocks.count)  # first of the most frequent (max keeps the first on ties)
 
 
 def _mlp_kept_tensors(kind: str, assumptions: ActivationAssumptions) -> int:
@@ -150,9 +156,10 @@ def _norm_bytes(assumptions: ActivationAssumptions) -> float:
 
 
 def layer_activation_terms(
-    config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
+    config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions, layer: int | None = None
 ) -> LayerActivationTerms:
-    block = _block(config)
+    """Kept bytes of global layer ``layer`` (any layer where all are alike), one microbatch, one rank."""
+    block = _block(config, layer)
     s, b, h, t = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp
     a, f, e = block.attention.num_heads, block.mlp.ffn_size, assumptions.element_bytes
     sbh = s * b * h
@@ -191,12 +198,13 @@ def layer_activation_terms(
     return LayerActivationTerms(replicated, sharded, scores)
 
 
-def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                              layer: int | None = None) -> float:
     """Bytes of one layer's kept activations that its MLP half owns (second norm's input, the MLP's
     input and kept tensors): backward frees them before it reaches that layer's attention."""
     if layout.recompute == "full":
         return 0.0
-    block = _block(config)
+    block = _block(config, layer)
     s, b, h, t, e = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp, \
         assumptions.element_bytes
     replicated = (_norm_bytes(assumptions) + e) * s * b * h
@@ -207,9 +215,11 @@ def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: 
     return replicated + _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * block.mlp.ffn_size / t
 
 
-def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """Bytes one layer stores for one in-flight microbatch on one tp rank."""
-    return layer_activation_terms(config, layout, assumptions).total
+def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                           layer: int | None = None) -> float:
+    """Bytes one layer (global index ``layer``; any where all are alike) stores for one in-flight
+    microbatch on one tp rank."""
+    return layer_activation_terms(config, layout, assumptions, layer).total
 
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
