@@ -11,6 +11,13 @@ and backward, optimizer steps), whatever the code tracks itself. Every rank star
 fork image, so the difference between two jobs that differ in one option is what that option costs
 at the peak. Measured noise between identical jobs: ~1 MiB.
 
+``peak_allocated_of_job`` measures the same jobs by the tensor allocator instead: c10's CPU allocator
+counts every tensor allocation and free of the rank while the profiler's memory tracking is on (the
+whole of ``train``), and the largest running total is the peak of live tensor bytes. It is exact and
+deterministic (no malloc heaps, interpreter or library pages, and no baseline job to subtract), so a
+test can compare it with the estimator's total; it misses only buffers a library allocates outside
+torch's allocator (gloo's transport staging), which RSS counts.
+
 A rank that raises fails the call with its traceback; ranks still running after ``timeout``
 seconds are killed and the call fails naming them.
 """
@@ -54,8 +61,21 @@ def _track_live_memory() -> None:
             raise RuntimeError(f"mallopt({param}, {value}) failed")
 
 
+def _allocator_peak(prof: Any) -> int:
+    """The largest running total of live CPU tensor bytes among a profiler run's allocation events."""
+    from torch._C._profiler import _EventType
+
+    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            peak = max(peak, node.extra_fields.total_allocated)
+        stack.extend(node.children)
+    return peak
+
+
 def _rank(rank: int, world_size: int, port: int, values: dict[str, Any], env: dict[str, str],
-          results: "mp.Queue") -> None:
+          results: "mp.Queue", allocator: bool = False) -> None:
     try:
         _track_live_memory()
         import torch
@@ -71,19 +91,36 @@ def _rank(rank: int, world_size: int, port: int, values: dict[str, Any], env: di
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **env)
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))
         rj = resolve(job_from_dict(values), world_size)
+        profiler: Any = contextlib.nullcontext()
+        if allocator:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
-            train(rj, ParallelState(rj.topology))
-        results.put((rank, "ok", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))  # KiB on Linux
+            with profiler:
+                train(rj, ParallelState(rj.topology))
+        if allocator:
+            results.put((rank, "ok", _allocator_peak(profiler)))
+        else:
+            results.put((rank, "ok", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))  # KiB on Linux
     except BaseException:  # noqa: BLE001 - reported to the caller with the traceback
         results.put((rank, "err", traceback.format_exc()))
 
 
-def peak_rss_of_job(values: dict[str, Any], world_size: int, timeout: float = 180.0) -> list[int]:
-    """Peak RSS in bytes of each rank of ``values``'s job, trained in fresh processes (module doc)."""
+def peak_allocated_of_job(values: dict[str, Any], world_size: int, timeout: float = 180.0) -> list[int]:
+    """Peak live tensor bytes of each rank of ``values``'s job, by the CPU allocator (module doc)."""
+    return peak_rss_of_job(values, world_size, timeout, allocator=True)
+
+
+def peak_rss_of_job(values: dict[str, Any], world_size: int, timeout: float = 180.0,
+                    allocator: bool = False) -> list[int]:
+    """Peak RSS in bytes of each rank of ``values``'s job, trained in fresh processes (module doc);
+    ``allocator``: the allocator's peak of live tensor bytes instead (``peak_allocated_of_job``)."""
     ctx = rank_context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, values, SKIP_SAVE_ENV, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, world_size, port, values, SKIP_SAVE_ENV, results, allocator),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -5,8 +5,9 @@ experts, top-2) whose experts dominate its parameters, at ep = 1, 2, 4 (experts 
 ranks: edp = 4 / ep). Peak RSS per rank comes from ``tests/peak_rss.py``. The baseline subtracted is
 the ep = 1 job's own measured peak on the same rank (same fork image, process and torch start-up,
 data, dense part): measured saving(ep) = peak(ep=1) - peak(ep). The estimator must predict that
-saving (its ep=1 worst-rank total minus its ep worst-rank total) within 10%, and the per-rank peak
-must fall with every doubling of ep.
+saving (its ep=1 worst-rank total minus its ep worst-rank total) within 10% (measured there by the CPU
+allocator's peak of live tensor bytes, ``peak_allocated_of_job``), and the per-rank peak RSS must fall
+with every doubling of ep.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from models.moe_config import MoEConfig
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory
-from tests.peak_rss import VOCAB, job_values, peak_rss_of_job, token_file
+from tests.peak_rss import VOCAB, job_values, peak_allocated_of_job, peak_rss_of_job, token_file
 
 TOLERANCE = 0.10
 WORLD = 4
@@ -34,16 +35,16 @@ def _estimated_total(ep: int, zero_stage: int) -> float:
     return estimate_memory(config, layout, ActivationAssumptions.for_model(config, "fp32", kernels="torch")).worst.total
 
 
-def _measured(tmp_path, tokens: str, ep: int, zero_stage: int) -> list[int]:
+def _measured(tmp_path, tokens: str, ep: int, zero_stage: int, allocator: bool = False) -> list[int]:
     values = job_values(tokens, str(tmp_path / f"out{ep}z{zero_stage}"), {**MODEL, "moe": MOE},
                         dict(ep=ep, zero_stage=zero_stage),
                         dict(seq_len=SEQ, micro_batch_size=1, global_batch_size=WORLD))
-    return peak_rss_of_job(values, WORLD)
+    return (peak_allocated_of_job if allocator else peak_rss_of_job)(values, WORLD)
 
 
-def _peaks(tmp_path, zero_stage: int) -> dict[int, list[int]]:
+def _peaks(tmp_path, zero_stage: int, allocator: bool = False) -> dict[int, list[int]]:
     tokens = token_file(str(tmp_path))
-    return {ep: _measured(tmp_path, tokens, ep, zero_stage) for ep in (1, 2, 4)}
+    return {ep: _measured(tmp_path, tokens, ep, zero_stage, allocator) for ep in (1, 2, 4)}
 
 
 def test_peak_per_rank_falls_with_ep(tmp_path):
@@ -58,15 +59,15 @@ def test_peak_per_rank_falls_with_ep(tmp_path):
         assert all(want > 0.5 * (peaks[1][r] - peaks[ep][r]) for r in range(WORLD)), (ep, want, peaks)
 
 
-# Known gap (measured 06:50 UTC): the measured saving exceeds the estimate by ~3-4 bytes per expert
-# parameter moved off the rank (zero 0: 20.5 vs 18.0 MiB at ep=2, 29.9 vs 27.0 at ep=4; zero 1: 8.2-9.4 vs
-# 6.0, 13.3-13.6 vs 9.0), as if one more fp32 copy of the experts' gradients were alive at the peak.
-# strict: turns red once the estimate accounts for it.
+# The saving includes the step's transients that scale with the experts held: the grad-norm clip's
+# square and fp64 copy of the largest gradient piece and, at ZeRO 1 on gloo, the backend's copy of the
+# gradient buffer being reduce-scattered (planning.memory).
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="one unexplained fp32 expert-sized copy at the peak")
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_ep_saving_within_10_percent_of_estimate(tmp_path, zero_stage):
-    peaks = _peaks(tmp_path, zero_stage)
+    """The saving by the CPU allocator's peak of live tensor bytes (exact and deterministic; peak RSS,
+    checked above, also counts pages beside tensors: rank 0's varies by ~1 MiB)."""
+    peaks = _peaks(tmp_path, zero_stage, allocator=True)
     failures = []
     for ep in (2, 4):
         want = _estimated_total(1, zero_stage) - _estimated_total(ep, zero_stage)

@@ -59,14 +59,29 @@ class ActivationAssumptions:
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
     small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
-    # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path:
-    # the logits' gradient; 1 matches the peak RSS measured in tests/test_planning_measured_cp.py):
+    # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
+    # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
+    # the CPU allocator's peak shows in tests/test_planning_measured_cp.py):
     # part of the step's transient workspace, not of the activations held between forward and backward.
     logits_backward_copies: int = 0
     # fp32 temporaries of a flat optimizer shard's size the AdamW step allocates (the torch path of
     # kernels/adamw.py: sqrt(v) and its quotient; the fused kernels none). Alive at the step, after
     # the activations are freed.
     adam_step_temporaries: int = 0
+    # torch's CPU flash attention in cp's blockwise backward (contiguous copies, repeated K/V heads;
+    # sequence_experts.cp_backward_workspace_bytes); False: the Triton kernel.
+    reference_attention_blocks: bool = False
+    # Bytes per element of the largest gradient piece that the grad-norm clip allocates before the step
+    # (parallel3d.zero.clip.piece_sq_sum: the fp32 square, and on CPU the fp64 copy torch's
+    # ``sum(dtype=float64)`` makes of it: 4 + 8); alive before Adam's temporaries, so the larger counts.
+    clip_piece_bytes: float = 4.0
+    # ZeRO stage 1 reduce-scatters every gradient bucket asynchronously and waits at the end of backward;
+    # gloo (the CPU backend of the reference path) reduces a copy of each bucket it allocates itself,
+    # so a whole gradient buffer's copy (and the owned pieces) is alive then. NCCL: 0.
+    reduce_scatter_staging_copies: int = 0
+    # Whole gathered copies the collective backend allocates for a cp all-gather (gloo, the CPU
+    # backend of the reference path: 1; NCCL gathers in place: 0).
+    gather_staging_copies: int = 0
 
     @classmethod
     def korthikanti(cls) -> "ActivationAssumptions":
@@ -91,11 +106,15 @@ class ActivationAssumptions:
             fused_attention=True,
             chunk_output_kept=True,
             sent_outputs_freed=True,
-            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[_block(config).norm.kind] if reference else None,
+            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[config.spec.blocks[0].norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
-            logits_backward_copies=1 if reference else 0,
+            logits_backward_copies=2 if reference else 0,
             adam_step_temporaries=2 if reference else 0,
+            reference_attention_blocks=reference,
+            clip_piece_bytes=12.0 if reference else 4.0,
+            reduce_scatter_staging_copies=1 if reference else 0,
+            gather_staging_copies=1 if reference else 0,
         )
 
 
@@ -112,11 +131,17 @@ class LayerActivationTerms:
         return self.replicated + self.sharded + self.scores
 
 
-def _block(config: ModelConfig) -> BlockSpec:
-    """The block every layer has: the per-layer terms below assume the layers are alike."""
-    if not config.shape.uniform_layers:
-        raise ValueError("the activation estimate assumes every layer has the same block (models.spec)")
-    return config.spec.blocks[0]
+def _block(config: ModelConfig, layer: int | None = None) -> BlockSpec:
+    """Global layer ``layer``'s block; without it, the block most layers have (all of them in a
+    uniform model; DeepSeek-V3's MoE block, not its 3 dense first layers). The memory estimate
+    names every layer (``memory.stage_activation_bytes``); per-layer callers that do not (the step
+    time model) get that representative layer."""
+    blocks = config.spec.blocks
+    if layer is not None:
+        return blocks[layer]
+    if config.shape.uniform_layers:
+        return blocks[0]
+    return max(blocks, key=blocks.count)  # first of the most frequent (max keeps the first on ties)
 
 
 def _mlp_kept_tensors(kind: str, assumptions: ActivationAssumptions) -> int:
@@ -131,9 +156,10 @@ def _norm_bytes(assumptions: ActivationAssumptions) -> float:
 
 
 def layer_activation_terms(
-    config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions
+    config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions, layer: int | None = None
 ) -> LayerActivationTerms:
-    block = _block(config)
+    """Kept bytes of global layer ``layer`` (any layer where all are alike), one microbatch, one rank."""
+    block = _block(config, layer)
     s, b, h, t = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp
     a, f, e = block.attention.num_heads, block.mlp.ffn_size, assumptions.element_bytes
     sbh = s * b * h
@@ -172,12 +198,13 @@ def layer_activation_terms(
     return LayerActivationTerms(replicated, sharded, scores)
 
 
-def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                              layer: int | None = None) -> float:
     """Bytes of one layer's kept activations that its MLP half owns (second norm's input, the MLP's
     input and kept tensors): backward frees them before it reaches that layer's attention."""
     if layout.recompute == "full":
         return 0.0
-    block = _block(config)
+    block = _block(config, layer)
     s, b, h, t, e = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp, \
         assumptions.element_bytes
     replicated = (_norm_bytes(assumptions) + e) * s * b * h
@@ -188,9 +215,11 @@ def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: 
     return replicated + _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * block.mlp.ffn_size / t
 
 
-def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """Bytes one layer stores for one in-flight microbatch on one tp rank."""
-    return layer_activation_terms(config, layout, assumptions).total
+def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                           layer: int | None = None) -> float:
+    """Bytes one layer (global index ``layer``; any where all are alike) stores for one in-flight
+    microbatch on one tp rank."""
+    return layer_activation_terms(config, layout, assumptions, layer).total
 
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from models.config import ModelConfig
 from parallel3d.planning.activations import (
@@ -44,9 +45,16 @@ from parallel3d.planning.params import (
     rank_params,
     stage_expert_params,
     stage_layer_counts,
+    stage_layer_ids,
 )
+from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len
 from parallel3d.tensor_parallel.layers import padded_vocab_size
+
+# Gradient buckets as parallel3d.zero's optimizer cuts them (its defaults): about 1 MiB first, then
+# up to ``bucket_size_mb`` of parameter-dtype bytes each.
+FIRST_BUCKET_BYTES = 2**20
+BUCKET_SIZE_MB = 25.0
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
                                "workspace")
@@ -172,13 +180,28 @@ def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers
         root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
     else:  # untied embedding and head are units of their own (models.transformer marks them)
         root, own_units = rp.final_norm, [layer, rp.embedding, rp.head]
-    return root + max(own_units) + min(layers, layout.zero3_prefetch) * layer
+    count = layers if isinstance(layers, int) else len(layers)
+    return root + max(own_units) + min(count, layout.zero3_prefetch) * layer
+
+
+def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Sequence[int]) -> list[list[int]]:
+    """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
+    own split where the counts are its counts, else consecutive runs of the counts (the stage order
+    of a single-chunk pipeline; with virtual stages, an approximation for custom counts)."""
+    engine = partition_layers(config, layout.pp, layout.virtual_stages)
+    by_stage = [[i for a, b in stage_layer_ranges(engine, layout.pp, s) for i in range(a, b)]
+                for s in range(layout.pp)]
+    if [len(ids) for ids in by_stage] == list(stage_layers):
+        return by_stage
+    starts = [sum(stage_layers[:s]) for s in range(layout.pp)]
+    return [list(range(start, start + n)) for start, n in zip(starts, stage_layers)]
 
 
 def stage_activation_bytes(
-    config: ModelConfig, layout: Layout, stage: int, layers: int, assumptions: ActivationAssumptions
+    config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions
 ) -> tuple[float, int]:
-    """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` layers.
+    """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
+    count, where every layer has the same block, or the global indices: each layer's own block).
 
     The first stage also holds the embedding's activations for every in-flight
     microbatch; the last stage holds the head's for the one microbatch whose
@@ -186,8 +209,14 @@ def stage_activation_bytes(
     backward at once; GPipe holds all of them).
     """
     inflight = inflight_chunks(layout, stage)
-    chunk_layers = layers / layout.virtual_stages
-    total = inflight * chunk_layers * layer_activation_bytes(config, layout, assumptions)
+    # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk (each distinct
+    # block computed once: the planner calls this for every layout it searches)
+    by_block: dict = {}
+    for i in stage_layer_ids(config.shape, layers):
+        first, count = by_block.get(config.spec.blocks[i], (i, 0))
+        by_block[config.spec.blocks[i]] = (first, count + 1)
+    layer_bytes = sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
+    total = inflight * layer_bytes / layout.virtual_stages
     total += kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
@@ -217,9 +246,10 @@ def estimate_memory(
     if len(stage_layers) != layout.pp or sum(stage_layers) != config.num_layers:
         raise ValueError(f"stage_layers={stage_layers} must give pp={layout.pp} counts summing to "
                          f"model.num_layers={config.num_layers}")
+    ids = stage_layer_indices(config, layout, stage_layers)
     stages = []
     for stage in range(layout.pp):
-        stages.append(_stage_memory(config, layout, stage, stage_layers[stage], assumptions))
+        stages.append(_stage_memory(config, layout, stage, ids[stage], assumptions))
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 
 
@@ -227,27 +257,56 @@ def _add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a[k] + b[k] for k in a}
 
 
-def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions) -> float:
+def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions: ActivationAssumptions,
+                    layers: Sequence[int] | None = None) -> float:
     """Transient bytes at the step's peak beyond the kept activations.
 
     Two moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
     activations still kept), and the first attention backward with cp (one layer's K/V buffers in
     flight, ``cp_inflight_kv_bytes``), by which time backward has freed that layer's MLP half and, on
     the last stage, the head's kept tensors. The larger net excess over the kept activations counts.
+    ``layers``: the stage's global layer indices (its last layer's backward comes first); needed
+    where the layers differ.
     """
     last = stage == layout.pp - 1
     loss = 0.0
     if last:
         logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
         loss = assumptions.logits_backward_copies * assumptions.logits_bytes * logits / layout.tp
-    freed = mlp_half_activation_bytes(config, layout, assumptions)
+    first_backward = layers[-1] if layers else None
+    if layers is not None and not layers:  # a stage without layers runs no attention
+        return max(loss, 0.0)
+    freed = mlp_half_activation_bytes(config, layout, assumptions, first_backward)
     if last:
         freed += head_activation_bytes(config, layout, assumptions)
-    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes) - freed
+    attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes,
+                                     reference_kernels=assumptions.reference_attention_blocks,
+                                     gather_staging_copies=assumptions.gather_staging_copies) - freed
     return max(loss, attention, 0.0)
 
 
-def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
+def largest_grad_piece(params: int, owners: int, zero_stage: int, weight_bytes: int,
+                       bucket_size_mb: float = BUCKET_SIZE_MB) -> int:
+    """Elements of the largest gradient piece one rank owns of a group of ``params`` parameters: the
+    first bucket holds ~1 MiB, the rest fills buckets of ``bucket_size_mb``; stages >= 1 own
+    ``1 / owners`` of each bucket."""
+    first = FIRST_BUCKET_BYTES // weight_bytes
+    bucket = int(bucket_size_mb * 2**20) // weight_bytes
+    piece = params if params <= first else max(min(bucket, params - first), first)
+    return math.ceil(piece / owners) if zero_stage >= 1 else piece
+
+
+def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes: int,
+                                 assumptions: ActivationAssumptions) -> float:
+    """Bytes alive at the end of backward while stage-1 reduce-scatters run, for ``(params, owners,
+    zero_stage)`` gradient groups: the backend's copy of each whole buffer and the owned pieces
+    (``ActivationAssumptions.reduce_scatter_staging_copies``)."""
+    copies = assumptions.reduce_scatter_staging_copies
+    return sum(grad_bytes * params * (copies + 1 / owners) for params, owners, stage in groups
+               if copies and stage == 1 and owners > 1)
+
+
+def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],
                   assumptions: ActivationAssumptions) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
@@ -270,13 +329,21 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: int,
                                                 gathered_params=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
     activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
-    workspace = workspace_bytes(config, layout, stage, assumptions)
+    workspace = workspace_bytes(config, layout, stage, assumptions, layers)
     if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
         dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
         expert_shard = 0
         if expert_held:
             expert_shard = math.ceil(expert_held / edp) if layout.expert_zero >= 1 else expert_held
         step = assumptions.adam_step_temporaries * 4.0 * max(dense_shard, expert_shard)
+        weight_bytes = PrecisionBytes.for_precision(layout.precision).weight
+        pieces = [largest_grad_piece(dense, dp_cp, layout.zero_stage, weight_bytes)]
+        if expert_held:
+            pieces.append(largest_grad_piece(expert_held, edp, layout.expert_zero, weight_bytes))
+        step = max(step, assumptions.clip_piece_bytes * max(pieces))
         workspace = max(workspace, step - activations)
+    groups = [(dense, dp_cp, layout.zero_stage)] + ([(expert_held, edp, layout.expert_zero)] if expert_held else [])
+    grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad
+    workspace = max(workspace, reduce_scatter_staging_bytes(groups, grad_bytes, assumptions) - activations)
     return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
                        workspace=workspace, **states, **offloaded)

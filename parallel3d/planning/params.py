@@ -33,19 +33,32 @@ def stage_layer_ids(shape: ModelShape, layers: int | Sequence[int]) -> Sequence[
     return range(layers)
 
 
+def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int]) -> Sequence[int]:
+    """``stage_layer_ids`` for callers that give a count on a model whose layers differ: the stage's
+    own layers where the count is the engine's single-chunk split, else ``layers`` copies of the
+    most common layer (an approximation for per-stage totals; pass indices to be exact)."""
+    shape = config.shape
+    if not isinstance(layers, int) or shape.uniform_layers:
+        return stage_layer_ids(shape, layers)
+    start, end = partition_layers(config, pp, 1)[stage]
+    if end - start == layers:
+        return range(start, end)
+    blocks = config.spec.blocks
+    common = blocks.index(max(blocks, key=blocks.count))
+    return [common] * layers
+
+
 def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> HeldParams:
     """Parameters on one tp rank of pipeline ``stage``, which holds ``layers`` (a count or the indices)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}")
-    shape = config.shape
-    return shape.held_params(tp, stage_layer_ids(shape, layers), stage == 0, stage == pp - 1)
+    return config.shape.held_params(tp, _stage_ids(config, pp, stage, layers), stage == 0, stage == pp - 1)
 
 
 def largest_tensor(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> int:
     """Elements of the largest single parameter on one tp rank of a stage (its gradient is the
     transient a gradient hook holds before moving it into a main-grad buffer or shard)."""
-    shape = config.shape
-    return shape.largest_held_tensor(tp, stage_layer_ids(shape, layers), stage == 0, stage == pp - 1)
+    return config.shape.largest_held_tensor(tp, _stage_ids(config, pp, stage, layers), stage == 0, stage == pp - 1)
 
 
 def largest_layer_params(config: ModelConfig, tp: int, layers: int | Sequence[int]) -> int:

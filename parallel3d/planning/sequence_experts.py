@@ -7,7 +7,8 @@ tokens, so every per-token activation falls by cp. What each ``cp_comm`` variant
   two received K/V blocks are in flight (``ring.py`` double-buffers), and in backward the travelling
   dK/dV (compute dtype, fp32) as well.
 - ``allgather``: the gathered K/V of all cp ranks while a layer's attention runs (re-gathered in
-  backward, with a gathered dK/dV buffer in the compute dtype and this rank's reduce-scattered share).
+  backward, with a gathered dK/dV buffer in the compute dtype; gloo also keeps its own flat gathered
+  copy and the packed send buffer until the work is released).
 - ``a2a`` (Ulysses): attention keeps the head-sharded full-sequence q/k/v (kv heads repeated when cp
   exceeds them) and its head-layout output; the all-to-all's send and receive buffers are in flight.
 - ``a2a+p2p``: both, the ring running on the head-sharded tensors of its a2a group.
@@ -50,8 +51,52 @@ def kv_repeats(config: ModelConfig, layout: Layout) -> int:
     return ulysses_kv_repeats(config.num_heads // layout.tp, config.kv_heads // layout.tp, n)
 
 
-def cp_inflight_kv_bytes(config: ModelConfig, layout: Layout, element_bytes: int) -> float:
-    """Peak bytes of K/V (and dK/dV) buffers a cp rank has in flight during one layer (module doc)."""
+def attention_block_tokens(layout: Layout) -> int:
+    """Query (and key) tokens of the largest block a cp rank's attention computes: a load-balanced chunk
+    ``seq / (2 cp)`` times the a2a group size (the shares an all-to-all brings together are reordered
+    into runs of ``a`` chunks; one run of the whole sequence when ``a = cp``)."""
+    n_a2a = a2a_size(layout)
+    chunks = 2 * n_a2a if n_a2a == layout.cp else n_a2a
+    return layout.seq_len // (2 * layout.cp) * chunks
+
+
+def cp_backward_workspace_bytes(config: ModelConfig, layout: Layout, element_bytes: int,
+                                reference_kernels: bool = False) -> float:
+    """Bytes the blockwise attention backward allocates beyond the K/V traffic (every ``cp_comm``).
+
+    The fp32 ``dq`` accumulator and ``delta`` of the rank's queries (in the head layout after an
+    all-to-all), and one block's backward: with ``reference_kernels`` (torch's CPU flash attention)
+    contiguous copies of ``dout`` and ``out``, K/V repeated to every query head, the kernel's dq/dk/dv
+    and the GQA head sums of dk/dv; the Triton kernel only its dq/dk/dv. While a block runs, the
+    previous block's dq/dk/dv are still referenced (``blockwise.attend_backward``), where a call has
+    more than one block (not the single whole-sequence run of ``a2a``).
+    """
+    if layout.cp == 1:
+        return 0.0
+    block = config.spec.blocks[0]
+    n_a2a = a2a_size(layout)
+    q_width = block.attention.q_size / layout.tp / n_a2a  # elements per token, this rank's heads
+    kv_width = block.attention.kv_size * kv_repeats(config, layout) / layout.tp / n_a2a
+    tokens = local_seq_len(layout) * n_a2a * layout.micro_batch_size
+    heads = block.attention.num_heads / layout.tp / n_a2a
+    accumulators = COMPUTE_BYTES * tokens * (q_width + heads)  # dq and delta
+    t = attention_block_tokens(layout) * layout.micro_batch_size
+    results = COMPUTE_BYTES * t * (q_width + 2 * kv_width)  # one block's dq, dk, dv (compute dtype)
+    current = results
+    if reference_kernels:  # dout/out copies, repeated k/v, the kernel's outputs (then summed to kv heads)
+        current = element_bytes * t * (2 * q_width + 2 * q_width + 3 * q_width) + COMPUTE_BYTES * t * 2 * kv_width
+    previous = results if attention_block_tokens(layout) < local_seq_len(layout) * n_a2a else 0.0
+    return accumulators + current + previous
+
+
+def cp_inflight_kv_bytes(config: ModelConfig, layout: Layout, element_bytes: int, *,
+                         reference_kernels: bool = False, gather_staging_copies: int = 0) -> float:
+    """Peak bytes a cp rank allocates inside one layer's attention backward (module doc): the K/V and
+    dK/dV buffers in flight for its ``cp_comm``, plus ``cp_backward_workspace_bytes``.
+
+    ``gather_staging_copies``: whole gathered copies the collective backend allocates itself (gloo's
+    all-gather gathers into a flat tensor of its own and keeps it until the work is released; NCCL
+    none)."""
     if layout.cp == 1:
         return 0.0
     block = config.spec.blocks[0]
@@ -59,16 +104,22 @@ def cp_inflight_kv_bytes(config: ModelConfig, layout: Layout, element_bytes: int
     kv = 2 * block.attention.kv_size * kv_repeats(config, layout) / layout.tp * tokens  # k and v elements
     q = block.attention.q_size / layout.tp * tokens
     n_a2a = a2a_size(layout)
+    ring = layout.cp // n_a2a if layout.cp_comm in ("p2p", "a2a", "a2a+p2p") else 0
     total = 0.0
     if n_a2a > 1:  # send + receive buffers of the packed q/k/v all-to-all
         total += 2 * element_bytes * (q + kv)
-    if layout.cp_comm in ("p2p", "a2a+p2p") and layout.cp // n_a2a > 1:
+    if ring > 1:
         # backward (the larger phase): min(n-1, 2) K/V receive buffers, and three fp32 dK/dV sets (two
         # partial-gradient buffers, one arriving), as ring.py allocates them
-        total += min(layout.cp // n_a2a - 1, RING_BUFFERS) * kv * element_bytes + 3 * kv * COMPUTE_BYTES
+        total += min(ring - 1, RING_BUFFERS) * kv * element_bytes + 3 * kv * COMPUTE_BYTES
+    elif ring == 1:  # a ring of one (a2a): its single fp32 dK/dV set
+        total += kv * COMPUTE_BYTES
     if layout.cp_comm == "allgather":
-        total += layout.cp * kv * (element_bytes + COMPUTE_BYTES) + kv * COMPUTE_BYTES
-    return total
+        # the gathered K/V (re-gathered in backward), the backend's own gathered copies, this rank's
+        # packed send buffer, and the fp32 dK/dV of every member's share awaiting the reduce-scatter
+        total += layout.cp * kv * element_bytes * (1 + gather_staging_copies) + kv * element_bytes
+        total += layout.cp * kv * COMPUTE_BYTES
+    return total + cp_backward_workspace_bytes(config, layout, element_bytes, reference_kernels)
 
 
 def moe_layer_activation_bytes(block: BlockSpec, layout: Layout, element_bytes: int, swiglu_tensors: int) -> float:
