@@ -2,7 +2,8 @@
 
 Per microbatch and layer, on one tensor-parallel rank:
 
-- matmuls and attention scores: FLOPs / tp at ``peak * matmul_efficiency``;
+- matmuls and attention scores: FLOPs / tp at ``peak`` times the efficiency of each GEMM's
+  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak);
 - memory-bound elementwise work (norms, GeLU/SwiGLU, dropout, softmax): twice
   the bytes of the tensors the layer stores for backward (written once, read
   once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
@@ -41,6 +42,7 @@ from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
+from parallel3d.planning.gemm import GemmCurve, attention_seconds, head_seconds, matmul_seconds
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_layer_counts
@@ -64,6 +66,9 @@ class CostOptions:
     # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
     # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
     overlap_param_gather: bool = False
+    # Tensor-parallel all-gather / reduce-scatter split into chunks run behind the layer's GEMMs
+    # (Megatron-Core's --tp-comm-overlap): only what exceeds the matmul time is exposed.
+    tp_comm_overlap: bool = False
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -190,10 +195,12 @@ class LayerTimes:
 def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm: CommModel,
                 options: CostOptions) -> LayerTimes:
     dev, t = cluster.device, layout.tp
-    flops_rate = dev.peak_flops * dev.matmul_efficiency
+    curve = GemmCurve.of(dev)
     layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
     c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
-    mm_t, att_t = layer.matmul / (t * c) / flops_rate, layer.attention / (t * c) / flops_rate
+    mm_t = matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
+                          micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
+    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len)
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
@@ -208,6 +215,8 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     e = assumptions.element_bytes
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
     tp_t = 2 * comm.all_reduce(act_bytes, "tp")
+    if options.tp_comm_overlap:
+        tp_t = max(0.0, tp_t - mm_t)
     cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
     ep_t = ep_time(config, layout, comm, act_bytes)
     fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
@@ -227,8 +236,10 @@ def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
     emb_fwd = comm.all_reduce(act_bytes, "tp")  # vocab-parallel lookup: partial rows summed over tp
     head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t
-    logits = 4.0 * layout.micro_batch_size * layout.seq_len * padded_vocab_size(config.vocab_size, t) / t
-    head_fwd = head_mm / (dev.peak_flops * dev.matmul_efficiency) + 2 * logits / dev.hbm_bytes_per_s
+    vocab = padded_vocab_size(config.vocab_size, t) // t
+    logits = 4.0 * layout.micro_batch_size * layout.seq_len * vocab
+    head_fwd = head_seconds(GemmCurve.of(dev), head_mm, tokens=layout.micro_batch_size * layout.seq_len,
+                            vocab_per_rank=vocab, hidden=config.hidden_size) + 2 * logits / dev.hbm_bytes_per_s
     head_bwd = 2 * head_fwd + comm.all_reduce(act_bytes, "tp")  # grad of the head's replicated input
     return emb_fwd, 0.0, head_fwd, head_bwd
 

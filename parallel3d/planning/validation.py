@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from models.config import ModelConfig
 from models.moe_config import MoEConfig
@@ -93,11 +93,18 @@ def run_cluster(run: PublishedRun) -> ClusterSpec:
 MEGATRON_2021_SOURCES: tuple[str, ...] = ("Narayanan et al.", "Korthikanti et al.")
 
 
+# Sources that state they ran Megatron-Core's --tp-comm-overlap (TP collectives behind the GEMMs).
+TP_OVERLAP_SOURCES: tuple[str, ...] = ("NVIDIA Megatron-LM README",)
+
+
 def run_options(run: PublishedRun) -> CostOptions:
     """The ``CostOptions`` of the framework the source measured."""
     if any(run.source.citation.startswith(s) for s in MEGATRON_2021_SOURCES):
         return CostOptions.megatron_sc21()
-    return CostOptions.megatron_core()
+    options = CostOptions.megatron_core()
+    if any(run.source.citation.startswith(s) for s in TP_OVERLAP_SOURCES):
+        options = replace(options, tp_comm_overlap=True)
+    return options
 
 
 def source_flops_per_token(run: PublishedRun, config: ModelConfig) -> float:
