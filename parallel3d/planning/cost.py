@@ -96,6 +96,10 @@ class StepEstimate:
     hardware_flops: float  # per step, including recompute (what Megatron's TFLOP/s counts)
     gpus: int
     peak_flops: float
+    # Step time of the stage that ends the step, by column: compute, exposed tp / cp / ep / pp (P2P)
+    # communication, bubble (idle until its pipeline work ends), exposed dp and the optimizer.
+    # The columns add up to ``step_time_s`` (bubble absorbs overlap the simulator found).
+    breakdown: tuple[tuple[str, float], ...] = ()
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -190,6 +194,8 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipel
 class LayerTimes:
     fwd: float
     bwd: float  # includes recomputation
+    # Exposed communication inside fwd + bwd of one layer, by kind ("tp", "cp", "ep"); the rest is compute.
+    comm: tuple[tuple[str, float], ...] = ()
 
 
 def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm: CommModel,
@@ -221,11 +227,14 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     ep_t = ep_time(config, layout, comm, act_bytes)
     fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
     bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t + cp_b + ep_t
+    comm = {"tp": 2 * tp_t, "cp": cp_f + cp_b, "ep": 2 * ep_t}
     if layout.recompute == "full":
         bwd += fwd
+        comm = {"tp": 3 * tp_t, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
     elif layout.recompute == "selective":
         bwd += att_t + score_t + cp_f
-    return LayerTimes(fwd, bwd)
+        comm["cp"] += cp_f
+    return LayerTimes(fwd, bwd, tuple(comm.items()))
 
 
 def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
@@ -318,7 +327,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
 
     pb = PrecisionBytes.for_precision(layout.precision)
     grad_bytes = options.dp_grad_bytes or pb.grad
-    finish, dp_worst, opt_worst = 0.0, 0.0, 0.0
+    finish, dp_worst, opt_worst, crit = 0.0, 0.0, 0.0, 0
     for stage in range(p):
         n = rank_params(config, layout.tp, p, stage, stage_layers[stage]).total
         if layout.zero_stage == 0:
@@ -337,9 +346,21 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
         if end >= finish:
             finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t
+            crit = stage
     model_flops, hardware_flops = step_flops(config, layout)
+    # The finishing stage's time split into columns that add up to the step (module docstring of
+    # ``StepEstimate.breakdown``): its per-layer communication x layers x microbatches, its P2P sends,
+    # the rest of its busy time is compute, and what its pipeline end leaves over is bubble.
+    m = layout.num_microbatches
+    parts = {k: t * stage_layers[crit] * m for k, t in lt.comm}
+    parts["pp"] = 2 * m * v * p2p if p > 1 else 0.0
+    busy = sum(fwd(crit, ch) + bwd(crit, ch) for ch in range(v)) * m
+    parts = {"compute": max(0.0, busy - sum(parts.values())), **parts}
+    parts["bubble"] = max(0.0, pipe.stage_end[crit] - sum(parts.values()))
+    parts["dp"], parts["optimizer"] = dp_worst, opt_worst
     return StepEstimate(
         layout=layout, step_time_s=finish, pipeline_s=pipe.makespan, dp_exposed_s=dp_worst,
         optimizer_s=opt_worst, bubble_fraction=pipe.bubble_fraction, model_flops=model_flops,
         hardware_flops=hardware_flops, gpus=cluster.gpus, peak_flops=cluster.device.peak_flops,
+        breakdown=tuple(parts.items()),
     )
