@@ -215,7 +215,8 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     )
     # Activation bytes of the whole sequence, then this rank's 1/cp share (the estimator's own cp
     # handling is for memory; the traffic here is per token either way).
-    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_a2a_size=None), assumptions)
+    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_comm="p2p", cp_a2a_size=None),
+                                    assumptions)
     elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s / c
     score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
     e = assumptions.element_bytes
