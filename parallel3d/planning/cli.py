@@ -22,7 +22,7 @@ from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
-from parallel3d.planning.planner import Plan, PlanRequest, plan
+from parallel3d.planning.planner import evaluate, Plan, PlanRequest, plan
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import LayoutError
 from parallel3d.train_options import TrainOptions
@@ -55,6 +55,7 @@ class PlanOptions:
     uneven_stages: bool = True
     max_cp: int = 1
     schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b", "zb_h1"])
+    explain: bool = False  # also compare the job's own layout (parallel.*, train.*) with the best, term by term
 
 
 @dataclass
@@ -198,6 +199,7 @@ def format_plan(result: Plan, top_k: int) -> str:
         lines.append(f"      {cand.layout.short()} {cand.layout.schedule}; memory/rank GiB: weights "
                      f"{w.weights / GiB:.1f} grads {w.gradients / GiB:.1f} master {w.master_weights / GiB:.1f} "
                      f"moments {w.optimizer_moments / GiB:.1f} activations {w.activations / GiB:.1f}")
+        lines.append("      step s: " + " ".join(f"{k} {t:.3f}" for k, t in cand.step.breakdown))
         if i < min(top_k, len(result.ranked)):
             lines.append("      next loses: " + why_slower(result.ranked[i], cand))
     if result.ranked:
@@ -209,11 +211,7 @@ def format_plan(result: Plan, top_k: int) -> str:
 
 def why_slower(worse, better) -> str:
     """One line: the step-time component that grows most from ``better`` to ``worse``."""
-    def parts(c) -> dict[str, float]:
-        st = c.step
-        return {"compute": st.pipeline_s * (1 - st.bubble_fraction), "bubble": st.pipeline_s * st.bubble_fraction,
-                "exposed DP comm": st.dp_exposed_s, "optimizer": st.optimizer_s}
-    a, b = parts(worse), parts(better)
+    a, b = dict(worse.step.breakdown), dict(better.step.breakdown)
     key = max(a, key=lambda k: a[k] - b[k])
     return (f"+{worse.step.step_time_s - better.step.step_time_s:.3f} s/step, mostly {key} "
             f"({b[key]:.3f} -> {a[key]:.3f} s)")
@@ -225,6 +223,7 @@ def plan_json(result: Plan, top_k: int) -> list[dict]:
          "memory_bytes": {k: getattr(c.memory.worst, k) for k in
                           ("weights", "gradients", "master_weights", "optimizer_moments", "activations")},
          "tokens_per_s": c.step.tokens_per_s(), "dp_exposed_s": c.step.dp_exposed_s,
+         "breakdown_s": dict(c.step.breakdown),
          "peak_bytes": c.peak_bytes, "step_time_s": c.step.step_time_s,
          "bubble_fraction": c.step.bubble_fraction, "tflops_per_gpu": c.step.tflops_per_gpu, "mfu": c.step.mfu}
         for c in result.ranked[:top_k]
@@ -256,7 +255,26 @@ def run_plan(job: PlanningJob) -> str:
         with open(o.json, "w") as f:
             json.dump({"model": model.name, "gpus": cluster.gpus, "device": cluster.device.name,
                        "layouts": plan_json(result, o.top_k)}, f, indent=2)
-    return format_plan(result, o.top_k)
+    text = format_plan(result, o.top_k)
+    if o.explain:
+        _, layout, _ = layout_from_job(job, cluster)
+        text += "\n\n" + explain(evaluate(model, layout, cluster), result.best)
+    return text
+
+
+def explain(given, best) -> str:
+    """``given`` (a candidate) against ``best``, line by line: the layout keys that differ, then every
+    step-time column with the difference, largest loss first."""
+    g, b = given.layout.to_dict(), best.layout.to_dict()
+    lines = [f"explain: given {given.layout.short()} vs best {best.layout.short()}: "
+             f"{given.step.step_time_s:.3f} s vs {best.step.step_time_s:.3f} s per step "
+             f"(MFU {100 * given.step.mfu:.1f}% vs {100 * best.step.mfu:.1f}%)",
+             "  differs in: " + (", ".join(f"{k} {g[k]} (best {b[k]})" for k in g if g[k] != b.get(k)) or "nothing")]
+    gb, bb = dict(given.step.breakdown), dict(best.step.breakdown)
+    for key in sorted(gb, key=lambda k: bb.get(k, 0.0) - gb[k]):
+        lines.append(f"  {key:>9s}: {gb[key]:9.3f} s  best {bb.get(key, 0.0):9.3f} s  ({gb[key] - bb.get(key, 0.0):+.3f})")
+    lines.append(f"  memory/rank: {given.peak_bytes / GiB:.1f} GiB vs {best.peak_bytes / GiB:.1f} GiB")
+    return "\n".join(lines)
 
 
 def resolve_model_only(job: JobConfig) -> ModelConfig:

@@ -2,7 +2,8 @@
 
 Per microbatch and layer, on one tensor-parallel rank:
 
-- matmuls and attention scores: FLOPs / tp at ``peak * matmul_efficiency``;
+- matmuls and attention scores: FLOPs / tp at ``peak`` times the efficiency of each GEMM's
+  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak);
 - memory-bound elementwise work (norms, GeLU/SwiGLU, dropout, softmax): twice
   the bytes of the tensors the layer stores for backward (written once, read
   once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
@@ -41,6 +42,7 @@ from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
+from parallel3d.planning.gemm import GemmCurve, attention_seconds, head_seconds, matmul_seconds
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_layer_counts
@@ -64,6 +66,9 @@ class CostOptions:
     # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
     # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
     overlap_param_gather: bool = False
+    # Tensor-parallel all-gather / reduce-scatter split into chunks run behind the layer's GEMMs
+    # (Megatron-Core's --tp-comm-overlap): only what exceeds the matmul time is exposed.
+    tp_comm_overlap: bool = False
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -91,6 +96,10 @@ class StepEstimate:
     hardware_flops: float  # per step, including recompute (what Megatron's TFLOP/s counts)
     gpus: int
     peak_flops: float
+    # Step time of the stage that ends the step, by column: compute, exposed tp / cp / ep / pp (P2P)
+    # communication, bubble (idle until its pipeline work ends), exposed dp and the optimizer.
+    # The columns add up to ``step_time_s`` (bubble absorbs overlap the simulator found).
+    breakdown: tuple[tuple[str, float], ...] = ()
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -185,15 +194,19 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipel
 class LayerTimes:
     fwd: float
     bwd: float  # includes recomputation
+    # Exposed communication inside fwd + bwd of one layer, by kind ("tp", "cp", "ep"); the rest is compute.
+    comm: tuple[tuple[str, float], ...] = ()
 
 
 def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm: CommModel,
                 options: CostOptions) -> LayerTimes:
     dev, t = cluster.device, layout.tp
-    flops_rate = dev.peak_flops * dev.matmul_efficiency
+    curve = GemmCurve.of(dev)
     layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
     c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
-    mm_t, att_t = layer.matmul / (t * c) / flops_rate, layer.attention / (t * c) / flops_rate
+    mm_t = matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
+                          micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
+    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len)
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
@@ -202,21 +215,27 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     )
     # Activation bytes of the whole sequence, then this rank's 1/cp share (the estimator's own cp
     # handling is for memory; the traffic here is per token either way).
-    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_a2a_size=None), assumptions)
+    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_comm="p2p", cp_a2a_size=None),
+                                    assumptions)
     elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s / c
     score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
     e = assumptions.element_bytes
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
     tp_t = 2 * comm.all_reduce(act_bytes, "tp")
+    if options.tp_comm_overlap:
+        tp_t = max(0.0, tp_t - mm_t)
     cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
     ep_t = ep_time(config, layout, comm, act_bytes)
     fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
     bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t + cp_b + ep_t
+    comm = {"tp": 2 * tp_t, "cp": cp_f + cp_b, "ep": 2 * ep_t}
     if layout.recompute == "full":
         bwd += fwd
+        comm = {"tp": 3 * tp_t, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
     elif layout.recompute == "selective":
         bwd += att_t + score_t + cp_f
-    return LayerTimes(fwd, bwd)
+        comm["cp"] += cp_f
+    return LayerTimes(fwd, bwd, tuple(comm.items()))
 
 
 def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
@@ -227,8 +246,10 @@ def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
     emb_fwd = comm.all_reduce(act_bytes, "tp")  # vocab-parallel lookup: partial rows summed over tp
     head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t
-    logits = 4.0 * layout.micro_batch_size * layout.seq_len * padded_vocab_size(config.vocab_size, t) / t
-    head_fwd = head_mm / (dev.peak_flops * dev.matmul_efficiency) + 2 * logits / dev.hbm_bytes_per_s
+    vocab = padded_vocab_size(config.vocab_size, t) // t
+    logits = 4.0 * layout.micro_batch_size * layout.seq_len * vocab
+    head_fwd = head_seconds(GemmCurve.of(dev), head_mm, tokens=layout.micro_batch_size * layout.seq_len,
+                            vocab_per_rank=vocab, hidden=config.hidden_size) + 2 * logits / dev.hbm_bytes_per_s
     head_bwd = 2 * head_fwd + comm.all_reduce(act_bytes, "tp")  # grad of the head's replicated input
     return emb_fwd, 0.0, head_fwd, head_bwd
 
@@ -307,7 +328,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
 
     pb = PrecisionBytes.for_precision(layout.precision)
     grad_bytes = options.dp_grad_bytes or pb.grad
-    finish, dp_worst, opt_worst = 0.0, 0.0, 0.0
+    finish, dp_worst, opt_worst, crit = 0.0, 0.0, 0.0, 0
     for stage in range(p):
         n = rank_params(config, layout.tp, p, stage, stage_layers[stage]).total
         if layout.zero_stage == 0:
@@ -326,9 +347,21 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
         if end >= finish:
             finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t
+            crit = stage
     model_flops, hardware_flops = step_flops(config, layout)
+    # The finishing stage's time split into columns that add up to the step (module docstring of
+    # ``StepEstimate.breakdown``): its per-layer communication x layers x microbatches, its P2P sends,
+    # the rest of its busy time is compute, and what its pipeline end leaves over is bubble.
+    m = layout.num_microbatches
+    parts = {k: t * stage_layers[crit] * m for k, t in lt.comm}
+    parts["pp"] = 2 * m * v * p2p if p > 1 else 0.0
+    busy = sum(fwd(crit, ch) + bwd(crit, ch) for ch in range(v)) * m
+    parts = {"compute": max(0.0, busy - sum(parts.values())), **parts}
+    parts["bubble"] = max(0.0, pipe.stage_end[crit] - sum(parts.values()))
+    parts["dp"], parts["optimizer"] = dp_worst, opt_worst
     return StepEstimate(
         layout=layout, step_time_s=finish, pipeline_s=pipe.makespan, dp_exposed_s=dp_worst,
         optimizer_s=opt_worst, bubble_fraction=pipe.bubble_fraction, model_flops=model_flops,
         hardware_flops=hardware_flops, gpus=cluster.gpus, peak_flops=cluster.device.peak_flops,
+        breakdown=tuple(parts.items()),
     )

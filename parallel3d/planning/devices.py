@@ -4,7 +4,7 @@ Each file holds datasheet facts (dense bf16/fp16 and fp8 peak, HBM size and
 bandwidth, per-GPU NVLink/Infinity Fabric and NIC bandwidth, GPUs per node) and
 the sources they came from; a new device is a new file, named after its ``name``
 key. ``DeviceSpec`` also carries the cost model's achievable fractions
-(``matmul_efficiency``, ``link_efficiency``) and the offload throughputs, which are
+(``matmul_efficiency`` with its shape knee ``gemm_knee``, ``link_efficiency``) and the offload throughputs, which are
 modelling assumptions rather than datasheet facts: files may set them, and the
 defaults below apply otherwise.
 
@@ -39,6 +39,9 @@ class DeviceSpec:
     # et al. 2021, Table 1) once memory-bound ops, communication and the
     # pipeline bubble are charged separately; see tests/test_planning_published.py.
     matmul_efficiency: float = 0.65
+    # Shape size x = 1/(1/m + 1/n + 1/k) of a per-rank GEMM at which it reaches half of
+    # ``matmul_efficiency`` (``parallel3d.planning.gemm``); 0 keeps one constant efficiency.
+    gemm_knee: float = 0.0
     # Fraction of link bandwidth NCCL collectives and P2P reach.
     link_efficiency: float = 0.8
     # Optimizer offload (parallel.offload), per GPU: its share of the host link (PCIe Gen4 x16
@@ -65,6 +68,7 @@ _NUMBER_KEYS: dict[str, tuple[str, float | None]] = {
     "disk_gbps": ("disk_bytes_per_s", 1e9),
     "host_adam_elements_per_s": ("host_adam_elements_per_s", 1.0),
     "matmul_efficiency": ("matmul_efficiency", 1.0),
+    "gemm_knee": ("gemm_knee", 1.0),
     "link_efficiency": ("link_efficiency", 1.0),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
 }

@@ -5,7 +5,8 @@ tp a power of two up to ``gpus_per_node`` that divides the heads, the KV
 heads and the FFN width (tensor parallelism stays inside a node's NVLink);
 pp a divisor of ``num_layers`` (or, with ``uneven_stages``, any depth whose
 balanced stages differ by at most ~10%) whose tp*pp divides the GPUs; dp the rest;
-micro-batch sizes that divide the per-replica batch; 1F1B, zero-bubble zb_h1
+micro-batch sizes that divide the per-replica batch; for MoE models ep, etp (the dense tp or 1)
+and the expert ZeRO stage (the dense one or a higher searched one); 1F1B, zero-bubble zb_h1
 (pp > 1: same activation peak on the first stage, a smaller bubble, its split
 backward priced by the simulator), and interleaved 1F1B with v chunks per stage
 when v*pp divides the layers (GPipe is not searched: 1F1B's time with more memory). Sequence
@@ -67,6 +68,9 @@ class PlanRequest:
     schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b", "zb_h1")
     # Largest context-parallel degree searched (powers of two); 1 turns CP off.
     max_cp: int = 1
+    # MoE models: also try experts unsplit (etp = 1) when tp > 1, and each expert ZeRO stage of
+    # ``zero_stages`` beside the dense one (memory only: the experts' own shard stage).
+    search_expert_options: bool = True
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp"):
@@ -169,6 +173,21 @@ def expert_parallel_sizes(config: ModelConfig, folded: int) -> list[int]:
     return [e for e in range(1, config.moe.num_experts + 1) if config.moe.num_experts % e == 0 and folded % e == 0]
 
 
+def expert_tp_choices(config: ModelConfig, tp: int, request: PlanRequest) -> list[int | None]:
+    """etp values: the dense tp (None), and for an MoE model at tp > 1 also whole experts (etp = 1)."""
+    if config.moe.enabled and tp > 1 and request.search_expert_options:
+        return [None, 1]
+    return [None]
+
+
+def expert_zero_choices(config: ModelConfig, zero: int, request: PlanRequest) -> list[int | None]:
+    """Expert ZeRO stages tried with dense stage ``zero``: the same (None), then, for MoE, the other
+    searched stages (experts sharded further when the dense stage leaves them too large)."""
+    if not config.moe.enabled or not request.search_expert_options:
+        return [None]
+    return [None, *(z for z in request.zero_stages if z > zero)]
+
+
 def schedule_choices(config: ModelConfig, pp: int, m: int, request: PlanRequest) -> list[tuple[str, int]]:
     """Every runtime schedule (``SCHEDULES``, minus GPipe: 1F1B's time with more memory) with the
     virtual-stage counts its options allow; chunks may hold unequal layer counts (uneven stages)."""
@@ -200,7 +219,8 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
                 if cluster.gpus % (tp * cp * pp):
                     continue
                 dp = cluster.gpus // (tp * cp * pp)
-                for ep in expert_parallel_sizes(config, tp * cp * dp):
+                for ep, etp in ((e, x) for e in expert_parallel_sizes(config, tp * cp * dp)
+                                for x in expert_tp_choices(config, tp, request)):
                     for mbs in request.micro_batch_sizes:
                         if gbs % (dp * mbs):
                             continue
@@ -208,7 +228,7 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
                         for schedule, v in schedule_choices(config, pp, m, request):
                             try:
                                 layout = Layout(
-                                    tp=tp, cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a, ep=ep, pp=pp, dp=dp,
+                                    tp=tp, cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a, ep=ep, etp=etp, pp=pp, dp=dp,
                                     sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
                                     micro_batch_size=mbs, seq_len=request.seq_len, global_batch_size=gbs,
                                     precision=request.precision)
@@ -262,10 +282,12 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
         for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
             fits_on_device = False
             for zero in request.zero_stages:
-                for offload in request.offload_modes:
+                for offload, ezero in ((o, x) for o in request.offload_modes
+                                       for x in expert_zero_choices(config, zero, request)):
                     if offload != "none" and zero == 0:
                         continue
-                    layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload)
+                    layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload,
+                                          expert_zero_stage=ezero)
                     memory = estimate_memory(config, memory_layout(layout), stage_layers=splits[key])
                     if memory.peak_bytes > budget:
                         continue

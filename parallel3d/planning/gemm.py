@@ -1,0 +1,124 @@
+"""Achieved matmul throughput as a function of each GEMM's per-rank shape.
+
+A GEMM of ``m x k`` by ``k x n`` does ``2 m n k`` FLOPs and moves at least ``2 (m k + k n + m n)``
+bytes; its arithmetic intensity is proportional to the *shape size*
+
+    x = m n k / (m k + k n + m n) = 1 / (1/m + 1/n + 1/k),
+
+which is symmetric in m, n, k (so the backward's dgrad and wgrad GEMMs, the same three dims
+permuted, run at the forward's rate) and is dominated by the smallest dim: a thin tensor-parallel
+shard (k = h/tp), a small hidden size, or attention's head dimension all pull it down. The
+achieved fraction of peak is the roofline-shaped saturating curve
+
+    efficiency(m, n, k) = matmul_efficiency * x / (x + gemm_knee),
+
+``matmul_efficiency`` being what the largest GEMMs reach and ``gemm_knee`` the shape size at which
+half of it is left (both per device, in its YAML; calibrated on the ``calibration`` rows of
+``published_runs.yaml`` only). ``gemm_knee = 0`` is the old constant efficiency.
+
+The per-rank dims of every matmul come from the model-shape module (``models.shape``): a
+column-parallel weight's output and a row-parallel weight's input are split over tp, routed
+experts over etp (each expert sees ``tokens * top_k / num_experts * ep`` rows), and the rows are
+the micro-batch's tokens on this rank (``mbs * seq / cp``). Attention is two batched GEMMs per
+head (QK^T contracting over the score dim, PV over the keys).
+
+Invariant: only the *rate* depends on shapes; the FLOPs charged are exactly ``models.shape``'s,
+so MFU accounting is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.config import ModelConfig
+from models.shape import LayerShape, ParamShape
+
+
+@dataclass(frozen=True)
+class GemmCurve:
+    """``efficiency(m, n, k)`` of one device (module docstring)."""
+
+    peak_flops: float
+    max_efficiency: float
+    knee: float  # shape size x where the efficiency is half of ``max_efficiency``; 0: constant
+
+    @classmethod
+    def of(cls, device) -> "GemmCurve":
+        return cls(device.peak_flops, device.matmul_efficiency, device.gemm_knee)
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        if self.knee <= 0:
+            return self.max_efficiency
+        x = 1.0 / (1.0 / m + 1.0 / n + 1.0 / k)
+        return self.max_efficiency * x / (x + self.knee)
+
+    def seconds(self, flops: float, m: float, n: float, k: float) -> float:
+        """Time of ``flops`` FLOPs of GEMMs shaped ``m x k @ k x n``."""
+        return flops / (self.peak_flops * self.efficiency(m, n, k))
+
+
+def _expert_local(t: ParamShape, hidden: int, etp: int) -> tuple[int, int]:
+    """(out, in) of a routed expert's weight on one etp rank: its ffn side is split over etp."""
+    out, inp = t.shape
+    return (out // etp, inp) if inp == hidden else (out, inp // etp)
+
+
+def _layer_gemms(layer: LayerShape, hidden: int, tp: int, etp: int, ep: int,
+                 tokens: float) -> list[tuple[float, float, float, float]]:
+    """(FLOPs per token over the tp group, m, n, k) of each distinct matmul of ``layer`` on one rank.
+
+    Every routed expert of a layer has the same shape, so expert 0 stands for all of them."""
+    out = []
+    for t in layer.tensors:
+        if not t.matmul or (t.expert is not None and t.expert != 0):
+            continue
+        share = 2.0 * t.numel * t.active
+        if t.expert is not None:
+            n, k = _expert_local(t, hidden, etp)
+            share *= layer.block.moe.num_experts
+            rows = max(1.0, tokens * t.active * ep)
+        else:
+            n, k = t.local_shape(tp) if len(t.shape) == 2 else (t.shape[0], 1)
+            rows = tokens
+        out.append((share, rows, n, k))
+    return out
+
+
+def matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, ep: int = 1,
+                   etp: int | None = None, micro_batch_size: int, seq_len: int) -> float:
+    """Forward time of the weight matmuls of one microbatch on one rank, mean over the layers."""
+    shape = config.shape
+    tokens = micro_batch_size * seq_len / cp
+    etp = tp if etp is None else etp
+    by_block: dict[object, float] = {}  # layers built from one BlockSpec have the same GEMMs
+    total = 0.0
+    for layer in shape.layers:
+        key = layer.block
+        if key not in by_block:
+            by_block[key] = sum(curve.seconds(share * tokens / tp, m, n, k)
+                                for share, m, n, k in _layer_gemms(layer, config.hidden_size, tp, etp, ep, tokens))
+        total += by_block[key]
+    return total / len(shape.layers)
+
+
+def attention_seconds(config: ModelConfig, curve: GemmCurve, flops: float, *, cp: int = 1,
+                      seq_len: int) -> float:
+    """Time of ``flops`` attention-score FLOPs (QK^T and PV, this rank's share) over this rank's
+    ``seq / cp`` queries at the rate of per-head GEMMs whose score and value dims (of layer 0) are
+    their thin side; fused (flash) kernels too, which the calibration rows prefer over a
+    sequence-sized shape."""
+    a = config.shape.layers[0].block.attention
+    rows = seq_len / cp
+    qk = curve.efficiency(rows, rows, a.score_dim)
+    pv = curve.efficiency(rows, a.value_dim, rows)
+    # FLOPs split between the two products in proportion to their contracted dims.
+    w = a.score_dim / (a.score_dim + a.value_dim)
+    return flops / curve.peak_flops * (w / qk + (1 - w) / pv)
+
+
+def head_seconds(curve: GemmCurve, flops: float, *, tokens: float, vocab_per_rank: int, hidden: int) -> float:
+    """The logits matmul (``tokens x hidden @ hidden x vocab / tp``) of one rank."""
+    return curve.seconds(flops, tokens, vocab_per_rank, hidden)
+
+
+__all__ = ["GemmCurve", "attention_seconds", "head_seconds", "matmul_seconds"]
