@@ -12,6 +12,9 @@ forward, all-reduce of the gradient over tp in backward). The shared experts are
 like the dense SwiGLU MLP (``parallel3d.moe.shared_experts``: column-parallel in, row-parallel out,
 sequence-parallel gather / reduce-scatter around them). Expert gradients need no such step:
 tokens meet their experts through the dispatcher, and the experts' replicas (``edp``) are summed.
+Capacity drops rank a whole micro-batch's tokens by layout-independent ids (``parallel3d.moe.capacity``):
+each rank's tokens carry their global sequence positions (``sequence_positions``: the cp share's two
+load-balanced chunks, then this tp rank's sequence-parallel slice of it), so the drops equal one process's.
 Parameters (``layers.{i}.mlp.router.weight``, ``layers.{i}.mlp.experts.{e}.w1/w2/w3`` by global
 expert index, ``layers.{i}.mlp.shared_experts.*``) depend only on (seed, global name).
 """
@@ -21,27 +24,40 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
+import torch
+
 from models.blocks import BuildContext
 from models.spec import BlockSpec
+from parallel3d.context_parallel.load_balance import local_positions
 from parallel3d.moe import MoELayer
 from parallel3d.moe.shared_experts import SharedExpertFFN
 from parallel3d.tensor_parallel import copy_to_tp_region
+from parallel3d.tensor_parallel.mappings import tp_chunk_start
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 
-def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool, *, cp: int = 1,
-                     capacity: bool = False) -> None:
-    """Raise ValueError (one line) when the layout breaks the MoE token contract (module docstring)."""
+def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool) -> None:
+    """Raise ValueError (one line) when the layout breaks the MoE token contract (module docstring).
+
+    Capacity needs no rule of its own: drops are decided over the micro-batch at any tp (sequence
+    parallel) x cp."""
     if moe_enabled and tp > 1 and not sequence_parallel:
         # Without it every tp rank holds the same tokens: the expert-parallel exchange would count them tp times.
         raise ValueError(f"model.moe with parallel.tp={tp}: needs parallel.sequence_parallel=true "
                          "(the expert-parallel ranks must hold different tokens)")
-    if moe_enabled and capacity and tp * cp > 1:
-        # Capacity ranks a whole micro-batch's tokens by layout-independent ids; the blocks do not pass them yet.
-        raise ValueError(f"model.moe.capacity_factor with parallel.tp={tp}, parallel.cp={cp}: capacity drops run "
-                         "only where one rank holds the whole micro-batch (tp = cp = 1) for now")
+
+
+def sequence_positions(pstate: "ParallelState", sequence_parallel: bool, s_local: int,
+                       device: torch.device) -> torch.Tensor:
+    """``[s_local]`` global positions (in the whole sequence) of the tokens this rank's MoE layer sees."""
+    tp = pstate.size("tp") if sequence_parallel else 1
+    cp = pstate.size("cp")
+    positions = local_positions(s_local * tp * cp, cp, pstate.coord("cp"), device=device) if cp > 1 \
+        else torch.arange(s_local * tp, device=device)
+    start = tp_chunk_start(s_local, pstate) if tp > 1 else 0
+    return positions[start:start + s_local]
 
 
 def moe_token_group_kind(pstate: "ParallelState", sequence_parallel: bool) -> str:
@@ -68,4 +84,5 @@ def moe_mlp(ctx: BuildContext, layer: int, spec: BlockSpec) -> MoELayer:
                     token_group=pstate.group(moe_token_group_kind(pstate, ctx.sequence_parallel)),
                     dtype=ctx.dtype, device=ctx.device, kernel_backend=ctx.config.backend,
                     emulate_nccl=pstate.emulate_nccl, comm_stats=pstate.comm_stats, shared_experts=shared,
-                    replicated_weight_fn=partial(copy_to_tp_region, pstate=pstate) if split_over_tp else None)
+                    replicated_weight_fn=partial(copy_to_tp_region, pstate=pstate) if split_over_tp else None,
+                    token_positions=partial(sequence_positions, pstate, ctx.sequence_parallel))

@@ -233,8 +233,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     pipeline.check_layout(dims.pp, model.num_layers)
     _check_model_fits(model, topo, pipeline.virtual_stages)
     try:
-        check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel, cp=dims.cp,
-                         capacity=model.moe.capacity_factor is not None)
+        check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     train = options_of(TrainOptions, job.train)

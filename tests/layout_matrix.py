@@ -90,6 +90,7 @@ MOE_MODELS: dict[str, dict[str, Any]] = {
 }
 MOE_BASE, MOE_CASES = 30_000, 16  # ids of the MoE draws in the whole matrix (above the reshard pairs' 20_000)
 EP_DEGREES = (1, 2, 4)
+CAPACITY_FACTORS, DROP_POLICIES = (0.5, 1.0), ("probs", "position")  # 0.5: certain drops; 1.0: some
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class LayoutCase:
     train: dict[str, Any]
     emulate_nccl: bool = False  # ParallelState(emulate_nccl=True): NCCL's one-Work-per-batch p2p on gloo
     document_mask: bool = False  # data.document_mask (the reference run masks too)
+    # MoE capacity (factor, drop policy) or None (dropless). Drops are defined per micro-batch, so the
+    # reference then runs the same micro-batches (micro_batch_size), not one.
+    capacity: tuple[float, str] | None = None
 
     @property
     def world_size(self) -> int:
@@ -138,23 +142,31 @@ class LayoutCase:
             bits.append(f"ep{p['ep']}")
         if p.get("etp", p["tp"]) != p["tp"]:
             bits.append(f"etp{p['etp']}")
+        if self.capacity is not None:
+            bits.append(f"cap{self.capacity[0]}-{self.capacity[1]}")
         return "-".join(bits)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
-        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir, self.document_mask)
+        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir, self.document_mask,
+                          self.capacity)
 
     def reference_key(self) -> tuple:
-        """Cases with the same key share one single-process reference run."""
-        return self.model, self.train["global_batch_size"], self.document_mask
+        """Cases with the same key share one single-process reference run (model, global batch, document
+        mask, then with capacity: factor, policy and the micro-batch size the drops are defined over)."""
+        key = (self.model, self.train["global_batch_size"], self.document_mask)
+        return key if self.capacity is None else (*key, *self.capacity, self.train["micro_batch_size"])
 
 
 def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str,
-               document_mask: bool = False) -> dict[str, Any]:
+               document_mask: bool = False, capacity: tuple[float, str] | None = None) -> dict[str, Any]:
     parallel = dict(parallel)
+    model_values = dict({**MODELS, **MOE_MODELS}[model])
+    if capacity is not None:
+        model_values["moe"] = dict(model_values["moe"], capacity_factor=capacity[0], drop_policy=capacity[1])
     if parallel.get("offload") == "disk":  # the state files go with the run; small chunks: several per piece
         parallel.update(offload_dir=os.path.join(out_dir, "offload"), offload_buffer_mb=0.05)
     return {
-        "model": dict({**MODELS, **MOE_MODELS}[model]),
+        "model": model_values,
         "parallel": parallel,
         "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
                   "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
@@ -166,10 +178,12 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
 
 
 def reference_values(case: LayoutCase, out_dir: str, cache_dir: str) -> dict[str, Any]:
-    """The single-process job of ``case``: same model, data, global batch; one microbatch."""
+    """The single-process job of ``case``: same model, data, global batch; one microbatch (with capacity:
+    the case's microbatches, over which drops are defined)."""
     g = case.train["global_batch_size"]
-    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": g}, out_dir, cache_dir,
-                      case.document_mask)
+    mbs = g if case.capacity is None else case.train["micro_batch_size"]
+    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": mbs}, out_dir, cache_dir,
+                      case.document_mask, case.capacity)
 
 
 def _orders() -> list[str]:
@@ -241,7 +255,11 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
             p["expert_zero_stage"] = rng.choice([s for s in cfg.ZERO_STAGES if s not in (0, p["zero_stage"])])
         if 3 not in (p["zero_stage"], p["expert_zero_stage"]):
             p["zero3_reshard"] = "auto"
-    return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl)
+    # Capacity drops (any tp / cp: defined over the micro-batch), from a fork of the RNG's state that leaves
+    # its sequence untouched: every layout drawn before capacity existed (and the CI sample) stays as it was.
+    fork = random.Random(repr(rng.getstate()))
+    capacity = (fork.choice(CAPACITY_FACTORS), fork.choice(DROP_POLICIES)) if fork.random() < 0.4 else None
+    return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl, capacity=capacity)
 
 
 def is_valid(case: LayoutCase) -> bool:

@@ -28,9 +28,9 @@ from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel.init import normal_shard
 
 
-def _expert_weight(shape: tuple[int, int], *, name: str, expert: int, split_dim: int, seed: int, std: float,
-                   etp_rank: int, etp_size: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+def _expert_weight(storage: torch.Tensor, *, name: str, expert: int, split_dim: int, seed: int, std: float,
+                   etp_rank: int, etp_size: int) -> nn.Parameter:
+    param = nn.Parameter(storage)  # shares ``storage`` (its slot in the experts' block)
     normal_shard(param, seed=seed, global_name=name, std=std, split_dim=split_dim, tp_rank=etp_rank, tp_size=etp_size)
     set_meta(param, global_name=name)
     param.expert_index = expert
@@ -39,17 +39,17 @@ def _expert_weight(shape: tuple[int, int], *, name: str, expert: int, split_dim:
 
 
 class ExpertFFN(nn.Module):
-    """One expert's slice: ``w1``/``w3`` ``[f/etp, h]``, ``w2`` ``[h, f/etp]``."""
+    """One expert's slice: ``w1``/``w3`` ``[f/etp, h]``, ``w2`` ``[h, f/etp]``, each a slot of ``blocks``
+    (``name -> [G, ...]`` shared by the local experts: the grouped GEMM then reads them without a copy)."""
 
-    def __init__(self, expert: int, hidden: int, ffn_local: int, *, prefix: str, seed: int, init_std: float,
-                 output_std: float, etp_rank: int, etp_size: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
+    def __init__(self, expert: int, slot: int, blocks: dict[str, torch.Tensor], *, prefix: str, seed: int,
+                 init_std: float, output_std: float, etp_rank: int, etp_size: int) -> None:
         super().__init__()
-        common = dict(expert=expert, seed=seed, etp_rank=etp_rank, etp_size=etp_size, dtype=dtype, device=device)
+        common = dict(expert=expert, seed=seed, etp_rank=etp_rank, etp_size=etp_size)
         name = f"{prefix}.experts.{expert}"
-        self.w1 = _expert_weight((ffn_local, hidden), name=f"{name}.w1", split_dim=0, std=init_std, **common)
-        self.w3 = _expert_weight((ffn_local, hidden), name=f"{name}.w3", split_dim=0, std=init_std, **common)
-        self.w2 = _expert_weight((hidden, ffn_local), name=f"{name}.w2", split_dim=1, std=output_std, **common)
+        self.w1 = _expert_weight(blocks["w1"][slot], name=f"{name}.w1", split_dim=0, std=init_std, **common)
+        self.w3 = _expert_weight(blocks["w3"][slot], name=f"{name}.w3", split_dim=0, std=init_std, **common)
+        self.w2 = _expert_weight(blocks["w2"][slot], name=f"{name}.w2", split_dim=1, std=output_std, **common)
 
 
 class GroupedExperts(nn.ModuleDict):
@@ -68,9 +68,13 @@ class GroupedExperts(nn.ModuleDict):
         if first < 0 or first + num_local > num_experts:
             raise ValueError(f"experts [{first}, {first + num_local}) outside the {num_experts} experts")
         std_out = init_std if output_std is None else output_std
+        f = ffn_hidden // etp_size
+        # Each weight kind of the local experts in one block, expert after expert (see ExpertFFN).
+        blocks = {k: torch.empty((num_local, *shape), dtype=dtype, device=device)
+                  for k, shape in (("w1", (f, hidden)), ("w3", (f, hidden)), ("w2", (hidden, f)))}
         super().__init__({
-            str(e): ExpertFFN(e, hidden, ffn_hidden // etp_size, prefix=prefix, seed=seed, init_std=init_std,
-                              output_std=std_out, etp_rank=etp_rank, etp_size=etp_size, dtype=dtype, device=device)
+            str(e): ExpertFFN(e, e - first, blocks, prefix=prefix, seed=seed, init_std=init_std, output_std=std_out,
+                              etp_rank=etp_rank, etp_size=etp_size)
             for e in range(first, first + num_local)
         })
         self.first, self.num_local = first, num_local

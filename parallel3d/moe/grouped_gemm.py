@@ -21,7 +21,9 @@ the backward computes ``dX`` only if the engine will run the node that receives 
 since the engine cannot be asked about a leaf under ``autograd.grad``). So a ``B`` pass
 (``autograd.grad(out, inp)``) runs just the input-gradient GEMM and the deferred ``W``
 pass just the weight-gradient GEMMs, and a plain ``backward()`` both.
-The stacked ``[G, N, K]`` weight is a temporary of each GEMM call, never saved.
+The stacked ``[G, N, K]`` weight is a view when the weights lie back to back in one storage
+(``GroupedExperts`` allocates each of w1 / w3 / w2 so: no copy per GEMM), else a temporary copy of
+each GEMM call; never saved.
 """
 
 from __future__ import annotations
@@ -111,12 +113,25 @@ def _will_run(node: Any) -> bool:
         return True
 
 
+def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[G, N, K]``: a view of the weights' storage when they lie back to back in it, else a copy."""
+    w0 = weights[0]
+    n = w0.numel()
+    adjacent = w0.is_contiguous() and all(
+        w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+        and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+        and w.storage_offset() == w0.storage_offset() + g * n for g, w in enumerate(weights))
+    if adjacent:
+        return w0.detach().as_strided((len(weights), *w0.shape), (n, *w0.stride()), w0.storage_offset())
+    return torch.stack(weights)
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sizes, backend, nodes, *weights):  # type: ignore[override]
         ctx.sizes, ctx.backend, ctx.nodes = sizes, backend, nodes
         ctx.save_for_backward(x, *weights)
-        stacked = torch.stack(weights)  # [G, N, K]
+        stacked = stacked_weights(weights)  # [G, N, K]
         return group_mm(x, stacked.transpose(1, 2), sizes, backend)
 
     @staticmethod
@@ -126,7 +141,7 @@ class _GroupedLinear(torch.autograd.Function):
         x_node, weight_nodes = ctx.nodes
         grad_x = None
         if ctx.needs_input_grad[0] and _will_run(x_node):
-            grad_x = group_mm(grad, torch.stack(weights), ctx.sizes, ctx.backend)
+            grad_x = group_mm(grad, stacked_weights(weights), ctx.sizes, ctx.backend)
         needs_w = [ctx.needs_input_grad[4 + i] and _will_run(n) for i, n in enumerate(weight_nodes)]
         grad_w: list[torch.Tensor | None] = [None] * len(weights)
         if any(needs_w):

@@ -17,8 +17,10 @@ gated) -> ``inject_loss_gradient`` attaches the aux / z losses (their gradient, 
 ``aux_loss_scale``, is fed in this layer's backward; nothing joins the main loss) and
 counts the step statistics in backward. ``token_ids`` ``[b, s]`` (int64, unique within the
 micro-batch, the same in every layout, e.g. ``sequence * 2**32 + position``) are needed
-for capacity when the token group has more than one rank; by default the local
-``(sequence, position)`` order is used.
+for capacity when the token group has more than one rank: given per call, or built from
+``token_positions`` (the constructor's ``s_local -> [s_local]`` global positions of this rank's
+tokens in their sequence, e.g. the cp share's chunks then the sequence-parallel slice) as
+``row * 2**32 + position``; by default the local ``(sequence, position)`` order is used.
 
 Parameters (``global_name`` e.g. ``layers.3.mlp``): ``router.weight``, ``router.expert_bias``
 (buffer), ``experts.{e}.w1/w2/w3`` by global expert index, ``shared_experts.w1/w2/w3``,
@@ -65,7 +67,8 @@ class MoELayer(nn.Module):
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  kernel_backend: str = "auto", emulate_nccl: bool = False, comm_stats: ByteCounter | None = None,
                  shared_experts: nn.Module | None = None,
-                 replicated_weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 replicated_weight_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 token_positions: Callable[[int, torch.device], torch.Tensor] | None = None) -> None:
         super().__init__()
         o = options
         if o.pad_to_capacity and o.dispatcher != "alltoall":
@@ -73,6 +76,7 @@ class MoELayer(nn.Module):
                 f"moe.pad_to_capacity=True: allowed only with dispatcher='alltoall' (got {o.dispatcher!r})")
         self.options, self.global_name = o, global_name
         self.token_group, self.global_group = token_group, global_group
+        self.token_positions = token_positions
         layout = ExpertLayout(o.num_experts, ep_group, etp_group)
         out_std = init_std if output_std is None else output_std
         self.router = TopKRouter(o, hidden, global_name=f"{global_name}.router", seed=seed, init_std=init_std,
@@ -101,13 +105,19 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0  # the factor the trainer puts on each micro-batch's main loss
 
     def token_ids_for(self, b: int, s: int, token_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """``[b * s]`` int64 ids for capacity ranking: ``token_ids`` flattened, or the local order by default."""
+        """``[b * s]`` int64 ids for capacity ranking: ``token_ids`` flattened, else ``row * 2**32 + position``
+        with ``token_positions`` (or the local order, only where this rank holds the whole micro-batch)."""
         if token_ids is not None:
             return token_ids.reshape(-1).to(device=device, dtype=torch.int64)
-        if group_size(self.token_group) > 1:
-            raise ValueError("MoELayer: capacity over a token group of several ranks needs token_ids [b, s]")
+        if self.token_positions is not None:
+            positions = self.token_positions(s, device).to(device=device, dtype=torch.int64)
+        elif group_size(self.token_group) > 1:
+            raise ValueError("MoELayer: capacity over a token group of several ranks needs token_ids [b, s] "
+                             "or token_positions")
+        else:
+            positions = torch.arange(s, device=device)
         seq = torch.arange(b, device=device).view(b, 1) * (1 << 32)
-        return (seq + torch.arange(s, device=device).view(1, s)).reshape(-1)
+        return (seq + positions.view(1, s)).reshape(-1)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         o = self.options
