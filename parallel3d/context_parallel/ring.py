@@ -56,7 +56,7 @@ class RingAttention(torch.autograd.Function):
         plans = [by_member[(me - t) % n] for t in range(n)]  # step t holds member (me - t)'s K/V
         qh = heads_first(q)
         acc_out, acc_lse = output_accumulators(q)
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [k.contiguous(), v.contiguous()] if n > 1 else [k, v]  # only sends need contiguous buffers
         receive = _receive_buffers(kv, n)
         merged: set[tuple[int, int]] = set()
         for t in range(n):
@@ -77,7 +77,7 @@ class RingAttention(torch.autograd.Function):
         n = ring.size
         ct = compute_dtype(q.dtype)
         qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [k.contiguous(), v.contiguous()] if n > 1 else [k, v]  # only sends need contiguous buffers
         receive = _receive_buffers(kv, n)
         # Two sets of fp32 partial-gradient buffers: one being sent while the next fills.
         dkv_bufs = [[torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)]
