@@ -23,11 +23,18 @@ Peak memory per rank: ``VmHWM`` of the rank processes, read from outside them by
 around one step of each variant (``peer_env.PeakGate``; ``peak RSS`` includes the interpreter
 and torch, ``+step`` is the rise over the resident set just before the step).
 
-Ring overlap (cp > 1): the ring forward timed three ways (``bench_ring_overlap``): its cp - 1
-K/V exchanges alone, its block computations alone and overlapped; ``hidden`` = (comm +
-compute - overlapped) / comm. Targets (met / not met): our ``a2a`` at least as fast as
-DeepSpeed's (paired median ratio <= 1), and ``p2p`` hiding at least half its communication
-where the compute per ring step exceeds one transfer.
+Ring overlap (cp > 1, ``bench_ring_overlap``): the ring forward's cp - 1 K/V exchanges timed
+alone (``comm``), and the time the real, overlapped ring then spends blocked in its waits
+(``blocked``): ``hidden`` = 1 - blocked / comm, the part of the transfer that compute covered.
+The backward is read the same way (K/V again plus the fp32 dK/dV partials; its last dK/dV hop
+follows the neighbour's last compute, so it cannot hide). ``hidden e2e`` = (comm + compute -
+overlapped) / comm from three separate timings is printed beside it: it also charges any
+slow-down of the compute by gloo's transfer thread, but where the transfer is a few ms of a
+step of hundreds its noise is larger than the transfer, so the target is judged on ``hidden``.
+Blocked time also includes waiting for a neighbour that runs behind (a loaded machine).
+Targets (met / not met): our ``a2a`` at least as fast as DeepSpeed's (paired median ratio
+<= 1), and ``p2p`` hiding at least half its communication where the compute per ring step
+exceeds one transfer.
 """
 
 from __future__ import annotations
@@ -184,12 +191,15 @@ def bench_cp_size(args, cp: int, ds_py: str | None, reference: dict) -> dict:
                      "mismatch": max(checks[lb].values())})
     overlap = None
     if overlaps:
-        keys = ("comm_ms", "compute_ms", "overlapped_ms", "hidden")
+        keys = ("comm_ms", "compute_ms", "overlapped_ms", "hidden", "exposed_wait_ms", "hidden_waits",
+                "backward_comm_ms", "backward_exposed_wait_ms", "backward_hidden_waits")
         overlap = {k: _spread([o[k] for o in overlaps]) for k in keys}
         per_block = overlap["compute_ms"]["median"] / cp
         per_transfer = overlap["comm_ms"]["median"] / (cp - 1)
+        # Judged on the direct reading (time blocked in the ring's waits); the end-to-end one is
+        # reported beside it but is the difference of two times whose noise exceeds a small transfer.
         overlap.update(compute_per_step_ms=per_block, transfer_ms=per_transfer, applies=per_block > per_transfer,
-                       met=overlap["hidden"]["median"] >= 0.5)
+                       met=overlap["hidden_waits"]["median"] >= 0.5)
     return {"cp": cp, "rows": rows, "overlap": overlap, "deepspeed_skipped": skip if not ds_times else None}
 
 
@@ -217,9 +227,12 @@ def report(results: list[dict], args) -> tuple[list[str], dict]:
             lines.append(f"{res['cp']:>2} deepspeed skipped: {res['deepspeed_skipped']}")
     lines.append("mismatch: largest fingerprint difference from torch's float64 attention (output, dq, dk, dv)")
     lines.append("")
-    head = (f"{'cp':>2} {'comm ms':>8} {'compute ms':>10} {'overlapped ms':>13} {'hidden [range]':>18} "
-            f"{'compute/step ms':>15} {'transfer ms':>11} {'target':>10}")
-    lines += ["ring (p2p) forward overlap", head, "-" * len(head)]
+    head = (f"{'cp':>2} {'comm ms':>8} {'compute ms':>10} {'overlapped ms':>13} {'hidden e2e [range]':>20} "
+            f"{'blocked ms':>10} {'hidden [range]':>16} {'compute/step ms':>15} {'transfer ms':>11} {'target':>8} "
+            f"{'bwd comm ms':>11} {'bwd blocked ms':>14} {'bwd hidden':>10}")
+    lines += ["ring (p2p) overlap: forward (target) and backward; hidden = 1 - blocked / comm, where blocked is the "
+              "time the ring waited on its transfers; hidden e2e = (comm + compute - overlapped) / comm",
+              head, "-" * len(head)]
     targets: dict = {}
     for res in results:
         o = res["overlap"]
@@ -228,9 +241,14 @@ def report(results: list[dict], args) -> tuple[list[str], dict]:
         h = o["hidden"]
         status = ("met" if o["met"] else "NOT met") if o["applies"] else "n/a"
         targets[f"p2p_overlap_cp{res['cp']}"] = status
+        w = o["hidden_waits"]
+        e2e = f"{h['median']:.2f} [{h['min']:.2f}-{h['max']:.2f}]"
+        direct = f"{w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}]"
         lines.append(f"{res['cp']:>2} {o['comm_ms']['median']:>8.2f} {o['compute_ms']['median']:>10.2f} "
-                     f"{o['overlapped_ms']['median']:>13.2f} {h['median']:>6.2f} [{h['min']:.2f}-{h['max']:.2f}] "
-                     f"{o['compute_per_step_ms']:>15.2f} {o['transfer_ms']:>11.2f} {status:>10}")
+                     f"{o['overlapped_ms']['median']:>13.2f} {e2e:>20} {o['exposed_wait_ms']['median']:>10.2f} "
+                     f"{direct:>16} {o['compute_per_step_ms']:>15.2f} {o['transfer_ms']:>11.2f} {status:>8} "
+                     f"{o['backward_comm_ms']['median']:>11.2f} {o['backward_exposed_wait_ms']['median']:>14.2f} "
+                     f"{o['backward_hidden_waits']['median']:>10.2f}")
     for res in results:
         a2a = next((r for r in res["rows"] if r["impl"] == "ours a2a"), None)
         if res["cp"] > 1 and a2a and a2a["vs_deepspeed"]:

@@ -27,3 +27,7 @@ def test_bench_reports_every_variant_and_the_ring_overlap() -> None:
         assert all(t > 0 for t in times.values())
         assert overlap["comm_ms"] > 0 and overlap["compute_ms"] > 0 and overlap["overlapped_ms"] > 0
         assert 0.0 <= overlap["hidden"] <= 1.0
+        # The direct reading: time blocked in the ring's waits, forward and backward.
+        assert overlap["exposed_wait_ms"] >= 0 and 0.0 <= overlap["hidden_waits"] <= 1.0
+        assert overlap["backward_comm_ms"] > 0 and overlap["backward_exposed_wait_ms"] > 0
+        assert 0.0 <= overlap["backward_hidden_waits"] <= 1.0

@@ -56,8 +56,9 @@ class AllGatherAttention(torch.autograd.Function):
         gathered, pending = _post_gather(group, k, v)
         qh = heads_first(q)
         acc_out, acc_lse = output_accumulators(q)
+        merged: set[tuple[int, int]] = set()
         for j, kj, vj in _shares(group, k, v, gathered, pending):
-            attend(engine, qh, heads_first(kj), heads_first(vj), plans[j], acc_out, acc_lse)
+            attend(engine, qh, heads_first(kj), heads_first(vj), plans[j], acc_out, acc_lse, merged)
         out = finish_output(acc_out, q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.group, ctx.plans, ctx.engine = group, plans, engine

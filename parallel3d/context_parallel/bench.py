@@ -5,7 +5,12 @@
 - ``bench_ring_overlap``: how much of the ring's K/V traffic hides behind compute, from
   three timings of the ring forward: communication alone (the ``cp - 1`` exchanges with no
   compute), compute alone (the same blocks against local K/V, no exchange) and the real,
-  overlapped ring. ``hidden = (comm + compute - overlapped) / comm``, clipped to [0, 1].
+  overlapped ring. ``hidden = (comm + compute - overlapped) / comm``, clipped to [0, 1]: the
+  end-to-end gain, which also charges the compute any slow-down the background transfer
+  causes (on CPU the transfer is itself CPU work of gloo's thread), but is the difference of
+  two large noisy times when the transfer is small. ``hidden_waits = 1 - exposed / comm``,
+  where ``exposed_wait_ms`` is the time the overlapped ring actually blocked in its waits: a
+  direct, low-noise reading of the communication compute did not cover.
 
 Times are the slowest rank's (max over the group) median of ``steps`` repetitions after
 ``warmup``, each repetition started together (a barrier). The caller owns process groups
@@ -21,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from kernels.attention_math import default_scale
+from kernels.attention_math import compute_dtype, default_scale
 from parallel3d.context_parallel.attention import context_parallel_attention
 from parallel3d.context_parallel.block_compute import BlockAttention, resolve_attention_backend
 from parallel3d.context_parallel.blockwise import attend, heads_first, output_accumulators, plan_shares
@@ -74,11 +79,37 @@ def bench_variants(
     return results
 
 
+class _TimedWaits:
+    """A ring group whose exchange handles record how long ``wait`` blocked (``blocked_s``): the
+    communication compute did NOT hide. Everything else is the wrapped ``CPGroup``."""
+
+    def __init__(self, group: CPGroup) -> None:
+        self._group, self.blocked_s = group, 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self._group, name)
+
+    def ring_exchange(self, sends, recvs):
+        work, timer = self._group.ring_exchange(sends, recvs), self
+
+        class _Handle:
+            def wait(self, timeout=None):
+                start = time.perf_counter()
+                try:
+                    return work.wait()
+                finally:
+                    timer.blocked_s += time.perf_counter() - start
+
+        return _Handle()
+
+
 def bench_ring_overlap(
     cp_group: CPGroup, *, batch: int, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
     dtype: torch.dtype = torch.float32, backend: str = "auto", steps: int = 5, warmup: int = 1,
 ) -> dict[str, float]:
-    """``comm_ms``, ``compute_ms``, ``overlapped_ms`` and ``hidden`` of the ring forward."""
+    """``comm_ms``, ``compute_ms``, ``overlapped_ms``, ``hidden``, ``exposed_wait_ms`` and ``hidden_waits``
+    of the ring forward; ``backward_comm_ms`` / ``backward_exposed_wait_ms`` / ``backward_hidden_waits``
+    the same reading of its backward (K/V again and the dK/dV partials travelling back)."""
     n = cp_group.size
     q = _share(cp_group, batch, seq_len, q_heads, head_dim, dtype, 1, False)
     k = _share(cp_group, batch, seq_len, kv_heads, head_dim, dtype, 2, False)
@@ -96,15 +127,63 @@ def bench_ring_overlap(
 
     def compute_only() -> None:
         acc_out, acc_lse = output_accumulators(q)
+        merged: set[tuple[int, int]] = set()
         for t in range(n):  # the blocks of every step, against local K/V of the same shape
             attend(engine, heads_first(q), heads_first(k), heads_first(v), plans[(cp_group.index - t) % n],
-                   acc_out, acc_lse)
+                   acc_out, acc_lse, merged)
+
+    timed = _TimedWaits(cp_group)
+    blocked: list[float] = []
 
     def overlapped() -> None:
-        RingAttention.apply(q, k, v, cp_group, members[cp_group.index], members, engine)
+        timed.blocked_s = 0.0
+        RingAttention.apply(q, k, v, timed, members[cp_group.index], members, engine)
+        blocked.append(timed.blocked_s)
+
+    def comm_only_backward() -> None:
+        # What the backward moves: K/V again (n - 1 hops) and fp32 dK/dV partials (n hops),
+        # posted together per step as the ring backward does.
+        kv = [k, v]
+        dkv = [torch.zeros(k.shape, dtype=compute_dtype(dtype)), torch.zeros(v.shape, dtype=compute_dtype(dtype))]
+        for t in range(n):
+            pending = []
+            if t < n - 1:
+                receive = [torch.empty_like(k), torch.empty_like(v)]
+                pending.append(cp_group.ring_exchange(kv, receive))
+            incoming = [torch.empty_like(b) for b in dkv]
+            pending.append(cp_group.ring_exchange(dkv, incoming))
+            for work in pending:
+                work.wait()
+            kv, dkv = (receive if t < n - 1 else kv), incoming
+
+    grads_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    blocked_backward: list[float] = []
+
+    def overlapped_backward() -> None:
+        out = RingAttention.apply(*grads_in, timed, members[cp_group.index], members, engine)
+        timed.blocked_s = 0.0
+        torch.autograd.grad(out, grads_in, dout)
+        blocked_backward.append(timed.blocked_s)
+
+    def slowest(values: list[float]) -> float:
+        x = torch.tensor([statistics.median(values[warmup:]) * 1e3], dtype=torch.float64)
+        if n > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=cp_group.group)
+        return float(x)
+
+    def fraction(exposed: float, comm: float) -> float:
+        return min(1.0, max(0.0, 1.0 - exposed / comm)) if comm > 0 else 0.0
 
     comm = _slowest_median_ms(comm_only, cp_group, steps, warmup) if n > 1 else 0.0
     compute = _slowest_median_ms(compute_only, cp_group, steps, warmup)
     both = _slowest_median_ms(overlapped, cp_group, steps, warmup)
+    exposed = slowest(blocked)
+    comm_bwd = _slowest_median_ms(comm_only_backward, cp_group, steps, warmup) if n > 1 else 0.0
+    _slowest_median_ms(overlapped_backward, cp_group, steps, warmup)
+    exposed_bwd = slowest(blocked_backward)
     hidden = min(1.0, max(0.0, (comm + compute - both) / comm)) if comm > 0 else 0.0
-    return {"comm_ms": comm, "compute_ms": compute, "overlapped_ms": both, "hidden": hidden}
+    return {"comm_ms": comm, "compute_ms": compute, "overlapped_ms": both, "hidden": hidden,
+            "exposed_wait_ms": exposed, "hidden_waits": fraction(exposed, comm),
+            "backward_comm_ms": comm_bwd, "backward_exposed_wait_ms": exposed_bwd,
+            "backward_hidden_waits": fraction(exposed_bwd, comm_bwd)}

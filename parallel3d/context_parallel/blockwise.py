@@ -54,12 +54,23 @@ def plan_shares(engine: BlockAttention, q_segments: list[Segment], kv_segments: 
 
 def attend(
     engine: BlockAttention, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: BlockPlan,
-    acc_out: torch.Tensor, acc_lse: torch.Tensor,
+    acc_out: torch.Tensor, acc_lse: torch.Tensor, merged: set[tuple[int, int]] | None = None,
 ) -> None:
-    """Merge every block of ``plan`` (queries ``qh``, keys/values ``kh``/``vh``, all ``[b, h, s, d]``)."""
+    """Merge every block of ``plan`` (queries ``qh``, keys/values ``kh``/``vh``, all ``[b, h, s, d]``).
+
+    ``merged``: the query rows ``(offset, length)`` already holding a partial result, kept by the
+    caller across calls on the same accumulators. The first block of rows is copied in, not
+    merged: merging into 0 / -inf gives exactly that block's ``(out, lse)`` (``logaddexp(-inf, x)
+    = x``, ``0 + out * exp(0) = out``), so the copy is the same result in one pass instead of ~8."""
     for block in plan.blocks:
         out, lse = engine.forward(qh[:, :, block.q_rows], kh[:, :, block.k_rows], vh[:, :, block.k_rows], block)
-        merge_partial(acc_out[:, :, block.q_rows], acc_lse[:, :, block.q_rows], out, lse)
+        rows = (block.q_offset, block.q.length)
+        if merged is not None and rows not in merged:
+            acc_out[:, :, block.q_rows].copy_(out)
+            acc_lse[:, :, block.q_rows].copy_(lse)
+            merged.add(rows)
+        else:
+            merge_partial(acc_out[:, :, block.q_rows], acc_lse[:, :, block.q_rows], out, lse)
 
 
 def attend_backward(

@@ -8,7 +8,7 @@ group ``p // a`` and member ``p // a`` of ring ``p % a``.
 
 1. All-to-all inside the group (``ulysses.scatter_heads``): the rank now holds the
    sequence shares of its ``a`` group members, for ``1 / a`` of the heads.
-2. Those ``2 a`` chunks are reordered by position into contiguous runs (one run for the
+2. Those ``2 a`` chunks are reordered by position (inside the all-to-all's own copies) into contiguous runs (one run for the
    whole sequence when ``a = n``; two when ``a = 1``) so that blocks are as large as
    possible; with document ids the runs are cut back to chunk length so that blocks a
    document boundary hides can still be skipped.
@@ -66,8 +66,11 @@ def ulysses_ring_attention(
         runs = [split_segments(r, chunk) for r in runs]
     mine = layouts[ring.index]
     order = coalesced_order(mine)[0]
-    q_h, k_h, v_h = scatter_heads(q, k, v, a2a)
-    q_h, k_h, v_h = (reorder(t, mine, order, seq_dim=1) for t in (q_h, k_h, v_h))
+    if a == 1:
+        q_h, k_h, v_h = (reorder(t, mine, order, seq_dim=1) for t in (q, k, v))
+    else:  # the all-to-all's copies out of / into its buffers do the reorder (no extra pass)
+        q_h, k_h, v_h = scatter_heads(q, k, v, a2a, order)
     out = RingAttention.apply(q_h, k_h, v_h, ring, runs[ring.index], runs, engine)
-    out = reorder(out, [mine[i] for i in order], inverse_order(order), seq_dim=1)
-    return gather_heads(out, a2a)
+    if a == 1:
+        return reorder(out, [mine[i] for i in order], inverse_order(order), seq_dim=1)
+    return gather_heads(out, a2a, order)

@@ -56,11 +56,12 @@ class RingAttention(torch.autograd.Function):
         plans = [by_member[(me - t) % n] for t in range(n)]  # step t holds member (me - t)'s K/V
         qh = heads_first(q)
         acc_out, acc_lse = output_accumulators(q)
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [k.contiguous(), v.contiguous()] if n > 1 else [k, v]  # only sends need contiguous buffers
         receive = _receive_buffers(kv, n)
+        merged: set[tuple[int, int]] = set()
         for t in range(n):
             pending = ring.ring_exchange(kv, receive[t % 2]) if t < n - 1 else None
-            attend(engine, qh, heads_first(kv[0]), heads_first(kv[1]), plans[t], acc_out, acc_lse)
+            attend(engine, qh, heads_first(kv[0]), heads_first(kv[1]), plans[t], acc_out, acc_lse, merged)
             if pending is not None:
                 pending.wait()
                 kv = receive[t % 2]
@@ -76,7 +77,7 @@ class RingAttention(torch.autograd.Function):
         n = ring.size
         ct = compute_dtype(q.dtype)
         qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
-        kv = [k.contiguous(), v.contiguous()]
+        kv = [k.contiguous(), v.contiguous()] if n > 1 else [k, v]  # only sends need contiguous buffers
         receive = _receive_buffers(kv, n)
         # Two sets of fp32 partial-gradient buffers: one being sent while the next fills.
         dkv_bufs = [[torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)]
@@ -86,8 +87,9 @@ class RingAttention(torch.autograd.Function):
         for t in range(n):
             kv_pending = ring.ring_exchange(kv, receive[t % 2]) if t < n - 1 else None
             dkv = dkv_bufs[t % len(dkv_bufs)]
-            for buf in dkv:
-                buf.zero_()
+            if t >= len(dkv_bufs):  # reused: its last send completed (waited at step t - 1)
+                for buf in dkv:
+                    buf.zero_()
             attend_backward(engine, doh, qh, heads_first(kv[0]), heads_first(kv[1]), outh, lse, delta, plans[t],
                             dq, heads_first(dkv[0]), heads_first(dkv[1]))
             if dkv_pending is not None:

@@ -4,8 +4,12 @@ Before attention each of the group's ``n`` members holds all heads of its sequen
 ``[b, s_local, H, d]``; one all-to-all leaves it every member's share of ``H / n`` heads,
 ``[b, n * s_local, H / n, d]`` (member-major along the sequence: member 0's share first).
 Member ``j`` gets heads ``[j H / n, (j + 1) H / n)``. After attention the inverse
-all-to-all restores the sequence shard (``Redistribute``, whose backward is the other
-direction).
+all-to-all restores the sequence shard (``HeadsToSeq``; each direction's backward is the other).
+
+Cost: q, k and v travel in ONE all-to-all (their heads packed side by side in the send
+buffer), and each direction copies every element exactly twice, once into the send buffer
+and once out of the receive buffer. The reorder by position that the hierarchical variant
+needs (``order``) is folded into those copies, forward and backward, so it adds none.
 
 Grouped-query attention: query head ``i`` reads kv head ``i // (hq / hk)``, so member
 ``j``'s query heads read kv heads ``[j hk / n, (j + 1) hk / n)`` when ``n`` divides
@@ -16,6 +20,8 @@ be split and raises ``HeadSplitError`` naming the counts.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -45,57 +51,119 @@ def kv_repeats(q_heads: int, kv_heads: int, a2a_size: int) -> int:
     )
 
 
-def _seq_to_heads(x: torch.Tensor, group: CPGroup) -> torch.Tensor:
-    n = group.size
-    b, s, h, d = x.shape
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [dest, b, s, h/n, d]
-    recv = torch.empty_like(send)  # [source, b, s, h/n, d]
+def _pack_seq(tensors: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+    """Sequence shares ``[b, s, H_i, d]`` -> the send buffer ``[n (dest), b, s, sum H_i / n, d]``:
+    member ``j``'s heads of every tensor side by side, written in one pass (no concatenated copy first)."""
+    b, s, _, d = tensors[0].shape
+    widths = [t.shape[2] // n for t in tensors]
+    send = torch.empty((n, b, s, sum(widths), d), dtype=tensors[0].dtype, device=tensors[0].device)
+    at = 0
+    for t, w in zip(tensors, widths):
+        send[:, :, :, at:at + w].copy_(t.reshape(b, s, n, w, d).permute(2, 0, 1, 3, 4))
+        at += w
+    return send
+
+
+def _unpack_heads(recv: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``recv [n (source), b, s, W, d]`` -> ``[b, n s, W, d]`` whose pieces follow ``order``; one copy.
+
+    Each source's share is ``pieces = len(order) / n`` equal pieces; piece ``m * pieces + p`` is piece
+    ``p`` of member ``m``'s share; output piece ``i`` is piece ``order[i]`` (so the reorder by position
+    costs nothing beyond the copy out of the receive buffer that any layout change needs)."""
+    n, b, s, w, d = recv.shape
+    pieces = len(order) // n
+    split = recv.view(n, b, pieces, s // pieces, w, d)
+    return torch.cat([split[i // pieces, :, i % pieces] for i in order], dim=1)
+
+
+def _pack_heads(tensors: Sequence[torch.Tensor], n: int, order: Sequence[int]) -> torch.Tensor:
+    """The inverse of ``_unpack_heads``: head shards ``[b, n s, W_i, d]`` laid out as ``order`` -> the send
+    buffer ``[n (dest: the piece's owner), b, s, sum W_i, d]``, in one pass."""
+    b, s_all, _, d = tensors[0].shape
+    pieces = len(order) // n
+    c = s_all // len(order)
+    widths = [t.shape[2] for t in tensors]
+    send = torch.empty((n, b, pieces, c, sum(widths), d), dtype=tensors[0].dtype, device=tensors[0].device)
+    for position, piece in enumerate(order):
+        m, p = divmod(piece, pieces)
+        at = 0
+        for t, w in zip(tensors, widths):
+            send[m, :, p, :, at:at + w].copy_(t[:, position * c:(position + 1) * c])
+            at += w
+    return send.view(n, b, pieces * c, sum(widths), d)
+
+
+def _unpack_seq(recv: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """``recv [n (source: head owner), b, s, sum W_i, d]`` -> ``[b, s, n W_i, d]`` per tensor (one copy each)."""
+    n, b, s, _, d = recv.shape
+    out, at = [], 0
+    for w in widths:
+        out.append(recv[:, :, :, at:at + w].permute(1, 2, 0, 3, 4).reshape(b, s, n * w, d))
+        at += w
+    return out
+
+
+def _exchange(send: torch.Tensor, group: CPGroup) -> torch.Tensor:
+    recv = torch.empty_like(send)
     group.all_to_all(recv, send)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+    return recv
 
 
-def _heads_to_seq(y: torch.Tensor, group: CPGroup) -> torch.Tensor:
-    n = group.size
-    b, s_all, h, d = y.shape
-    send = y.reshape(b, n, s_all // n, h, d).transpose(0, 1).contiguous()  # [dest (seq owner), b, s, h, d]
-    recv = torch.empty_like(send)  # [source (head owner), b, s, h, d]
-    group.all_to_all(recv, send)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s_all // n, n * h, d)
-
-
-class Redistribute(torch.autograd.Function):
-    """``to_heads=True``: ``[b, s_local, H, d]`` (sequence share, all heads) -> ``[b, n s_local, H / n, d]``
-    (every share, this member's heads); ``False``: the inverse. The backward is the other direction."""
+class SeqToHeads(torch.autograd.Function):
+    """``SeqToHeads.apply(group, order, *xs)``: each ``x [b, s_local, H_i, d]`` (sequence share, all heads)
+    -> ``[b, n s_local, H_i / n, d]`` (every share, in piece ``order``; this member's heads), all in ONE
+    all-to-all. The backward is the inverse, also one all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group: CPGroup, to_heads: bool):
-        ctx.group, ctx.to_heads = group, to_heads
-        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
+    def forward(ctx, group: CPGroup, order: list[int], *xs):
+        n = group.size
+        ctx.group, ctx.order, ctx.widths = group, order, [x.shape[2] // n for x in xs]
+        heads = _unpack_heads(_exchange(_pack_seq(xs, n), group), order)
+        return tuple(heads.split(ctx.widths, dim=2))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        send = _pack_heads(grads, ctx.group.size, ctx.order)
+        return (None, None, *_unpack_seq(_exchange(send, ctx.group), ctx.widths))
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """``HeadsToSeq.apply(y, group, order)``: the inverse of ``SeqToHeads`` for one tensor."""
+
+    @staticmethod
+    def forward(ctx, y, group: CPGroup, order: list[int]):
+        ctx.group, ctx.order = group, order
+        (out,) = _unpack_seq(_exchange(_pack_heads([y], group.size, order), group), [y.shape[2]])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (_heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)), None, None
+        return _unpack_heads(_exchange(_pack_seq([grad], ctx.group.size), ctx.group), ctx.order), None, None
+
+
+def identity_order(group: CPGroup, pieces: int = 1) -> list[int]:
+    """Pieces in member-major order (no reordering)."""
+    return list(range(group.size * pieces))
 
 
 def scatter_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CPGroup, order: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v from sequence shards to head shards in ONE all-to-all (kv heads repeated as needed)."""
+    """q, k, v from sequence shares to head shares in ONE all-to-all (kv heads repeated as needed).
+
+    ``order`` (default member-major): the order of the gathered pieces along the sequence; each
+    member's share is ``len(order) / n`` equal pieces, piece ``m * pieces + p`` is member ``m``'s ``p``-th."""
     n = group.size
     if n == 1:
         return q, k, v
     repeats = kv_repeats(q.shape[2], k.shape[2], n)
     if repeats > 1:
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-    b, s, _, d = q.shape
-    per_dest = [t.reshape(b, s, n, t.shape[2] // n, d) for t in (q, k, v)]
-    widths = [t.shape[3] for t in per_dest]
-    packed = torch.cat(per_dest, dim=3).reshape(b, s, n * sum(widths), d)
-    heads = Redistribute.apply(packed, group, True)
-    q_h, k_h, v_h = heads.split(widths, dim=2)
-    return q_h, k_h, v_h
+    return SeqToHeads.apply(group, list(order if order is not None else identity_order(group)), q, k, v)
 
 
-def gather_heads(out: torch.Tensor, group: CPGroup) -> torch.Tensor:
-    """The attention output back from head shards to this rank's sequence share."""
-    return out if group.size == 1 else Redistribute.apply(out, group, False)
+def gather_heads(out: torch.Tensor, group: CPGroup, order: Sequence[int] | None = None) -> torch.Tensor:
+    """The attention output (laid out as ``order``, see ``scatter_heads``) back to this rank's sequence share."""
+    if group.size == 1:
+        return out
+    return HeadsToSeq.apply(out, group, list(order if order is not None else identity_order(group)))
