@@ -198,3 +198,46 @@ def test_nonzero_correction_bias_needs_an_expert_bias():
     no_bias = cfg.replace(moe=cfg.moe.__class__(**{**cfg.moe.__dict__, "bias_update_rate": 0.0}))
     with pytest.raises(ValueError, match="bias_update_rate"):
         from_hf(hf, config=no_bias)
+
+
+def _init_from_hf_on_rank(rank: int, world: int, cfg: ModelConfig, directory: str) -> dict:
+    """``train.init_from=hf:DIR``'s loader at ep=``world``: this rank's parameters and buffers by global name."""
+    from parallel3d.checkpoint_io.hf_init import load_hf_weights
+    from parallel3d.topology import Topology
+    from parallel3d.zero.optimizer import ZeroOptimizer
+
+    pstate = ParallelState(Topology(dp=world, ep=world))
+    model = build_model(cfg, pstate, seed=5, dtype=torch.float32)
+    opt = ZeroOptimizer(model, pstate, zero_stage=1, lr=0.1)
+    load_hf_weights(opt, pstate, f"hf:{directory}", cfg)
+    params = {p.global_name: p.detach().clone() for p in model.parameters()}
+    buffers = {}
+    for module in model.modules():
+        named = [(n, p.global_name) for n, p in module.named_parameters(recurse=False)]
+        for name, buf in module.named_buffers(recurse=False):
+            buffers[named[0][1][: -len(named[0][0]) - 1] + "." + name] = buf.clone()
+    opt.close()
+    pstate.destroy()
+    return dict(params=params, buffers=buffers)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_init_from_hf_loads_parameters_and_the_correction_bias(tmp_path, world):
+    """``load_hf_weights`` (what ``train.init_from=hf:DIR`` runs) fills every parameter and the router's
+    ``expert_bias`` from ``e_score_correction_bias``, at ep 1 and 2, equal to the one-process conversion."""
+    from tests.harness import run_on_ranks
+
+    cfg = random_deepseek_config(5)
+    if cfg.moe.num_experts % world:
+        cfg = random_deepseek_config(6)
+    hf = _hf_model(cfg, 4)
+    hf.save_pretrained(tmp_path)
+    reference = _ours_with_buffers(from_hf(hf))
+    biases = [k for k in reference if k.endswith("router.expert_bias")]
+    assert biases and all(reference[k].abs().max() > 0 for k in biases)
+    for r in run_on_ranks(_init_from_hf_on_rank, world, cfg, str(tmp_path), timeout=200):
+        for name, value in r["params"].items():
+            assert torch.equal(value, reference[name]), name
+        assert set(biases) <= set(r["buffers"])
+        for name in biases:
+            assert torch.equal(r["buffers"][name], reference[name]), name

@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.hf import config_from_hf, expected_hf_shapes, from_hf_unit, hf_unit_of, unit_of
 from parallel3d.checkpoint_io.compat import model_signature
 from parallel3d.checkpoint_io.options import hf_dir_of
-from parallel3d.checkpoint_io.pieces import pieces_to_read, zero_owned_state
+from parallel3d.checkpoint_io.pieces import BUFFER_PREFIX, buffer_pieces, pieces_to_read, zero_owned_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -104,10 +104,18 @@ def load_hf_weights(opt: "ZeroOptimizer", pstate: "ParallelState", spec: str, cf
     for piece in pieces:
         by_unit.setdefault(unit_of(piece.key.split(".", 1)[1]), []).append(piece)
     zero_owned_state(opt, weights_only=True)  # vocabulary padding stays zero
+    # persistent buffers (the router's expert_bias <-> DeepSeek's e_score_correction_bias) where the format has them;
+    # a format without the buffer leaves its initial value, as a fresh run would
+    for piece in buffer_pieces(opt):
+        by_unit.setdefault(unit_of(piece.key.split(".", 1)[1]), []).append(piece)
     for unit, unit_pieces in by_unit.items():
         ours = from_hf_unit(weights.read(hf_keys[unit]), cfg, unit)
         for piece in unit_pieces:
-            full = ours[piece.key.split(".", 1)[1]]
+            full = ours.get(piece.key.split(".", 1)[1])
+            if full is None and piece.key.startswith(BUFFER_PREFIX):
+                continue
+            if full is None:
+                raise ValueError(f"the HF conversion gives no {piece.key.split('.', 1)[1]}")
             region = tuple(slice(o, o + s) for o, s in zip(piece.box.offsets, piece.box.sizes))
             piece.data.copy_(full[region])
     opt.params_from_master()

@@ -114,7 +114,7 @@ def _written_part(seg: OwnedSegment, pstate: "ParallelState") -> tuple[int, int]
     return (lo, hi) if hi > lo else None
 
 
-def _buffer_pieces(opt: "ZeroOptimizer") -> list[TensorPiece]:
+def buffer_pieces(opt: "ZeroOptimizer") -> list[TensorPiece]:
     """Every persistent buffer of this rank's modules, whole, keyed by its module's global prefix.
 
     The prefix comes from one of the module's own parameters (``global_name`` ends with its local
@@ -149,7 +149,7 @@ def pieces_to_write(opt: "ZeroOptimizer", pstate: "ParallelState") -> list[Tenso
         part = _written_part(seg, pstate)
         if part is not None:
             out += _pieces(seg, *part, pstate, STATE_KINDS)
-    return out + (_buffer_pieces(opt) if _writes_buffers(pstate) else [])
+    return out + (buffer_pieces(opt) if _writes_buffers(pstate) else [])
 
 
 def pieces_to_read(opt: "ZeroOptimizer", pstate: "ParallelState", *, weights_only: bool = False) -> list[TensorPiece]:
@@ -158,7 +158,7 @@ def pieces_to_read(opt: "ZeroOptimizer", pstate: "ParallelState", *, weights_onl
     out = []
     for seg in opt.owned_segments():
         out += _pieces(seg, seg.start, seg.start + seg.length, pstate, kinds)
-    return out if weights_only else out + _buffer_pieces(opt)
+    return out if weights_only else out + buffer_pieces(opt)
 
 
 def zero_owned_state(opt: "ZeroOptimizer", *, weights_only: bool = False) -> None:

@@ -27,11 +27,13 @@ Parameters (``global_name`` e.g. ``layers.3.mlp``): ``router.weight``, ``router.
 ``shared_expert_gate.weight``. Init depends only on (seed, global name).
 Gradient reduction the integrator owns: expert parameters are SUMMED over the expert
 data-parallel group and divided like dense gradients (by dp x cp, not by the edp size);
-the router, shared experts and gate are dense replicated parameters. Where the ranks of a
-dense-replica group hold different tokens (tp under sequence parallel), their gradients are
-partial sums over that group: ``replicated_weight_fn`` (applied to the router, shared-expert
-and gate weights at every use; e.g. identity forward, all-reduce of the gradient over tp)
-completes them; this module knows only the function, not the group.
+the router and the shared-expert gate are dense replicated parameters; the shared experts are
+whatever module the integrator passes (``shared_experts``: split over tp like the dense MLP in
+``models.moe_block``, or a whole ``SharedExpertFFN``). Where the ranks of a dense-replica group
+hold different tokens (tp under sequence parallel), the replicated weights' gradients are partial
+sums over that group: ``replicated_weight_fn`` (applied to the router and gate weights at every use;
+e.g. identity forward, all-reduce of the gradient over tp) completes them; this module knows only
+the function, not the group.
 """
 
 from __future__ import annotations
