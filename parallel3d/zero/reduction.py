@@ -139,7 +139,7 @@ class BucketReducer:
             work = comm.reduce_scatter_tensor(mine, full, self.pstate, kind, async_op=True)
             self.pending.add(work, on_done, (full,))
             return
-        if target.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+        if _storage_id(target) == _storage_id(full):
             raise ValueError("reduce_scatter: the target shares the bucket's storage but is not this rank's piece")
         if not accumulate:  # land straight in the target
             work = comm.reduce_scatter_tensor(target, full, self.pstate, kind, async_op=True)
@@ -159,4 +159,10 @@ class BucketReducer:
 def _is_piece_of(target: torch.Tensor, mine: torch.Tensor) -> bool:
     """Whether ``target`` is exactly ``mine`` (this rank's piece of the reduced buffer)."""
     return (target.data_ptr() == mine.data_ptr() and target.numel() == mine.numel()
-            and target.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr())
+            and _storage_id(target) == _storage_id(mine))
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage ``t`` views. Meta storages (the dry run) all report data pointer 0, so there the
+    storage object itself is compared."""
+    return t.untyped_storage()._cdata if t.is_meta else t.untyped_storage().data_ptr()
