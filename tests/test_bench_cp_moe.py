@@ -92,7 +92,9 @@ def test_bench_moe_quick(tmp_path: Path) -> None:
         (phases["dispatch"] + phases["combine"]) / phases["experts"])
 
 
+@pytest.mark.extended  # a clean clone has no peer environment: `python scripts/bench_cp.py --quick` creates it
 def test_deepspeed_peer_environment() -> None:
+    """The benchmarks' DeepSpeed environment imports the two peers they time (Ulysses, DeepSpeed-MoE)."""
     if not PEER_PY.exists():
         pytest.skip(f"DeepSpeed's own environment {PEER_PY.parent.parent} is missing, so the quick benchmarks ran "
                     "without their peer; `python scripts/bench_cp.py --quick` creates it (needs the package index)")

@@ -30,6 +30,15 @@ from tests.harness import run_on_ranks
 from tests.moe_cases import ExpertGrid, build_layer, by_global_name, dead_experts, inputs, random_options, rel_err
 
 TOL = 1e-6
+# The router's weight gradient sums every token's contribution on its rank, then over the world
+# (all-reduce); one process sums them in one GEMM. Two fp32 summation orders of a cancelling sum
+# differ by a few ulps of its largest term (1.6e-6 measured on one Xeon's GEMM kernels): still
+# 2,000x below a bf16 rounding (4e-3) or a gradient scaled by the group size.
+ROUTER_GRAD_TOL = 4e-6
+
+
+def _tol(what: str) -> float:
+    return ROUTER_GRAD_TOL if what.endswith("router.weight") and " grad " in what else TOL
 
 
 # ---- dispatch then combine ----------------------------------------------------------------------
@@ -159,13 +168,13 @@ LAYOUTS = [  # (world, etp, ep, span): span ranks split one micro-batch
 def test_layer_equals_single_process(world: int, etp: int, ep: int, span: int, variant: str) -> None:
     seeds = [world * 31 + etp * 7 + ep + span * 3 + i for i in range(2)]
     for rank, checks in enumerate(run_on_ranks(_layer_vs_single, world, etp, ep, span, variant, seeds)):
-        bad = [(what, err) for what, err in checks if err > TOL]
+        bad = [(what, err) for what, err in checks if err > _tol(what)]
         assert not bad, f"rank {rank} (etp={etp} ep={ep} span={span}): {bad}"
 
 
 def test_layer_under_emulated_nccl_equals_single_process() -> None:
     for rank, checks in enumerate(run_on_ranks(_layer_vs_single, 4, 2, 2, 2, "dropless", [5, 6], True)):
-        bad = [(what, err) for what, err in checks if err > TOL]
+        bad = [(what, err) for what, err in checks if err > _tol(what)]
         assert not bad, f"rank {rank}: {bad}"
 
 
