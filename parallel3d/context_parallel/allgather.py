@@ -22,16 +22,17 @@ from parallel3d.context_parallel.block_compute import BlockAttention
 from parallel3d.context_parallel.blockwise import (
     attend, attend_backward, backward_inputs, finish_output, heads_first, output_accumulators, plan_shares,
 )
-from parallel3d.context_parallel.group_comm import CPGroup
+from parallel3d.context_parallel.group_comm import CPGroup, release
 from parallel3d.context_parallel.segments import Segment
 
 
 def _post_gather(group: CPGroup, k: torch.Tensor, v: torch.Tensor):
-    """``(gathered [n, 2, b, s, hk, d], handle)``: every member's packed K/V, async."""
+    """``(gathered [n, 2, b, s, hk, d], handle, buffers)``: every member's packed K/V, async; ``buffers``
+    (the packed send and the gathered output) are released once the shares are used (``group_comm.release``)."""
     packed = torch.stack([k, v])
     gathered = torch.empty((group.size * 2, *k.shape), dtype=packed.dtype, device=packed.device)
     pending = group.all_gather(gathered, packed, async_op=True)
-    return gathered.view(group.size, *packed.shape), pending
+    return gathered.view(group.size, *packed.shape), pending, (packed, gathered)
 
 
 def _shares(group: CPGroup, k: torch.Tensor, v: torch.Tensor, gathered: torch.Tensor, pending):
@@ -53,12 +54,13 @@ class AllGatherAttention(torch.autograd.Function):
         if len(kv_segments) != group.size:
             raise ValueError(f"all-gather attention: {len(kv_segments)} kv segment lists for {group.size} ranks")
         plans = plan_shares(engine, q_segments, kv_segments)
-        gathered, pending = _post_gather(group, k, v)
+        gathered, pending, buffers = _post_gather(group, k, v)
         qh = heads_first(q)
         acc_out, acc_lse = output_accumulators(q)
         merged: set[tuple[int, int]] = set()
         for j, kj, vj in _shares(group, k, v, gathered, pending):
             attend(engine, qh, heads_first(kj), heads_first(vj), plans[j], acc_out, acc_lse, merged)
+        release(*buffers)  # freed here, not when gloo's worker drops the finished work (group_comm.release)
         out = finish_output(acc_out, q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.group, ctx.plans, ctx.engine = group, plans, engine
@@ -69,12 +71,14 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, plans, engine = ctx.group, ctx.plans, ctx.engine
         ct = compute_dtype(q.dtype)
-        gathered, pending = _post_gather(group, k, v)
+        gathered, pending, buffers = _post_gather(group, k, v)
         qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
         dkv = torch.zeros((group.size * 2, *k.shape), dtype=ct, device=k.device)
         for j, kj, vj in _shares(group, k, v, gathered, pending):
             attend_backward(engine, doh, qh, heads_first(kj), heads_first(vj), outh, lse, delta, plans[j],
                             dq, heads_first(dkv[2 * j]), heads_first(dkv[2 * j + 1]))
+        release(*buffers)
         mine = torch.empty((2, *k.shape), dtype=ct, device=k.device)  # dim 0 of dkv: member-major
         group.reduce_scatter(mine, dkv)
+        release(dkv)
         return dq.transpose(1, 2).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None

@@ -9,7 +9,9 @@ all-to-all restores the sequence shard (``HeadsToSeq``; each direction's backwar
 Cost: q, k and v travel in ONE all-to-all (their heads packed side by side in the send
 buffer), and each direction copies every element exactly twice, once into the send buffer
 and once out of the receive buffer. The reorder by position that the hierarchical variant
-needs (``order``) is folded into those copies, forward and backward, so it adds none.
+needs (``order``) is folded into those copies, forward and backward, so it adds none. Both
+buffers are freed as soon as they are used (``group_comm.release``), whatever the backend
+still references, so the step's peak memory does not depend on thread timing.
 
 Grouped-query attention: query head ``i`` reads kv head ``i // (hq / hk)``, so member
 ``j``'s query heads read kv heads ``[j hk / n, (j + 1) hk / n)`` when ``n`` divides
@@ -25,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from parallel3d.context_parallel.group_comm import CPGroup
+from parallel3d.context_parallel.group_comm import CPGroup, release
 
 
 class HeadSplitError(ValueError):
@@ -104,9 +106,23 @@ def _unpack_seq(recv: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]
 
 
 def _exchange(send: torch.Tensor, group: CPGroup) -> torch.Tensor:
+    """``send``'s all-to-all into a new receive buffer; ``send`` is freed (``group_comm.release``)."""
     recv = torch.empty_like(send)
     group.all_to_all(recv, send)
+    release(send)
     return recv
+
+
+def _copied_out(recv: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``outs`` (unpacked from ``recv``) as tensors of their own, with ``recv`` freed at this point
+    (``group_comm.release``). An output that is still a view of ``recv`` (one head per member: the
+    reshape merges a size-1 dim) is copied first: otherwise it would keep ``recv`` alive, and gloo's
+    worker with it, past the op (same values; only that tensor's strides differ)."""
+    shared = recv.untyped_storage().data_ptr()
+    owned = [o.clone(memory_format=torch.contiguous_format) if o.untyped_storage().data_ptr() == shared else o
+             for o in outs]
+    release(recv)
+    return owned
 
 
 class SeqToHeads(torch.autograd.Function):
@@ -118,13 +134,14 @@ class SeqToHeads(torch.autograd.Function):
     def forward(ctx, group: CPGroup, order: list[int], *xs):
         n = group.size
         ctx.group, ctx.order, ctx.widths = group, order, [x.shape[2] // n for x in xs]
-        heads = _unpack_heads(_exchange(_pack_seq(xs, n), group), order)
+        recv = _exchange(_pack_seq(xs, n), group)
+        (heads,) = _copied_out(recv, [_unpack_heads(recv, order)])
         return tuple(heads.split(ctx.widths, dim=2))
 
     @staticmethod
     def backward(ctx, *grads):
-        send = _pack_heads(grads, ctx.group.size, ctx.order)
-        return (None, None, *_unpack_seq(_exchange(send, ctx.group), ctx.widths))
+        recv = _exchange(_pack_heads(grads, ctx.group.size, ctx.order), ctx.group)
+        return (None, None, *_copied_out(recv, _unpack_seq(recv, ctx.widths)))
 
 
 class HeadsToSeq(torch.autograd.Function):
@@ -133,12 +150,15 @@ class HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group: CPGroup, order: list[int]):
         ctx.group, ctx.order = group, order
-        (out,) = _unpack_seq(_exchange(_pack_heads([y], group.size, order), group), [y.shape[2]])
+        recv = _exchange(_pack_heads([y], group.size, order), group)
+        (out,) = _copied_out(recv, _unpack_seq(recv, [y.shape[2]]))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _unpack_heads(_exchange(_pack_seq([grad], ctx.group.size), ctx.group), ctx.order), None, None
+        recv = _exchange(_pack_seq([grad], ctx.group.size), ctx.group)
+        (out,) = _copied_out(recv, [_unpack_heads(recv, ctx.order)])
+        return out, None, None
 
 
 def identity_order(group: CPGroup, pieces: int = 1) -> list[int]:
