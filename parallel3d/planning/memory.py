@@ -48,7 +48,7 @@ from parallel3d.planning.params import (
     stage_layer_ids,
 )
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
-from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len
+from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # Gradient buckets as parallel3d.zero's optimizer cuts them (its defaults): about 1 MiB first, then
@@ -261,10 +261,12 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
                     layers: Sequence[int] | None = None) -> float:
     """Transient bytes at the step's peak beyond the kept activations.
 
-    Two moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
-    activations still kept), and the first attention backward with cp (one layer's K/V buffers in
-    flight, ``cp_inflight_kv_bytes``), by which time backward has freed that layer's MLP half and, on
-    the last stage, the head's kept tensors. The larger net excess over the kept activations counts.
+    Three moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
+    activations still kept); where the stage's last layer is MoE, its combine's backward (the first of
+    the stage's layer backwards, ``moe_combine_backward_bytes``), by which time the last stage has
+    freed the head's kept tensors; and the first attention backward with cp (one layer's K/V buffers in
+    flight, ``cp_inflight_kv_bytes``), by which time backward has also freed that layer's MLP half.
+    The largest net excess over the kept activations counts.
     ``layers``: the stage's global layer indices (its last layer's backward comes first); needed
     where the layers differ.
     """
@@ -276,13 +278,14 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
     first_backward = layers[-1] if layers else None
     if layers is not None and not layers:  # a stage without layers runs no attention
         return max(loss, 0.0)
-    freed = mlp_half_activation_bytes(config, layout, assumptions, first_backward)
-    if last:
-        freed += head_activation_bytes(config, layout, assumptions)
+    head = head_activation_bytes(config, layout, assumptions) if last else 0.0
+    block = config.spec.blocks[first_backward if first_backward is not None else -1]
+    combine = moe_combine_backward_bytes(block, layout, assumptions.element_bytes) - head if block.moe else 0.0
+    freed = mlp_half_activation_bytes(config, layout, assumptions, first_backward) + head
     attention = cp_inflight_kv_bytes(config, layout, assumptions.element_bytes,
                                      reference_kernels=assumptions.reference_attention_blocks,
                                      gather_staging_copies=assumptions.gather_staging_copies) - freed
-    return max(loss, attention, 0.0)
+    return max(loss, combine, attention, 0.0)
 
 
 def largest_grad_piece(params: int, owners: int, zero_stage: int, weight_bytes: int,

@@ -16,8 +16,10 @@ tokens, so every per-token activation falls by cp. What each ``cp_comm`` variant
 In-flight buffers live one layer at a time, so they are workspace (counted once), not activations.
 Experts (``parallel3d.moe``): every token is dispatched ``top_k`` times; the expert FFN keeps the
 permuted rows, its SwiGLU tensors (width ``ffn / etp``) and its output rows for the weighted combine;
-the fp32 router keeps its logits and probabilities. Expert parallelism moves rows between ranks but,
-dropless and balanced, leaves ``tokens * top_k`` rows per rank: ep shrinks expert *states*, not these.
+the fp32 router keeps its logits and probabilities. The combine's backward, the first op of a MoE
+layer's backward, allocates row-sized tensors beside all of those (``moe_combine_backward_bytes``).
+Expert parallelism moves rows between ranks but, dropless and balanced, leaves ``tokens * top_k``
+rows per rank: ep shrinks expert *states*, not these.
 """
 
 from __future__ import annotations
@@ -140,3 +142,18 @@ def moe_layer_activation_bytes(block: BlockSpec, layout: Layout, element_bytes: 
         whole = local_seq_len(layout) * layout.micro_batch_size
         shared = element_bytes * whole * swiglu_tensors * moe.num_shared_experts * moe.shared_width / layout.tp
     return router + experts + combine + shared
+
+
+def moe_combine_backward_bytes(block: BlockSpec, layout: Layout, element_bytes: int) -> float:
+    """Bytes alive on one rank at the weighted combine's backward (``moe.permutation``), the first op of
+    a MoE layer's backward, beyond its kept activations: the gradient arriving at the layer's output
+    (and its fp32 copy when the activations are 16-bit), the rows' gradient, and for the routing
+    weights' gradient the fp32 gathered expert outputs and their product with the gradient (summed
+    over hidden after both exist). Measured: the allocator peak of deepseek_tiny's first stage
+    (tests/test_planning_layers.py)."""
+    tokens = local_seq_len(layout) * layout.micro_batch_size
+    if layout.sequence_parallel:
+        tokens /= layout.tp
+    h, rows = block.hidden_size, tokens * block.moe.top_k
+    arriving = element_bytes * tokens * h + (COMPUTE_BYTES * tokens * h if element_bytes != COMPUTE_BYTES else 0)
+    return arriving + element_bytes * rows * h + 2 * COMPUTE_BYTES * rows * h
