@@ -40,6 +40,8 @@ MFU_TOLERANCE = 0.10  # relative, the issue's bar
 RANK_TOP = 5
 RANK_SLACK = 0.03
 SCORED_SPLITS: tuple[str, ...] = ("calibration", "held_out")
+# The schedules the published runs' frameworks (Megatron-LM 2021-24, Megatron-Core, torchtitan) offered.
+RANK_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
 PRICEABLE_SCHEDULES = {"none": "1f1b", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"}
 
 
@@ -161,13 +163,15 @@ def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step:
 
 
 def _rank_request(layout: Layout) -> PlanRequest:
-    # The source's framework settings (recompute mode, ZeRO stage) are held at the published ones:
-    # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch, schedule), and the search is
-    # one recompute x one ZeRO stage per layout instead of up to 3 x 3, which keeps it fast.
+    # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
+    # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
+    # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
+    # run. One recompute x one ZeRO stage per layout instead of up to 3 x 3 also keeps it fast.
     return PlanRequest(global_batch_size=layout.global_batch_size, seq_len=layout.seq_len,
                        precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
                        recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
-                       max_cp=max(1, layout.cp))
+                       max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
+                       sequence_parallel=layout.sequence_parallel)
 
 
 def _rank_rule(step_time: float, faster: list) -> tuple[int, bool, float]:
