@@ -82,3 +82,23 @@ def test_plan_json_keeps_the_breakdown_and_explain_runs_from_hydra_keys(tmp_path
     for r in ranked:
         assert sum(r["breakdown_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-9)
     assert "explain: given tp=2 pp=2 dp=4" in text and "step s: compute" in text
+
+
+def test_rank_reason_names_the_columns_the_published_layout_loses_in():
+    """``validation.rank_reason`` (the ``--rank`` line under a miss): a 1F1B layout with few microbatches
+    against the same GPUs without a pipeline loses most in bubble; the seconds it prints are the column
+    differences of the two breakdowns."""
+    from parallel3d.planning.validation import rank_reason
+
+    cluster = ClusterSpec.build(8, 8, "h100_80gb")
+    config = ModelConfig(arch="llama", num_layers=8, hidden_size=1024, num_heads=16, ffn_hidden_size=2816,
+                         vocab_size=32000, max_seq_len=2048)
+    base = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, seq_len=2048, global_batch_size=16)
+    piped = base.replace(pp=4, dp=2)
+    worse, best = evaluate(config, piped, cluster).step, evaluate(config, base, cluster).step
+    assert worse.step_time_s > best.step_time_s
+    line = rank_reason(worse, best)
+    a, b = dict(worse.breakdown), dict(best.breakdown)
+    top = max(a, key=lambda k: a[k] - b[k])
+    assert top == "bubble"
+    assert line.startswith(f"best {base.short()}: published loses in {top} +{a[top] - b[top]:.2f} s")

@@ -86,6 +86,17 @@ def test_enumerated_layouts_use_every_gpu_and_keep_tp_in_a_node():
         assert 512 % (layout.dp * layout.micro_batch_size) == 0
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_enumerated_layouts_follow_the_sequence_parallel_request(sp):
+    """``PlanRequest.sequence_parallel``: on for every tp > 1 layout (the default), or off for every layout
+    (frameworks without it, as the validation's rank check asks for the 2021 Megatron-LM rows)."""
+    config = get_config("llama3_8b")
+    layouts = enumerate_layouts(config, ClusterSpec.build(16, 8),
+                                PlanRequest(global_batch_size=64, seq_len=2048, sequence_parallel=sp))
+    assert any(layout.tp > 1 for layout in layouts)
+    assert all(layout.sequence_parallel == (sp and layout.tp > 1) for layout in layouts)
+
+
 def test_plan_drops_layouts_that_do_not_fit():
     config = get_config("llama3_70b")
     small = ClusterSpec.build(64, 8, "a100_80gb", device_mem="40GB")

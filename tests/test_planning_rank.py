@@ -15,36 +15,80 @@ import pytest
 
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.planner import evaluate
-from parallel3d.planning.validation import rank_check, run_cluster, run_config, run_layout, run_options, validate_run
+from parallel3d.planning.validation import rank_search, run_cluster, run_config, run_layout, run_options, validate_run
 
 CI_MAX_GPUS = 128
-# Measured 2026-12-05 (gap = predicted step time over the best searched layout's) on 32 of the 34 rows;
-# folding_mixtral_8x22b_folding_128k_1024gpus and folding_qwen2_57b_folding_1024gpus are not measured yet.
-KNOWN_RANK_MISSES = {
-    "narayanan21_gpt_3.6b",  # rank 16, +6.3%
-    "narayanan21_gpt_7.5b",  # rank 17, +12.1%
-    "narayanan21_gpt_39.1b",  # rank 17, +20.2%
-    "narayanan21_gpt_76.1b",  # rank 17, +14.5%
-    "narayanan21_gpt_310.1b",  # rank 17, +10.3%
-    "narayanan21_gpt_529.6b",  # rank 17, +12.0%
-    "narayanan21_gpt3_175b_384gpus",  # rank 17, +13.1%
-    "narayanan21_gpt3_175b_1536gpus",  # rank 17, +15.6%
-    "narayanan21_gpt3_175b_1024gpus",  # rank 17, +14.6%
-    "narayanan21_gpt_530b_560gpus",  # rank 15, +8.8%
-    "narayanan21_gpt_530b_1120gpus",  # rank 15, +10.2%
-    "narayanan21_gpt_530b_2240gpus",  # rank 16, +11.1%
-    "mcore08_gpt_16b_192gpus",  # rank 7, +8.2%
-    "mcore08_gpt_32b_384gpus",  # rank 9, +30.3%
-    "mcore08_gpt_119b_1536gpus",  # rank 17, +11.7%
-    "mcore08_gpt_177b_2304gpus",  # rank 17, +15.2%
-    "mcore08_gpt_462b_6144gpus",  # rank 14, +14.8%
-    "mcore08_gpt_177b_4608gpus",  # rank 17, +21.6%
-    "nemotron4_15b_dp96",  # rank 9, +52.6%
-    "nemotron4_15b_dp192",  # rank 9, +52.7%
-    "nemotron4_15b_dp288",  # rank 9, +52.8%
-    "folding_mixtral_8x22b_folding_128gpus",  # rank 13, +13.0%
-    "folding_mixtral_8x22b_folding_1024gpus",  # rank 15, +21.4%
-    "folding_qwen2_57b_mcore_64gpus",  # rank 12, +5.9%
+# Measured 2026-12-05 after c85635d and with the source-framework search (sequence parallelism held at the
+# published setting, 1F1B/interleaved only) on all 34 scored held-out rows: 12 pass; these 22 miss. Each entry:
+# rank, gap (predicted step time over the best searched layout's) and `validation --rank`'s line on why.
+KNOWN_RANK_MISSES: dict[str, str] = {
+    "narayanan21_gpt_3.6b":
+        "rank 15, +6.3%; best tp=1 pp=1 dp=64 mbs=8 zero=0 rc=full: published loses in compute +0.16 s, tp "
+        "+0.15 s (Table 1 is weak scaling at a fixed dp=32, not a chosen layout)",
+    "narayanan21_gpt_7.5b":
+        "rank 17, +10.6%; best tp=1 pp=2 dp=64 v=4 mbs=1 zero=0 rc=full: published loses in tp +0.36 s, dp "
+        "+0.09 s, compute +0.08 s (Table 1 is weak scaling at a fixed dp=32, not a chosen layout)",
+    "narayanan21_gpt_39.1b":
+        "rank 17, +17.6%; best tp=2 pp=8 dp=32 v=3 mbs=1 zero=0 rc=full: published loses in tp +1.45 s, "
+        "compute +1.01 s, dp +0.67 s (Table 1 is weak scaling at a fixed dp=32, not a chosen layout)",
+    "narayanan21_gpt_76.1b":
+        "rank 17, +12.1%; best tp=4 pp=16 dp=16 v=3 mbs=1 zero=0 rc=full: published loses in compute +3.21 s,"
+        " tp +1.01 s, dp +0.74 s (Table 1 is weak scaling at a fixed dp=32, not a chosen layout)",
+    "narayanan21_gpt_310.1b":
+        "rank 13, +7.0%; best tp=8 pp=16 dp=15 v=4 mbs=1 zero=0 rc=full: published loses in bubble +2.45 s, "
+        "compute +0.59 s",
+    "narayanan21_gpt3_175b_384gpus":
+        "rank 17, +9.2%; best tp=4 pp=16 dp=6 v=3 mbs=1 zero=0 rc=full: published loses in tp +3.87 s, "
+        "compute +2.95 s, dp +0.14 s",
+    "narayanan21_gpt3_175b_1536gpus":
+        "rank 17, +13.5%; best tp=4 pp=16 dp=24 v=4 mbs=1 zero=0 rc=full: published loses in tp +0.97 s, "
+        "compute +0.84 s, bubble +0.82 s",
+    "narayanan21_gpt3_175b_1024gpus":
+        "rank 16, +12.3%; best tp=4 pp=16 dp=16 v=4 mbs=1 zero=0 rc=full: published loses in tp +1.45 s, "
+        "compute +1.23 s, bubble +1.02 s",
+    "mcore08_gpt_16b_192gpus":
+        "rank 7, +8.2%; best tp=4 pp=1 dp=48 mbs=4 zero=1 rc=none sp: published loses in dp +0.04 s, compute "
+        "+0.02 s",
+    "mcore08_gpt_32b_384gpus":
+        "rank 6, +30.3%; best tp=4 pp=1 dp=96 mbs=2 zero=1 rc=none sp: published loses in dp +0.19 s, compute"
+        " +0.03 s, optimizer +0.00 s",
+    "mcore08_gpt_119b_1536gpus":
+        "rank 17, +10.4%; best tp=8 pp=8 dp=24 v=3 mbs=1 zero=1 rc=none sp: published loses in bubble +0.18 "
+        "s, compute +0.16 s, dp +0.04 s",
+    "mcore08_gpt_177b_2304gpus":
+        "rank 15, +11.6%; best tp=8 pp=9 dp=32 v=3 mbs=1 zero=1 rc=none sp: published loses in compute +0.30 "
+        "s, bubble +0.30 s, dp +0.00 s",
+    "mcore08_gpt_462b_6144gpus":
+        "rank 11, +13.4%; best tp=8 pp=16 dp=48 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble +1.68 "
+        "s, compute +0.19 s",
+    "mcore08_gpt_177b_4608gpus":
+        "rank 17, +21.6%; best tp=8 pp=9 dp=64 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble +0.45 "
+        "s, compute +0.16 s, optimizer +0.00 s",
+    "nemotron4_15b_dp96":
+        "rank 6, +52.6%; best tp=2 pp=1 dp=384 mbs=1 zero=1 rc=none sp: published loses in tp +0.11 s, dp "
+        "+0.07 s, compute +0.02 s (the cost model prefers tp2 for a 15B model)",
+    "nemotron4_15b_dp192":
+        "rank 6, +52.7%; best tp=2 pp=1 dp=768 mbs=1 zero=1 rc=none sp: published loses in tp +0.11 s, dp "
+        "+0.07 s, compute +0.02 s (the cost model prefers tp2 for a 15B model)",
+    "nemotron4_15b_dp288":
+        "rank 6, +52.8%; best tp=2 pp=1 dp=1152 mbs=1 zero=1 rc=none sp: published loses in tp +0.11 s, dp "
+        "+0.07 s, compute +0.02 s (the cost model prefers tp2 for a 15B model)",
+    "folding_mixtral_8x22b_folding_128gpus":
+        "rank 16, +13.1%; best tp=2 ep=4 pp=8 dp=8 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble "
+        "+0.65 s, compute +0.12 s, ep +0.03 s (the source's vp is not stated, priced as 1)",
+    "folding_mixtral_8x22b_folding_1024gpus":
+        "rank 17, +21.9%; best tp=2 ep=4 pp=8 dp=64 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble "
+        "+0.65 s, compute +0.06 s, ep +0.02 s (the source's vp is not stated, priced as 1)",
+    "folding_mixtral_8x22b_folding_128k_1024gpus":
+        "rank 17, +16.8%; best tp=8 cp=8(p2p) pp=2 dp=8 v=4 mbs=1 zero=1 rc=none sp: published loses in "
+        "bubble +5.70 s, ep +1.75 s, compute +0.04 s (vp not stated; attention at 128k priced at full s^2, "
+        "see KNOWN_MISSES)",
+    "folding_qwen2_57b_mcore_64gpus":
+        "rank 17, +13.3%; best tp=2 ep=4 pp=2 dp=16 v=2 mbs=1 zero=1 rc=none sp: published loses in bubble "
+        "+0.78 s (the source's vp is not stated, priced as 1)",
+    "folding_qwen2_57b_folding_1024gpus":
+        "rank 17, +13.5%; best tp=4 ep=2 pp=1 dp=256 mbs=2 zero=1 rc=none sp: published loses in bubble +0.42"
+        " s, pp +0.01 s, optimizer +0.00 s (the source's vp is not stated, priced as 1)",
 }
 
 
@@ -61,10 +105,10 @@ def _rows():
 @pytest.mark.parametrize("run", _rows())
 def test_published_layout_ranks_top5_or_within_3_percent(run):
     config, layout, cluster, options = run_config(run), run_layout(run), run_cluster(run), run_options(run)
-    step = evaluate(config, layout, cluster, options).step.step_time_s
-    position, ok, gap = rank_check(config, layout, cluster, step, options)
-    print(f"{run.id}: rank {position}, {100 * gap:+.1f}% slower than the best found")
+    step = evaluate(config, layout, cluster, options).step
+    position, ok, gap, why = rank_search(config, layout, cluster, step, options)
+    print(f"{run.id}: rank {position}, {100 * gap:+.1f}% slower than the best found; {why}")
     if run.id in KNOWN_RANK_MISSES:
         assert not ok, f"{run.id} now passes the rank rule (rank {position}): drop it from KNOWN_RANK_MISSES"
     else:
-        assert ok, f"{run.id}: published layout ranks {position}, {100 * gap:+.1f}% slower than the best found"
+        assert ok, f"{run.id}: published layout ranks {position}, {100 * gap:+.1f}% slower than the best found; {why}"

@@ -15,11 +15,16 @@ from parallel3d.planning.validation import MFU_TOLERANCE, format_rows, summary, 
 
 # Held-out rows outside the 10% bar with today's model (measured by
 # `python -m parallel3d.planning.validation`); see README "Planner validation".
-KNOWN_MISSES = {
-    "mcore08_gpt_1.7b_48gpus", "mcore08_gpt_177b_4608gpus", "nemotron4_15b_dp288",
-    "folding_qwen2_57b_folding_1024gpus",
-    "folding_mixtral_8x22b_folding_128gpus", "folding_mixtral_8x22b_folding_1024gpus",
-    "folding_mixtral_8x22b_folding_128k_1024gpus",
+KNOWN_MISSES: dict[str, str] = {  # row -> error and the term the breakdown points at
+    "mcore08_gpt_1.7b_48gpus": "+13.7%: 99.9% compute at tp1, h=2304; per-kernel overheads of a small model not modelled",
+    "mcore08_gpt_177b_4608gpus": "-13.6%: 1F1B bubble 30% at 12 microbatches (dp96); the source's schedule/vp not stated",
+    "nemotron4_15b_dp288": "+14.1%: same per-rank work as dp96/dp192 (which pass); the published MFU falls with dp, "
+                           "the model's hierarchical DP reduction does not",
+    "folding_mixtral_8x22b_folding_128gpus": "-18.8%: 1F1B bubble 20% (vp not stated, priced as 1)",
+    "folding_mixtral_8x22b_folding_1024gpus": "-25.9%: 1F1B bubble 31% at 16 microbatches (vp not stated)",
+    "folding_mixtral_8x22b_folding_128k_1024gpus": "-40.9%: 78% compute at 128k: attention priced at full s^2 and "
+                                                   "per-head GEMM rate (a causal flash kernel does half)",
+    "folding_qwen2_57b_folding_1024gpus": "-20.5%: 1F1B bubble 31% at 8 microbatches (vp not stated)",
 }
 
 
@@ -39,8 +44,8 @@ def test_enough_scored_rows_cover_dense_moe_and_both_generations(held_out):
 def test_held_out_mfu_within_10_percent_except_reported_misses(held_out):
     print(format_rows(held_out))
     misses = {r.run.id for r in held_out if r.error is not None and not r.mfu_ok}
-    assert misses - KNOWN_MISSES == set(), f"new misses: {sorted(misses - KNOWN_MISSES)}"
-    assert KNOWN_MISSES - misses == set(), f"now pass, drop from KNOWN_MISSES: {sorted(KNOWN_MISSES - misses)}"
+    assert misses - set(KNOWN_MISSES) == set(), f"new misses: {sorted(misses - set(KNOWN_MISSES))}"
+    assert set(KNOWN_MISSES) - misses == set(), f"now pass, drop from KNOWN_MISSES: {sorted(set(KNOWN_MISSES) - misses)}"
     n, mean, worst = summary([r for r in held_out if r.run.id not in KNOWN_MISSES])
     assert n >= 20 and worst <= MFU_TOLERANCE
 

@@ -42,6 +42,9 @@ class CommModel:
             self._spans[kind] = (len(ranks), nodes, per_node)
         return self._spans[kind]
 
+    def group_size(self, kind: str) -> int:
+        return self._span(kind)[0]
+
     def reduce_scatter(self, nbytes: float, kind: str) -> float:
         """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``.
 

@@ -16,7 +16,8 @@ Per microbatch and layer, on one tensor-parallel rank:
 The pipeline is then *simulated* (``parallel3d.pipeline.schedules.simulate``)
 with those per-chunk times (embedding on the first chunk, head and loss on the
 last) and one P2P message per boundary. After a stage's last backward come its
-data-parallel gradient reduction and parameter all-gather, minus what overlaps
+data-parallel gradient reduction and parameter all-gather (dense parameters over dp x cp,
+the rank's routed experts over the expert data-parallel group), minus what overlaps
 with that backward, and the Adam update (memory-bound). ZeRO-3 has no all-gather
 after the step; it gathers the stage's parameters before every forward and
 backward of every microbatch (``microbatch`` mode) or once per step (``step``),
@@ -45,7 +46,7 @@ from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
 from parallel3d.planning.gemm import GemmCurve, attention_seconds, head_seconds, matmul_seconds
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
-from parallel3d.planning.params import rank_params, stage_layer_counts
+from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_counts, stage_layer_indices
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 
@@ -270,6 +271,29 @@ def _zero3_exposed(layout: Layout, reduce_all: float, gather_all: float, busy: f
     return over * share + reduce_all / units, over * (1 - share) + gather_all / units
 
 
+def stage_grad_groups(config: ModelConfig, layout: Layout, stage: int, layers: int) -> list[tuple[float, str, int]]:
+    """(parameters on one rank, the group their gradients reduce over, ZeRO stage) of a stage: the
+    dense ones over ``dp_cp`` at ``zero_stage``, the routed experts this rank holds (``experts / ep``,
+    ``1 / etp`` of each) over ``edp`` at the expert ZeRO stage, as the runtime and the estimator
+    shard them. (``rank_params`` counts every expert whole: reducing that over dp priced an ep=8
+    layout's expert gradients 8x too large and over the wrong group.)"""
+    held = rank_params(config, layout.tp, layout.pp, stage, layers)
+    ids = stage_layer_indices(config, layout.pp, stage, layers)
+    whole, expert = stage_expert_params(config, layout.pp, stage, ids, layout.ep, layout.etp or layout.tp)
+    groups = [(float(held.total - whole), "dp_cp", layout.zero_stage)]
+    if expert:
+        groups.append((float(expert), "edp", layout.expert_zero))
+    return groups
+
+
+def _dp_times(comm: CommModel, params: float, kind: str, zero: int, grad_bytes: int,
+              weight_bytes: int) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) of ``params`` over the ``kind`` group."""
+    if zero == 0:
+        return comm.all_reduce(params * grad_bytes, kind), 0.0
+    return comm.reduce_scatter(params * grad_bytes, kind), comm.all_gather(params * weight_bytes, kind)
+
+
 def _optimizer_time(layout: Layout, device, pb: PrecisionBytes, shard: float, grad_bytes: int) -> float:
     """The Adam update of ``shard`` elements: memory-bound on the device, or on the host with offload."""
     if layout.offload == "none":
@@ -330,20 +354,23 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     grad_bytes = options.dp_grad_bytes or pb.grad
     finish, dp_worst, opt_worst, crit = 0.0, 0.0, 0.0, 0
     for stage in range(p):
-        n = rank_params(config, layout.tp, p, stage, stage_layers[stage]).total
-        if layout.zero_stage == 0:
-            reduce_t, gather_t = comm.all_reduce(n * grad_bytes, "dp"), 0.0
-        else:
-            reduce_t = comm.reduce_scatter(n * grad_bytes, "dp")
-            gather_t = comm.all_gather(n * pb.weight, "dp")
-        if layout.zero_stage == 3:
-            reduce_t, gather_t = _zero3_exposed(layout, reduce_t, gather_t, pipe.busy[stage], stage_layers[stage])
-        elif layout.zero_stage in options.overlapped_zero_stages:
-            reduce_t = max(0.0, reduce_t - bwd(stage, 0))  # hidden behind the last microbatch's backward
-        if options.overlap_param_gather and layout.zero_stage in (1, 2):
-            gather_t = max(0.0, gather_t - fwd(stage, 0))  # behind the next step's first forward
-        shard = n / layout.dp if layout.zero_stage >= 1 else n
-        opt_t = _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
+        reduce_t = gather_t = hideable_r = hideable_g = opt_t = 0.0
+        for params, kind, zero in stage_grad_groups(config, layout, stage, stage_layers[stage]):
+            r, g = _dp_times(comm, params, kind, zero, grad_bytes, pb.weight)
+            if zero == 3:
+                r, g = _zero3_exposed(layout, r, g, pipe.busy[stage], stage_layers[stage])
+                reduce_t, gather_t = reduce_t + r, gather_t + g
+            else:
+                overlapped = zero in options.overlapped_zero_stages
+                reduce_t, hideable_r = reduce_t + (0.0 if overlapped else r), hideable_r + (r if overlapped else 0.0)
+                gathered = options.overlap_param_gather and zero in (1, 2)
+                gather_t, hideable_g = gather_t + (0.0 if gathered else g), hideable_g + (g if gathered else 0.0)
+            shard = params / comm.group_size(kind) if zero >= 1 else params
+            opt_t += _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
+        # The dense and expert reductions share the NICs, so they add; the overlapped ones hide behind
+        # the last microbatch's backward, the parameter all-gathers behind the next step's first forward.
+        reduce_t += max(0.0, hideable_r - bwd(stage, 0))
+        gather_t += max(0.0, hideable_g - fwd(stage, 0))
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
         if end >= finish:
             finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t

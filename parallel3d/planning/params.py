@@ -48,6 +48,11 @@ def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[
     return [common] * layers
 
 
+def stage_layer_indices(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int]) -> Sequence[int]:
+    """A stage's layer indices for per-stage totals (``_stage_ids``: exact for the engine's split)."""
+    return _stage_ids(config, pp, stage, layers)
+
+
 def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> HeldParams:
     """Parameters on one tp rank of pipeline ``stage``, which holds ``layers`` (a count or the indices)."""
     if not 0 <= stage < pp:

@@ -71,6 +71,9 @@ class PlanRequest:
     # MoE models: also try experts unsplit (etp = 1) when tp > 1, and each expert ZeRO stage of
     # ``zero_stages`` beside the dense one (memory only: the experts' own shard stage).
     search_expert_options: bool = True
+    # Sequence parallelism on every tp > 1 layout (the runtime's recommended setting); False prices
+    # frameworks without it (Megatron-LM before Korthikanti et al. 2022).
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp"):
@@ -229,7 +232,7 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
                             try:
                                 layout = Layout(
                                     tp=tp, cp=cp, cp_comm=cp_comm, cp_a2a_size=a2a, ep=ep, etp=etp, pp=pp, dp=dp,
-                                    sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
+                                    sequence_parallel=request.sequence_parallel and tp > 1, schedule=schedule, virtual_stages=v,
                                     micro_batch_size=mbs, seq_len=request.seq_len, global_batch_size=gbs,
                                     precision=request.precision)
                                 check_fits_model(config, layout)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from models.config import ModelConfig
 from models.moe_config import MoEConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost import CostOptions
+from parallel3d.planning.cost import CostOptions, StepEstimate
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.planner import PlanRequest, evaluate, plan
 from parallel3d.planning.published import load_published_runs
@@ -40,6 +40,8 @@ MFU_TOLERANCE = 0.10  # relative, the issue's bar
 RANK_TOP = 5
 RANK_SLACK = 0.03
 SCORED_SPLITS: tuple[str, ...] = ("calibration", "held_out")
+# The schedules the published runs' frameworks (Megatron-LM 2021-24, Megatron-Core, torchtitan) offered.
+RANK_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
 PRICEABLE_SCHEDULES = {"none": "1f1b", "1f1b": "1f1b", "interleaved_1f1b": "interleaved_1f1b"}
 
 
@@ -128,6 +130,7 @@ class RowResult:
     rank: int | None = None  # 1-based position of the published layout in the search (None: not run)
     rank_ok: bool | None = None
     rank_gap: float | None = None  # predicted step time over the best searched layout's, minus 1
+    rank_why: str = ""  # where the published layout loses to the best one found, by step-time column
 
     @property
     def error(self) -> float | None:
@@ -140,25 +143,52 @@ class RowResult:
         return self.error is not None and abs(self.error) <= MFU_TOLERANCE
 
 
-def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_time: float,
-               options: CostOptions) -> tuple[int, bool, float]:
-    """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule,
-    how much slower than the best found it is predicted: 0.05 = 5%)."""
-    # The source's framework settings (recompute mode, ZeRO stage) are held at the published ones:
-    # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch, schedule), and the search is
-    # one recompute x one ZeRO stage per layout instead of up to 3 x 3, which keeps it fast.
-    request = PlanRequest(global_batch_size=layout.global_batch_size, seq_len=layout.seq_len,
-                          precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
-                          recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
-                          max_cp=max(1, layout.cp))
+def rank_reason(published: StepEstimate, best: StepEstimate) -> str:
+    """One line: the best layout found and the step-time columns (``StepEstimate.breakdown``) in which
+    the published layout loses most to it, largest first (seconds per step)."""
+    a, b = dict(published.breakdown), dict(best.breakdown)
+    losses = sorted(((a[k] - b.get(k, 0.0), k) for k in a), reverse=True)
+    terms = ", ".join(f"{k} +{d:.2f} s" for d, k in losses[:3] if d > 0)
+    return f"best {best.layout.short()}: published loses in {terms or 'nothing'}"
+
+
+def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step: StepEstimate,
+                options: CostOptions) -> tuple[int, bool, float, str]:
+    """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best)."""
+    request = _rank_request(layout)
     ranked = plan(config, cluster, request, options).ranked
-    faster = [c for c in ranked if c.step.step_time_s < step_time]
+    faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
+    position, ok, gap = _rank_rule(step.step_time_s, faster)
+    return position, ok, gap, rank_reason(step, faster[0].step) if faster else ""
+
+
+def _rank_request(layout: Layout) -> PlanRequest:
+    # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
+    # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
+    # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
+    # run. One recompute x one ZeRO stage per layout instead of up to 3 x 3 also keeps it fast.
+    return PlanRequest(global_batch_size=layout.global_batch_size, seq_len=layout.seq_len,
+                       precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
+                       recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
+                       max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
+                       sequence_parallel=layout.sequence_parallel)
+
+
+def _rank_rule(step_time: float, faster: list) -> tuple[int, bool, float]:
     position = len(faster) + 1
     # Outside the top 5 it still passes when every layout above it is predicted at most 3% faster,
     # i.e. the published layout is within 3% of the best one found.
     ok = position <= RANK_TOP or step_time <= faster[0].step.step_time_s * (1 + RANK_SLACK)
     gap = step_time / faster[0].step.step_time_s - 1 if faster else 0.0
     return position, ok, gap
+
+
+def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_time: float,
+               options: CostOptions) -> tuple[int, bool, float]:
+    """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule,
+    how much slower than the best found it is predicted: 0.05 = 5%)."""
+    ranked = plan(config, cluster, _rank_request(layout), options).ranked
+    return _rank_rule(step_time, [c for c in ranked if c.step.step_time_s < step_time])
 
 
 def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False) -> RowResult:
@@ -178,9 +208,10 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
     peak = (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
     predicted = tokens_per_s_gpu * source_flops_per_token(run, config) / peak
     rank = ok = gap = None
+    why = ""
     if with_rank:
-        rank, ok, gap = rank_check(config, layout, cluster, cand.step.step_time_s, options)
-    return RowResult(run, published, predicted, rank=rank, rank_ok=ok, rank_gap=gap)
+        rank, ok, gap, why = rank_search(config, layout, cluster, cand.step, options)
+    return RowResult(run, published, predicted, rank=rank, rank_ok=ok, rank_gap=gap, rank_why=why)
 
 
 def validate(split: str = "held_out", with_rank: bool = False,
@@ -212,6 +243,8 @@ def format_rows(rows: list[RowResult]) -> str:
         lines.append(f"{r.run.id:38s} {r.run.split:11s} {r.run.hardware.gpus:5d} {text:28s} "
                      f"{100 * r.published_mfu:6.1f}% {100 * r.predicted_mfu:5.1f}% {100 * r.error:+6.1f}% "
                      f"{rank:>5s} {gap:>6s}  {'yes' if ok else 'MISS'}")
+        if r.rank_ok is False:
+            lines.append(f"{'':38s}   rank: {r.rank_why}")
     n, mean, worst = summary(rows)
     lines.append(f"scored {n} rows: mean |MFU error| {100 * mean:.1f}%, worst {100 * worst:.1f}% "
                  f"(bar: {100 * MFU_TOLERANCE:.0f}%)")
