@@ -63,7 +63,9 @@ def test_peak_per_rank_falls_with_ep(tmp_path):
 # square and fp64 copy of the largest gradient piece and, at ZeRO 1 on gloo, the backend's copy of the
 # gradient buffer being reduce-scattered (planning.memory).
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 1])
+# ZeRO 1: gloo's post-step parameter all-gathers allocate flat copies on its worker threads, and how many
+# coexist depends on timing (13.5-16.5 MiB measured against 14.8); a difference of two such peaks is no CI check
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(1, marks=pytest.mark.extended)])
 def test_ep_saving_within_10_percent_of_estimate(tmp_path, zero_stage):
     """The saving by the CPU allocator's peak of live tensor bytes (exact and deterministic; peak RSS,
     checked above, also counts pages beside tensors: rank 0's varies by ~1 MiB)."""
