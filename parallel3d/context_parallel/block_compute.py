@@ -103,9 +103,10 @@ class BlockAttention:
         if self._flash_cpu(block, q):
             b, hk, sk, d = k.shape
             group = q.shape[1] // hk
+            # dout / out go in as the strided views they are: the kernel reads strides (no copies).
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout.contiguous(), q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                out.contiguous(), lse.to(ct).contiguous(), 0.0, block.causal, scale=self.scale,
+                dout, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                out, lse.to(ct).contiguous(), 0.0, block.causal, scale=self.scale,
             )
             # Repeated kv heads: a kv head's gradient is the sum over the query heads that read it.
             dk = dk.reshape(b, hk, group, sk, d).sum(2)
