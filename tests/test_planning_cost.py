@@ -100,14 +100,17 @@ def test_enumerated_layouts_follow_the_sequence_parallel_request(sp):
 def test_plan_drops_layouts_that_do_not_fit():
     config = get_config("llama3_70b")
     small = ClusterSpec.build(64, 8, "a100_80gb", device_mem="40GB")
-    result = plan(config, small, PlanRequest(global_batch_size=128, seq_len=4096, top_k=5))
+    # the memory filter is the point, not the search's breadth: one schedule, even stages
+    result = plan(config, small, PlanRequest(global_batch_size=128, seq_len=4096, top_k=5, schedules=("1f1b",),
+                                             uneven_stages=False, max_virtual_stages=1))
     assert result.fitting < result.considered
     for candidate in result.ranked:
         assert candidate.peak_bytes <= 0.9 * 40e9
 
 
 def test_plan_with_no_fitting_layout_says_why():
-    result = plan(get_config("llama31_405b"), ClusterSpec.build(8), PlanRequest(global_batch_size=8, seq_len=4096))
+    result = plan(get_config("llama31_405b"), ClusterSpec.build(8),
+                  PlanRequest(global_batch_size=8, seq_len=4096, schedules=("1f1b",), uneven_stages=False))
     with pytest.raises(ValueError, match="no layout"):
         result.best
 

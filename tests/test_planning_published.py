@@ -101,7 +101,9 @@ def test_planner_best_layout_for_175b_on_1024_a100_is_at_least_as_fast_as_publis
     config = _gpt(96, 12288, 96)
     cluster = ClusterSpec.build(1024, 8, "a100_80gb")
     options = CostOptions.megatron_sc21()
-    result = plan(config, cluster, PlanRequest(global_batch_size=1536, seq_len=SEQ, precision="fp16"), options)
+    # the schedules Megatron ran in 2021, even stages (96 layers): the search the published layout competed in
+    result = plan(config, cluster, PlanRequest(global_batch_size=1536, seq_len=SEQ, precision="fp16",
+                                               schedules=("1f1b", "interleaved_1f1b"), uneven_stages=False), options)
     published = evaluate(config, _published_layout(8, 16, 1024, 1536), cluster, options)
     assert published.memory.peak_bytes <= cluster.device.memory_bytes  # their layout fits by our estimate too
     best = result.best
@@ -113,5 +115,8 @@ def test_planner_best_layout_for_175b_on_1024_a100_is_at_least_as_fast_as_publis
 
 
 def test_named_gpt3_175b_config_plans_on_default_cluster():
-    result = plan(get_config("gpt3_175b"), ClusterSpec.build(), PlanRequest(global_batch_size=1536, seq_len=SEQ))
+    # the preset by name on the default cluster; the full search on this model is the test above
+    result = plan(get_config("gpt3_175b"), ClusterSpec.build(),
+                  PlanRequest(global_batch_size=1536, seq_len=SEQ, schedules=("1f1b", "interleaved_1f1b"),
+                              uneven_stages=False, simulate_top=4, micro_batch_sizes=(1, 2)))
     assert result.ranked and 0.2 < result.best.step.mfu < 0.75
