@@ -21,6 +21,7 @@ from models.hf_formats import hf_format
 from models.hf_moe import unfuse_experts
 from models.state import full_state_dict
 from parallel3d.parallel_state import ParallelState
+from tests.hf_cases import perturb, rel, token_ids
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):  # pragma: no cover
@@ -53,22 +54,12 @@ SEEDS = range(4)
 
 def _hf_model(cfg: ModelConfig, seed: int = 0):
     torch.manual_seed(seed)
-    hf = transformers.DeepseekV3ForCausalLM(hf_config(cfg)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # norms off 1, router away from 0: a misplaced tensor shows
-            p.add_(0.1 * torch.randn_like(p))
-        for name, b in hf.named_buffers():  # sigmoid scores are in (0, 1): a bias of this size changes choices
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
-    return hf
+    # sigmoid scores are in (0, 1): a correction bias of this size changes choices
+    return perturb(transformers.DeepseekV3ForCausalLM(hf_config(cfg)).eval(), {"e_score_correction_bias": 0.3})
 
 
 def _ids(cfg: ModelConfig) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    return token_ids(cfg, 13)
 
 
 def _ours_with_buffers(model) -> dict[str, torch.Tensor]:
@@ -89,7 +80,7 @@ def test_logits_equal_transformers(seed):
     assert all(getattr(back.moe, k) == getattr(cfg.moe, k) for k in keys)
     ids = _ids(cfg)
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-5
+        assert rel(ours(ids), hf(ids).logits) < 1e-5
 
 
 def test_export_loads_in_transformers_with_our_tensors_and_logits(tmp_path):
@@ -119,7 +110,7 @@ def test_export_loads_in_transformers_with_our_tensors_and_logits(tmp_path):
         assert torch.equal(loaded[key], value), key
     ids = _ids(cfg)
     with torch.no_grad():
-        assert _rel(hf(ids).logits, ours(ids)) < 1e-5
+        assert rel(hf(ids).logits, ours(ids)) < 1e-5
     back = _ours_with_buffers(from_hf(hf))
     for key, value in _ours_with_buffers(ours).items():
         assert torch.equal(back[key], value), key
@@ -203,6 +194,7 @@ def test_nonzero_correction_bias_needs_an_expert_bias():
 def _init_from_hf_on_rank(rank: int, world: int, cfg: ModelConfig, directory: str) -> dict:
     """``train.init_from=hf:DIR``'s loader at ep=``world``: this rank's parameters and buffers by global name."""
     from parallel3d.checkpoint_io.hf_init import load_hf_weights
+    from parallel3d.checkpoint_io.pieces import BUFFER_PREFIX, buffer_pieces
     from parallel3d.topology import Topology
     from parallel3d.zero.optimizer import ZeroOptimizer
 
@@ -211,11 +203,7 @@ def _init_from_hf_on_rank(rank: int, world: int, cfg: ModelConfig, directory: st
     opt = ZeroOptimizer(model, pstate, zero_stage=1, lr=0.1)
     load_hf_weights(opt, pstate, f"hf:{directory}", cfg)
     params = {p.global_name: p.detach().clone() for p in model.parameters()}
-    buffers = {}
-    for module in model.modules():
-        named = [(n, p.global_name) for n, p in module.named_parameters(recurse=False)]
-        for name, buf in module.named_buffers(recurse=False):
-            buffers[named[0][1][: -len(named[0][0]) - 1] + "." + name] = buf.clone()
+    buffers = {piece.key.removeprefix(BUFFER_PREFIX): piece.data.clone() for piece in buffer_pieces(opt)}
     opt.close()
     pstate.destroy()
     return dict(params=params, buffers=buffers)

@@ -20,6 +20,7 @@ from models.hf_formats import hf_format
 from models.hf_moe import fuse_experts
 from models.state import full_state_dict
 from parallel3d.parallel_state import ParallelState
+from tests.hf_cases import perturb, rel, token_ids
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -57,19 +58,11 @@ def _hf_model(cfg: ModelConfig, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    hf = getattr(transformers, hf_format(cfg).architecture)(hf_config(cfg)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # norms off 1, router and gate away from 0: a misplaced tensor shows
-            p.add_(0.1 * torch.randn_like(p))
-    return hf
+    return perturb(getattr(transformers, hf_format(cfg).architecture)(hf_config(cfg)).eval())
 
 
 def _ids(cfg: ModelConfig) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+    return token_ids(cfg, 11)
 
 
 @pytest.mark.parametrize("family,seed", CASES, ids=[f"{f}-{s}" for f, s in CASES])
@@ -84,7 +77,7 @@ def test_logits_equal_transformers(family, seed):
         cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers)]
     ids = _ids(cfg)
     with torch.no_grad():
-        assert _rel(ours(ids), hf(ids).logits) < 1e-5
+        assert rel(ours(ids), hf(ids).logits) < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,7 +104,7 @@ def test_export_loads_in_transformers_with_our_logits(family, tmp_path):
     assert type(hf).__name__ == hf_format(cfg).architecture
     ids = _ids(cfg)
     with torch.no_grad():
-        assert _rel(hf(ids).logits, ours(ids)) < 1e-5
+        assert rel(hf(ids).logits, ours(ids)) < 1e-5
     # and back: exactly our tensors
     back = from_hf(hf)
     for key, value in full_state_dict(ours).items():
