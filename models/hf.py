@@ -1,10 +1,16 @@
 """Hugging Face ``transformers`` interop: GPT2LMHeadModel and LlamaForCausalLM (extra ``hf``).
 
 - ``from_hf(hf_model_or_state_dict, config=None, pstate=None)`` builds a (possibly
-  tp-sharded) parallel3d model holding the HF weights; the config comes from the HF
+  sharded) parallel3d model holding the HF weights; the config comes from the HF
   model's own config when omitted (required with a bare state dict).
-- ``to_hf(model)`` gathers the tp shards and returns the HF state dict, which
+- ``to_hf(model)`` gathers the shards and returns the HF state dict, which
   ``transformers`` loads with ``load_state_dict(strict=True)``.
+
+Both go through ``models.state``, so they follow the expert grid too: routed experts are
+split over ``ep`` by global expert index and their matrices over ``etp`` (which may differ
+from tp). ``to_hf`` needs the whole model (a pipeline stage holds only its layers);
+a run at any layout, pp included, exports through its checkpoint
+(``parallel3d.checkpoint_io.hf_export``).
 - ``hf_config(config)`` makes the matching ``transformers`` config (no download).
 DeepSeek-V3 (latent attention, ``models.hf_deepseek``) adds a row order (``HFFormat.reorder``) and the
 routers' expert-bias buffers (``HFFormat.layer_buffers``: ``from_hf`` loads them, ``to_hf`` writes them,
@@ -227,7 +233,8 @@ def from_hf(
     pstate: ParallelState | None = None,
     **build_kwargs: Any,
 ) -> TransformerLM:
-    """A parallel3d model (this rank's tp shard) holding the HF weights; see module docstring.
+    """A parallel3d model (this rank's shard: tp, and the ep block / etp slice of the experts) holding
+    the HF weights; see module docstring.
 
     ``build_kwargs`` go to ``build_model`` (``dtype``, ``sequence_parallel``, ``device``, ...).
     """
@@ -251,7 +258,7 @@ def from_hf(
 
 
 def to_hf(model: TransformerLM) -> dict[str, torch.Tensor]:
-    """The HF state dict of a whole model (tp shards gathered: a collective over tp)."""
+    """The HF state dict of a whole model (shards gathered: a collective over tp, etp and ep)."""
     cfg = model.config
     if not (model.pre_process and model.post_process and model.layer_range == (0, cfg.num_layers)):
         raise ValueError(f"to_hf needs the whole model; this module holds layers {model.layer_range} "

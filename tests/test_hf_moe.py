@@ -158,7 +158,7 @@ def _init_from_hf_on_rank(rank: int, world: int, cfg: ModelConfig, directory: st
     from parallel3d.topology import Topology
     from parallel3d.zero.optimizer import ZeroOptimizer
 
-    # etp=1: routed experts whole on each rank (checkpoint pieces do not cut etp slices yet)
+    # etp=1: routed experts whole on each rank (etp slices: test_hf_import_export_on_the_expert_grid)
     pstate = ParallelState(Topology(tp=world, etp=1))
     model = build_model(cfg, pstate, seed=5, dtype=torch.float32, sequence_parallel=True)
     opt = ZeroOptimizer(model, pstate, zero_stage=1, lr=0.1)
@@ -197,3 +197,108 @@ def test_init_from_hf_fills_tp_split_shared_experts(tmp_path):
             bad = {k: v for k, v in r["errors"].items() if v > 0}
             assert not bad, (seed, rank, bad)
             assert r["held"] and all(v == 0.5 for v in r["held"].values()), (seed, rank, r["held"])
+
+
+# ---- the expert grid: HF import/export at ep > 1 and etp != tp, on real gloo ranks -------------------------
+# (tp, pp, dp, ep, etp) of the two layouts one rank-pool run holds: the in-process API (``from_hf`` / ``to_hf``
+# with a ParallelState) at ep=2, etp=1 != tp=2, and ``train.init_from=hf:DIR``'s loader at pp=2 (stage chunks)
+# whose checkpoint the exporter turns back into a transformers directory.
+API_LAYOUT = dict(tp=2, pp=1, dp=2, ep=2, etp=1)
+INIT_LAYOUT = dict(tp=2, pp=2, dp=1, ep=2, etp=1)
+EXTENDED_LAYOUTS = [(dict(tp=1, pp=1, dp=4, ep=2, etp=2), dict(tp=1, pp=2, dp=2, ep=1, etp=2)),  # etp > tp
+                    (dict(tp=2, pp=1, dp=2, ep=4, etp=1), dict(tp=1, pp=1, dp=4, ep=2, etp=2))]
+
+
+def _grid_case() -> tuple[ModelConfig, torch.nn.Module]:
+    """A Qwen2-MoE config (shared expert split over tp, dense and MoE layers) that tp=2 and ep=4 can hold."""
+    for seed in range(100):
+        cfg = random_moe_config("qwen2_moe", seed)
+        if (cfg.num_heads % 2 == 0 and cfg.kv_heads % 2 == 0 and cfg.moe.num_experts % 4 == 0
+                and cfg.num_layers >= 2 and cfg.moe.ffn_hidden_size % 2 == 0
+                and any(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))):
+            return cfg, _hf_model(cfg, 6)
+    raise AssertionError("no qwen2_moe seed fits the layouts")
+
+
+def _expert_grid_on_rank(rank: int, world: int, cfg: ModelConfig, hf_state: dict, ids: torch.Tensor,
+                         directory: str, root: str, api: dict, init: dict) -> dict:
+    """``from_hf``/``to_hf`` at ``api`` (logits, loss, the exported dict); then ``load_hf_weights`` at ``init``
+    in pipeline-stage chunks, saved as a checkpoint under ``root`` as the trainer saves it."""
+    from parallel3d.checkpoint_io.hf_init import load_hf_weights
+    from parallel3d.checkpoint_io.resume import save_request
+    from parallel3d.checkpoint_io.writer import CheckpointWriter
+    from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+    from parallel3d.tensor_parallel.mappings import gather_last_dim
+    from parallel3d.topology import Topology
+    from parallel3d.zero.optimizer import ZeroOptimizer
+
+    ps = ParallelState(Topology(**api))
+    model = from_hf(hf_state, cfg, pstate=ps, dtype=torch.float32, sequence_parallel=api["tp"] > 1).eval()
+    labels = torch.roll(ids, -1, dims=1)
+    with torch.no_grad():
+        logits = gather_last_dim(model(ids), ps)[..., : cfg.vocab_size]
+        loss = model(ids, labels=labels)
+    exported = to_hf(model)
+    ps.destroy()
+
+    ps = ParallelState(Topology(**init))
+    ranges = partition_layers(cfg, init["pp"], 1, None)
+    chunks = [build_model(cfg, ps, seed=5, layer_range=r, pre_process=r[0] == 0, post_process=r[1] == cfg.num_layers,
+                          dtype=torch.float32, sequence_parallel=init["tp"] > 1) for r in stage_layer_ranges(ranges, init["pp"], ps.coord("pp"))]
+    opt = ZeroOptimizer(chunks, ps, zero_stage=1, lr=0.1)
+    load_hf_weights(opt, ps, f"hf:{directory}", cfg)
+    writer = CheckpointWriter(root, ps, keep_last=1, async_save=False, timeout_s=120)
+    writer.save(0, *save_request(opt, ps, {}, cfg, init, "fp32", {}))
+    saved = writer.close()
+    opt.close()
+    ps.destroy()
+    return dict(logits=logits, loss=loss, exported=exported, saved=saved)
+
+
+def _check_expert_grid(tmp_path, api: dict, init: dict) -> None:
+    from safetensors.torch import load_file
+
+    from parallel3d.checkpoint_io.hf_export import export_hf
+    from tests.harness import run_on_ranks
+
+    cfg, hf = _grid_case()
+    hf.save_pretrained(tmp_path / "hf")
+    ids = token_ids(cfg, 12)  # sequence parallel: a multiple of tp
+    labels = torch.roll(ids, -1, dims=1)
+    one = from_hf(hf).eval()  # the one-process conversion is the reference
+    with torch.no_grad():
+        ref_logits, ref_loss = one(ids), one(ids, labels=labels)
+        assert rel(ref_logits, hf(ids).logits) < 1e-5
+    reference = to_hf(one)
+    assert any(".experts.3." in k for k in reference)
+    results = run_on_ranks(_expert_grid_on_rank, 4, cfg, hf.state_dict(), ids, str(tmp_path / "hf"),
+                           str(tmp_path / "run" / "checkpoints"), api, init, timeout=300)
+    for rank, r in enumerate(results):
+        assert rel(r["logits"], ref_logits) < 1e-5, rank
+        assert abs(float(r["loss"]) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), rank
+        assert r["exported"].keys() == reference.keys(), rank  # every rank gets every expert, by global index
+        for key, value in reference.items():
+            assert torch.equal(r["exported"][key], value), (rank, key)
+        assert r["saved"] == [(0, True)], rank
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"), dtype="fp32", with_tokenizer=False)
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    if cfg.tie_embeddings:
+        reference.pop("lm_head.weight")
+    assert written.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(written[key], value), key
+
+
+@pytest.mark.slow
+def test_hf_import_export_on_the_expert_grid(tmp_path):
+    """Qwen2-MoE on four gloo ranks. ``from_hf(..., pstate)`` at tp=2, ep=2, etp=1 gives the one-process
+    model's logits and loss (and HF's), and ``to_hf`` there returns the whole HF dict on every rank
+    (experts of the other ep rank included, whole); ``load_hf_weights`` (``train.init_from=hf:DIR``) at
+    tp=2, pp=2, ep=2, etp=1 then a checkpoint then ``export_hf`` gives back exactly the HF tensors."""
+    _check_expert_grid(tmp_path, API_LAYOUT, INIT_LAYOUT)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("api,init", EXTENDED_LAYOUTS, ids=["etp-above-tp", "ep4-and-ep1"])
+def test_hf_import_export_on_other_expert_grids(tmp_path, api, init):
+    _check_expert_grid(tmp_path, api, init)

@@ -1,10 +1,13 @@
-"""Moving between a parameter's full (unsharded, unpadded) value and this rank's tp shard.
+"""Moving between a parameter's full (unsharded, unpadded) value and this rank's shard of it.
 
-A parameter's shard is chunk ``tp_rank`` of its full value along ``tp_split_dim``
-(``parallel3d.param_meta``), after padding dim 0 with zero rows up to the padded
-vocabulary when the parameter carries ``unpadded_rows``. Replicated parameters
-(``tp_split_dim is None``) are their full value. Used by HF import/export, tests and
-checkpoint conversion.
+A parameter's shard is chunk ``coord(kind)`` of its full value along ``dim``, where
+``(kind, dim) = param_meta.shard_grid(param)``: the ``tp`` group and ``tp_split_dim`` for dense
+parameters, the expert tensor-parallel group ``etp`` and ``etp_split_dim`` for routed experts
+(their own grid: etp may differ from tp). Dim 0 is first padded with zero rows up to the padded
+vocabulary when the parameter carries ``unpadded_rows``. Parameters whose ``dim`` is None are
+their full value. Which expert an ep rank holds is not a shard: a routed expert's "full value"
+here is that one expert's whole matrix (``models.state`` gathers the experts over ep). Used by
+HF import/export, tests and checkpoint conversion.
 """
 
 from __future__ import annotations
@@ -14,19 +17,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel3d import comm
-from parallel3d.param_meta import tp_split_dim
-from parallel3d.tensor_parallel.mappings import all_gather_along_dim
+from parallel3d.param_meta import shard_grid
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 
 def full_shape(param: torch.Tensor, pstate: "ParallelState") -> tuple[int, ...]:
-    """The unpadded shape of the whole parameter across the tp group."""
+    """The unpadded shape of the whole parameter across its grid's group."""
     shape = list(param.shape)
-    dim = tp_split_dim(param)
+    kind, dim = shard_grid(param)
     if dim is not None:
-        shape[dim] *= pstate.size("tp")
+        shape[dim] *= pstate.size(kind)
     rows = getattr(param, "unpadded_rows", None)
     if rows is not None:
         shape[0] = rows
@@ -36,26 +38,37 @@ def full_shape(param: torch.Tensor, pstate: "ParallelState") -> tuple[int, ...]:
 def shard_of(full: torch.Tensor, param: torch.Tensor, pstate: "ParallelState") -> torch.Tensor:
     """This rank's shard of ``full`` for ``param`` (shape checked by the caller)."""
     rows = getattr(param, "unpadded_rows", None)
-    dim = tp_split_dim(param)
+    kind, dim = shard_grid(param)
     if rows is not None and dim is not None:
-        padded = param.shape[0] * pstate.size("tp") if dim == 0 else param.shape[0]
+        padded = param.shape[0] * pstate.size(kind) if dim == 0 else param.shape[0]
         if padded > full.shape[0]:
             pad = full.new_zeros((padded - full.shape[0], *full.shape[1:]))
             full = torch.cat([full, pad], dim=0)
     if dim is None:
         return full
-    return full.chunk(pstate.size("tp"), dim=dim)[pstate.coord("tp")]
+    return full.chunk(pstate.size(kind), dim=dim)[pstate.coord(kind)]
+
+
+def gather_along(value: torch.Tensor, dim: int, pstate: "ParallelState", kind: str) -> torch.Tensor:
+    """The ``kind`` group's ``value`` concatenated along ``dim`` in group-rank order (collective; no autograd)."""
+    n = comm.group_size(pstate, kind)
+    if n == 1:
+        return value
+    front = value.movedim(dim, 0).contiguous()  # comm gathers along dim 0
+    out = front.new_empty((n * front.shape[0], *front.shape[1:]))
+    comm.all_gather_into_tensor(out, front, pstate, kind)
+    return out.movedim(0, dim).contiguous()
 
 
 def gather_full(param: torch.Tensor, pstate: "ParallelState", value: torch.Tensor | None = None) -> torch.Tensor:
-    """The whole parameter (all-gathered over tp, padding rows dropped); a detached copy.
+    """The whole parameter (all-gathered over its grid's group, padding rows dropped); a detached copy.
 
     ``value``: a tensor sharded like ``param`` to gather instead (e.g. ``param.grad``).
     """
-    dim = tp_split_dim(param)
+    kind, dim = shard_grid(param)
     value = (param if value is None else value).detach()
-    if dim is not None and comm.group_size(pstate, "tp") > 1:
-        value = all_gather_along_dim(value, dim, pstate)
+    if dim is not None:
+        value = gather_along(value, dim, pstate, kind)
     rows = getattr(param, "unpadded_rows", None)
     if rows is not None:
         value = value[:rows]
