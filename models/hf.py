@@ -8,8 +8,9 @@
 
 Both go through ``models.state``, so they follow the expert grid too: routed experts are
 split over ``ep`` by global expert index and their matrices over ``etp`` (which may differ
-from tp). ``to_hf`` needs the whole model (a pipeline stage holds only its layers);
-a run at any layout, pp included, exports through its checkpoint
+from tp). ``from_hf`` also builds a pipeline stage's chunk (``layer_range``, ``pre_process``,
+``post_process`` in its ``build_kwargs``: it loads what the chunk holds); ``to_hf`` needs the
+whole model; a run at any layout, pp included, exports through its checkpoint
 (``parallel3d.checkpoint_io.hf_export``).
 - ``hf_config(config)`` makes the matching ``transformers`` config (no download).
 DeepSeek-V3 (latent attention, ``models.hf_deepseek``) adds a row order (``HFFormat.reorder``) and the
@@ -226,6 +227,16 @@ def _validate_hf_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> d
     return state
 
 
+def _in_chunk(model: TransformerLM, name: str) -> bool:
+    """Whether ``model`` (a pipeline stage's chunk: its layers, the embedding and/or the head) holds the
+    full tensor ``name``: any tensor of its layers (experts of other ep ranks too: ``models.state`` expects
+    them), and the global tensors it has."""
+    unit = unit_of(name)
+    if unit != GLOBALS:
+        return model.layer_range[0] <= unit < model.layer_range[1]
+    return name in {getattr(p, "global_name", None) for p in model.parameters()}
+
+
 # ---- public API ----------------------------------------------------------------------
 def from_hf(
     hf_model_or_state_dict: "nn.Module | Mapping[str, torch.Tensor]",
@@ -250,7 +261,7 @@ def from_hf(
         raise ValueError(f"from_hf expects a transformers model or a state dict, got {type(hf_model_or_state_dict)}")
     state = _validate_hf_state(state, config)
     model = build_model(config, pstate or ParallelState.single_process(), **build_kwargs)
-    converted = _from_hf_tensors(state, config)
+    converted = {k: v for k, v in _from_hf_tensors(state, config).items() if _in_chunk(model, k)}
     params = {t.name for t in config.shape.tensors()}
     load_full_state_dict(model, {k: v for k, v in converted.items() if k in params})
     _load_buffers(model, {k: v for k, v in converted.items() if k not in params})

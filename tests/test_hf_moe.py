@@ -245,6 +245,10 @@ def _expert_grid_on_rank(rank: int, world: int, cfg: ModelConfig, hf_state: dict
     ranges = partition_layers(cfg, init["pp"], 1, None)
     chunks = [build_model(cfg, ps, seed=5, layer_range=r, pre_process=r[0] == 0, post_process=r[1] == cfg.num_layers,
                           dtype=torch.float32, sequence_parallel=init["tp"] > 1) for r in stage_layer_ranges(ranges, init["pp"], ps.coord("pp"))]
+    stages = [full_state_dict(from_hf(hf_state, cfg, pstate=ps, layer_range=r, pre_process=r[0] == 0,
+                                      post_process=r[1] == cfg.num_layers, dtype=torch.float32,
+                                      sequence_parallel=init["tp"] > 1))
+              for r in stage_layer_ranges(ranges, init["pp"], ps.coord("pp"))]
     opt = ZeroOptimizer(chunks, ps, zero_stage=1, lr=0.1)
     load_hf_weights(opt, ps, f"hf:{directory}", cfg)
     writer = CheckpointWriter(root, ps, keep_last=1, async_save=False, timeout_s=120)
@@ -252,7 +256,7 @@ def _expert_grid_on_rank(rank: int, world: int, cfg: ModelConfig, hf_state: dict
     saved = writer.close()
     opt.close()
     ps.destroy()
-    return dict(logits=logits, loss=loss, exported=exported, saved=saved)
+    return dict(logits=logits, loss=loss, exported=exported, saved=saved, stages=stages)
 
 
 def _check_expert_grid(tmp_path, api: dict, init: dict) -> None:
@@ -269,7 +273,7 @@ def _check_expert_grid(tmp_path, api: dict, init: dict) -> None:
     with torch.no_grad():
         ref_logits, ref_loss = one(ids), one(ids, labels=labels)
         assert rel(ref_logits, hf(ids).logits) < 1e-5
-    reference = to_hf(one)
+    reference, ours = to_hf(one), full_state_dict(one)
     assert any(".experts.3." in k for k in reference)
     results = run_on_ranks(_expert_grid_on_rank, 4, cfg, hf.state_dict(), ids, str(tmp_path / "hf"),
                            str(tmp_path / "run" / "checkpoints"), api, init, timeout=300)
@@ -280,6 +284,9 @@ def _check_expert_grid(tmp_path, api: dict, init: dict) -> None:
         for key, value in reference.items():
             assert torch.equal(r["exported"][key], value), (rank, key)
         assert r["saved"] == [(0, True)], rank
+        for stage in r["stages"]:  # from_hf of a pipeline stage's chunk: its tensors, every expert whole
+            assert stage and all(torch.equal(value, ours[key]) for key, value in stage.items()), rank
+    assert set().union(*(stage.keys() for r in results for stage in r["stages"])) == ours.keys()
     export_hf(str(tmp_path / "run"), str(tmp_path / "out"), dtype="fp32", with_tokenizer=False)
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     if cfg.tie_embeddings:
@@ -294,7 +301,8 @@ def test_hf_import_export_on_the_expert_grid(tmp_path):
     """Qwen2-MoE on four gloo ranks. ``from_hf(..., pstate)`` at tp=2, ep=2, etp=1 gives the one-process
     model's logits and loss (and HF's), and ``to_hf`` there returns the whole HF dict on every rank
     (experts of the other ep rank included, whole); ``load_hf_weights`` (``train.init_from=hf:DIR``) at
-    tp=2, pp=2, ep=2, etp=1 then a checkpoint then ``export_hf`` gives back exactly the HF tensors."""
+    tp=2, pp=2, ep=2, etp=1 then a checkpoint then ``export_hf`` gives back exactly the HF tensors; and
+    ``from_hf`` of each pipeline stage's chunk there holds the one-process model's tensors of that stage."""
     _check_expert_grid(tmp_path, API_LAYOUT, INIT_LAYOUT)
 
 
