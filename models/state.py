@@ -15,7 +15,7 @@ only slices (no communication).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
@@ -24,12 +24,15 @@ from parallel3d import comm
 from parallel3d.param_meta import is_expert_param
 from parallel3d.tensor_parallel.sharding import full_shape, gather_along, gather_full, shard_of
 
+if TYPE_CHECKING:  # pragma: no cover
+    from parallel3d.parallel_state import ParallelState
+
 
 def _named(model: nn.Module) -> dict[str, nn.Parameter]:
     return {getattr(p, "global_name", name): p for name, p in model.named_parameters()}
 
 
-def _expert_renamer(params: Mapping[str, nn.Parameter], pstate) -> Callable[[str, int], str]:
+def _expert_renamer(params: Mapping[str, nn.Parameter], pstate: "ParallelState") -> Callable[[str, int], str]:
     """``rename(name, r)``: the global name of the expert parameter that ep rank ``r`` holds in the
     slot where this rank holds ``name`` (same layer, same matrix, index shifted by whole blocks)."""
     per_layer: dict[str, set[int]] = {}
