@@ -1,6 +1,6 @@
 """The language model (any ``config.spec``: GPT, Llama) and ``build_model``.
 
-One module serves every layout: it holds the global layers ``[a, b)`` of the model
+One module serves every layout: it holds the global layers ``[a, b)`` (possibly none) of the model
 (``layers`` is a ModuleDict keyed by the *global* index, so parameter names never
 depend on pp), plus the embedding when ``pre_process`` and the final norm and head
 when ``post_process``. Tensor parallelism enters only through the layers it is built
@@ -212,8 +212,8 @@ def _resolve_layer_range(config: ModelConfig, layer_range: tuple[int, int] | Non
         a, b = (int(v) for v in layer_range)
     except (TypeError, ValueError):
         raise ValueError(f"layer_range must be a pair (start, stop) of ints, got {layer_range!r}") from None
-    if not (0 <= a < b <= config.num_layers):
-        raise ValueError(f"layer_range={layer_range!r} must satisfy 0 <= start < stop <= num_layers={config.num_layers}")
+    if not (0 <= a <= b <= config.num_layers):
+        raise ValueError(f"layer_range={layer_range!r} must satisfy 0 <= start <= stop <= num_layers={config.num_layers}")
     return a, b
 
 
@@ -237,7 +237,9 @@ def build_model(
     allocates and initialises nothing (parameter counting for huge configs).
     ``context_parallel``: the job's cp attention (``ContextParallelAttention.build``); None = ring
     (p2p) attention over pstate's cp group, plain attention when cp = 1.
-    ``pre_process`` / ``post_process`` default to the range touching the first / last layer.
+    ``pre_process`` / ``post_process`` default to the range touching the first / last layer; an empty
+    ``layer_range`` (a == b) is allowed for a pipeline's first or last chunk: the embedding alone, or the
+    final norm and head alone (pass both flags then: (0, 0) and the chunk after it both start at layer 0).
     """
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config must be a models.ModelConfig, got {type(config).__name__}")
@@ -256,6 +258,11 @@ def build_model(
     a, b = _resolve_layer_range(config, layer_range)
     pre = (a == 0) if pre_process is None else bool(pre_process)
     post = (b == config.num_layers) if post_process is None else bool(post_process)
+    if a == b and not (pre or post):
+        # An empty range is the pipeline's first chunk (embedding only) or last (final norm and head
+        # only); a middle chunk without a layer would hold nothing (pipeline.partition refuses it).
+        raise ValueError(f"layer_range={layer_range!r} is empty: allowed only with pre_process (the embedding "
+                         f"alone) or post_process (the final norm and head alone)")
     padded = padded_vocab_size(config.vocab_size, tp)
     if padded != config.vocab_size and pstate.rank == 0 and (pre or post):
         log.info("vocab_size=%d padded to %d (a multiple of tp=%d); padding rows are zero and masked",

@@ -375,10 +375,11 @@ class Topology:
         if num_heads % kv:
             raise LayoutError(f"num_heads={num_heads} is not divisible by num_kv_heads={kv}")
         chunks = self.pp * virtual_stages
-        if num_layers < chunks:
+        if num_layers < fewest_layers(chunks):
             raise LayoutError(
                 f"num_layers={num_layers} is fewer than pipeline chunks pp*virtual_stages="
-                f"{self.pp}*{virtual_stages}={chunks}; every chunk needs at least one layer"
+                f"{self.pp}*{virtual_stages}={chunks} less the first and the last ({chunks - 2}); every chunk but "
+                f"the first (embedding) and the last (final norm, head) needs at least one layer"
             )
 
     def describe(self) -> str:
@@ -387,3 +388,9 @@ class Topology:
         expert = f", etp={self.etp}, edp={self.edp}" if self.ep > 1 or self.etp != self.tp else ""
         return f"Topology({sizes}{expert}, order={self.order!r}, world_size={self.world_size})"
 
+
+def fewest_layers(chunks: int) -> int:
+    """The fewest transformer layers ``chunks`` pipeline chunks can hold: one per middle chunk, while the
+    first may hold the embedding alone and the last the final norm and head alone (at least one layer
+    in all: a model has layers)."""
+    return max(chunks - 2, 1)

@@ -20,7 +20,7 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   yet, id ``COVER_BASE + k``, and is the cheapest per property it adds): pp=3 and pp=4 with
   dp > 1 and ZeRO-2, 1F1B at pp >= 3 with dp > 1, an interleaved schedule with pp >= 3, NCCL
   semantics at pp >= 3, tp=4 with sequence parallel, an uneven split at pp >= 3, the
-  zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, ZeRO-3 with pp > 1
+  zero-bubble schedule at pp >= 3 with dp > 1 and at pp >= 2 with tp > 1, an empty first and last chunk, ZeRO-3 with pp > 1
   and dp > 1, ZB-V at pp >= 2 with the tied gpt and ZeRO >= 1, disk offload with dp > 1, ZeRO-0 with dp > 1, GPipe, Llama at pp >= 3,
   context parallel with pp >= 3, with tp + sequence parallel, with ZeRO-3, a2a+p2p, and with document masks
   (coverage draws within ``affordable_for_ci``).
@@ -196,12 +196,25 @@ def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
     return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
 
 
+def _empty_ends(rng: random.Random, counts: list[int]) -> list[int]:
+    """``counts`` with, sometimes, the first and/or the last chunk emptied (the embedding alone, the final
+    norm and head alone: Llama 3 405B's layout), its layers moved to the neighbouring chunk."""
+    out, which = list(counts), rng.choice(("none", "first", "last", "both", "both"))
+    if which in ("first", "both") and len(out) >= 2:
+        out[1], out[0] = out[1] + out[0], 0
+    if which in ("last", "both") and len(out) >= 3:
+        out[-2], out[-1] = out[-2] + out[-1], 0
+    return out
+
+
 def _draw(rng: random.Random, case_id: int) -> LayoutCase:
     tp, pp, dp = (rng.choice(DEGREES[d]) for d in ("tp", "pp", "dp"))
     schedule = rng.choice(cfg.SCHEDULES)
     v = rng.choice((2, 3, 4)) if schedule == "interleaved_1f1b" else 2 if schedule == "zbv" else 1
     layers = MODELS["gpt"]["num_layers"]
     pp_layers = _composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
+    if pp_layers is not None:  # empty end chunks, from a fork of the RNG: the draws after keep their values
+        pp_layers = _empty_ends(random.Random(repr(rng.getstate())), pp_layers)
     g = rng.choice(GLOBAL_BATCHES)
     mbs = rng.choice(MICRO_BATCHES)
     stage = rng.choice(cfg.ZERO_STAGES)
@@ -320,6 +333,10 @@ CI_MUST_COVER: dict[str, Callable[[LayoutCase], bool]] = {
     # parallel.expert_zero_stage: experts and dense parameters at different ZeRO stages (ep > 1: edp != dp_cp).
     "moe_ep>1_expert_zero_stage!=zero_stage": lambda c: c.parallel.get("ep", 1) > 1
     and c.parallel.get("expert_zero_stage") not in (None, c.parallel["zero_stage"]),
+    # Last, so the properties above keep their coverage ids (COVER_BASE + k).
+    # Both end chunks without a layer (embedding alone; final norm, head and loss alone), across stages.
+    "empty_first_and_last_chunk_pp>=2": lambda c: (c.parallel["pp_layers"] or [1])[0] == 0
+    and c.parallel["pp_layers"][-1] == 0 and c.parallel["pp"] >= 2,
 }
 
 

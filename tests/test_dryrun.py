@@ -125,7 +125,10 @@ def _tiny(extra: list[str]):
 @pytest.mark.parametrize("extra,world", [
     (["parallel.pp=4", "train.global_batch_size=12"], 4),
     (["parallel.pp=2", "parallel.zero_stage=2", "train.recompute=full", "train.global_batch_size=16"], 4),
-], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute"])
+    (["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.pp_layers=[0,2,2,0]",
+      "train.global_batch_size=8"], 2),
+    (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "train.global_batch_size=8"], 2),
+], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute", "pp2-interleaved-empty-end-chunks", "pp2-zbv-both-ends-on-stage0"])
 def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
     """Steps run at fewer microbatches and extrapolated (``dryrun.step``) give the messages and the
     activation peak of the full step run with every microbatch, on every rank."""
@@ -138,6 +141,20 @@ def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
         assert len(short.step_microbatches) == 2 and full.step_microbatches == [rj.grad_accum]
         assert short.messages == full.messages, rank
         assert short.activation_bytes == full.activation_bytes > 0
+
+
+def test_dry_run_with_empty_end_chunks():
+    """Llama 3 405B's ends at small scale: interleaved pp=2 v=2 with the embedding alone in chunk 0 and
+    the head alone in chunk 3. Every rank builds and steps; it holds its layers and the shape module's
+    parameters for them (embedding on stage 0, head on the last), and runs every chunk's F and B."""
+    rj = resolve(_tiny(["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2",
+                        "parallel.pp_layers=[0,2,2,0]", "train.global_batch_size=8"]), world_size=2)
+    for rank in range(2):
+        r = dry_run_rank(rj, rank)
+        assert r.error is None, r.error
+        assert r.layers == 2
+        assert r.params == rank_params(rj.model, 1, 2, rank, r.layers).total
+        assert r.actions == {"F": 2 * rj.grad_accum, "B": 2 * rj.grad_accum}
 
 
 def test_a_stage_with_a_wrong_output_shape_fails_in_the_step_naming_its_rank(monkeypatch, capsys):

@@ -224,6 +224,37 @@ def test_pipeline_slices_compose_to_the_whole_model(name):
         assert torch.allclose(grads[key], g, rtol=1e-12, atol=1e-15), key
 
 
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
+def test_empty_end_chunks_compose_to_the_whole_model(name):
+    """The embedding alone, all layers, then the final norm and head alone (Llama 3 405B's ends): the
+    same loss and gradients as one module (the tied gpt's two word-embedding copies add up)."""
+    cfg = get_config(name)
+    ids, labels = _batch(cfg.vocab_size)
+    single = ParallelState.single_process()
+    whole = build_model(cfg, single, seed=9, dtype=torch.float64)
+    flags = [(True, False), (False, False), (False, True)]
+    stages = [build_model(cfg, single, seed=9, dtype=torch.float64, layer_range=r, pre_process=pre, post_process=post)
+              for r, (pre, post) in zip(((0, 0), (0, 4), (4, 4)), flags)]
+    assert [len(m.layers) for m in stages] == [0, 4, 0]
+    hidden = stages[0](ids)
+    assert hidden.shape == (B, S, cfg.hidden_size)  # the p2p message is the hidden state, as for any chunk
+    loss = stages[2](stages[1](hidden), labels=labels)
+    ref = whole(ids, labels=labels)
+    assert torch.allclose(loss, ref, rtol=1e-12, atol=0)
+    loss.backward()
+    ref.backward()
+    grads = {}
+    for stage in stages:
+        for key, g in full_grads(stage).items():
+            grads[key] = grads[key] + g if key in grads else g
+    ref_grads = full_grads(whole)
+    assert grads.keys() == ref_grads.keys()
+    for key, g in ref_grads.items():
+        assert torch.allclose(grads[key], g, rtol=1e-12, atol=1e-15), key
+    with pytest.raises(ValueError, match=r"layer_range=\(2, 2\) is empty"):
+        build_model(cfg, single, device="meta", layer_range=(2, 2), pre_process=False, post_process=False)
+
+
 def test_parameter_metadata():
     cfg = get_config("gpt_tiny")
     topology = Topology(tp=2, pp=2, dp=1)

@@ -18,12 +18,13 @@ from parallel3d.planning.planner import evaluate
 from parallel3d.planning.validation import rank_search, run_cluster, run_config, run_layout, run_options, validate_run
 
 CI_MAX_GPUS = 128
-# Measured 2026-12-05 after c85635d and with the source-framework search (sequence parallelism held at the
-# published setting, 1F1B/interleaved only) on all 34 scored held-out rows: 12 pass; these 22 miss. Each entry:
+# Measured 2026-12-05 with empty end chunks allowed (`validation --rank --split held_out`, the source-framework
+# search: sequence parallelism held at the published setting, 1F1B/interleaved only) on all 36 scored held-out
+# rows: 12 pass (the two Llama 3 405B rows now priced among them); these 24 miss. Each entry:
 # rank, gap (predicted step time over the best searched layout's) and `validation --rank`'s line on why.
 KNOWN_RANK_MISSES: dict[str, str] = {
     "narayanan21_gpt_3.6b":
-        "rank 15, +6.3%; best tp=1 pp=1 dp=64 mbs=8 zero=0 rc=full: published loses in compute +0.16 s, tp "
+        "rank 16, +6.3%; best tp=1 pp=1 dp=64 mbs=8 zero=0 rc=full: published loses in compute +0.16 s, tp "
         "+0.15 s (Table 1 is weak scaling at a fixed dp=32, not a chosen layout)",
     "narayanan21_gpt_7.5b":
         "rank 17, +10.6%; best tp=1 pp=2 dp=64 v=4 mbs=1 zero=0 rc=full: published loses in tp +0.36 s, dp "
@@ -73,6 +74,15 @@ KNOWN_RANK_MISSES: dict[str, str] = {
     "nemotron4_15b_dp288":
         "rank 6, +52.8%; best tp=2 pp=1 dp=1152 mbs=1 zero=1 rc=none sp: published loses in tp +0.11 s, dp "
         "+0.07 s, compute +0.02 s (the cost model prefers tp2 for a 15B model)",
+    # Passed until the first and last pipeline chunk could be empty: the default split of pp12 x v8 over 96
+    # layers is now [1 x 94, 2, 0] (its head costs 1.3 layers of FLOPs), which the stage-level cost model
+    # prices slower than Megatron's 1 layer per chunk; the published row is priced with our default split.
+    "nemotron4_340b_dp32":
+        "rank 7, +6.2%; best tp=8 pp=8 dp=48 v=3 mbs=1 zero=1 rc=none sp: published loses in bubble +0.73 s, "
+        "pp +0.28 s, optimizer +0.00 s (priced with the split [1 x 94, 2, 0], not the source's even one)",
+    "nemotron4_340b_dp64":
+        "rank 7, +4.5%; best tp=8 pp=8 dp=96 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble +0.48 s, "
+        "pp +0.19 s, optimizer +0.00 s (priced with the split [1 x 94, 2, 0], not the source's even one)",
     "folding_mixtral_8x22b_folding_128gpus":
         "rank 16, +13.1%; best tp=2 ep=4 pp=8 dp=8 v=4 mbs=1 zero=1 rc=none sp: published loses in bubble "
         "+0.65 s, compute +0.12 s, ep +0.03 s (the source's vp is not stated, priced as 1)",

@@ -204,8 +204,9 @@ def test_world_size_and_model_checks():
         Topology(tp=4).check_model(num_layers=4, num_heads=6)
     with pytest.raises(LayoutError, match="num_kv_heads=2 is not divisible by tp=4"):
         Topology(tp=4).check_model(num_layers=4, num_heads=8, num_kv_heads=2)
-    with pytest.raises(LayoutError, match="num_layers=3 is fewer than pipeline chunks"):
-        Topology(pp=4).check_model(num_layers=3, num_heads=4)
+    with pytest.raises(LayoutError, match="num_layers=1 is fewer than pipeline chunks"):
+        Topology(pp=4).check_model(num_layers=1, num_heads=4)
+    Topology(pp=4).check_model(num_layers=2, num_heads=4)  # the end stages may hold no layer
     with pytest.raises(LayoutError, match="hidden_size=100 is not divisible by num_heads=3"):
         Topology().check_model(num_layers=3, num_heads=3, hidden_size=100)
     with pytest.raises(LayoutError, match="rank 8 out of range"):

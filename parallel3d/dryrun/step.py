@@ -16,7 +16,8 @@ Measured from the step itself: the peak activation bytes (the engine's saved-ten
 
 Fewer microbatches (``reduced_microbatches``): every microbatch runs the same code on the same
 shapes, so a step's messages are ``a + b m`` in the microbatch count ``m`` once the stage's
-schedule has the same warm-up (the same peak of microbatches in flight). The step runs at
+schedule has the same warm-up (the same most-loaded moments: microbatches in flight per chunk, as
+chunks may save different bytes per microbatch). The step runs at
 ``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's peak) and is
 extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
 number of microbatches in flight as the full step. ``m <= m2``: the full step runs once.
@@ -38,7 +39,7 @@ from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["StepMeasure", "in_flight_peak", "reduced_microbatches", "run_step"]
+__all__ = ["StepMeasure", "in_flight_peak", "in_flight_profile", "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -63,14 +64,31 @@ def in_flight_peak(name: str, pp: int, m: int, v: int, stage: int) -> int:
     return peak
 
 
+def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
+    """The stage's most-loaded moments, per chunk: the maximal vectors (no other is >= in every chunk)
+    of microbatches in flight per chunk. Two counts with the same profile have the same activation peak
+    whatever each chunk's bytes per microbatch (chunks differ: an embedding- or head-only chunk, uneven
+    layer counts), which the scalar ``in_flight_peak`` alone does not ensure."""
+    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
+    split = any(a.kind == "W" for a in actions)
+    chunks = sorted({a.chunk for a in actions})
+    live = dict.fromkeys(chunks, 0)
+    seen: set[tuple[int, ...]] = set()
+    for a in actions:
+        if a.kind in ("F", "W" if split else "B"):
+            live[a.chunk] += 1 if a.kind == "F" else -1
+            seen.add(tuple(live[c] for c in chunks))
+    return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
+
+
 def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int) -> tuple[int, int] | None:
     """``(m1, m2)``: the two smallest valid counts below ``m`` whose schedule for ``stage`` has the
-    full step's in-flight peak; None when none are (then run all ``m``)."""
-    want = in_flight_peak(name, pp, m, v, stage)
+    full step's in-flight profile (``in_flight_profile``); None when none are (then run all ``m``)."""
+    want = in_flight_profile(name, pp, m, v, stage)
     found: list[int] = []
     for k in range(1, m):
         try:
-            if in_flight_peak(name, pp, k, v, stage) == want:
+            if in_flight_profile(name, pp, k, v, stage) == want:
                 found.append(k)
         except ValueError:  # a count the schedule does not take (e.g. interleaved: a multiple of pp)
             continue

@@ -55,11 +55,13 @@ class PipelineOptions:
         if self.pp_layers is None:
             return
         layers = list(self.pp_layers)
-        if len(layers) != self.num_chunks(pp) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                                     for n in layers):
+        # The first chunk may hold the embedding alone and the last the final norm and head alone
+        # (pipeline.partition); a middle chunk without a layer would only pass its input on.
+        if len(layers) != self.num_chunks(pp) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0
+                                                     for n in layers) or any(n < 1 for n in layers[1:-1]):
             raise ConfigError(
                 f"parallel.pp_layers={layers}: must list {self.num_chunks(pp)} positive layer counts "
-                f"(one per pipeline chunk = pp*virtual_stages = {pp}*{v}), or be null"
+                f"(one per pipeline chunk = pp*virtual_stages = {pp}*{v}; the first and the last may be 0), or be null"
             )
         if num_layers is not None and sum(layers) != num_layers:
             raise ConfigError(f"parallel.pp_layers={layers}: sums to {sum(layers)} but model.num_layers={num_layers}")

@@ -5,8 +5,13 @@ chunk, in model order (chunk ``k`` of ``pp * v``; stage ``s`` holds chunks
 ``s, s + pp, ...``, see ``schedules.virtual_stage``). The first chunk also holds
 the embedding, the last the final norm, the head and the loss.
 
-Default split: contiguous, every chunk at least one layer, minimising the most
-expensive chunk under ``chunk_costs``'s estimate (forward FLOPs per token of each layer from
+Invariant: the ranges are contiguous and cover ``[0, num_layers)``; every middle chunk holds at least
+one layer, while the first chunk may hold none (the embedding only) and the last none (the final norm,
+the head and the loss only), as Llama 3 405B's pp=16 layout takes one layer off each end. An empty
+chunk still runs: it maps token ids (or hidden states) to hidden states (or the loss), so the p2p
+messages between chunks keep their shape (``topology.fewest_layers`` is the smallest model that fits).
+
+Default split: contiguous, minimising the most expensive chunk under ``chunk_costs``'s estimate (forward FLOPs per token of each layer from
 ``models.shape``, where the head and the embedding count too), ties broken towards even costs. An
 explicit ``pp_layers`` list overrides it.
 """
@@ -17,7 +22,7 @@ from typing import Sequence
 
 from models.config import ModelConfig
 from parallel3d.pipeline.placement import ChunkPlacement
-from parallel3d.topology import LayoutError
+from parallel3d.topology import LayoutError, fewest_layers
 
 
 def layer_costs(config: ModelConfig, seq_len: int) -> list[float]:
@@ -41,19 +46,29 @@ def _chunk_cost(costs: Sequence[float], a: int, b: int, first: bool, last: bool,
 
 
 def _balanced_split(costs: Sequence[float], chunks: int, emb: float, head: float) -> list[int]:
-    """Layer counts per chunk minimising (max chunk cost, sum of squared costs)."""
+    """Layer counts per chunk minimising (max chunk cost, sum of squared costs); the first and the
+    last chunk may get 0 layers (their embedding / head cost can be worth a whole chunk), the middle
+    ones at least 1."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = (float("inf"), float("inf"))
+
+    def fewest(k: int) -> int:  # layers the first k < chunks chunks hold at least (chunk 1 may be empty)
+        return max(k - 1, 0)
+
     # best[k][i]: best (max, sumsq) for the first i layers in k chunks; cut[k][i]: start of chunk k.
     best = [[inf] * (n + 1) for _ in range(chunks + 1)]
     cut = [[0] * (n + 1) for _ in range(chunks + 1)]
     best[0][0] = (0.0, 0.0)
     for k in range(1, chunks + 1):
-        for i in range(k, n - (chunks - k) + 1):
-            for j in range(k - 1, i):
+        may_be_empty = k == 1 or k == chunks
+        # The chunks after k need fewest(chunks - k) layers too (the last of them may be empty);
+        # all chunks together hold all n layers.
+        ends = [n] if k == chunks else range(fewest(k), n - fewest(chunks - k) + 1)
+        for i in ends:
+            for j in range(fewest(k - 1), i + 1 if may_be_empty else i):
                 if best[k - 1][j] == inf:
                     continue
                 c = prefix[i] - prefix[j] + (emb if k == 1 else 0.0) + (head if k == chunks else 0.0)
@@ -81,10 +96,11 @@ def partition_layers(
             raise LayoutError(f"{key}={value!r} must be an integer >= 1")
     chunks = num_stages * num_virtual_stages
     n = config.num_layers
-    if n < chunks:
+    if n < fewest_layers(chunks):
         raise LayoutError(
             f"model.num_layers={n} is fewer than the pipeline chunks parallel.pp*virtual_stages="
-            f"{num_stages}*{num_virtual_stages}={chunks}; every chunk needs at least one layer"
+            f"{num_stages}*{num_virtual_stages}={chunks} less the first and the last ({chunks - 2}); "
+            f"every chunk but the first (embedding) and the last (final norm, head) needs at least one layer"
         )
     if pp_layers is not None:
         counts = list(pp_layers)
@@ -93,8 +109,15 @@ def partition_layers(
                 f"parallel.pp_layers={counts} has {len(counts)} entries; it needs one per pipeline chunk "
                 f"(pp*virtual_stages={chunks})"
             )
-        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-            raise LayoutError(f"parallel.pp_layers={counts}: every entry must be an integer >= 1")
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+            raise LayoutError(f"parallel.pp_layers={counts}: every entry must be an integer >= 1 "
+                              f"(>= 0 for the first and the last chunk)")
+        if any(c < 1 for c in counts[1:-1]):
+            raise LayoutError(
+                f"parallel.pp_layers={counts}: every entry must be an integer >= 1 but the first and the last, "
+                f"which may be 0 (a chunk of the embedding, or of the final norm and head, alone): a middle "
+                f"chunk with no layer would only pass its input on"
+            )
         if sum(counts) != n:
             raise LayoutError(
                 f"parallel.pp_layers={counts} sums to {sum(counts)} but model.num_layers={n}"

@@ -9,7 +9,8 @@ micro-batch sizes that divide the per-replica batch; for MoE models ep, etp (the
 and the expert ZeRO stage (the dense one or a higher searched one); 1F1B, zero-bubble zb_h1
 (pp > 1: same activation peak on the first stage, a smaller bubble, its split
 backward priced by the simulator), and interleaved 1F1B with v chunks per stage
-when v*pp divides the layers (GPipe is not searched: 1F1B's time with more memory). Sequence
+when v*pp divides the layers (with ``uneven_stages``: when the layers fill every chunk but the first and
+the last, which may hold the embedding or the head alone, as in Llama 3 405B's 128 chunks of 126 layers) (GPipe is not searched: 1F1B's time with more memory). Sequence
 parallelism is on whenever tp > 1 (same communication volume, less memory).
 For each, the cheapest recompute mode (none < selective < full) and the fastest
 ZeRO stage (1, 2, 3 by default) and offload mode (``none``; ``cpu`` when asked:
@@ -36,7 +37,7 @@ from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
 from parallel3d.option_checks import ConfigError
 from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.topology import LayoutError
+from parallel3d.topology import LayoutError, fewest_layers
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.zero.options import ZERO_STAGES
@@ -199,7 +200,10 @@ def schedule_choices(config: ModelConfig, pp: int, m: int, request: PlanRequest)
         if name not in request.schedules or (pp == 1 and name != "1f1b"):
             continue
         for v in range(1, request.max_virtual_stages + 1):
-            if pp * v > config.num_layers or (not request.uneven_stages and config.num_layers % (pp * v)):
+            # Uneven stages include Llama 3 405B's split: the first and the last chunk may hold no layer
+            # (pipeline.partition), so up to num_layers + 2 chunks fit.
+            if (fewest_layers(pp * v) > config.num_layers if request.uneven_stages
+                    else config.num_layers % (pp * v)):
                 continue
             try:
                 PipelineOptions(schedule=name, virtual_stages=v).check_layout(pp)
