@@ -9,6 +9,8 @@ One concept per module:
   (query, key) blocks a causal, document-masked attention computes or skips.
 - ``block_compute`` / ``blockwise``: one block's attention with its log-sum-exp (Triton,
   torch's CPU flash attention, or the fp32 math path) and the fp32 LSE merge.
+- ``single_block``: a plan that is one fused block over the whole local sequence (``a2a``
+  without documents) as one kernel call each way, with no accumulators.
 - ``group_comm``: ``CPGroup``, the collectives of one cp (sub-)group with byte accounting
   and NCCL p2p semantics.
 - ``ring`` (p2p), ``allgather``, ``ulysses`` (a2a), ``hierarchical`` (a2a+p2p): the

@@ -11,8 +11,11 @@ Paths (``backend``, same names as ``kernels.backend`` plus ``math``):
 - ``torch``: torch's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``,
   which returns the log-sum-exp and has a backward) for blocks without a document mask
   whose causal mask, if any, is top-left aligned (the only one its ``is_causal`` knows);
-  kv heads are repeated for it (it has no GQA). Every other block, and any block on a
-  device without that kernel, uses the math path.
+  it reads grouped kv heads itself from torch 2.5 on (older torch: kv heads are repeated
+  for it). Every other block, and any block on a device without that kernel, uses the
+  math path. ``fused_forward`` / ``fused_backward`` call it on one whole block without the
+  casts to the compute dtype and without ``delta`` (it computes its own): the single-block
+  path (``single_block``) uses its out/lse and gradients as they come.
 - ``math``: ``kernels.attention_math`` (explicit masks, fp32 softmax) everywhere.
 - ``auto``: ``triton`` where Triton can run on the tensor, else ``torch``.
 
@@ -30,6 +33,25 @@ from parallel3d.context_parallel.blocks import Block
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "math")
 _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def flash_cpu_reads_grouped_kv() -> bool:
+    """torch's CPU flash kernels index kv head ``i // (hq / hk)`` themselves from torch 2.5 on (the
+    release that added ``enable_gqa``); before, they assume ``hq == hk`` and kv heads must be repeated."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _kv_for_flash_cpu(k: torch.Tensor, v: torch.Tensor, q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    group = q_heads // k.shape[1]
+    if group == 1 or flash_cpu_reads_grouped_kv():
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def _sum_kv_groups(dk: torch.Tensor, hk: int) -> torch.Tensor:
+    """A repeated kv head's gradient is the sum over the query heads that read it (no-op unrepeated)."""
+    b, h, s, d = dk.shape
+    return dk if h == hk else dk.reshape(b, hk, h // hk, s, d).sum(2)
 
 
 def resolve_attention_backend(backend: str, tensor: torch.Tensor) -> str:
@@ -59,7 +81,8 @@ class BlockAttention:
         return block_mask(block.q.length, block.k.length, q_start=block.q.start, k_start=block.k.start,
                           causal=block.causal, q_doc=q_doc, k_doc=k_doc, device=device)
 
-    def _flash_cpu(self, block: Block, q: torch.Tensor) -> bool:
+    def fused(self, block: Block, q: torch.Tensor) -> bool:
+        """Whether ``block`` runs as one call of torch's CPU flash kernels (``fused_forward``/``fused_backward``)."""
         return (self.path == "torch" and q.device.type == "cpu" and not block.documents
                 and block.top_left_causal and q.dtype in _FLASH_CPU_DTYPES)
 
@@ -78,12 +101,8 @@ class BlockAttention:
 
             out, lse = flash_attention_forward(q, k, v, **self._triton_kw(block))
             return out.to(ct), lse.to(ct)
-        if self._flash_cpu(block, q):
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, block.causal, scale=self.scale
-            )
+        if self.fused(block, q):
+            out, lse = self._flash_forward(q, k, v, block)
             return out.to(ct), lse.to(ct)
         return attention_forward_math(q, k, v, scale=self.scale, allowed=self._mask(block, q.device))
 
@@ -100,19 +119,37 @@ class BlockAttention:
 
             grads = flash_attention_backward(dout, q, k, v, lse, delta, **self._triton_kw(block))
             return tuple(g.to(ct) for g in grads)  # type: ignore[return-value]
-        if self._flash_cpu(block, q):
-            b, hk, sk, d = k.shape
-            group = q.shape[1] // hk
-            # dout / out go in as the strided views they are: the kernel reads strides (no copies).
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                out, lse.to(ct).contiguous(), 0.0, block.causal, scale=self.scale,
-            )
-            # Repeated kv heads: a kv head's gradient is the sum over the query heads that read it.
-            dk = dk.reshape(b, hk, group, sk, d).sum(2)
-            dv = dv.reshape(b, hk, group, sk, v.shape[-1]).sum(2)
+        if self.fused(block, q):
+            dq, dk, dv = self._flash_backward(dout, q, k, v, out, lse.to(ct), block)
             return dq.to(ct), dk.to(ct), dv.to(ct)
         return attention_backward_math(dout, q, k, v, lse, delta, scale=self.scale, allowed=self._mask(block, q.device))
+
+    def _flash_forward(self, q, k, v, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        kr, vr = _kv_for_flash_cpu(k, v, q.shape[1])
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, block.causal, scale=self.scale)
+
+    def _flash_backward(self, dout, q, k, v, out, lse, block: Block) -> tuple[torch.Tensor, ...]:
+        kr, vr = _kv_for_flash_cpu(k, v, q.shape[1])
+        # dout / out go in as the strided views they are: the kernel reads strides (no copies).
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kr, vr, out, lse.contiguous(), 0.0, block.causal, scale=self.scale,
+        )
+        return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, v.shape[1])
+
+    def fused_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of a ``fused`` block straight from the kernel: out in the input dtype (the
+        kernel accumulates in fp32), laid out as ``q``'s strides; lse fp32 (fp64 for fp64)."""
+        if self.stats is not None:
+            self.stats.record("forward", block, q.shape[1])
+        return self._flash_forward(q, k, v, block)
+
+    def fused_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, block: Block) -> tuple[torch.Tensor, ...]:
+        """``(dq, dk, dv)`` of a ``fused`` block in the input dtype; needs no ``delta`` (the kernel forms it)."""
+        if self.stats is not None:
+            self.stats.record("backward", block, q.shape[1])
+        return self._flash_backward(dout, q, k, v, out, lse, block)
 
 
 def merge_partial(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:

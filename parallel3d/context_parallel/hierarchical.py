@@ -13,7 +13,9 @@ group ``p // a`` and member ``p // a`` of ring ``p % a``.
    possible; with document ids the runs are cut back to chunk length so that blocks a
    document boundary hides can still be skipped.
 3. Ring attention (``ring.RingAttention``) across the ``n / a`` groups: member ``g`` of the
-   ring holds group ``g``'s runs.
+   ring holds group ``g``'s runs. A ring of one whose runs plan as one fused block (``a = n``
+   or cp = 1, no document mask, torch's CPU flash kernels) is one kernel call each way
+   instead (``single_block``).
 4. The inverse reorder and all-to-all.
 
 ``a = 1`` is ``p2p`` (no all-to-all), ``a = n`` is ``a2a`` (a ring of one: no p2p).
@@ -28,6 +30,7 @@ from parallel3d.context_parallel.group_comm import CPGroup
 from parallel3d.context_parallel.load_balance import check_divisible, rank_segments
 from parallel3d.context_parallel.ring import RingAttention
 from parallel3d.context_parallel.segments import Segment, coalesced_order, inverse_order, reorder, split_segments
+from parallel3d.context_parallel.single_block import SingleBlockAttention, single_fused_block
 from parallel3d.context_parallel.ulysses import gather_heads, scatter_heads
 
 
@@ -70,7 +73,11 @@ def ulysses_ring_attention(
         q_h, k_h, v_h = (reorder(t, mine, order, seq_dim=1) for t in (q, k, v))
     else:  # the all-to-all's copies out of / into its buffers do the reorder (no extra pass)
         q_h, k_h, v_h = scatter_heads(q, k, v, a2a, order)
-    out = RingAttention.apply(q_h, k_h, v_h, ring, runs[ring.index], runs, engine)
+    block = single_fused_block(engine, q_h, runs[0], runs[0]) if groups == 1 else None
+    if block is not None:
+        out = SingleBlockAttention.apply(q_h, k_h, v_h, block, engine)
+    else:
+        out = RingAttention.apply(q_h, k_h, v_h, ring, runs[ring.index], runs, engine)
     if a == 1:
         return reorder(out, [mine[i] for i in order], inverse_order(order), seq_dim=1)
     return gather_heads(out, a2a, order)
