@@ -38,9 +38,9 @@ from parallel3d.comm_stats import CommStats
 from parallel3d.p2p_emulation import CoalescedWork, EmulatedP2PStreams
 from parallel3d.parallel_state import ParallelState
 
-__all__ = ["CoalescedWork", "CommStats", "EmulatedP2PStreams", "all_gather_into_tensor", "all_reduce",
+__all__ = ["CoalescedWork", "CommStats", "EmulatedP2PStreams", "all_gather_exchange", "all_gather_into_tensor", "all_reduce",
            "all_reduce_world", "batch_isend_irecv", "broadcast", "group_rank", "group_size",
-           "reduce_scatter_tensor"]
+           "reduce_scatter_exchange", "reduce_scatter_tensor"]
 
 
 def group_size(pstate: ParallelState, kind: str) -> int:
@@ -111,6 +111,31 @@ def all_gather_into_tensor(
         return _all_gather_single(output, shard.contiguous(), group=pstate.group(kind), async_op=async_op)
 
 
+def all_gather_exchange(output: torch.Tensor, pstate: ParallelState, kind: str, tag: int) -> CoalescedWork | None:
+    """An in-place all-gather by point-to-point messages (tagged ``tag``); returns one Work (None: n == 1).
+
+    ``output`` is n equal pieces (dim 0) and this member's slot (its group rank) already holds its
+    piece: that slot is sent to every other member and theirs land in their slots, with no copy on
+    either side. It sends an all-gather's (n-1)/n of ``output``, counted as one. For gloo, whose
+    ``all_gather_into_tensor`` gathers into a temporary and copies it out and must be given its
+    input apart from the output (a copy). Neither slot may be touched until the Work is waited for."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        return None
+    if output.numel() % n:
+        raise ValueError(f"rank {pstate.rank}: all_gather_exchange on the {kind} group: {output.numel()} elements "
+                         f"are not n={n} equal pieces")
+    pstate.comm_stats.add(kind, "all_gather", _nbytes(output) * (n - 1) / n)
+    me, piece, group = group_rank(pstate, kind), output.numel() // n, pstate.group(kind)
+    works = []
+    with _named_failure(pstate, kind, "all_gather"):
+        for j, peer in enumerate(pstate.ranks(kind)):
+            if j != me:
+                works.append(dist.isend(output[me * piece : (me + 1) * piece], peer, group=group, tag=tag))
+                works.append(dist.irecv(output[j * piece : (j + 1) * piece], peer, group=group, tag=tag))
+    return CoalescedWork(works)
+
+
 def reduce_scatter_tensor(
     output: torch.Tensor,
     full: torch.Tensor,
@@ -130,6 +155,27 @@ def reduce_scatter_tensor(
         return _reduce_scatter_single(
             output, full.contiguous(), op=op, group=pstate.group(kind), async_op=async_op
         )
+
+
+def reduce_scatter_exchange(full: torch.Tensor, received: torch.Tensor, pstate: ParallelState, kind: str):
+    """The communication of a reduce-scatter as one async all-to-all; returns its Work (None: n == 1).
+
+    Member j is sent its piece of ``full`` (n equal pieces, dim 0) and this member's piece of
+    every member's ``full`` lands in ``received`` (same size: slot j from member j, this member's
+    own slot a local copy); the caller sums the slots once the Work has completed. What it sends
+    is a reduce-scatter's (n-1)/n of ``full``, counted as one. For gloo, whose
+    ``reduce_scatter_tensor`` all-reduces a clone of ``full`` (twice those bytes, plus a copy of the
+    whole buffer on the calling thread) and only writes the output inside ``wait``."""
+    n = group_size(pstate, kind)
+    if n == 1:
+        received.copy_(full)
+        return None
+    if full.numel() != received.numel() or full.numel() % n or full.dtype != received.dtype:
+        raise ValueError(f"rank {pstate.rank}: reduce_scatter_exchange on the {kind} group: {full.numel()} x "
+                         f"{full.dtype} into {received.numel()} x {received.dtype} is not n={n} equal pieces")
+    pstate.comm_stats.add(kind, "reduce_scatter", _nbytes(full) * (n - 1) / n)
+    with _named_failure(pstate, kind, "reduce_scatter"):
+        return dist.all_to_all_single(received, full.contiguous(), group=pstate.group(kind), async_op=True)
 
 
 def broadcast(tensor: torch.Tensor, pstate: ParallelState, kind: str, src_global_rank: int):

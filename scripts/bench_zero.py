@@ -18,8 +18,10 @@ Bytes sent per rank and step (``sent MiB``): ours counted by ``parallel3d.comm``
 counted at ``torch.distributed`` with the same conventions (all-reduce 2(n-1)/n of the
 tensor, reduce-scatter / all-gather (n-1)/n of the full tensor); DDP's from its all-reduce
 of every fp32 gradient (its reducer calls gloo from C++). With fp32 gradients a
-reduce-scatter plus all-gather (stages 1-2) sends what DDP's all-reduce sends; the ``_ar``
-variants all-reduce on gloo (faster collective, the same bytes plus the all-gather).
+reduce-scatter plus all-gather (stages 1-2) sends what DDP's all-reduce sends (on gloo the
+reduce-scatter is an all-to-all exchange and the all-gather point-to-point, see ``parallel3d.zero``'s
+``reduction`` and ``param_gather``); the ``_ar`` variants all-reduce on gloo (DDP's bytes plus the
+all-gather).
 
 Memory per rank, model states only (weights + gradients + optimizer state, on the
 device; offloaded state shown apart): ours is ``ZeroOptimizer.memory_peak_bytes``

@@ -29,6 +29,7 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, BufferLayout, FlatBuffer
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MemoryTracker, nbytes
+from parallel3d.zero.staging import GLOO_BUCKET_BUFFERS, StagingPool
 
 
 class ReplicatedGradSync(GradSync):
@@ -47,6 +48,10 @@ class ReplicatedGradSync(GradSync):
         for gb in self.grad_bufs:
             memory.add("gradients", nbytes(gb.data))
         self.zero_copy = all(layout.dtype == grad_dtype for layout in layouts)
+        # Stage 1 on gloo: the reduce-scatter exchanges' receive buffers (``reduction``).
+        self.receive_pool = (StagingPool(max(layout.max_bucket_size for layout in layouts), grad_dtype, device, memory,
+                                         limit=GLOO_BUCKET_BUFFERS)
+                             if zero_stage == 1 and self.exchanges else None)
         # Each slot's view of the gradient buffer, by (group, bucket index, slot index).
         self._views = {(g, b.index, i): gb.view_of(s) for g, gb in enumerate(self.grad_bufs)
                        for b in gb.layout.buckets for i, s in enumerate(b.slots)}
@@ -63,6 +68,9 @@ class ReplicatedGradSync(GradSync):
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [gb.data for gb in self.grad_bufs]
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        return [] if self.receive_pool is None else list(self.receive_pool.buffers)
 
     # ---- strategy hooks ----------------------------------------------------------------
     def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
@@ -127,7 +135,8 @@ class ReplicatedGradSync(GradSync):
         if self.stage == 0:
             self.reducer.all_reduce(full, gb.layout.reduce_kind)
         else:  # in place: this rank's piece of the bucket is the collective's output (no copy, no temporary)
-            self.reducer.reduce_scatter(full, gb.piece_view(bucket), gb.layout.reduce_kind, accumulate=False)
+            self.reducer.reduce_scatter(full, gb.piece_view(bucket), gb.layout.reduce_kind, accumulate=False,
+                                        receive_pool=self.receive_pool)
 
     @torch.no_grad()
     def _attach_grad_views(self) -> None:

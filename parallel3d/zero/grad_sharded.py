@@ -44,7 +44,7 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MemoryTracker, nbytes
-from parallel3d.zero.staging import StagingPool
+from parallel3d.zero.staging import GLOO_BUCKET_BUFFERS, MAX_STAGING_BUFFERS, StagingPool
 
 
 @dataclass
@@ -77,7 +77,9 @@ class ShardedGradSync(GradSync):
             shard = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device)
             memory.add("gradients", nbytes(shard))
             self.grad_shards.append(shard)
-            self.pools.append(StagingPool(layout.max_bucket_size, grad_dtype, device, memory))
+            # On gloo a reduction in flight also holds a receive buffer from this pool (``reduction``).
+            limit = GLOO_BUCKET_BUFFERS if self.exchanges else MAX_STAGING_BUFFERS
+            self.pools.append(StagingPool(layout.max_bucket_size, grad_dtype, device, memory, limit=limit))
         # Same dtype: ``.grad`` itself is the bucket view while the bucket is open (autograd adds in place).
         self.in_place = [layout.dtype == grad_dtype for layout in layouts]
         self._open: dict[tuple[int, int], _OpenBucket] = {}
@@ -177,6 +179,8 @@ class ShardedGradSync(GradSync):
         accumulate = key in self._written
         self._written.add(key)
         pool = self.pools[group]
+        # On gloo the exchange receives into a second buffer of the same pool.
         self.reducer.reduce_scatter(ob.view, shard_slice(self.grad_shards[group], bucket),
                                     self.layouts[group].reduce_kind, accumulate=accumulate,
-                                    on_done=lambda: pool.release(ob.base))
+                                    on_done=lambda: pool.release(ob.base),
+                                    receive_pool=pool if self.exchanges else None)

@@ -70,11 +70,11 @@ from parallel3d.zero.staging import MAX_STAGING_BUFFERS
 
 __all__ = ["GradObserver", "GradSync", "MAX_STAGING_BUFFERS", "REDUCE_SCATTER_MODES"]
 
-# "reduce_scatter" (default): a true reduce-scatter, so stages 1-2 send exactly DDP's bytes.
+# "reduce_scatter" (default): a true reduce-scatter, so stages 1-2 send exactly DDP's bytes (on gloo
+# an exchange, ``reduction``: gloo's own reduce_scatter_tensor all-reduces a clone of the bucket).
 # "auto" (opt-in, gloo only): an in-place all-reduce of the whole bucket, after which this rank
-# keeps its piece. gloo's ring all-reduce is ~2-3x faster than its reduce-scatter at bucket sizes
-# (2 ranks, 1 MiB: ~1.1 ms vs ~2-3 ms) though it moves twice the bytes (counted as sent). NCCL
-# keeps the reduce-scatter. "all_reduce" forces the all-reduce on any backend.
+# keeps its piece: twice the bytes (counted as sent), no receive buffer. NCCL keeps the
+# reduce-scatter. "all_reduce" forces the all-reduce on any backend.
 REDUCE_SCATTER_MODES = ("auto", "reduce_scatter", "all_reduce")
 
 
@@ -108,6 +108,9 @@ class GradSync(ABC):
         as_all_reduce = reduce_scatter == "all_reduce" or (reduce_scatter == "auto" and pstate.backend == "gloo")
         self.pending = PendingCollectives()
         self.reducer = BucketReducer(pstate, as_all_reduce=as_all_reduce, pending=self.pending)
+        # gloo reduce-scatters by exchange into a recycled receive buffer (``reduction``), which the
+        # strategy passes with each reduce-scatter: its own pool (stage 1) or the staging pool (2/3).
+        self.exchanges = pstate.backend == "gloo" and not as_all_reduce
         self._where: dict[int, tuple[int, Bucket, int]] = {}  # id(param) -> (group, bucket, slot index)
         self._tied: list[tuple[int, Bucket]] = []
         self._tied_checked = False

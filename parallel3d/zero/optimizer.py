@@ -104,8 +104,8 @@ class ZeroOptimizer:
     them); master weights and moments cover exactly this rank's shard
     (``layout.shard_numel`` elements), wherever ``offload`` keeps them.
     ``reduce_scatter``: how stages 1-3 reduce a bucket: "reduce_scatter" (default; ZeRO's
-    volume, equal to DDP's), or "auto" (opt-in: an all-reduce on gloo, where it is the
-    faster collective though it sends more bytes, else a reduce-scatter; see ``grad_sync``).
+    volume, equal to DDP's; on gloo an all-to-all exchange, ``reduction``), or "auto" (opt-in: an
+    all-reduce on gloo, twice the bytes, else a reduce-scatter; see ``grad_sync``).
     ``grad_reduce_dtype``: "fp32" (default: fp32 main grads, accumulated and reduced in fp32)
     or the training precision ("bf16"/"fp16": half the gradient bytes and bandwidth).
     ``bucket_size_mb`` sizes buckets in parameter-dtype bytes (fp32 staging buffers of a

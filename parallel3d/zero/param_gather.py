@@ -26,8 +26,12 @@ Stream semantics: on NCCL ``work.wait()`` makes the current stream wait for the
 collective, so the forward kernels queued after the hook are ordered after the
 gather without blocking the host; on gloo it blocks until the data has arrived.
 NCCL gathers in place (the piece is the rank's slice of the output, which NCCL
-supports); gloo must not read its own output, so it sends a copy of the piece,
-kept alive until the work is waited for.
+supports). gloo gathers in place by point-to-point messages
+(``comm.all_gather_exchange``: the piece goes from the bucket to every peer and theirs
+arrive in their slots, no copy); gloo's own all-gather would need a copy of the piece
+as its input and gathers into a temporary it then copies out (on a 2-core machine
+those copies compete with the other rank's forward). Other backends (the dry run's
+fake one) send a copy of the piece, kept alive until the work is waited for.
 """
 
 from __future__ import annotations
@@ -43,14 +47,17 @@ from parallel3d.zero.buffers import FlatBuffer
 from parallel3d.zero.units import GatherUnit
 
 Key = tuple[int, int]  # (group, bucket index)
+PARAM_GATHER_TAG = 0x9A7  # gloo's point-to-point gathers: apart from any other message between the same ranks
 
 
-def launch_gather(buf: FlatBuffer, bucket: Any, pstate: ParallelState, in_place: bool) -> tuple[Any, torch.Tensor]:
+def launch_gather(buf: FlatBuffer, bucket: Any, pstate: ParallelState) -> tuple[Any, torch.Tensor | None]:
     """Start the async all-gather of ``bucket``'s pieces into the bucket over ``buf``'s replica group;
-    returns (work, source).
-    ``in_place`` only on NCCL; otherwise the source is a copy of the piece (gloo must not read its own
-    output), which must stay alive until the work is waited for."""
-    src = buf.piece_view(bucket) if in_place else buf.piece_view(bucket).clone()
+    returns (work, source). In place on NCCL and gloo (module doc); otherwise the source is a copy of
+    the piece, which must stay alive until the work is waited for."""
+    if pstate.backend == "gloo":  # every group of a ParallelState has its backend
+        return comm.all_gather_exchange(buf.bucket_view(bucket), pstate, buf.layout.reduce_kind,
+                                        tag=PARAM_GATHER_TAG), None
+    src = buf.piece_view(bucket) if pstate.backend == "nccl" else buf.piece_view(bucket).clone()
     return comm.all_gather_into_tensor(buf.bucket_view(bucket), src, pstate, buf.layout.reduce_kind,
                                        async_op=True), src
 
@@ -61,7 +68,6 @@ class ParamGatherOverlap:
 
     def __init__(self, bufs: list[FlatBuffer], units: list[GatherUnit], pstate: ParallelState) -> None:
         self.bufs, self.pstate = bufs, pstate
-        self.in_place = pstate.backend == "nccl"  # every group of a ParallelState has its backend
         where: dict[int, Key] = {}
         for g, buf in enumerate(bufs):
             for b in buf.layout.buckets:
@@ -101,7 +107,7 @@ class ParamGatherOverlap:
         self.wait_all()  # a bucket is never gathered twice at once
         for g, i in self.launch_order:
             buf = self.bufs[g]
-            work, src = launch_gather(buf, buf.layout.buckets[i], self.pstate, self.in_place)
+            work, src = launch_gather(buf, buf.layout.buckets[i], self.pstate)
             if work is not None:
                 self._pending[(g, i)] = (work, src)
 

@@ -55,7 +55,7 @@ class ReplicatedParams:
             if not asynchronous:
                 self.overlap.wait_all()
             return
-        launched = [launch_gather(buf, b, self.pstate, in_place=False) for buf in self.bufs for b in buf.layout.buckets]
+        launched = [launch_gather(buf, b, self.pstate) for buf in self.bufs for b in buf.layout.buckets]
         for work, _ in launched:
             if work is not None:
                 work.wait()

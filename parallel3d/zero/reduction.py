@@ -16,12 +16,22 @@ on NCCL only orders the current stream after the collective, so every
 completion callback (copy/add of the result, recycling a staging buffer) runs
 on the current stream after it. The tensors a collective reads or writes stay
 referenced by its queue entry until it has completed.
+
+A reduce-scatter on gloo is an exchange (``comm.reduce_scatter_exchange``): one all-to-all
+sends each member its piece of the bucket, this rank's piece of every member's bucket lands in
+a bucket-sized receive buffer (``receive_pool``: recycled, counted as ``buckets``), and the
+completion callback sums the received pieces into this rank's piece (its own contribution
+first, then the others in group-rank order: every piece is summed by the one rank owning it).
+gloo's own ``reduce_scatter_tensor`` is an all-reduce of a clone of the whole bucket: twice a
+reduce-scatter's bytes, a bucket copy on the calling (backward) thread, and no completion
+visible to ``poll`` (its Work only writes the output inside ``wait``). NCCL keeps its native
+in-place reduce-scatter.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -78,13 +88,22 @@ def _deliver(target: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
         target.copy_(src)
 
 
+class BufferPool(Protocol):
+    """Recycled flat buffers (``staging.StagingPool``)."""
+
+    def acquire(self, pending: PendingCollectives) -> torch.Tensor: ...
+
+    def release(self, buf: torch.Tensor) -> None: ...
+
+
 class BucketReducer:
     """Starts the reduction of one padded bucket over the group ``kind`` (``numel % n == 0``).
 
     ``as_all_reduce``: reduce-scatters are done as an in-place all-reduce of the
     whole bucket, keeping this rank's piece (gloo's opt-in fast path, see
-    ``grad_sync``). A reduce-scatter never allocates: its output is the target or
-    the bucket's own piece.
+    ``grad_sync``). A reduce-scatter given a ``receive_pool`` (gloo) is an exchange received
+    into one of its buffers (module doc); otherwise it never allocates: its output is the
+    target or the bucket's own piece.
     """
 
     def __init__(self, pstate: ParallelState, *, as_all_reduce: bool, pending: PendingCollectives) -> None:
@@ -107,7 +126,7 @@ class BucketReducer:
         self.pending.add(comm.all_reduce(full, self.pstate, kind, async_op=True), on_done, (full,))
 
     def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, kind: str, *, accumulate: bool,
-                       on_done: Callable[[], None] = _noop) -> None:
+                       on_done: Callable[[], None] = _noop, receive_pool: BufferPool | None = None) -> None:
         """This rank's piece of the mean of ``full`` over the ``kind`` group is written into (or, if
         ``accumulate``, added to) ``target`` (``full.numel() // n`` elements; it may be ``full``'s own
         piece). ``full`` is scaled in place and must not be touched until ``on_done`` runs; this
@@ -135,6 +154,9 @@ class BucketReducer:
 
             self.pending.add(work, done_all_reduce, (full,))
             return
+        if receive_pool is not None:
+            self._exchange(full, target, mine, kind, index, n, accumulate, on_done, receive_pool)
+            return
         if _is_piece_of(target, mine):  # in place: NCCL's documented in-place form, and gloo's
             work = comm.reduce_scatter_tensor(mine, full, self.pstate, kind, async_op=True)
             self.pending.add(work, on_done, (full,))
@@ -154,6 +176,30 @@ class BucketReducer:
             on_done()
 
         self.pending.add(work, done_accumulate, (full, target))
+
+
+    def _exchange(self, full: torch.Tensor, target: torch.Tensor, mine: torch.Tensor, kind: str, index: int, n: int,
+                  accumulate: bool, on_done: Callable[[], None], pool: BufferPool) -> None:
+        """The reduce-scatter as an exchange plus a local sum (module doc)."""
+        base = pool.acquire(self.pending)
+        received = base[: full.numel()]
+        work = comm.reduce_scatter_exchange(full, received, self.pstate, kind)
+        piece = mine.numel()
+        others = [received[j * piece : (j + 1) * piece] for j in range(n) if j != index]
+
+        def done_exchange() -> None:
+            if accumulate or _is_piece_of(target, mine):
+                for other in others:  # the piece's sum, in place
+                    mine.add_(other)
+                _deliver(target, mine, accumulate)
+            else:  # the first add writes the target: no pass over ``mine`` to copy it there
+                torch.add(mine, others[0], out=target)
+                for other in others[1:]:
+                    target.add_(other)
+            pool.release(base)
+            on_done()
+
+        self.pending.add(work, done_exchange, (full, target, base))
 
 
 def _is_piece_of(target: torch.Tensor, mine: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Recycled bucket-sized staging buffers for stage 2's gradient reduction.
+"""Recycled bucket-sized staging buffers for stage 2's gradient reduction (and gloo's receive buffers).
 
 A staging buffer holds one bucket's gradients (in the reduction dtype) from the
 first gradient that arrives until its collective has completed. Buffers are
@@ -12,7 +12,9 @@ model size and accumulation. When none is free and that many exist, ``acquire`` 
 the oldest collective in flight rather than allocating; it allocates beyond the
 limit only when no collective is in flight (every buffer is held by a bucket
 still accumulating, e.g. one spanning two model chunks, or one holding a
-parameter without gradient).
+parameter without gradient). On gloo a reduce-scatter also receives into a
+buffer of this kind until it completes (``reduction``): stage 2 takes it from the
+same pool, whose limit is then ``GLOO_BUCKET_BUFFERS``; stage 1 has a pool of them alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from parallel3d.zero.memory import MemoryTracker, nbytes
 from parallel3d.zero.reduction import PendingCollectives
 
 MAX_STAGING_BUFFERS = 4
+# On gloo a reduce-scatter in flight also holds a bucket-sized receive buffer (``reduction``'s exchange):
+# stage 2 takes both from its pool, stage 1 has a pool of receive buffers only, each of this size.
+# 6: stage 2 keeps two reductions in flight behind the filling bucket (profiled, bench_zero dp=2: 4
+# made backward's hooks wait on the reduction before last); together ~its memory before the
+# exchange, when gloo's reduce-scatter cloned every bucket in flight.
+GLOO_BUCKET_BUFFERS = 6
 
 
 class StagingPool:
