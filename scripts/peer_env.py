@@ -218,10 +218,21 @@ def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int 
     return got[0], observed
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (every thread: compute, gloo's, allocator's)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
-                before: Callable[[], None] | None = None) -> list[float]:
+                before: Callable[[], None] | None = None, cpu_ms: list[float] | None = None) -> list[float]:
     """Wall ms of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the slowest rank's
-    (a barrier starts each; ``before`` runs outside the timing, e.g. to clear gradients)."""
+    (a barrier starts each; ``before`` runs outside the timing, e.g. to clear gradients).
+
+    ``cpu_ms``: gets each step's CPU ms (user + sys, getrusage) averaged over the ranks: unlike wall time it
+    barely moves with other jobs on the machine (time a rank waits descheduled or blocked is not counted)."""
     import torch
     import torch.distributed as dist
 
@@ -230,12 +241,17 @@ def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
         if before is not None:
             before()
         dist.barrier()
+        cpu0 = _cpu_seconds()
         start = time.perf_counter()
         step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        cpu = torch.tensor([_cpu_seconds() - cpu0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
         if i >= warmup:
             times.append(elapsed.item() * 1e3)
+            if cpu_ms is not None:
+                cpu_ms.append(cpu.item() * 1e3 / dist.get_world_size())
     return times
 
 

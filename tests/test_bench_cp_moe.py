@@ -86,6 +86,10 @@ def test_bench_moe_quick(tmp_path: Path) -> None:
         _check_row(row, peer)
         tokens = res["ep"] * cfg["batch"] * cfg["seq"]
         assert row["tokens_per_s"] == pytest.approx(tokens / (row["step_ms"]["median"] / 1e3))
+        _check_spread(row["cpu_ms_per_rank"])
+        if peer is not None and row is not peer:
+            want = [a / b for a, b in zip(row["cpu_ms_per_rank"]["rounds"], peer["cpu_ms_per_rank"]["rounds"])]
+            assert row["cpu_vs_deepspeed"]["rounds"] == pytest.approx(want)
     phases = res["phases_ms"]
     assert all(phases[p] > 0 for p in ("route", "dispatch", "experts", "combine", "forward_backward"))
     assert phases["dispatch_combine_over_experts"] == pytest.approx(
