@@ -44,6 +44,18 @@ def deepspeed_python(venv: str, no_install: bool) -> str | None:
     return str(py)
 
 
+def remove_peer_shm(port: int, shm: str = "/dev/shm") -> list[str]:
+    """Unlink the shared-memory all-reduce buffers (66 MiB a rank) that DeepSpeed's CPU collectives create as
+    ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` and never remove: left behind by every peer
+    run, they filled the 24 GiB tmpfs and got benchmark ranks OOM-killed. Only this run's port (its ranks
+    have exited); returns the names removed."""
+    removed = []
+    for path in Path(shm).glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> dict:
     """Run ``scripts/<script>`` under ``py`` (on CPU, one thread) and return the JSON it prints last.
 
@@ -52,14 +64,18 @@ def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> di
     in that directory waits forever, so each run gets a FRESH directory, seeded with a copy of
     the finished build kept beside the peer's interpreter (``<venv>/torch_extensions``, made
     from the first successful run's directory, never holding a lock): ninja finds it up to date."""
-    cmd = [py, str(Path(__file__).resolve().parent / script), "--port", str(free_port()), *args]
+    port = free_port()
+    cmd = [py, str(Path(__file__).resolve().parent / script), "--port", str(port), *args]
     kept = Path(os.path.abspath(py)).parent.parent / "torch_extensions"  # the venv, not its base python
     with tempfile.TemporaryDirectory(prefix="p3d-peer-ext-") as ext:
         if kept.is_dir():
             shutil.copytree(kept, ext, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                                       TORCH_EXTENSIONS_DIR=ext))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                                           TORCH_EXTENSIONS_DIR=ext))
+        finally:
+            remove_peer_shm(port)
         if proc.returncode == 0 and not kept.exists() and any(Path(ext).iterdir()):
             partial = Path(tempfile.mkdtemp(prefix="torch_extensions.", dir=kept.parent))
             shutil.copytree(ext, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
