@@ -22,7 +22,9 @@ loop over experts computed here (fingerprints, ``--tolerance``); a mismatch exit
 Peak memory per rank: ``VmHWM`` read from outside the rank processes around one step
 (``peer_env.PeakGate``). Dispatch vs compute: ours only, by phase
 (``parallel3d.moe.bench.bench_dispatch_vs_experts``: route, dispatch, experts, combine; slowest
-rank). Target (met / not met): ours at least as fast as DeepSpeed-MoE at each ep (paired median <= 1).
+rank). CPU time per step (user + sys per rank, ``peer_env.timed_steps``), the load-robust measure: a
+rank descheduled by other jobs or blocked in a collective adds wall time but no CPU time.
+Target (met / not met): ours at least as fast as DeepSpeed-MoE at each ep (paired median <= 1).
 """
 
 from __future__ import annotations
@@ -88,8 +90,10 @@ def _worker(rank: int, world: int, args, gate) -> dict:
         layer.zero_grad(set_to_none=True)
         x.grad = None
 
-    times = timed_steps(step, args.steps, args.warmup, clear)
+    cpu: list[float] = []
+    times = timed_steps(step, args.steps, args.warmup, clear, cpu)
     result["median_ms"] = statistics.median(times)
+    result["cpu_ms"] = statistics.median(cpu)
     phases = bench_dispatch_vs_experts(layer, x.detach(), steps=args.steps, warmup=args.warmup)
     slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -132,6 +136,7 @@ def _spread(values: list[float]) -> dict:
 def bench_ep_size(args, ep: int, ds_py: str | None) -> dict:
     reference = reference_fingerprints(args, ep)
     times: dict[str, list[float]] = {"ours": [], "deepspeed": []}
+    cpu: dict[str, list[float]] = {"ours": [], "deepspeed": []}
     memory: dict[str, list[dict]] = {"ours": [], "deepspeed": []}
     phases: list[dict] = []
     checks: dict[str, float] = {}
@@ -150,6 +155,7 @@ def bench_ep_size(args, ep: int, ds_py: str | None) -> dict:
             else:
                 continue
             times[who].append(got["median_ms"])
+            cpu[who].append(got["cpu_ms"])
             memory[who].append(mem)
             if "fingerprints" in got:
                 checks[who] = max(fingerprint_mismatch(got["fingerprints"][n], reference[n]) for n in CHECKED)
@@ -160,9 +166,12 @@ def bench_ep_size(args, ep: int, ds_py: str | None) -> dict:
         if not times[who]:
             continue
         ratios = [a / b for a, b in zip(times["ours"], times["deepspeed"])] if who == "ours" else []
+        cpu_ratios = [a / b for a, b in zip(cpu["ours"], cpu["deepspeed"])] if who == "ours" else []
         rows.append({"ep": ep, "impl": "ours" if who == "ours" else "deepspeed MoE", "step_ms": _spread(times[who]),
                      "tokens_per_s": tokens / (statistics.median(times[who]) / 1e3),
                      "vs_deepspeed": _spread(ratios) if ratios else None,
+                     "cpu_ms_per_rank": _spread(cpu[who]),
+                     "cpu_vs_deepspeed": _spread(cpu_ratios) if cpu_ratios else None,
                      "peak_rss_bytes": max(m["peak_rss_bytes"] for m in memory[who]),
                      "peak_over_base_bytes": max(m["peak_over_base_bytes"] for m in memory[who]),
                      "mismatch": checks[who]})
@@ -178,20 +187,25 @@ def report(results: list[dict], args) -> tuple[list[str], dict]:
              f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f} "
              f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
     head = (f"{'ep':>2} {'implementation':<14} {'min ms':>8} {'median ms':>9} {'max ms':>8} {'tokens/s':>9} "
-            f"{'x deepspeed [range]':>22} {'peak RSS MiB':>12} {'+step MiB':>9} {'mismatch':>9}")
+            f"{'x deepspeed [range]':>22} {'CPU ms/rank':>11} {'CPU x ds [range]':>22} {'peak RSS MiB':>12} "
+            f"{'+step MiB':>9} {'mismatch':>9}")
     lines += [head, "-" * len(head)]
     targets = {}
     for res in results:
         for r in res["rows"]:
             t, vs = r["step_ms"], r["vs_deepspeed"]
             ratio = f"{vs['median']:.2f} [{vs['min']:.2f}-{vs['max']:.2f}]" if vs else "-"
+            cv = r["cpu_vs_deepspeed"]
+            cpu_ratio = f"{cv['median']:.2f} [{cv['min']:.2f}-{cv['max']:.2f}]" if cv else "-"
             lines.append(f"{r['ep']:>2} {r['impl']:<14} {t['min']:>8.2f} {t['median']:>9.2f} {t['max']:>8.2f} "
-                         f"{r['tokens_per_s']:>9.0f} {ratio:>22} {r['peak_rss_bytes'] / 2**20:>12.1f} "
+                         f"{r['tokens_per_s']:>9.0f} {ratio:>22} {r['cpu_ms_per_rank']['median']:>11.1f} "
+                         f"{cpu_ratio:>22} {r['peak_rss_bytes'] / 2**20:>12.1f} "
                          f"{r['peak_over_base_bytes'] / 2**20:>9.1f} {r['mismatch']:>9.1e}")
             if vs:
                 targets[f"vs_deepspeed_ep{r['ep']}"] = "met" if vs["median"] <= 1.0 else "NOT met"
     lines.append("mismatch: largest fingerprint difference from the float64 loop over experts (output, dx, router "
-                 "and w1 gradients)")
+                 "and w1 gradients); CPU ms/rank: user+sys per step (getrusage), mean over ranks, median over "
+                 "rounds; CPU x ds: that paired per round (median [min-max])")
     lines.append("")
     head = (f"{'ep':>2} {'route ms':>8} {'dispatch ms':>11} {'experts ms':>10} {'combine ms':>10} {'fwd+bwd ms':>10} "
             f"{'(dispatch+combine)/experts':>26}")

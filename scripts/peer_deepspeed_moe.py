@@ -122,8 +122,10 @@ def _worker(rank: int, world: int, args, gate) -> dict:
         moe.zero_grad(set_to_none=True)
         x.grad = None
 
-    times = timed_steps(step, args.steps, args.warmup, clear)
+    cpu: list[float] = []
+    times = timed_steps(step, args.steps, args.warmup, clear, cpu)
     result["median_ms"] = statistics.median(times)
+    result["cpu_ms"] = statistics.median(cpu)
     return result
 
 

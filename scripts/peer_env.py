@@ -44,6 +44,18 @@ def deepspeed_python(venv: str, no_install: bool) -> str | None:
     return str(py)
 
 
+def remove_peer_shm(port: int, shm: str = "/dev/shm") -> list[str]:
+    """Unlink the shared-memory all-reduce buffers (66 MiB a rank) that DeepSpeed's CPU collectives create as
+    ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` and never remove: left behind by every peer
+    run, they filled the 24 GiB tmpfs and got benchmark ranks OOM-killed. Only this run's port (its ranks
+    have exited); returns the names removed."""
+    removed = []
+    for path in Path(shm).glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> dict:
     """Run ``scripts/<script>`` under ``py`` (on CPU, one thread) and return the JSON it prints last.
 
@@ -52,14 +64,18 @@ def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> di
     in that directory waits forever, so each run gets a FRESH directory, seeded with a copy of
     the finished build kept beside the peer's interpreter (``<venv>/torch_extensions``, made
     from the first successful run's directory, never holding a lock): ninja finds it up to date."""
-    cmd = [py, str(Path(__file__).resolve().parent / script), "--port", str(free_port()), *args]
+    port = free_port()
+    cmd = [py, str(Path(__file__).resolve().parent / script), "--port", str(port), *args]
     kept = Path(os.path.abspath(py)).parent.parent / "torch_extensions"  # the venv, not its base python
     with tempfile.TemporaryDirectory(prefix="p3d-peer-ext-") as ext:
         if kept.is_dir():
             shutil.copytree(kept, ext, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                                       TORCH_EXTENSIONS_DIR=ext))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                                           TORCH_EXTENSIONS_DIR=ext))
+        finally:
+            remove_peer_shm(port)
         if proc.returncode == 0 and not kept.exists() and any(Path(ext).iterdir()):
             partial = Path(tempfile.mkdtemp(prefix="torch_extensions.", dir=kept.parent))
             shutil.copytree(ext, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
@@ -218,10 +234,21 @@ def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int 
     return got[0], observed
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (every thread: compute, gloo's, allocator's)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
-                before: Callable[[], None] | None = None) -> list[float]:
+                before: Callable[[], None] | None = None, cpu_ms: list[float] | None = None) -> list[float]:
     """Wall ms of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, the slowest rank's
-    (a barrier starts each; ``before`` runs outside the timing, e.g. to clear gradients)."""
+    (a barrier starts each; ``before`` runs outside the timing, e.g. to clear gradients).
+
+    ``cpu_ms``: gets each step's CPU ms (user + sys, getrusage) averaged over the ranks: unlike wall time it
+    barely moves with other jobs on the machine (time a rank waits descheduled or blocked is not counted)."""
     import torch
     import torch.distributed as dist
 
@@ -230,12 +257,17 @@ def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
         if before is not None:
             before()
         dist.barrier()
+        cpu0 = _cpu_seconds()
         start = time.perf_counter()
         step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        cpu = torch.tensor([_cpu_seconds() - cpu0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
         if i >= warmup:
             times.append(elapsed.item() * 1e3)
+            if cpu_ms is not None:
+                cpu_ms.append(cpu.item() * 1e3 / dist.get_world_size())
     return times
 
 

@@ -86,6 +86,10 @@ def test_bench_moe_quick(tmp_path: Path) -> None:
         _check_row(row, peer)
         tokens = res["ep"] * cfg["batch"] * cfg["seq"]
         assert row["tokens_per_s"] == pytest.approx(tokens / (row["step_ms"]["median"] / 1e3))
+        _check_spread(row["cpu_ms_per_rank"])
+        if peer is not None and row is not peer:
+            want = [a / b for a, b in zip(row["cpu_ms_per_rank"]["rounds"], peer["cpu_ms_per_rank"]["rounds"])]
+            assert row["cpu_vs_deepspeed"]["rounds"] == pytest.approx(want)
     phases = res["phases_ms"]
     assert all(phases[p] > 0 for p in ("route", "dispatch", "experts", "combine", "forward_backward"))
     assert phases["dispatch_combine_over_experts"] == pytest.approx(
@@ -101,3 +105,16 @@ def test_deepspeed_peer_environment() -> None:
     proc = subprocess.run([str(PEER_PY), "-c", "import deepspeed.sequence.layer, deepspeed.moe.layer"],
                           capture_output=True, text=True, timeout=120, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_remove_peer_shm_only_that_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's leaked DeepSpeed all-reduce buffers go, another run's (another port) stay."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from peer_env import remove_peer_shm
+
+    mine = [f"deepspeed_allreduce_buffer_0_127.0.0.1_41234_{r}" for r in range(2)]
+    others = ["deepspeed_allreduce_buffer_0_127.0.0.1_412345_0", "deepspeed_allreduce_buffer_0_127.0.0.1_31234_0"]
+    for name in mine + others:
+        (tmp_path / name).write_bytes(b"x")
+    assert sorted(remove_peer_shm(41234, str(tmp_path))) == mine
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(others)

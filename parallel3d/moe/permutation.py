@@ -57,9 +57,11 @@ class ExpertOrder:
         counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
         return cls(t, k, counts, sort=torch.argsort(flat, stable=True))
 
-    def finish(self, sizes: Sequence[int]) -> "ExpertOrder":
-        n_kept = sum(sizes)
-        self.sizes = list(sizes)
+    def finish(self, sizes: Sequence[int] | None) -> "ExpertOrder":
+        """``sizes``: the host counts; None where every slot is kept (``keep`` was None), which needs no counts,
+        so the caller may expand while they are still being exchanged (set ``sizes`` later)."""
+        n_kept = self.num_tokens * self.top_k if sizes is None else sum(sizes)
+        self.sizes = None if sizes is None else list(sizes)
         self.has_dropped = n_kept < self.num_tokens * self.top_k
         kept = self.sort[:n_kept]
         self.token_of_row = torch.div(kept, self.top_k, rounding_mode="floor")
@@ -135,19 +137,22 @@ class _CombineFromExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weights, slot_row, token_of_row, slot_of_row,  # type: ignore[override]
                 has_holes, has_dropped):
-        ctx.save_for_backward(rows, weights, slot_row, token_of_row, slot_of_row)
-        ctx.flags = (has_holes, has_dropped)
         t, k = slot_row.shape
         acc = torch.promote_types(rows.dtype, torch.float32)
-        per_slot = _gather_or_zero(rows, slot_row, has_dropped).view(t, k, *rows.shape[1:]).to(acc)
-        return (per_slot * weights.to(acc).unsqueeze(-1)).sum(1).to(rows.dtype)
+        per_slot = _gather_or_zero(rows, slot_row, has_dropped).view(t, k, *rows.shape[1:])
+        # The weight gradient reads the gathered slots again: keep them (``[T, k, h]``, about the size of
+        # ``rows``, which is then not kept) rather than gather a second time in backward.
+        ctx.save_for_backward(per_slot, weights, token_of_row, slot_of_row)
+        ctx.flags = (has_holes, rows.dtype)
+        weighted = per_slot.to(acc) * weights.to(acc).unsqueeze(-1)  # a new tensor even where .to is a no-op
+        return weighted.sum(1).to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        rows, weights, slot_row, token_of_row, slot_of_row = ctx.saved_tensors
-        has_holes, has_dropped = ctx.flags
+        per_slot, weights, token_of_row, slot_of_row = ctx.saved_tensors
+        has_holes, rows_dtype = ctx.flags
         grad_rows = grad_weights = None
-        acc = torch.promote_types(rows.dtype, torch.float32)
+        acc = torch.promote_types(rows_dtype, torch.float32)
         g = grad_out.to(acc)
         if ctx.needs_input_grad[0]:
             w = weights.to(acc)
@@ -157,11 +162,10 @@ class _CombineFromExperts(torch.autograd.Function):
                 w_row = w[flat]
             else:
                 w_row = w[token_of_row, slot_of_row]
-            grad_rows = (_gather_or_zero(g, token_of_row, has_holes) * w_row.unsqueeze(-1)).to(rows.dtype)
+            # The gather returns a fresh tensor: scale it in place (same product, one [N, h] buffer fewer).
+            grad_rows = _gather_or_zero(g, token_of_row, has_holes).mul_(w_row.unsqueeze(-1)).to(rows_dtype)
         if ctx.needs_input_grad[1]:
-            t, k = slot_row.shape
-            per_slot = _gather_or_zero(rows, slot_row, has_dropped).view(t, k, *rows.shape[1:]).to(acc)
-            grad_weights = (per_slot * g.unsqueeze(1)).sum(-1).to(weights.dtype)
+            grad_weights = (per_slot.to(acc) * g.unsqueeze(1)).sum(-1).to(weights.dtype)
         return grad_rows, grad_weights, None, None, None, None, None
 
 
