@@ -22,7 +22,8 @@ from torch import nn
 
 from parallel3d import comm
 from parallel3d.param_meta import is_expert_param
-from parallel3d.tensor_parallel.sharding import full_shape, gather_along, gather_full, shard_of
+from parallel3d.tensor_parallel.mappings import all_gather_along_dim
+from parallel3d.tensor_parallel.sharding import full_shape, gather_full, shard_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -66,11 +67,11 @@ def _full_values(model: nn.Module, value_of: Callable[[nn.Parameter], torch.Tens
     rename = _expert_renamer(params, pstate)
     present = torch.tensor([value_of(p) is not None for _, p in experts], dtype=torch.float32,
                            device=experts[0][1].device)
-    present = gather_along(present, 0, pstate, "ep").view(ep, -1)
+    present = all_gather_along_dim(present, 0, pstate, "ep").view(ep, -1)
     for slot, (name, p) in enumerate(experts):
         value = value_of(p)
         full = gather_full(p, pstate, torch.zeros_like(p) if value is None else value)
-        every = gather_along(full.unsqueeze(0), 0, pstate, "ep")
+        every = all_gather_along_dim(full.unsqueeze(0), 0, pstate, "ep")
         for rank in range(ep):
             if present[rank, slot]:
                 out[rename(name, rank)] = every[rank].clone()

@@ -18,7 +18,7 @@ Fewer microbatches (``reduced_microbatches``): every microbatch runs the same co
 shapes, so a step's messages are ``a + b m`` in the microbatch count ``m`` once the stage's
 schedule has the same warm-up (the same most-loaded moments: microbatches in flight per chunk, as
 chunks may save different bytes per microbatch). The step runs at
-``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's peak) and is
+``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's in-flight profile) and is
 extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
 number of microbatches in flight as the full step. ``m <= m2``: the full step runs once.
 """
@@ -39,7 +39,7 @@ from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["StepMeasure", "in_flight_peak", "in_flight_profile", "reduced_microbatches", "run_step"]
+__all__ = ["StepMeasure", "in_flight_profile", "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -53,22 +53,11 @@ class StepMeasure:
     messages: Counts
 
 
-def in_flight_peak(name: str, pp: int, m: int, v: int, stage: int) -> int:
-    """Most microbatch-chunks whose activations the stage holds at once (F until B, or W when split)."""
-    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
-    split = any(a.kind == "W" for a in actions)
-    live = peak = 0
-    for a in actions:
-        live += (a.kind == "F") - (a.kind == ("W" if split else "B"))
-        peak = max(peak, live)
-    return peak
-
-
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, per chunk: the maximal vectors (no other is >= in every chunk)
     of microbatches in flight per chunk. Two counts with the same profile have the same activation peak
     whatever each chunk's bytes per microbatch (chunks differ: an embedding- or head-only chunk, uneven
-    layer counts), which the scalar ``in_flight_peak`` alone does not ensure."""
+    layer counts), which the total in flight alone does not ensure."""
     actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
     split = any(a.kind == "W" for a in actions)
     chunks = sorted({a.chunk for a in actions})

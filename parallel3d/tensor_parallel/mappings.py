@@ -53,20 +53,20 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective: Callable[..., object],
-                          pstate: "ParallelState") -> torch.Tensor:
+                          pstate: "ParallelState", kind: str = KIND) -> torch.Tensor:
     # comm's gathers and scatters work along dim 0; move the wanted dim to the front and back again.
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((out_size, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    collective(out, front, pstate, KIND)
+    collective(out, front, pstate, kind)
     return out.movedim(0, dim).contiguous()
 
 
-def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:
-    """Concatenate the tp ranks' ``x`` along ``dim`` (tp-rank order); no autograd."""
-    n = tp_group_size(pstate)
+def all_gather_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState", kind: str = KIND) -> torch.Tensor:
+    """Concatenate the ``kind`` group's (default tp) ``x`` along ``dim`` in group-rank order; no autograd."""
+    n = comm.group_size(pstate, kind)
     if n == 1:
         return x
-    return _collective_along_dim(x, dim, n * x.shape[dim], comm.all_gather_into_tensor, pstate)
+    return _collective_along_dim(x, dim, n * x.shape[dim], comm.all_gather_into_tensor, pstate, kind)
 
 
 def reduce_scatter_along_dim(x: torch.Tensor, dim: int, pstate: "ParallelState") -> torch.Tensor:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parallel3d import comm
 from parallel3d.param_meta import shard_grid
+from parallel3d.tensor_parallel.mappings import all_gather_along_dim
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -49,17 +49,6 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, pstate: "ParallelState") -
     return full.chunk(pstate.size(kind), dim=dim)[pstate.coord(kind)]
 
 
-def gather_along(value: torch.Tensor, dim: int, pstate: "ParallelState", kind: str) -> torch.Tensor:
-    """The ``kind`` group's ``value`` concatenated along ``dim`` in group-rank order (collective; no autograd)."""
-    n = comm.group_size(pstate, kind)
-    if n == 1:
-        return value
-    front = value.movedim(dim, 0).contiguous()  # comm gathers along dim 0
-    out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    comm.all_gather_into_tensor(out, front, pstate, kind)
-    return out.movedim(0, dim).contiguous()
-
-
 def gather_full(param: torch.Tensor, pstate: "ParallelState", value: torch.Tensor | None = None) -> torch.Tensor:
     """The whole parameter (all-gathered over its grid's group, padding rows dropped); a detached copy.
 
@@ -68,7 +57,7 @@ def gather_full(param: torch.Tensor, pstate: "ParallelState", value: torch.Tenso
     kind, dim = shard_grid(param)
     value = (param if value is None else value).detach()
     if dim is not None:
-        value = gather_along(value, dim, pstate, kind)
+        value = all_gather_along_dim(value, dim, pstate, kind)
     rows = getattr(param, "unpadded_rows", None)
     if rows is not None:
         value = value[:rows]
