@@ -2,7 +2,8 @@
 
 ``export_hf(source, out_dir)`` streams one conversion unit at a time (the global tensors,
 then each layer: ``models.hf.to_hf_unit``), reading only that unit's weights from the
-layout-free checkpoint (the fp32 master weights), so memory stays at about one shard
+layout-free checkpoint (the fp32 master weights, and persistent buffers such as the
+routers' expert bias), so memory stays at about one shard
 (``max_shard_bytes``) whatever the model size. Shards are named as transformers names them
 (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
 ``model.safetensors.index.json``). A tied output head is not written (transformers ties it).
@@ -24,7 +25,7 @@ from models.hf import expected_hf_shapes, hf_config, hf_unit_of, hf_units, to_hf
 from models.hf_formats import hf_format
 from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, read_meta
 from parallel3d.checkpoint_io.compat import STATE_DIR, check_format
-from parallel3d.checkpoint_io.pieces import KEY_PREFIX
+from parallel3d.checkpoint_io.pieces import BUFFER_PREFIX, KEY_PREFIX
 from parallel3d.checkpoint_io.state import read_metadata, read_tensors
 from parallel3d.data.run_tokenizer import RUN_TOKENIZER_DIR, load_run_tokenizer
 
@@ -105,12 +106,14 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
 
     state_dir = os.path.join(checkpoint, STATE_DIR)
     metadata = read_metadata(state_dir)
-    prefix = KEY_PREFIX["master"]
-    names_by_unit: dict[object, list[str]] = {}
+    # the weights, and the persistent buffers a format stores (DeepSeek-V3's e_score_correction_bias is our
+    # router's expert_bias): without the buffers ``to_hf_unit`` would write zeros for them
+    keys_by_unit: dict[object, dict[str, str]] = {}
     for key in metadata.state_dict_metadata:
-        if key.startswith(prefix):
-            name = key[len(prefix):]
-            names_by_unit.setdefault(unit_of(name), []).append(name)
+        for prefix in (KEY_PREFIX["master"], BUFFER_PREFIX):
+            if key.startswith(prefix):
+                name = key[len(prefix):]
+                keys_by_unit.setdefault(unit_of(name), {})[name] = key
     os.makedirs(out_dir, exist_ok=True)
     shards = _plan_shards(cfg, torch_dtype.itemsize, max_shard_bytes)
     files, weight_map, total, params = [], {}, 0, 0
@@ -118,9 +121,9 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
         file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for unit in units:
-            names = names_by_unit.get(unit, [])
-            ours = read_tensors(state_dir, [prefix + n for n in names], metadata)
-            full = {n: ours[prefix + n] for n in names}
+            keys = keys_by_unit.get(unit, {})
+            ours = read_tensors(state_dir, list(keys.values()), metadata)
+            full = {n: ours[k] for n, k in keys.items()}
             for key, value in to_hf_unit(full, cfg, unit).items():
                 if key == "lm_head.weight" and cfg.tie_embeddings:
                     continue  # tied to the input embedding: transformers re-ties it on load
