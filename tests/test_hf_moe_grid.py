@@ -9,7 +9,8 @@ our one-process model from it gives HF's logits; on four ranks, what ``train.ini
 (``build_chunks``'s chunks, ``ZeroOptimizer`` at the layout's stages, ``load_hf_weights``, then the trainer's
 checkpoint save) followed by ``python -m parallel3d.export RUN --hf OUT`` writes exactly the HF checkpoint's
 tensors (bit for bit, one tensor per expert, by global expert index), and ``from_pretrained(OUT)`` gives the
-original model's logits. The CI sample is one case per family covering the four layouts in one rank-pool run;
+original model's logits; ``--dtype bf16`` writes exactly what transformers' own bf16 ``save_pretrained`` writes
+(the tensors it keeps in fp32 included). The CI sample is one case per family covering the four layouts in one rank-pool run;
 the whole product (two generated configs per case) is ``extended``."""
 
 from __future__ import annotations
@@ -180,6 +181,17 @@ def _check_cases(tmp_path, cases: list[tuple[str, str]]) -> None:
         back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
         with torch.no_grad():
             assert torch.equal(back(ids).logits, hf_logits), case
+        # bf16: transformers' own bf16 save of the HF model is the reference (dtypes included: it keeps
+        # DeepSeek-V3's router weight and correction bias in fp32)
+        out16, theirs16 = run_dir / "hf-bf16", run_dir / "theirs-bf16"
+        assert export_main([str(run_dir), "--hf", str(out16), "--dtype", "bf16", "--no-tokenizer"]) == 0, case
+        transformers.AutoModelForCausalLM.from_pretrained(run_dir.parent / f"{k}-hf", dtype=torch.bfloat16,
+                                                          local_files_only=True).save_pretrained(theirs16)
+        ours16, want16 = load_file(str(out16 / "model.safetensors")), load_file(str(theirs16 / "model.safetensors"))
+        assert ours16.keys() == want16.keys(), (case, sorted(ours16.keys() ^ want16.keys())[:4])
+        bad = [key for key in sorted(want16) if ours16[key].dtype != want16[key].dtype
+               or not torch.equal(ours16[key], want16[key])]
+        assert not bad, (case, bad[:4])
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ routers' expert bias), so memory stays at about one shard
 (``max_shard_bytes``) whatever the model size. Shards are named as transformers names them
 (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
 ``model.safetensors.index.json``). A tied output head is not written (transformers ties it).
+In a bf16/fp16 export the tensors transformers always keeps in fp32 stay fp32.
 The tokenizer comes from the run directory (``<out_dir>/tokenizer/``) unless given.
 """
 
@@ -114,6 +115,7 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
             if key.startswith(prefix):
                 name = key[len(prefix):]
                 keys_by_unit.setdefault(unit_of(name), {})[name] = key
+    keep_fp32 = _fp32_tensors(hf_format(cfg).architecture, torch_dtype)
     os.makedirs(out_dir, exist_ok=True)
     shards = _plan_shards(cfg, torch_dtype.itemsize, max_shard_bytes)
     files, weight_map, total, params = [], {}, 0, 0
@@ -127,7 +129,7 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
             for key, value in to_hf_unit(full, cfg, unit).items():
                 if key == "lm_head.weight" and cfg.tie_embeddings:
                     continue  # tied to the input embedding: transformers re-ties it on load
-                tensors[key] = value.to(torch_dtype).contiguous()
+                tensors[key] = value.to(torch.float32 if keep_fp32(key) else torch_dtype).contiguous()
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         for key, value in tensors.items():
             weight_map[key] = file
@@ -148,6 +150,21 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
         files += _write_tokenizer(tok_files, out_dir, cfg)
     return ExportResult(out_dir, checkpoint, int(meta["step"]), files, params, dtype,
                         None if tok_files is None else tok_source)
+
+
+def _fp32_tensors(architecture: str, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Which HF keys stay fp32 in a bf16/fp16 export: those transformers always keeps in fp32
+    (``_keep_in_fp32_modules_strict``: DeepSeek-V3's router weight and ``e_score_correction_bias``), so the
+    files hold what ``save_pretrained`` of the loaded model would, and a small expert bias is not rounded."""
+    import re
+
+    import transformers
+
+    patterns = getattr(getattr(transformers, architecture, None), "_keep_in_fp32_modules_strict", None) or ()
+    if dtype == torch.float32 or not patterns:
+        return lambda key: False
+    found = re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in sorted(patterns)))
+    return lambda key: found.search(key) is not None
 
 
 def _tokenizer_files(path: str, cfg: ModelConfig, explicit: bool):
