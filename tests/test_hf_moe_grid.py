@@ -2,16 +2,17 @@
 
 Cases are (family, layout, draw): Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (where the installed
 transformers has it) x ep=4, etp != tp (below and above), pp=2 with a first stage holding no MoE layer
-(where the family has dense layers), and experts at ZeRO-3 under dense ZeRO-1. Each case draws a random small
-config of its family that the layout can hold, builds the transformers model (nothing downloaded, every
-weight and DeepSeek's ``e_score_correction_bias`` perturbed) and saves it. Checked, against transformers:
-our one-process model from it gives HF's logits; on four ranks, what ``train.init_from=hf:DIR`` runs
-(``build_chunks``'s chunks, ``ZeroOptimizer`` at the layout's stages, ``load_hf_weights``, then the trainer's
-checkpoint save) followed by ``python -m parallel3d.export RUN --hf OUT`` writes exactly the HF checkpoint's
-tensors (bit for bit, one tensor per expert, by global expert index), and ``from_pretrained(OUT)`` gives the
-original model's logits; ``--dtype bf16`` writes exactly what transformers' own bf16 ``save_pretrained`` writes
-(the tensors it keeps in fp32 included). The CI sample is one case per family covering the four layouts in one rank-pool run;
-the whole product (two generated configs per case) is ``extended``."""
+(where the family has dense layers), and experts at ZeRO-3 under dense ZeRO-1. Each case draws a random
+small config of its family that the layout can hold, builds the transformers model (nothing downloaded,
+every weight and DeepSeek's ``e_score_correction_bias`` perturbed) and saves it. Checked, against
+transformers: our one-process model from it gives HF's logits; on four ranks, what ``train.init_from=hf:DIR``
+runs (``build_chunks``'s chunks, ``ZeroOptimizer`` at the layout's stages, ``load_hf_weights``, then the
+trainer's checkpoint save) gives HF's logits at the layout (without pp), and ``python -m parallel3d.export
+RUN --hf OUT`` then writes exactly the HF checkpoint's tensors (bit for bit, one tensor per expert, by
+global expert index), ``from_pretrained(OUT)`` giving the original model's logits; ``--dtype bf16`` writes
+exactly what transformers' own bf16 ``save_pretrained`` writes (the tensors it keeps in fp32 included).
+The CI sample is one case per family covering the four layouts in one rank-pool run; the whole product
+(two generated configs per case) is ``extended``."""
 
 from __future__ import annotations
 
@@ -118,11 +119,12 @@ def _import_save_on_rank(rank: int, world: int, cases: list) -> list[dict]:
     from parallel3d.checkpoint_io.writer import CheckpointWriter
     from parallel3d.parallel_state import ParallelState
     from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+    from parallel3d.tensor_parallel.mappings import gather_last_dim
     from parallel3d.topology import Topology
     from parallel3d.zero.optimizer import ZeroOptimizer
 
     out = []
-    for cfg, topo, zero_stage, expert_zero_stage, hf_dir, run_dir in cases:
+    for cfg, topo, zero_stage, expert_zero_stage, hf_dir, run_dir, ids in cases:
         ps = ParallelState(Topology(**topo))
         ranges = partition_layers(cfg, topo["pp"])
         mine = stage_layer_ranges(ranges, topo["pp"], ps.coord("pp"))
@@ -131,6 +133,10 @@ def _import_save_on_rank(rank: int, world: int, cases: list) -> list[dict]:
                               sequence_parallel=topo["tp"] > 1) for r in mine]
         opt = ZeroOptimizer(chunks, ps, zero_stage=zero_stage, expert_zero_stage=expert_zero_stage, lr=0.1)
         load_hf_weights(opt, ps, f"hf:{hf_dir}", cfg)
+        logits = None
+        if topo["pp"] == 1:  # the whole model on every rank: its logits at the layout
+            with torch.no_grad():
+                logits = gather_last_dim(chunks[0].eval()(ids), ps)[..., : cfg.vocab_size]
         writer = CheckpointWriter(f"{run_dir}/checkpoints", ps, keep_last=1, async_save=False, timeout_s=120)
         writer.save(0, *save_request(opt, ps, {"step": 0} if ps.is_logging_rank() else None, cfg,
                                      {**topo, "zero_stage": zero_stage}, "fp32", {}))
@@ -138,7 +144,7 @@ def _import_save_on_rank(rank: int, world: int, cases: list) -> list[dict]:
         moe_layers = [i for a, b in mine for i in range(a, b) if cfg.moe.is_moe_layer(i)]
         opt.close()
         ps.destroy()
-        out.append(dict(saved=saved, moe_layers=moe_layers))
+        out.append(dict(saved=saved, moe_layers=moe_layers, logits=logits))
     return out
 
 
@@ -153,7 +159,7 @@ def _check_cases(tmp_path, cases: list[tuple[str, str]]) -> None:
         cfg = grid_case(family, layout, draw)
         assert hf_format(cfg).model_type == family
         hf = _hf_model(cfg, 10 + i)
-        ids = token_ids(cfg, 9)
+        ids = token_ids(cfg, 12)  # sequence parallel: a multiple of tp
         with torch.no_grad():
             hf_logits = hf(ids).logits
             assert rel(from_hf(hf).eval()(ids), hf_logits) < 1e-5, (family, layout, cfg.name)
@@ -163,12 +169,16 @@ def _check_cases(tmp_path, cases: list[tuple[str, str]]) -> None:
         original = unfuse_experts({**dict(hf.named_buffers()), **hf.state_dict()}, hf_format(cfg))
         prepared.append((family, layout, cfg, ids, hf_logits, original, run_dir))
         topo, zero_stage, expert_zero_stage = LAYOUTS[layout]
-        jobs.append((cfg, topo, zero_stage, expert_zero_stage, str(hf_dir), str(run_dir)))
+        jobs.append((cfg, topo, zero_stage, expert_zero_stage, str(hf_dir), str(run_dir), ids))
     results = run_on_ranks(_import_save_on_rank, WORLD, jobs, timeout=300)
 
     for k, (family, layout, cfg, ids, hf_logits, original, run_dir) in enumerate(prepared):
         case = (family, layout, cfg.name)
         assert all(r[k]["saved"] == [(0, True)] for r in results), case
+        for rank, r in enumerate(results):
+            assert (r[k]["logits"] is not None) == (LAYOUTS[layout][0]["pp"] == 1), (case, rank)
+            if r[k]["logits"] is not None:
+                assert rel(r[k]["logits"], hf_logits) < 1e-5, (case, rank)
         if layout == "pp-dense-stage" and family != "mixtral":
             assert any(not r[k]["moe_layers"] for r in results) and any(r[k]["moe_layers"] for r in results), case
         out = run_dir / "hf"
