@@ -59,6 +59,11 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied,
         "pp_bytes": pstate.comm_stats.total("pp"),
         "timed_actions": sorted(str(a) for a, _, _ in result.timeline) == sorted(str(a) for a in engine.actions),
         "times_ok": 0 < result.busy_time <= result.step_time and 0 <= result.bubble_fraction < 1,
+        # the step's time splits into computing, p2p waits, the closing collectives and the executor's own
+        # work; its CPU share is a thread's CPU time inside the loop (so at most the loop's wall time)
+        "split_ok": (result.finalize_time > 0 and result.wait_time >= 0
+                     and result.busy_time + result.wait_time + result.finalize_time <= result.step_time
+                     and 0 < result.executor_cpu_time <= result.step_time - result.finalize_time),
     }
 
 
@@ -90,7 +95,7 @@ def _check_against_reference(cases, results) -> None:
             if limit is not None:
                 assert r["peak"] <= limit, f"{case} stage {r['stage']}: {r['peak']} live activations > {limit}"
             assert r["bytes"] > 0
-            assert r["timed_actions"] and r["times_ok"]
+            assert r["timed_actions"] and r["times_ok"] and r["split_ok"]
             if pp > 1:
                 assert r["pp_bytes"] > 0
 

@@ -52,9 +52,12 @@ The loss lives on the stage holding the last model chunk; where that is not the 
 pipeline stage (ZB-V: stage 0), it is sent there at the end of the step, so
 ``StepResult.loss`` is on the last stage's ranks for every schedule.
 
-Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p waits)
-and what is left, ``executor_time``: the executor's own work (posting, bookkeeping),
-reported per action by ``scripts/bench_pipeline.py``.
+Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p waits),
+``finalize_time`` (the closing collectives: gradient finalisation and the loss, mostly a
+wait for the slowest stage) and what is left, ``executor_time``: the executor's own work
+(posting, bookkeeping), reported per action by ``scripts/bench_pipeline.py``, also as
+``executor_cpu_time`` (the loop thread's CPU time outside computations), which a busy
+machine's preemption does not inflate.
 
 Gradient finalisation has one owner, called once per step: at the end of
 ``run_step``, after the last send has completed, the engine calls
@@ -123,6 +126,12 @@ class StepResult:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
     wait_time: float = 0.0  # seconds blocked waiting for p2p to complete
     num_actions: int = 0  # actions of this stage's schedule (computations and messages)
+    # Seconds in the step's closing collectives (grad_sync.finalize, the loss to the last stage):
+    # mostly waiting for the slowest stage, so neither the executor's work nor a p2p wait.
+    finalize_time: float = 0.0
+    # This thread's CPU seconds in the action loop outside computations: the executor's own work
+    # measured so that a busy machine's preemption and blocking waits do not count.
+    executor_cpu_time: float = 0.0
 
     @property
     def bubble_fraction(self) -> float:
@@ -130,8 +139,9 @@ class StepResult:
 
     @property
     def executor_time(self) -> float:
-        """The step's time neither computing nor waiting for messages: the executor's own work."""
-        return max(0.0, self.step_time - self.busy_time - self.wait_time)
+        """The step's time neither computing, nor waiting for messages, nor in the closing
+        collectives: the executor's own work (wall clock)."""
+        return max(0.0, self.step_time - self.busy_time - self.wait_time - self.finalize_time)
 
 
 def split_batch(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -268,28 +278,34 @@ class PipelineEngine:
         undeferred = [backward_inputs(c.parameters()) for c in self.chunks] if self.split_backward else []
         waited = self.p2p.wait_time
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)
-        block, timeline, clock = self._wait_for_sent_activations, run.timeline, time.perf_counter
+        block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
+        cpu_start, cpu_busy = cpu(), 0.0
         for planned in self.plan:
             if planned.communicates:
                 run.communicate(planned)
             c = planned.compute
             if c is None:
                 continue
+            cpu_before = cpu()
             start = clock()
             handlers[c.kind](c)
             end = clock()
+            cpu_busy += cpu() - cpu_before
             run.busy += end - start
             timeline.append((c.action, start - run.t0, end - run.t0))
             if c.kind == "F":
                 run.release_sent(block)
                 run.record_peak()
         self.p2p.wait_sends()
+        executor_cpu = cpu() - cpu_start - cpu_busy
         if run.leftovers():
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
+        finalize_start = clock()
         self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         loss = send_loss_to_last_stage(loss, self.placement, self.pstate)
+        finalize_time = clock() - finalize_start
         return StepResult(
             loss=loss,
             step_time=time.perf_counter() - run.t0,
@@ -301,4 +317,6 @@ class PipelineEngine:
             timeline=run.timeline,
             wait_time=self.p2p.wait_time - waited,
             num_actions=len(self.actions),
+            finalize_time=finalize_time,
+            executor_cpu_time=executor_cpu,
         )
