@@ -10,7 +10,8 @@ attention: torch's ``scaled_dot_product_attention`` (kv heads repeated for GQA),
 attention a DeepSpeed user would pass. A step is forward + backward (``autograd.grad`` of the
 output against a seeded ``dout``), like ``parallel3d.context_parallel.bench.bench_variants``.
 
-Prints one JSON line: the median (over ``--steps``) of the slowest rank's step time, the peak
+Prints one JSON line: the median (over ``--steps``) of the slowest rank's step time and of the CPU
+time per step averaged over the ranks (``cpu_ms``, what ``bench_cp`` pairs on a busy machine), the peak
 resident memory around one step (``peer_env.PeakGate``, read from outside the ranks), and with
 ``--check`` the fingerprints (``fingerprint``) of the whole output and input gradients, which
 ``bench_cp`` compares with ours before it trusts a ratio.
@@ -99,8 +100,9 @@ def _worker(rank: int, world: int, args, gate) -> dict:
         result["fingerprints"] = {n: fingerprint(t) for n, t in zip(("out", "dq", "dk", "dv"), whole)}
         del whole, o, grads
     gate.measure(step)
-    times = timed_steps(step, args.steps, args.warmup)
-    result["median_ms"] = statistics.median(times)
+    cpu: list[float] = []
+    times = timed_steps(step, args.steps, args.warmup, cpu_ms=cpu)
+    result["median_ms"], result["cpu_ms"] = statistics.median(times), statistics.median(cpu)
     return result
 
 

@@ -64,6 +64,10 @@ def test_bench_cp_quick(tmp_path: Path) -> None:
     assert (peer is not None) == PEER_PY.exists()
     for row in res["rows"]:
         _check_row(row, peer)
+        _check_spread(row["cpu_ms_per_rank"])
+        if peer is not None and row is not peer:
+            want = [a / b for a, b in zip(row["cpu_ms_per_rank"]["rounds"], peer["cpu_ms_per_rank"]["rounds"])]
+            assert row["cpu_vs_deepspeed"]["rounds"] == pytest.approx(want)
     o = res["overlap"]
     for key in ("comm_ms", "compute_ms", "overlapped_ms"):
         _check_spread(o[key])
@@ -72,6 +76,7 @@ def test_bench_cp_quick(tmp_path: Path) -> None:
     assert data["targets"]["p2p_overlap_cp2"] in ("met", "NOT met", "n/a")
     if peer is not None:
         assert data["targets"]["a2a_vs_deepspeed_cp2"] in ("met", "NOT met")
+        assert data["targets"]["a2a_cpu_vs_deepspeed_cp2"] in ("met", "NOT met")
 
 
 def test_bench_moe_quick(tmp_path: Path) -> None:

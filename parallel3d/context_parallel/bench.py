@@ -19,6 +19,7 @@ and prints or stores the dicts (``scripts/bench_cp.py``).
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Callable
@@ -35,19 +36,35 @@ from parallel3d.context_parallel.load_balance import rank_segments
 from parallel3d.context_parallel.ring import RingAttention
 
 
-def _slowest_median_ms(fn: Callable[[], None], group: CPGroup, steps: int, warmup: int) -> float:
-    times = []
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (every thread: compute, gloo's, the allocator's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _slowest_median_ms(fn: Callable[[], None], group: CPGroup, steps: int, warmup: int,
+                       cpu_ms: list[float] | None = None) -> float:
+    """The slowest rank's median wall ms; ``cpu_ms`` gets the median CPU ms per step averaged over the
+    ranks (time a rank spends descheduled or blocked in a collective is not CPU time, so on a shared
+    machine it moves far less than wall time with other jobs)."""
+    times, cpu = [], []
     for i in range(warmup + steps):
         if group.size > 1:
             dist.barrier(group=group.group)
+        cpu0 = _cpu_seconds()
         start = time.perf_counter()
         fn()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(times) * 1e3], dtype=torch.float64)
+            cpu.append(_cpu_seconds() - cpu0)
+    both = torch.tensor([statistics.median(times) * 1e3, statistics.median(cpu) * 1e3 / group.size],
+                        dtype=torch.float64)
     if group.size > 1:
-        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group.group)
-    return float(median)
+        dist.all_reduce(both[:1], op=dist.ReduceOp.MAX, group=group.group)
+        dist.all_reduce(both[1:], op=dist.ReduceOp.SUM, group=group.group)
+    if cpu_ms is not None:
+        cpu_ms.append(float(both[1]))
+    return float(both[0])
 
 
 def _share(cp_group: CPGroup, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
@@ -61,9 +78,11 @@ def bench_variants(
     cp_group: CPGroup, *, batch: int, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
     variants: dict[str, dict], dtype: torch.dtype = torch.float32, backend: str = "auto",
     steps: int = 5, warmup: int = 1, document_ids: torch.Tensor | None = None,
+    cpu_ms: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """``{label: ms}`` per forward + backward step; ``variants`` maps a label to the keyword
-    arguments of ``context_parallel_attention`` (``cp_comm`` and, for a2a+p2p, its sub-groups)."""
+    arguments of ``context_parallel_attention`` (``cp_comm`` and, for a2a+p2p, its sub-groups).
+    ``cpu_ms`` (optional) gets ``{label: median CPU ms per step and rank}``."""
     q = _share(cp_group, batch, seq_len, q_heads, head_dim, dtype, 1, True)
     k = _share(cp_group, batch, seq_len, kv_heads, head_dim, dtype, 2, True)
     v = _share(cp_group, batch, seq_len, kv_heads, head_dim, dtype, 3, True)
@@ -75,7 +94,10 @@ def bench_variants(
                                              backend=backend, **kwargs)
             torch.autograd.grad(out, (q, k, v), dout)
 
-        results[label] = _slowest_median_ms(step, cp_group, steps, warmup)
+        cpu: list[float] = []
+        results[label] = _slowest_median_ms(step, cp_group, steps, warmup, cpu)
+        if cpu_ms is not None:
+            cpu_ms[label] = cpu[0]
     return results
 
 
