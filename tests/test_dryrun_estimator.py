@@ -8,7 +8,8 @@ sides are computed independently: they must agree within ``TOLERANCE`` on every 
 layouts drawn over pp, virtual stages, uneven stages and chunks, recompute, sequence parallel, cp
 and the kernel profile (fused kernels on the job's accelerator; ``train.device=cpu``: torch ops).
 What neither counts: per-token fp32 scalars beyond the norms' statistics and the rotary tables
-(the few-% residue on tiny models).
+(the few-% residue on tiny models). The dry run's meta stand-ins for the fused kernels are checked
+against the Triton kernels themselves (the interpreter, on CPU): the same bytes saved, op by op.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from parallel3d.config import resolve
 from parallel3d.dryrun import dry_run_rank
@@ -82,3 +84,48 @@ def test_estimator_agrees_with_the_dry_run_on_llama3_405b(extra):
     """The published layout on 16,384 ranks (126 layers; embedding-only first and head-only last chunk),
     first and last rank: once 95.0 GiB measured (torch ops on meta) against 55.7 GiB estimated."""
     assert not _disagreements(16384, [*LLAMA405_PUBLISHED, *extra], [0, 16383])
+
+
+def _saved_bytes_triton_and_meta() -> dict[str, tuple[int, int]]:
+    """Per op: bytes autograd saves for the Triton kernel on CPU tensors (the interpreter) and for the
+    dry run's meta stand-in on meta tensors of the same shapes (weights excluded, as the engine does)."""
+    from kernels import dispatch
+    from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta
+    from parallel3d.dryrun.meta_values import MetaValues
+    from parallel3d.pipeline.activation_bytes import SavedBytes, storage_key
+
+    def saved(device: str, name: str) -> int:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 8, 4, 16, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+        w = torch.ones(16, device=device, requires_grad=True)
+        cos, sin = torch.ones(8, 8, device=device), torch.zeros(8, 8, device=device)
+        logits = torch.randn(16, 40, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+        targets = torch.arange(16, device=device) % 40
+        calls = {"rms_norm": lambda: dispatch.rms_norm(x, w, 1e-6, backend="triton"),
+                 "layer_norm": lambda: dispatch.layer_norm(x, w, w, 1e-5, backend="triton"),
+                 "swiglu": lambda: dispatch.swiglu(x, x * 2, backend="triton"),
+                 "apply_rope": lambda: dispatch.apply_rope(x, x[:, :, :2] * 1, cos, sin, backend="triton"),
+                 "cross_entropy": lambda: dispatch.cross_entropy(logits, targets, backend="triton")}
+        counter = SavedBytes({storage_key(w)})
+        with counter.recording():
+            calls[name]()
+        # the op's inputs built by the lambdas (x * 2, the k slice) are saved by their own mul/slice
+        # nodes on both sides alike; only storages the op itself adds differ between kernels
+        return counter.total
+
+    out = {}
+    for name in ("rms_norm", "layer_norm", "swiglu", "apply_rope", "cross_entropy"):
+        triton_bytes = saved("cpu", name)
+        with MetaValues(), fused_kernels_on_meta():  # MetaValues: the dry run's answers to data reads
+            out[name] = (triton_bytes, saved("meta", name))
+    return out
+
+
+@pytest.mark.slow
+def test_meta_kernels_save_what_the_triton_kernels_save():
+    """The dry run's meta stand-ins (``dryrun.meta_kernels``) against the Triton kernels themselves, run
+    by the Triton interpreter on CPU: the same bytes saved for backward, op by op."""
+    from kernels.testing import run_interpreted
+
+    got = run_interpreted(_saved_bytes_triton_and_meta, timeout=300)
+    assert all(t == m and t > 0 for t, m in got.values()), got
