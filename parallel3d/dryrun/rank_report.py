@@ -21,6 +21,7 @@ import torch
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state
 from parallel3d.dryrun.messages import Messages
+from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
 from parallel3d.dryrun.step import Counts, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
@@ -67,19 +68,26 @@ def build_optimizer(rj: ResolvedJob, chunks: list[torch.nn.Module], pstate) -> Z
     )
 
 
-def _stage_layers(rj: ResolvedJob, stage: int) -> int:
+def _chunk_ranges(rj: ResolvedJob, stage: int) -> list[tuple[int, int]]:
+    """The layer ranges of ``stage``'s local chunks, as the engine splits them (``parallel.pp_layers``)."""
     p = rj.job.parallel
     ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=rj.train.seq_len)
-    place = placement_for(p.schedule, p.pp, p.virtual_stages)
-    return sum(b - a for a, b in stage_layer_ranges(ranges, p.pp, stage, place))
+    return stage_layer_ranges(ranges, p.pp, stage, placement_for(p.schedule, p.pp, p.virtual_stages))
+
+
+def _stage_layers(rj: ResolvedJob, stage: int) -> int:
+    return sum(b - a for a, b in _chunk_ranges(rj, stage))
 
 
 def _activation_bytes(rj: ResolvedJob, stage: int, layers: int) -> int | None:
-    """The planner's estimate, or None where the planner has none for this model (the measured peak stands)."""
+    """The planner's estimate for the job's kernels (``meta_kernels.job_runs_fused_kernels``), given this
+    stage's own chunks (exact for uneven ones), or None where the planner has none for this model."""
     _, layout, _ = layout_from_job(rj.job, ClusterSpec.build(rj.world_size, 1))
     try:
-        assumptions = ActivationAssumptions.for_model(rj.model, layout.precision)
-        return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions)[0])
+        fused = job_runs_fused_kernels(rj.model.backend, rj.job.train.device)
+        assumptions = ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch")
+        chunks = [list(range(a, b)) for a, b in _chunk_ranges(rj, stage)]
+        return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions, chunks)[0])
     except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block
         return None
 

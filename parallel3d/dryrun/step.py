@@ -7,7 +7,9 @@ so a shape mismatch between chunks, a p2p message of the wrong shape, a ZeRO buf
 fault, or an optimizer step that does not fit the layout raises here as it would at step 1.
 Receives from the ranks not simulated complete at once on the fake backend and leave their
 meta buffers of the pipeline's message shape; data reads are answered by ``MetaValues``;
-attention saves what a fused kernel saves (``fused_attention_on_meta``); MoE layers route as if
+attention saves what a fused kernel saves (``fused_attention_on_meta``), and where the job runs the fused
+kernels (``meta_kernels.job_runs_fused_kernels``: any backend but torch, off ``train.device=cpu``) so do
+the norms, SwiGLU and rotary (``fused_kernels_on_meta``); MoE layers route as if
 balanced (``meta_routing``: their token counts are data, so the all-to-all sizes are an assumption).
 
 Measured from the step itself: the peak activation bytes (the engine's saved-tensor count,
@@ -32,11 +34,12 @@ import torch
 
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.meta_attention import fused_attention_on_meta
+from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels, storage_views_on_meta
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.planning.activations import chunk_in_flight_moments
 from parallel3d.zero.precision import precision_dtype
 
 __all__ = ["StepMeasure", "in_flight_profile", "reduced_microbatches", "run_step"]
@@ -54,20 +57,10 @@ class StepMeasure:
 
 
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
-    """The stage's most-loaded moments, per chunk: the maximal vectors (no other is >= in every chunk)
-    of microbatches in flight per chunk. Two counts with the same profile have the same activation peak
-    whatever each chunk's bytes per microbatch (chunks differ: an embedding- or head-only chunk, uneven
-    layer counts), which the total in flight alone does not ensure."""
-    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
-    split = any(a.kind == "W" for a in actions)
-    chunks = sorted({a.chunk for a in actions})
-    live = dict.fromkeys(chunks, 0)
-    seen: set[tuple[int, ...]] = set()
-    for a in actions:
-        if a.kind in ("F", "W" if split else "B"):
-            live[a.chunk] += 1 if a.kind == "F" else -1
-            seen.add(tuple(live[c] for c in chunks))
-    return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
+    """The stage's most-loaded moments, microbatches in flight per chunk
+    (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too). Two counts
+    with the same profile have the same activation peak whatever each chunk's bytes per microbatch."""
+    return chunk_in_flight_moments(name, pp, m, v, stage)
 
 
 def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int) -> tuple[int, int] | None:
@@ -108,7 +101,10 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)
     # Dense jobs skip the MoE handling: one dispatch mode less on every meta operator.
     routing = balanced_routing_on_meta() if rj.model.moe.enabled else contextlib.nullcontext()
-    with MetaValues(), fused_attention_on_meta(), routing:
+    # The job's kernels: fused ones save what the Triton kernels save; the CPU job's torch ops their own.
+    fused = job_runs_fused_kernels(rj.model.backend, t.device)
+    kernels = fused_kernels_on_meta() if fused else fused_attention_on_meta()
+    with MetaValues(), kernels, storage_views_on_meta(), routing:
         optimizer.zero_grad()
         moe.before_step(optimizer.loss_scale, microbatches)
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)

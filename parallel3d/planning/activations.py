@@ -52,6 +52,10 @@ class ActivationAssumptions:
     # The engine frees a sent output's storage (Megatron's trick; single-chunk schedules on
     # gloo): a stage then keeps only its newest, not yet sent, output.
     sent_outputs_freed: bool = False
+    # The backend reports a send complete without a blocking wait (NCCL, and the dry run's fake
+    # backend), so interleaved schedules free their sent outputs too; gloo (the CPU path) does so
+    # only at the end of the step, and there only single-chunk schedules (which wait) free them.
+    sends_complete_unwaited: bool = False
     # Bytes per hidden element one norm keeps for backward; None: one activation-dtype copy
     # of its input (fused kernels). The torch RMSNorm reference keeps fp32 copies of its
     # input and of its normalised output: 8.
@@ -106,9 +110,13 @@ class ActivationAssumptions:
             fused_attention=True,
             chunk_output_kept=True,
             sent_outputs_freed=True,
+            sends_complete_unwaited=not reference,
             norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[config.spec.blocks[0].norm.kind] if reference else None,
             swiglu_tensors=4 if reference else 3,
             small_stats=True,
+            # The fused cross entropy (Triton, full or vocab-sharded) keeps the logits in their own
+            # dtype (plus fp32 per-row stats); torch's keeps an fp32 log-softmax.
+            logits_bytes=4 if reference else (4 if precision == "fp32" else 2),
             logits_backward_copies=2 if reference else 0,
             adam_step_temporaries=2 if reference else 0,
             reference_attention_blocks=reference,
@@ -248,13 +256,14 @@ def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: A
     Every in-flight chunk keeps its output except the model's last chunk (it returns a
     loss); the last stage holds one such microbatch at a time (all m under GPipe). When
     the engine frees sent outputs, it waits for the sends after each forward for
-    single-chunk schedules only (interleaved ones free when the backend reports a send
-    done, which gloo does only at the end of the step), so there at most one is kept.
+    single-chunk schedules; interleaved ones free when the backend reports a send done, which
+    NCCL does by itself (``sends_complete_unwaited``) and gloo only at the end of the step. Where
+    outputs are freed, at most one is kept (the newest, not yet sent).
     """
     outputs = inflight
     if stage == layout.pp - 1:
         outputs -= layout.num_microbatches if layout.schedule == "gpipe" else 1
-    if assumptions.sent_outputs_freed and layout.virtual_stages == 1:
+    if assumptions.sent_outputs_freed and (layout.virtual_stages == 1 or assumptions.sends_complete_unwaited):
         outputs = min(outputs, 1)
     return max(outputs, 0)
 
@@ -265,6 +274,24 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
         return 0.0
     out = assumptions.element_bytes * layout.seq_len * layout.micro_batch_size * config.hidden_size
     return out / layout.tp if layout.sequence_parallel else float(out)
+
+
+def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
+    """The stage's most-loaded moments, per local chunk: the maximal vectors (no other is >= in every
+    chunk) of microbatches in flight per chunk, read off the built schedule (a (microbatch, chunk) is in
+    flight from its ``F`` to its ``B``, or its ``W`` where backwards are split). The stage's activation
+    peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
+    uneven layer counts), which the total in flight alone does not tell."""
+    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
+    split = any(a.kind == "W" for a in actions)
+    chunks = sorted({a.chunk for a in actions})
+    live = dict.fromkeys(chunks, 0)
+    seen: set[tuple[int, ...]] = set()
+    for a in actions:
+        if a.kind in ("F", "W" if split else "B"):
+            live[a.chunk] += 1 if a.kind == "F" else -1
+            seen.add(tuple(live[c] for c in chunks))
+    return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
 def inflight_chunks(layout: Layout, stage: int) -> int:

@@ -30,6 +30,7 @@ from typing import Sequence
 from models.config import ModelConfig
 from parallel3d.planning.activations import (
     ActivationAssumptions,
+    chunk_in_flight_moments,
     chunk_output_bytes,
     embedding_activation_bytes,
     head_activation_bytes,
@@ -48,6 +49,7 @@ from parallel3d.planning.params import (
     stage_layer_ids,
 )
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
@@ -198,7 +200,8 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
 
 
 def stage_activation_bytes(
-    config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions
+    config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions,
+    chunk_layers: Sequence[Sequence[int]] | None = None,
 ) -> tuple[float, int]:
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
@@ -207,24 +210,68 @@ def stage_activation_bytes(
     microbatch; the last stage holds the head's for the one microbatch whose
     backward it runs (1F1B/interleaved finish each last-stage forward with its
     backward at once; GPipe holds all of them).
+
+    Each in-flight chunk is counted as holding the mean of the stage's chunks (``1/v`` of its layers):
+    exact where the chunks are alike. ``chunk_layers`` (the global layer indices of each of the stage's
+    local chunks, in order, e.g. from ``parallel.pp_layers``) makes it exact where they differ (Llama 3
+    405B's embedding-only first and head-only last chunk; uneven stages): the peak is then the largest
+    sum, over the schedule's most-loaded moments (``chunk_in_flight_moments``), of each chunk's
+    microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
+    planner's search, which passes counts, keeps the mean.
     """
+    loop = placement_for(layout.schedule, layout.pp, layout.virtual_stages).chunks_of(layout.pp - 1)[-1] \
+        == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
+    if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
+            and loop:
+        per_chunk = [_layers_bytes(config, layout, ids, assumptions) for ids in chunk_layers]
+        if stage == 0:
+            per_chunk[0] += embedding_activation_bytes(config, layout, assumptions)
+        if stage == layout.pp - 1:  # the model's last chunk: the head's, while its microbatch is in flight
+            per_chunk[-1] += head_activation_bytes(config, layout, assumptions)
+        if len(set(per_chunk)) > 1:
+            moments = chunk_in_flight_moments(layout.schedule, layout.pp, layout.num_microbatches,
+                                              layout.virtual_stages, stage)
+            total = max(sum(n * b for n, b in zip(live, per_chunk)) for live in moments)
+            inflight = max(sum(live) for live in moments)
+            outputs = kept_chunk_outputs(layout, stage, inflight, assumptions)
+            return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
     inflight = inflight_chunks(layout, stage)
-    # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk (each distinct
-    # block computed once: the planner calls this for every layout it searches)
-    by_block: dict = {}
-    for i in stage_layer_ids(config.shape, layers):
-        first, count = by_block.get(config.spec.blocks[i], (i, 0))
-        by_block[config.spec.blocks[i]] = (first, count + 1)
-    layer_bytes = sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
-    total = inflight * layer_bytes / layout.virtual_stages
-    total += kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
+    # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
+    total = inflight * _layers_bytes(config, layout, stage_layer_ids(config.shape, layers), assumptions) \
+        / layout.virtual_stages
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
+    return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight
+
+
+def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assumptions: ActivationAssumptions) -> float:
+    """Kept bytes of layers ``ids`` for one microbatch (each distinct block computed once: the planner
+    calls this for every layout it searches)."""
+    by_block: dict = {}
+    for i in ids:
+        first, count = by_block.get(config.spec.blocks[i], (i, 0))
+        by_block[config.spec.blocks[i]] = (first, count + 1)
+    return sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
+
+
+def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int,
+                      assumptions: ActivationAssumptions) -> float:
+    """Kept chunk outputs at the peak, and on the last stage the head's kept tensors."""
+    total = kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
     if stage == layout.pp - 1:
         held = layout.num_microbatches if layout.schedule == "gpipe" else 1
         total += held * head_activation_bytes(config, layout, assumptions)
-    return total, inflight
+        if layout.schedule == "zb_h1":  # a deferred W of the head keeps the logits' gradient (its dY)
+            total += head_weight_grad_input_bytes(config, layout, assumptions)
+    return total
+
+
+def head_weight_grad_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """The logits' gradient (activation dtype, the vocab shard) the head's weight gradient waits on while
+    a split backward defers its ``W``: alive beside the next microbatch's forward on the last stage."""
+    logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
+    return float(assumptions.element_bytes * logits / layout.tp)
 
 
 def estimate_memory(
