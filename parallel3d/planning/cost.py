@@ -3,7 +3,9 @@
 Per microbatch and layer, on one tensor-parallel rank:
 
 - matmuls and attention scores: FLOPs / tp at ``peak`` times the efficiency of each GEMM's
-  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak);
+  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak); a fused
+  (flash) causal kernel computes only the unmasked blocks, about half the ``s x s`` product for long
+  sequences (``gemm.causal_work_fraction``), unfused attention all of it;
 - memory-bound elementwise work (norms, GeLU/SwiGLU, dropout, softmax): twice
   the bytes of the tensors the layer stores for backward (written once, read
   once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
@@ -207,7 +209,10 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
     mm_t = matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
                           micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
-    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len)
+    # Every model here is a causal decoder: a fused kernel skips the masked blocks, unfused
+    # attention (Narayanan et al. 2021) computes the whole product.
+    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len,
+                              causal_skip=options.fused_attention)
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
