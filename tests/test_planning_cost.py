@@ -172,3 +172,53 @@ def test_pipeline_sizes_divide_layers_unless_uneven_stages_are_allowed():
     uneven = pipeline_sizes(126, uneven=True)
     assert 16 in uneven and 16 not in pipeline_sizes(126)  # 8 or 7 layers per stage
     assert 100 not in uneven  # 2 or 1 layers: stages 60% apart
+
+
+def _uneven_case(num_layers: int = 15, hidden: int = 512, vocab: int = 32000):
+    config = ModelConfig(arch="llama", num_layers=num_layers, hidden_size=hidden, num_heads=8, num_kv_heads=8,
+                         ffn_hidden_size=4 * hidden, vocab_size=vocab, max_seq_len=2048)
+    layout = Layout(tp=1, pp=4, dp=1, virtual_stages=2, schedule="interleaved_1f1b", global_batch_size=8,
+                    micro_batch_size=1, seq_len=2048)
+    return config, layout
+
+
+def test_chunk_layer_counts_follow_the_engine_split_and_the_loop_placement():
+    from parallel3d.pipeline.partition import partition_layers
+    from parallel3d.planning.cost import chunk_layer_counts
+    from parallel3d.planning.params import stage_layer_counts
+    config, layout = _uneven_case()
+    ranges = partition_layers(config, 4, 2)
+    # Loop placement: model chunk k runs on stage k % p as that stage's local chunk k // p.
+    expected = [[0, 0] for _ in range(4)]
+    for k, (a, b) in enumerate(ranges):
+        expected[k % 4][k // 4] = b - a
+    got = chunk_layer_counts(config, layout)
+    assert got == expected
+    assert len({n for row in got for n in row}) > 1  # the case is uneven (an empty last chunk)
+    assert [sum(r) for r in got] == stage_layer_counts(config, 4, 2)
+
+
+# The engine's split beats (13 layers) / loses to (19) an even spread of each stage's layers; a
+# small vocabulary keeps the embedding and head out of the comparison.
+@pytest.mark.parametrize("num_layers", [13, 19])
+def test_uneven_chunks_are_priced_by_their_own_layers_in_the_direction_the_simulator_says(num_layers):
+    """Pricing each chunk by its own layers must move the pipeline time the way a direct simulation
+    of those chunk sizes (one time unit per layer, no messages) does against the even spread."""
+    from parallel3d.pipeline.schedules import build_schedule, simulate
+    from parallel3d.planning.cost import chunk_layer_counts
+    config, layout = _uneven_case(num_layers, hidden=2048, vocab=256)
+    cluster = ClusterSpec.build(4, 4, "h100_80gb")
+    real = chunk_layer_counts(config, layout)
+    even = [[sum(r) / 2] * 2 for r in real]
+
+    def makespan(counts):
+        sched = build_schedule("interleaved_1f1b", 4, layout.num_microbatches, 2)
+        return simulate(sched, lambda s, c: counts[s][c], lambda s, c: 2 * counts[s][c], 0.0).makespan
+
+    real_est = estimate_step(config, layout, cluster, chunk_layers=real)
+    even_est = estimate_step(config, layout, cluster, chunk_layers=even)
+    assert makespan(real) != makespan(even)
+    assert (real_est.pipeline_s < even_est.pipeline_s) == (makespan(real) < makespan(even))
+    assert abs(real_est.pipeline_s / even_est.pipeline_s - 1) > 0.01
+    # The default prices the engine's split.
+    assert estimate_step(config, layout, cluster).pipeline_s == real_est.pipeline_s

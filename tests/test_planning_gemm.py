@@ -98,3 +98,53 @@ def test_thin_tp_shards_and_small_hidden_run_further_from_peak():
 
     assert rate(2048, 1) < rate(8192, 2)
     assert rate(8192, 8) < rate(8192, 2)
+
+
+def _causal_blocks_brute_force(seq_len: int, block: int) -> float:
+    """Fraction of the (block x block) tiles of an s x s score matrix that hold at least one unmasked
+    (key <= query) entry: the tiles a causal block-skipping kernel must compute."""
+    n = -(-seq_len // block)
+    kept = 0
+    for qi in range(n):
+        last_query = min(seq_len, (qi + 1) * block) - 1
+        for ki in range(n):
+            kept += ki * block <= last_query  # the tile's first key is visible to its last query
+    return kept / (n * n)
+
+
+@pytest.mark.parametrize("seq_len", [64, 128, 300, 2048, 4096, 8192])
+def test_causal_work_fraction_counts_the_unmasked_tiles(seq_len):
+    from parallel3d.planning.gemm import FLASH_BLOCK, causal_work_fraction
+    assert causal_work_fraction(seq_len) == pytest.approx(_causal_blocks_brute_force(seq_len, FLASH_BLOCK))
+
+
+def test_causal_flash_attention_time_is_about_half_the_full_product_at_long_sequences():
+    from parallel3d.planning.gemm import attention_seconds
+    config = _configs()[0]
+    curve = GemmCurve(peak_flops=1e15, max_efficiency=0.7, knee=200.0)
+    for seq, lo, hi in ((131072, 0.5, 0.501), (8192, 0.5, 0.51), (2048, 0.53, 0.532)):
+        full = attention_seconds(config, curve, 1e12, seq_len=seq)
+        causal = attention_seconds(config, curve, 1e12, seq_len=seq, causal_skip=True)
+        assert lo <= causal / full <= hi, (seq, causal / full)
+
+
+def test_unfused_attention_prices_the_whole_product_and_fused_the_causal_part():
+    """At 128k tokens the full-product attention time alone exceeds the rest of a layer, so a layer
+    whose fused (causal) kernel skips half of it runs in less than that full-product time; the
+    unfused path computes all of it (and moves the scores), so its layer takes longer."""
+    from parallel3d.planning.cluster import ClusterSpec
+    from parallel3d.planning.comm_cost import CommModel
+    from parallel3d.planning.cost import CostOptions, layer_forward_flops, layer_times
+    from parallel3d.planning.gemm import attention_seconds
+    from parallel3d.planning.layout import Layout
+    config = ModelConfig(arch="llama", num_layers=4, hidden_size=1024, num_heads=8, num_kv_heads=8,
+                         ffn_hidden_size=4096, vocab_size=1000, max_seq_len=131072)
+    cluster = ClusterSpec.build(8, 8, "h100_80gb")
+    layout = Layout(tp=8, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_len=131072)
+    comm = CommModel(cluster, layout.topology)
+    curve = GemmCurve.of(cluster.device)
+    full_att = attention_seconds(config, curve, layer_forward_flops(config, 1, 131072).attention / 8, seq_len=131072)
+    fused = layer_times(config, layout, cluster, comm, CostOptions())
+    unfused = layer_times(config, layout, cluster, comm, CostOptions(fused_attention=False))
+    assert fused.fwd < full_att < unfused.fwd
+    assert unfused.fwd - fused.fwd >= 0.49 * full_att

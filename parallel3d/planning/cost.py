@@ -3,7 +3,9 @@
 Per microbatch and layer, on one tensor-parallel rank:
 
 - matmuls and attention scores: FLOPs / tp at ``peak`` times the efficiency of each GEMM's
-  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak);
+  per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak); a fused
+  (flash) causal kernel computes only the unmasked blocks, about half the ``s x s`` product for long
+  sequences (``gemm.causal_work_fraction``), unfused attention all of it;
 - memory-bound elementwise work (norms, GeLU/SwiGLU, dropout, softmax): twice
   the bytes of the tensors the layer stores for backward (written once, read
   once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
@@ -38,6 +40,7 @@ from typing import Callable
 
 from models.config import ModelConfig
 from models.shape import LayerFlops
+from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
@@ -46,7 +49,7 @@ from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
 from parallel3d.planning.gemm import GemmCurve, attention_seconds, head_seconds, matmul_seconds
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
-from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_counts, stage_layer_indices
+from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 
@@ -207,7 +210,10 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
     mm_t = matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
                           micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
-    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len)
+    # Every model here is a causal decoder: a fused kernel skips the masked blocks, unfused
+    # attention (Narayanan et al. 2021) computes the whole product.
+    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len,
+                              causal_skip=options.fused_attention)
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
@@ -306,13 +312,32 @@ def _optimizer_time(layout: Layout, device, pb: PrecisionBytes, shard: float, gr
     return max(host, link, disk)
 
 
+def chunk_layer_counts(config: ModelConfig, layout: Layout,
+                       stage_layers: list[int] | None = None) -> list[list[int]]:
+    """Layers of each (stage, local chunk), split and placed as the pipeline engine does
+    (``partition_layers``, the schedule's placement): with uneven stages a chunk may hold more
+    layers than its neighbours, and the first / last model chunk may hold none (embedding or head
+    alone). Given ``stage_layers`` that this split does not produce (a caller's own), each stage's
+    layers are spread evenly over its chunks."""
+    p, v = layout.pp, layout.virtual_stages
+    placement = placement_for(layout.schedule, p, v)  # v: chunks per stage
+    ranges = partition_layers(config, p, v)
+    per = [[b - a for a, b in stage_layer_ranges(ranges, p, s, placement)] for s in range(p)]
+    if stage_layers is not None and [sum(c) for c in per] != list(stage_layers):
+        return [[n / v] * v for n in stage_layers]
+    return per
+
+
 def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                   options: CostOptions | None = None, stage_layers: list[int] | None = None,
-                  pipeline: Callable[..., PipelineTimes] | None = None) -> StepEstimate:
+                  pipeline: Callable[..., PipelineTimes] | None = None,
+                  chunk_layers: list[list[int]] | None = None) -> StepEstimate:
     """Predicted time of one optimizer step of ``layout`` (see the module docstring).
 
     ``pipeline`` times the schedule: ``simulate_pipeline`` (default) or a cheaper
-    stand-in with the same signature (the planner's analytic pre-ranking).
+    stand-in with the same signature (the planner's analytic pre-ranking). Each chunk is priced by
+    its own layers (``chunk_layers``, default ``chunk_layer_counts``) plus the embedding on the
+    first model chunk and the head on the last.
     """
     options = options or CostOptions()
     if layout.world_size != cluster.gpus:
@@ -320,8 +345,10 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     if layout.tp > cluster.gpus_per_node:
         raise ValueError(f"parallel.tp={layout.tp} exceeds cluster.gpus_per_node={cluster.gpus_per_node}")
     p, v = layout.pp, layout.virtual_stages
+    if chunk_layers is None:
+        chunk_layers = chunk_layer_counts(config, layout, stage_layers)
     if stage_layers is None:
-        stage_layers = stage_layer_counts(config, p, v)
+        stage_layers = [round(sum(c)) for c in chunk_layers]
     topo = layout.topology
     comm = CommModel(cluster, topo)
     lt = layer_times(config, layout, cluster, comm, options)
@@ -330,16 +357,13 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     placement = placement_for(layout.schedule, p, p * v)
     first, last = placement.stage_and_chunk(0), placement.stage_and_chunk(p * v - 1)
 
-    def chunk_layers(stage: int) -> float:
-        return stage_layers[stage] / v
-
     def fwd(stage: int, chunk: int) -> float:
         extra = emb_f if (stage, chunk) == first else head_f if (stage, chunk) == last else 0.0
-        return chunk_layers(stage) * lt.fwd + extra
+        return chunk_layers[stage][chunk] * lt.fwd + extra
 
     def bwd(stage: int, chunk: int) -> float:
         extra = emb_b if (stage, chunk) == first else head_b if (stage, chunk) == last else 0.0
-        return chunk_layers(stage) * lt.bwd + extra
+        return chunk_layers[stage][chunk] * lt.bwd + extra
 
     e = 4 if layout.precision == "fp32" else 2
     msg = e * layout.micro_batch_size * layout.seq_len * config.hidden_size

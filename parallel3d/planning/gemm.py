@@ -102,18 +102,36 @@ def matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 
 
 
 def attention_seconds(config: ModelConfig, curve: GemmCurve, flops: float, *, cp: int = 1,
-                      seq_len: int) -> float:
-    """Time of ``flops`` attention-score FLOPs (QK^T and PV, this rank's share) over this rank's
-    ``seq / cp`` queries at the rate of per-head GEMMs whose score and value dims (of layer 0) are
-    their thin side; fused (flash) kernels too, which the calibration rows prefer over a
-    sequence-sized shape."""
+                      seq_len: int, causal_skip: bool = False) -> float:
+    """Time of ``flops`` attention-score FLOPs (QK^T and PV over the full ``s x s`` product, this
+    rank's share) over this rank's ``seq / cp`` queries at the rate of per-head GEMMs whose score and
+    value dims (of layer 0) are their thin side; fused (flash) kernels too, which the calibration
+    rows prefer over a sequence-sized shape. ``causal_skip``: a causal flash kernel that skips the
+    masked blocks does only ``causal_work_fraction`` of those FLOPs (an unfused softmax path
+    computes the full product and masks it). Only the time changes; the FLOPs counted do not."""
     a = config.shape.layers[0].block.attention
     rows = seq_len / cp
     qk = curve.efficiency(rows, rows, a.score_dim)
     pv = curve.efficiency(rows, a.value_dim, rows)
     # FLOPs split between the two products in proportion to their contracted dims.
     w = a.score_dim / (a.score_dim + a.value_dim)
-    return flops / curve.peak_flops * (w / qk + (1 - w) / pv)
+    done = causal_work_fraction(seq_len) if causal_skip else 1.0
+    return done * flops / curve.peak_flops * (w / qk + (1 - w) / pv)
+
+
+# Query/key block edge of flash-style kernels (FlashAttention-2/3, cuDNN): a causal kernel skips
+# the key blocks wholly above the diagonal and computes the diagonal blocks in full.
+FLASH_BLOCK = 128
+
+
+def causal_work_fraction(seq_len: int, block: int = FLASH_BLOCK) -> float:
+    """Fraction of the full ``s x s`` score product a causal block-skipping kernel computes:
+    of ``n = ceil(s / block)`` query blocks, block i visits i + 1 key blocks, so
+    ``n (n + 1) / 2`` of ``n^2`` blocks, i.e. ``(n + 1) / (2 n)`` (1 for one block, -> 1/2 long).
+    Load-balanced context parallelism splits the same blocks over its ranks, so the fraction holds
+    per rank too."""
+    n = max(1, -(-seq_len // block))
+    return (n + 1) / (2 * n)
 
 
 def head_seconds(curve: GemmCurve, flops: float, *, tokens: float, vocab_per_rank: int, hidden: int) -> float:
@@ -121,4 +139,5 @@ def head_seconds(curve: GemmCurve, flops: float, *, tokens: float, vocab_per_ran
     return curve.seconds(flops, tokens, vocab_per_rank, hidden)
 
 
-__all__ = ["GemmCurve", "attention_seconds", "head_seconds", "matmul_seconds"]
+__all__ = ["FLASH_BLOCK", "GemmCurve", "attention_seconds", "causal_work_fraction", "head_seconds",
+           "matmul_seconds"]

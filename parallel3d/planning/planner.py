@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from models.config import ModelConfig
 from models.transformer import RECOMPUTE_MODES
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, estimate_step
+from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, chunk_layer_counts, estimate_step
 from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
 from parallel3d.option_checks import ConfigError
 from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
@@ -279,12 +279,16 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     budget = cluster.device.memory_bytes * request.memory_fraction
     result = Plan(config=config, cluster=cluster, request=request)
     splits: dict[tuple[int, int], list[int]] = {}
+    chunks: dict[tuple[int, int, str], list[list[int]]] = {}  # per (stage, chunk), by schedule placement
     rough: list[tuple[float, Layout, MemoryEstimate]] = []
     for base in enumerate_layouts(config, cluster, request):
         result.considered += 1
         key = (base.pp, base.virtual_stages)
         if key not in splits:
             splits[key] = stage_layer_counts(config, base.pp, base.virtual_stages)
+        ckey = (*key, base.schedule)
+        if ckey not in chunks:
+            chunks[ckey] = chunk_layer_counts(config, base, splits[key])
         best_for_base: tuple[float, Layout, MemoryEstimate] | None = None
         for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
             fits_on_device = False
@@ -299,7 +303,8 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                     if memory.peak_bytes > budget:
                         continue
                     fits_on_device |= offload == "none"
-                    est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline)
+                    est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline,
+                                        chunk_layers=chunks[ckey])
                     if best_for_base is None or est.step_time_s < best_for_base[0]:
                         best_for_base = (est.step_time_s, layout, memory)
             if fits_on_device:
@@ -311,7 +316,8 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     simulated = []
     for _, layout, memory in rough[: request.simulate_top]:
         key = (layout.pp, layout.virtual_stages)
-        step = estimate_step(config, layout, cluster, options, splits[key])
+        step = estimate_step(config, layout, cluster, options, splits[key],
+                             chunk_layers=chunks[(*key, layout.schedule)])
         simulated.append(Candidate(layout, memory, step, simulated=True))
     simulated.sort(key=lambda c: c.step.step_time_s)
     result.ranked = simulated
