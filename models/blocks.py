@@ -143,9 +143,10 @@ def _views_copied_out_if_mixed(parts: tuple[torch.Tensor, ...], buffer: torch.Te
     """``parts`` as they are when all (or none) are views of ``buffer``; otherwise the views are
     copied out. Attention keeps q, k, v for backward: if all are views, the buffer *is* q, k, v;
     if some are new tensors (rotary outputs, regrouped q), one kept view would keep the whole
-    fused buffer alive next to them."""
-    ptr = buffer.untyped_storage().data_ptr()
-    is_view = [t.untyped_storage().data_ptr() == ptr for t in parts]
+    fused buffer alive next to them. Views are told by storage identity, not data pointer: every meta
+    storage has data pointer 0, and the dry run runs this on meta."""
+    storage = buffer.untyped_storage()._cdata
+    is_view = [t.untyped_storage()._cdata == storage for t in parts]
     if all(is_view):
         return parts
     return tuple(t.clone(memory_format=torch.contiguous_format) if view else t for t, view in zip(parts, is_view))

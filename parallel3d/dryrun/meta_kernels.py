@@ -26,10 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
-from models import blocks
-from parallel3d.pipeline.activation_bytes import storage_key
 
-__all__ = ["fused_kernels_on_meta", "job_runs_fused_kernels", "storage_views_on_meta"]
+__all__ = ["fused_kernels_on_meta", "job_runs_fused_kernels"]
 
 
 def job_runs_fused_kernels(backend: str, device: str) -> bool:
@@ -177,28 +175,3 @@ def fused_kernels_on_meta() -> Iterator[None]:
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
-
-
-@contextmanager
-def storage_views_on_meta() -> Iterator[None]:
-    """Inside: attention's ``_views_copied_out_if_mixed`` tells views of the fused qkv buffer by storage
-    identity on meta tensors. It compares ``data_ptr()``, which is 0 for every meta storage, so on meta
-    every part looked like a view: v stayed a view of the qkv buffer and attention kept the whole buffer
-    (q + 2 kv per token) beside the rotary outputs, where the real job keeps a copy of v alone."""
-    original = blocks._views_copied_out_if_mixed
-
-    @functools.wraps(original)
-    def routed(parts, buffer):
-        if not _on_meta(buffer, *parts):
-            return original(parts, buffer)
-        is_view = [storage_key(t) == storage_key(buffer) for t in parts]
-        if all(is_view):
-            return parts
-        return tuple(t.clone(memory_format=torch.contiguous_format) if view else t
-                     for t, view in zip(parts, is_view))
-
-    blocks._views_copied_out_if_mixed = routed
-    try:
-        yield
-    finally:
-        blocks._views_copied_out_if_mixed = original

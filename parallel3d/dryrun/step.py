@@ -34,7 +34,7 @@ import torch
 
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.meta_attention import fused_attention_on_meta
-from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels, storage_views_on_meta
+from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
@@ -104,7 +104,7 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     # The job's kernels: fused ones save what the Triton kernels save; the CPU job's torch ops their own.
     fused = job_runs_fused_kernels(rj.model.backend, t.device)
     kernels = fused_kernels_on_meta() if fused else fused_attention_on_meta()
-    with MetaValues(), kernels, storage_views_on_meta(), routing:
+    with MetaValues(), kernels, routing:
         optimizer.zero_grad()
         moe.before_step(optimizer.loss_scale, microbatches)
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
