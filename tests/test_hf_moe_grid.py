@@ -28,9 +28,8 @@ import random
 
 import pytest
 import torch
-import transformers
-
 import torch.nn.functional as F
+import transformers
 
 from models.config import ModelConfig
 from models.hf import expected_hf_shapes, from_hf
@@ -174,11 +173,12 @@ def _pipeline_token_losses(chunks: list, ps, cfg: ModelConfig, topo: dict, ids: 
     mean = run(labels)
     per_token = torch.zeros(b, s - 1, dtype=torch.float64)
     for row in range(b):
-        for t in range(s - 1):
+        for t in range(s - 1):  # collective: every stage runs every token's step
             one = torch.full_like(ids, -100)
             one[row, t] = labels[row, t]
             loss = run(one)
-            per_token[row, t] = float("nan") if loss is None else loss
+            if loss is not None:
+                per_token[row, t] = loss
     return (mean, per_token) if mean is not None else (None, None)
 
 
@@ -325,8 +325,13 @@ def test_every_family_imports_and_exports_on_the_expert_grid(tmp_path):
 def test_cp_cases_draw_every_cp_comm_variant():
     """Across the product every cp_comm variant (and both a2a sizes of a2a+p2p at cp=2) runs, on a
     generated config that can hold it; every case family x cp layout x draw is in the product."""
+    from parallel3d.topology import Topology
+
     assert {cp_variant(*c) for c in _CP_CASES} == set(CP_VARIANTS)
     assert set(_CP_CASES) <= set(ALL_CASES)
+    for layout in CP_LAYOUTS:  # ep folds over cp: each expert exchange mixes the shares of a sequence
+        topo = Topology(**LAYOUTS[layout][0])
+        assert all(any(set(cp) <= set(ep) for ep in topo.groups("ep")) for cp in topo.groups("cp")), layout
     for comm, a2a in CP_VARIANTS:
         case = next(c for c in _CP_CASES if cp_variant(*c) == (comm, a2a))
         cfg = grid_case(*case)
