@@ -1,0 +1,135 @@
+"""In-process profile of the zero-bubble split backward: B, W and B + W against one full backward.
+
+One pipeline chunk of parallel3d's GPT (the shapes of ``bench_pipeline.py``: ``gpt_tiny``,
+hidden 128, 4 heads, seq 64, micro-batch 2; by default a middle stage of pp 4, i.e. layers
+2-3 of 8) runs, alternating sample by sample, (a) forward + one ``torch.autograd.backward``
+and (b) forward + ``split_backward`` (``B``) + the returned work's ``run`` (``W``), exactly as
+the pipeline engine does. Only the backward parts are timed, in this thread's CPU time (CPU
+autograd runs on the calling thread; preemption on a busy machine does not count) and in
+wall time. Prints per-phase medians and ``(B+W)/full`` as the median of per-round ratios.
+
+    .venv/bin/python scripts/profile_split_backward.py --hidden 128 --rounds 40
+
+One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table for one B + W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def _setup(args):
+    from models import build_model, get_config
+    from parallel3d.deferred_grads import backward_inputs
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.topology import Topology
+
+    cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
+                     vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
+    pstate = ParallelState(Topology())
+    a, b = args.layer_range
+    chunk = build_model(cfg, pstate, seed=0, layer_range=(a, b), pre_process=False, post_process=False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.mbs, args.seq, args.hidden, generator=gen)
+    grad = torch.randn(args.mbs, args.seq, args.hidden, generator=gen)
+    return chunk, pstate, x, grad, backward_inputs(chunk.parameters())
+
+
+def _clock() -> tuple[float, float]:
+    return time.thread_time(), time.perf_counter()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layer-range", type=int, nargs=2, default=[2, 4], help="the chunk's layers [a, b)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=5, help="samples of each kind per round (alternating)")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured rounds")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's table for one B + W")
+    ap.add_argument("--out", default=None, help="write the samples as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    from parallel3d.pipeline.backward_split import split_backward
+
+    chunk, pstate, x, grad, undeferred = _setup(args)
+
+    def forward():
+        inp = x.detach().clone().requires_grad_(True)
+        return inp, chunk(inp)
+
+    def full() -> tuple[float, float]:
+        inp, out = forward()
+        c0 = _clock()
+        torch.autograd.backward(out, grad_tensors=grad)
+        c1 = _clock()
+        return c1[0] - c0[0], c1[1] - c0[1]
+
+    def split() -> tuple[tuple[float, float], tuple[float, float]]:
+        inp, out = forward()
+        c0 = _clock()
+        _, work = split_backward(out, grad, inp, pstate.weight_grads, undeferred)
+        del out
+        c1 = _clock()
+        work.run()
+        c2 = _clock()
+        return (c1[0] - c0[0], c1[1] - c0[1]), (c2[0] - c1[0], c2[1] - c1[1])
+
+    samples: dict[str, list[float]] = {k: [] for k in ("full_cpu", "b_cpu", "w_cpu", "full_wall", "b_wall", "w_wall")}
+    ratios_cpu, ratios_wall = [], []
+    for r in range(args.warmup + args.rounds):
+        fc, fw, bc, bw, wc, ww = [], [], [], [], [], []
+        for i in range(2 * args.reps):
+            chunk.zero_grad(set_to_none=True)
+            if (i + r) % 2 == 0:
+                c, w = full()
+                fc.append(c)
+                fw.append(w)
+            else:
+                (b_c, b_w), (w_c, w_w) = split()
+                bc.append(b_c)
+                bw.append(b_w)
+                wc.append(w_c)
+                ww.append(w_w)
+        if r < args.warmup:
+            continue
+        for key, vals in (("full_cpu", fc), ("b_cpu", bc), ("w_cpu", wc), ("full_wall", fw), ("b_wall", bw),
+                          ("w_wall", ww)):
+            samples[key].extend(vals)
+        ratios_cpu.append((statistics.median(bc) + statistics.median(wc)) / statistics.median(fc))
+        ratios_wall.append((statistics.median(bw) + statistics.median(ww)) / statistics.median(fw))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"chunk layers {args.layer_range} of {args.layers}, hidden {args.hidden}, seq {args.seq}, mbs {args.mbs}; "
+          f"{args.rounds} rounds x {args.reps} alternating samples each")
+    print(f"{'':6} {'full us':>8} {'B us':>8} {'W us':>8} {'B+W us':>8} {'(B+W)/full':>10} {'range over rounds':>20}")
+    for kind, ratios in (("cpu", ratios_cpu), ("wall", ratios_wall)):
+        f, b, w = med[f"full_{kind}"], med[f"b_{kind}"], med[f"w_{kind}"]
+        qs = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"{kind:6} {1e6 * f:8.1f} {1e6 * b:8.1f} {1e6 * w:8.1f} {1e6 * (b + w):8.1f} "
+              f"{statistics.median(ratios):10.3f}   q1 {qs[0]:.3f} q3 {qs[2]:.3f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            split()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": vars(args), "medians_s": med,
+                                              "ratio_cpu": ratios_cpu, "ratio_wall": ratios_wall}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
