@@ -25,7 +25,7 @@ grouped-GEMM experts):
   returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
   layer calls ``compute()`` itself, so outside a split backward nothing changes.
 - ``work.run()`` (``W``) is one small backward whose single node calls the queued
-  closures in order and returns every gradient to its parameter: each arrives
+  closures, last queued first, and returns every gradient to its parameter: each arrives
   through its own ``AccumulateGrad`` as after a plain backward, so ``.grad``
   accumulation, post-accumulate-grad hooks (ZeRO's buckets, fp32 main grads) and
   tied-embedding copies see it unchanged, during ``W``.
@@ -36,6 +36,13 @@ communicate (sequence parallel re-gathers its input): every rank of the group ru
 ``W`` at the same point of the same schedule. Exactness: a closure computes the same
 expression as the undeferred backward would, and each gradient is accumulated once,
 so ``B`` + ``W`` leaves bitwise the gradients of one backward.
+
+Why last in, first out: ``B`` walks the layers backwards, so the last closures it queued
+read the tensors it touched last (the chunk's first layers' inputs and output gradients),
+which are still in cache when ``W`` starts; first in, first out would begin with the
+tensors touched longest ago. The order of independent weight gradients changes no value,
+and every rank of a data-parallel group runs the same order (hooks launch the same
+collectives in the same order).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class DeferredWeightGrads:
     def run(self) -> None:
         """Compute every queued gradient and accumulate them through autograd (hooks fire now)."""
         queue, self._queue, self.held = self._queue, [], []
+        queue.reverse()  # last in, first out: see the module doc
         params = [p for ps, _ in queue for p in ps]
         if any(p is not None and p.requires_grad for p in params):
             with torch.enable_grad():
