@@ -24,8 +24,9 @@ grouped-GEMM experts):
   are the tensors the closure keeps alive (memory accounting). True: queued, the layer
   returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
   layer calls ``compute()`` itself, so outside a split backward nothing changes.
-- ``work.run()`` (``W``) is one small backward whose single node (built once per list of
-  parameters, i.e. per chunk, and rerun: ``_Anchors``) calls the queued
+- ``work.run()`` (``W``) is one small backward whose single node (inside
+  ``deferral.reusing_graphs()``, which the engine opens around a step: built once per list
+  of parameters, i.e. per chunk, and rerun; ``_Anchors``) calls the queued
   closures, last queued first, and returns every gradient to its parameter: each arrives
   through its own ``AccumulateGrad`` as after a plain backward, so ``.grad``
   accumulation, post-accumulate-grad hooks (ZeRO's buckets, fp32 main grads) and
@@ -116,35 +117,42 @@ class _RunQueue(torch.autograd.Function):
 
 
 class _Anchors:
-    """``_RunQueue`` graphs kept (``retain_graph``) and rerun, one per parameter list, most recent ``size``.
+    """``_RunQueue`` graphs kept (``retain_graph``) and rerun, one per parameter list, the most recent ``size``,
+    while ``keep`` is set (``WeightGradDeferral.reusing_graphs``: one pipeline step).
 
     Why: building the one-node graph (a Python ``Function.apply`` over every parameter) was a
-    fixed cost of each ``W`` as large as a small layer's GEMM; a chunk queues the same
-    parameters in the same order every microbatch, so its graph is built once. The key is the
-    parameters' identities and whether each requires grad (the edges the graph was built with);
-    a kept graph holds its parameters, so an identity cannot be reused while its key is cached.
-    ``size`` 0: a fresh graph per run, nothing kept.
+    fixed cost of each ``W`` as large as a small layer's GEMM; within a step a chunk queues the
+    same parameters in the same order every microbatch, so its graph is built once per step. The
+    key is the parameters' identities and whether each requires grad (the edges the graph was
+    built with); a kept graph holds its parameters, so an identity cannot be reused while cached.
+    Forgotten at the step's end: a parameter's ``.data`` set to another dtype or device between
+    steps gets a new ``AccumulateGrad`` node, which a graph kept from before would not reach.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
+        self.keep = False
         self._kept: dict[tuple[int, ...], tuple[torch.Tensor, list]] = {}
 
+    def forget(self) -> None:
+        self._kept.clear()
+
     def run(self, queue: list[tuple[Params, GradCompute]], params: list["torch.Tensor | None"]) -> None:
-        key = tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params])
-        kept = self._kept.pop(key, None)
+        keep = self.keep and self.size > 0
+        key = tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params]) if keep else ()
+        kept = self._kept.pop(key, None) if keep else None
         if kept is None:
             slot: list = [None]
             with torch.enable_grad():
                 kept = (_RunQueue.apply(slot, *params), slot)
         root, slot = kept
-        if self.size > 0:
+        if keep:
             self._kept[key] = kept  # most recently used last
             while len(self._kept) > self.size:
                 del self._kept[next(iter(self._kept))]
         slot[0] = queue
         try:
-            root.backward(retain_graph=self.size > 0)
+            root.backward(retain_graph=keep)
         finally:
             slot[0] = None
 
@@ -158,12 +166,25 @@ class WeightGradDeferral:
 
     def __init__(self, kept_graphs: int = 8) -> None:
         self._open: DeferredWeightGrads | None = None
-        # W's graphs, reused per chunk (``_Anchors``): enough for every chunk of a stage.
+        # W's graphs, reused per chunk within a step (``_Anchors``): enough for every chunk of a stage.
         self._anchors = _Anchors(kept_graphs)
 
     @property
     def active(self) -> bool:
         return self._open is not None
+
+    @contextmanager
+    def reusing_graphs(self) -> Iterator[None]:
+        """Within (one pipeline step): each ``W``'s one-node graph is kept per parameter list and
+        rerun (``_Anchors``); forgotten on exit. Outside, every ``W`` builds its own."""
+        if self._anchors.keep:
+            raise RuntimeError("WeightGradDeferral.reusing_graphs() is already open")
+        self._anchors.keep = True
+        try:
+            yield
+        finally:
+            self._anchors.keep = False
+            self._anchors.forget()
 
     @contextmanager
     def collecting(self) -> Iterator[DeferredWeightGrads]:

@@ -196,8 +196,8 @@ def test_outside_a_b_layers_compute_their_weight_grads_and_mixed_marks_fail():
 def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatches():
     """Two chunks (as an interleaved stage holds), three microbatches each, B then W in a zero-bubble
     order: every gradient bitwise equal to plain backwards of the same microbatches, each deferred
-    parameter's hook once per W; W's graph is built once per chunk and rerun (not rebuilt), and the
-    deferral keeps at most ``kept_graphs`` of them."""
+    parameter's hook once per W; within ``reusing_graphs`` (one engine step) W's graph is built once
+    per chunk and rerun (not rebuilt), at most ``kept_graphs`` of them are kept, none after."""
     cfg = ModelConfig(arch="gpt", num_layers=4, hidden_size=16, num_heads=2, vocab_size=32, max_seq_len=16,
                       use_bias=True, fused_kernels=False)
     gen = torch.Generator().manual_seed(7)
@@ -219,7 +219,7 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
     for c in split:
         for p in c.parameters():
             p.register_post_accumulate_grad_hook(lambda p: fired.update([id(p)]))
-    with _OpCount() as ops:
+    with _OpCount() as ops, pstate.weight_grads.reusing_graphs():
         pending = []
         for mb, (x, g) in enumerate(zip(xs, grads)):
             for c in split:  # both chunks' B, then the previous microbatch's W (a delayed W)
@@ -235,11 +235,14 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
             assert torch.equal(p.grad, q.grad), name
             assert fired[id(q)] == 3, name
     assert ops.ops["aten.zeros"] == 2  # one W graph per chunk, rerun for the later microbatches
+    assert not pstate.weight_grads._anchors._kept  # forgotten at the step's end
     small = WeightGradDeferral(kept_graphs=1)
     ps = [set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True) for _ in range(3)]
     x = torch.randn(2, 4, requires_grad=True)
-    for w in ps:
-        with small.collecting() as work:
-            deferrable_linear(x, w, None, small).sum().backward(inputs=[x])
-        work.run()
-    assert len(small._anchors._kept) == 1
+    with small.reusing_graphs():
+        for w in ps:
+            with small.collecting() as work:
+                deferrable_linear(x, w, None, small).sum().backward(inputs=[x])
+            work.run()
+        assert len(small._anchors._kept) == 1
+    assert not small._anchors._kept
