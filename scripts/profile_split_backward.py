@@ -16,6 +16,7 @@ One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5, help="samples of each kind per round (alternating)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured rounds")
+    ap.add_argument("--fresh-graphs", action="store_true",
+                    help="build W's graph every time (no reusing_graphs), as before the engine kept them per step")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table for one B + W")
     ap.add_argument("--out", default=None, help="write the samples as JSON here")
     args = ap.parse_args()
@@ -73,6 +76,7 @@ def main() -> None:
         return inp, chunk(inp)
 
     def full() -> tuple[float, float]:
+        chunk.zero_grad(set_to_none=True)
         inp, out = forward()
         c0 = _clock()
         torch.autograd.backward(out, grad_tensors=grad)
@@ -80,6 +84,7 @@ def main() -> None:
         return c1[0] - c0[0], c1[1] - c0[1]
 
     def split() -> tuple[tuple[float, float], tuple[float, float]]:
+        chunk.zero_grad(set_to_none=True)
         inp, out = forward()
         c0 = _clock()
         _, work = split_backward(out, grad, inp, pstate.weight_grads, undeferred)
@@ -91,16 +96,21 @@ def main() -> None:
 
     samples: dict[str, list[float]] = {k: [] for k in ("full_cpu", "b_cpu", "w_cpu", "full_wall", "b_wall", "w_wall")}
     ratios_cpu, ratios_wall = [], []
+    deferral = pstate.weight_grads
+    # A round is one engine step: the engine keeps each chunk's W graph for the step (reusing_graphs).
+    reuse = getattr(deferral, "reusing_graphs", None)
     for r in range(args.warmup + args.rounds):
         fc, fw, bc, bw, wc, ww = [], [], [], [], [], []
-        for i in range(2 * args.reps):
-            chunk.zero_grad(set_to_none=True)
+        step = reuse() if reuse is not None and not args.fresh_graphs else contextlib.nullcontext()
+        with step:
+            samples_round = [full() if (i + r) % 2 == 0 else split() for i in range(2 * args.reps)]
+        for i, got in enumerate(samples_round):
             if (i + r) % 2 == 0:
-                c, w = full()
+                c, w = got
                 fc.append(c)
                 fw.append(w)
             else:
-                (b_c, b_w), (w_c, w_w) = split()
+                (b_c, b_w), (w_c, w_w) = got
                 bc.append(b_c)
                 bw.append(b_w)
                 wc.append(w_c)
