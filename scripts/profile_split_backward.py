@@ -10,7 +10,10 @@ wall time. Prints per-phase medians and ``(B+W)/full`` as the median of per-roun
 
     .venv/bin/python scripts/profile_split_backward.py --hidden 128 --rounds 40
 
-One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table for one B + W.
+One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table for one B + W;
+``--variants`` instead attributes the split's cost to W's queue order and W's graph reuse:
+
+    .venv/bin/python scripts/profile_split_backward.py --hidden 128 --rounds 40 --variants
 """
 
 from __future__ import annotations
@@ -49,6 +52,50 @@ def _clock() -> tuple[float, float]:
     return time.thread_time(), time.perf_counter()
 
 
+def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
+    """``--variants``: one process, paired per round: the full backward against B + W with W's queue
+    first in, first out (the order before 2026-12-06) or last in, first out (now), and W's graph
+    built per W (before) or kept for the step (now). Prints (B+W)/full per variant, median and
+    quartiles over rounds of the per-round ratio of medians."""
+    from parallel3d.deferred_grads import _Anchors
+    from parallel3d.pipeline.backward_split import split_backward
+
+    deferral = pstate.weight_grads
+    anchors = {"fifo_fresh": _Anchors(0), "lifo_fresh": _Anchors(0), "fifo_kept": _Anchors(8), "lifo_kept": _Anchors(8)}
+    for name, a in anchors.items():
+        a.keep = name.endswith("kept")
+    modes = ["full", *anchors]
+    clock = time.thread_time
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.warmup + args.rounds):
+        got: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(args.reps * len(modes)):
+            mode = modes[(i + r) % len(modes)]
+            chunk.zero_grad(set_to_none=True)
+            inp = x.detach().clone().requires_grad_(True)
+            out = chunk(inp)
+            start = clock()
+            if mode == "full":
+                torch.autograd.backward(out, grad_tensors=grad)
+            else:
+                deferral._anchors = anchors[mode]
+                _, work = split_backward(out, grad, inp, deferral, undeferred)
+                del out
+                if mode.startswith("fifo"):
+                    work._queue.reverse()  # run() reverses it again: first in, first out
+                work.run()
+            got[mode].append(clock() - start)
+        if r >= args.warmup:
+            base = statistics.median(got["full"])
+            for m in modes:
+                ratios[m].append(statistics.median(got[m]) / base)
+    print(f"hidden {args.hidden}, layers {args.layer_range} of {args.layers}: (B+W)/full, CPU time, "
+          f"{args.rounds} rounds x {args.reps} samples per variant")
+    for m in modes:
+        q = statistics.quantiles(ratios[m], n=4)
+        print(f"  {m:11s} {statistics.median(ratios[m]):.3f}  [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=128)
@@ -62,6 +109,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured rounds")
     ap.add_argument("--fresh-graphs", action="store_true",
                     help="build W's graph every time (no reusing_graphs), as before the engine kept them per step")
+    ap.add_argument("--variants", action="store_true",
+                    help="instead: W's queue order (fifo/lifo) x W's graph (fresh/kept), paired in this process")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table for one B + W")
     ap.add_argument("--out", default=None, help="write the samples as JSON here")
     args = ap.parse_args()
@@ -70,6 +119,9 @@ def main() -> None:
     from parallel3d.pipeline.backward_split import split_backward
 
     chunk, pstate, x, grad, undeferred = _setup(args)
+    if args.variants:
+        _variants(args, chunk, pstate, x, grad, undeferred)
+        return
 
     def forward():
         inp = x.detach().clone().requires_grad_(True)
