@@ -24,8 +24,10 @@ grouped-GEMM experts):
   are the tensors the closure keeps alive (memory accounting). True: queued, the layer
   returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
   layer calls ``compute()`` itself, so outside a split backward nothing changes.
-- ``work.run()`` (``W``) is one small backward whose single node calls the queued
-  closures in order and returns every gradient to its parameter: each arrives
+- ``work.run()`` (``W``) is one small backward whose single node (inside
+  ``deferral.reusing_graphs()``, which the engine opens around a step: built once per list
+  of parameters, i.e. per chunk, and rerun; ``_Anchors``) calls the queued
+  closures, last queued first, and returns every gradient to its parameter: each arrives
   through its own ``AccumulateGrad`` as after a plain backward, so ``.grad``
   accumulation, post-accumulate-grad hooks (ZeRO's buckets, fp32 main grads) and
   tied-embedding copies see it unchanged, during ``W``.
@@ -36,6 +38,13 @@ communicate (sequence parallel re-gathers its input): every rank of the group ru
 ``W`` at the same point of the same schedule. Exactness: a closure computes the same
 expression as the undeferred backward would, and each gradient is accumulated once,
 so ``B`` + ``W`` leaves bitwise the gradients of one backward.
+
+Why last in, first out: ``B`` walks the layers backwards, so the last closures it queued
+read the tensors it touched last (the chunk's first layers' inputs and output gradients),
+which are still in cache when ``W`` starts; first in, first out would begin with the
+tensors touched longest ago. The order of independent weight gradients changes no value,
+and every rank of a data-parallel group runs the same order (hooks launch the same
+collectives in the same order).
 """
 
 from __future__ import annotations
@@ -61,9 +70,10 @@ def backward_inputs(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 class DeferredWeightGrads:
     """The weight-gradient work one ``B`` queued; ``run`` it exactly once (``W``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, anchors: "_Anchors | None" = None) -> None:
         self._queue: list[tuple[Params, GradCompute]] = []
         self.held: list[torch.Tensor] = []  # what the queued closures keep alive
+        self._anchors = anchors if anchors is not None else _Anchors(0)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -75,15 +85,14 @@ class DeferredWeightGrads:
     def run(self) -> None:
         """Compute every queued gradient and accumulate them through autograd (hooks fire now)."""
         queue, self._queue, self.held = self._queue, [], []
+        queue.reverse()  # last in, first out: see the module doc
         params = [p for ps, _ in queue for p in ps]
         if any(p is not None and p.requires_grad for p in params):
-            with torch.enable_grad():
-                anchor = _RunQueue.apply(queue, *params)
-            anchor.backward()
+            self._anchors.run(queue, params)
 
 
 class _RunQueue(torch.autograd.Function):
-    """A one-node graph whose backward runs the queue and returns each parameter's gradient.
+    """A one-node graph whose backward runs the queue in ``slot[0]`` and returns each parameter's gradient.
 
     Autograd hands those gradients straight to the parameters' ``AccumulateGrad`` nodes, as
     in a plain backward (``torch.autograd.backward`` on gradient edges would keep a reference
@@ -91,13 +100,13 @@ class _RunQueue(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, queue, *params):  # type: ignore[override]
-        ctx.queue = queue
+    def forward(ctx, slot, *params):  # type: ignore[override]
+        ctx.slot = slot
         return torch.zeros(())
 
     @staticmethod
     def backward(ctx, _):  # type: ignore[override]
-        queue, ctx.queue = ctx.queue, None
+        queue, ctx.slot[0] = ctx.slot[0], None
         grads: list[torch.Tensor | None] = []
         for params, compute in queue:
             got = list(compute())
@@ -107,6 +116,47 @@ class _RunQueue(torch.autograd.Function):
         return (None, *grads)
 
 
+class _Anchors:
+    """``_RunQueue`` graphs kept (``retain_graph``) and rerun, one per parameter list, the most recent ``size``,
+    while ``keep`` is set (``WeightGradDeferral.reusing_graphs``: one pipeline step).
+
+    Why: building the one-node graph (a Python ``Function.apply`` over every parameter) was a
+    fixed cost of each ``W`` as large as a small layer's GEMM; within a step a chunk queues the
+    same parameters in the same order every microbatch, so its graph is built once per step. The
+    key is the parameters' identities and whether each requires grad (the edges the graph was
+    built with); a kept graph holds its parameters, so an identity cannot be reused while cached.
+    Forgotten at the step's end: a parameter's ``.data`` set to another dtype or device between
+    steps gets a new ``AccumulateGrad`` node, which a graph kept from before would not reach.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.keep = False
+        self._kept: dict[tuple[int, ...], tuple[torch.Tensor, list]] = {}
+
+    def forget(self) -> None:
+        self._kept.clear()
+
+    def run(self, queue: list[tuple[Params, GradCompute]], params: list["torch.Tensor | None"]) -> None:
+        keep = self.keep and self.size > 0
+        key = tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params]) if keep else ()
+        kept = self._kept.pop(key, None) if keep else None
+        if kept is None:
+            slot: list = [None]
+            with torch.enable_grad():
+                kept = (_RunQueue.apply(slot, *params), slot)
+        root, slot = kept
+        if keep:
+            self._kept[key] = kept  # most recently used last
+            while len(self._kept) > self.size:
+                del self._kept[next(iter(self._kept))]
+        slot[0] = queue
+        try:
+            root.backward(retain_graph=keep)
+        finally:
+            slot[0] = None
+
+
 class WeightGradDeferral:
     """Where layers send weight-gradient work while a ``B`` is open (see the module doc).
 
@@ -114,19 +164,34 @@ class WeightGradDeferral:
     declines and layers compute their weight gradients in their own backward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kept_graphs: int = 8) -> None:
         self._open: DeferredWeightGrads | None = None
+        # W's graphs, reused per chunk within a step (``_Anchors``): enough for every chunk of a stage.
+        self._anchors = _Anchors(kept_graphs)
 
     @property
     def active(self) -> bool:
         return self._open is not None
 
     @contextmanager
+    def reusing_graphs(self) -> Iterator[None]:
+        """Within (one pipeline step): each ``W``'s one-node graph is kept per parameter list and
+        rerun (``_Anchors``); forgotten on exit. Outside, every ``W`` builds its own."""
+        if self._anchors.keep:
+            raise RuntimeError("WeightGradDeferral.reusing_graphs() is already open")
+        self._anchors.keep = True
+        try:
+            yield
+        finally:
+            self._anchors.keep = False
+            self._anchors.forget()
+
+    @contextmanager
     def collecting(self) -> Iterator[DeferredWeightGrads]:
         """Queue every deferrable weight gradient of the backwards run inside this block."""
         if self._open is not None:
             raise RuntimeError("WeightGradDeferral.collecting() is already open (B blocks do not nest)")
-        work = DeferredWeightGrads()
+        work = DeferredWeightGrads(self._anchors)
         self._open = work
         try:
             yield work

@@ -17,7 +17,11 @@ min / median / max over all measured steps and the ratio of medians to our 1f1b 
 fastest 1F1B peer; for ours also the measured bubble (1 - busy / step) and the bubble
 ``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
 time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
-target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Writes JSON to ``--out``.
+target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
+default) the overhead-bound case of issue 27: m = 16 microbatches of one sample each, our 1f1b
+against torch.pipelining's Schedule1F1B only, same shapes, same alternation, its own table
+with per-round ratios and the target (torch / ours >= 1, paired) marked met or not. Writes
+JSON to ``--out`` (``small_mb_rows``, ``small_mb_targets`` for that case).
 
     .venv/bin/python scripts/bench_pipeline.py --stages 2 4 --rounds 3 --steps 3 --out bench_results/pipeline.json
 
@@ -346,7 +350,7 @@ def _stats(values: list[float]) -> dict:
             "steps_s": values}
 
 
-def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
+def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[dict]:
     """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
     times: dict[str, list[float]] = {}
     per_round: list[dict[str, list[float]]] = []  # per round: system -> its step times in that round
@@ -365,20 +369,23 @@ def bench_stages(args, p: int, ds_py: str | None) -> list[dict]:
                 ts = run_deepspeed(args, ds_py, p)
                 times.setdefault("deepspeed PipelineModule 1f1b", []).extend(ts)
                 per_round[-1]["deepspeed PipelineModule 1f1b"] = ts
-        print(f"[bench] pp={p} round {r + 1}/{args.rounds} done", flush=True)
+        print(f"[bench] {case} pp={p} round {r + 1}/{args.rounds} done", flush=True)
     base = statistics.median(times["ours 1f1b"])
     peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
     fastest_peer = min((statistics.median(times[n]) for n in peers), default=None)
     rows = []
     for name, ts in times.items():
-        row = {"stages": p, "microbatches": args.microbatches, "system": name, **_stats(ts),
+        row = {"stages": p, "microbatches": args.microbatches, "micro_batch_size": args.mbs, "case": case,
+               "system": name, **_stats(ts),
                "vs_ours_1f1b": statistics.median(ts) / base,
                "vs_fastest_1f1b_peer": statistics.median(ts) / fastest_peer if fastest_peer else None,
                # Load on a shared machine drifts between launches: the ratio within each round, then
                # the median over rounds, compares systems under the same background load.
                "paired_vs_ours_1f1b": statistics.median(
                    statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
-                   for rnd in per_round if name in rnd)}
+                   for rnd in per_round if name in rnd),
+               "round_medians_s": [statistics.median(rnd[name]) for rnd in per_round if name in rnd],
+               "ours_1f1b_round_medians_s": [statistics.median(rnd["ours 1f1b"]) for rnd in per_round if name in rnd]}
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)
@@ -409,36 +416,8 @@ def _simulated_unit_bubbles(p: int, m: int) -> dict:
     return {name: simulate(build_schedule(name, p, m, v), 1.0, 2.0).bubble_fraction for name, v in layouts}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--virtual", type=int, default=2)
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "interleaved_1f1b", "zbv"],
-                    help="our schedules to time (1f1b always runs: it is the baseline)")
-    ap.add_argument("--peers", nargs="*", default=["torch", "deepspeed"], choices=["torch", "deepspeed"])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--mbs", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds; each alternates our group and DeepSpeed")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per system per round")
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per system per round")
-    ap.add_argument("--prefetch", type=int, default=None,
-                    help="receives our engine posts ahead of need (default: the engine's choice for the backend)")
-    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after the steps")
-    ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
-    ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
-    ap.add_argument("--memory", action="store_true",
-                    help="one more (untimed) step per schedule of ours under torch's profiler: peak live bytes")
-    ap.add_argument("--out", default="bench_results/pipeline.json")
-    args = ap.parse_args()
-    ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
-    rows = []
-    for p in args.stages:
-        rows += bench_stages(args, p, ds_py)
-    unit = {p: _simulated_unit_bubbles(p, args.microbatches) for p in sorted({*args.stages, 4})}
+def _print_main(rows: list[dict], args, unit: dict) -> None:
+    """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} "
               f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8}")
@@ -476,12 +455,90 @@ def main() -> None:
     for p, b in unit.items():
         print(f"simulated bubble at F=B=W (p={p}, m={args.microbatches}): "
               + ", ".join(f"{name} {value:.3f}" for name, value in b.items()))
+
+
+def _print_small_mb(rows: list[dict], args) -> dict[str, dict]:
+    """The overhead-bound case's table; per pp, the issue's target (torch.pipelining's step over
+    ours, paired: >= 1, our 1F1B no slower) marked met or not."""
+    print()
+    print(f"overhead-bound case: m={args.small_mb_microbatches}, micro-batch {args.small_mb_mbs}, "
+          f"hidden {args.hidden}, seq {args.seq}; our 1f1b vs torch.pipelining Schedule1F1B")
+    head = (f"{'p':>2} {'system':<28} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
+            f"{'per-round ratios':<30}")
+    print(head)
+    print("-" * len(head))
+    targets: dict[str, dict] = {}
+    for r in rows:
+        per_round = [a / b for a, b in zip(r["round_medians_s"], r["ours_1f1b_round_medians_s"])]
+        print(f"{r['stages']:>2} {r['system']:<28} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
+              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} "
+              + " ".join(f"{x:.2f}" for x in per_round))
+        if r["system"] == "torch.pipelining 1f1b":
+            # their step / ours: >= 1 means our 1F1B is no slower
+            targets[f"pp{r['stages']}"] = {"torch_over_ours_paired": r["paired_vs_ours_1f1b"],
+                                           "torch_over_ours_per_round": per_round,
+                                           "met": r["paired_vs_ours_1f1b"] >= 1.0}
+    for pp, t in targets.items():
+        print(f"target (issue 27) {pp}, m={args.small_mb_microbatches} mbs={args.small_mb_mbs}: our 1f1b no slower "
+              f"than torch.pipelining (paired torch/ours >= 1): {t['torch_over_ours_paired']:.3f} "
+              f"{'met' if t['met'] else 'NOT met'}")
+    return targets
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--virtual", type=int, default=2)
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb_h1", "interleaved_1f1b", "zbv"],
+                    help="our schedules to time (1f1b always runs: it is the baseline)")
+    ap.add_argument("--peers", nargs="*", default=["torch", "deepspeed"], choices=["torch", "deepspeed"])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each alternates our group and DeepSpeed")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per system per round")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per system per round")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="receives our engine posts ahead of need (default: the engine's choice for the backend)")
+    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after the steps")
+    ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
+    ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
+    ap.add_argument("--memory", action="store_true",
+                    help="one more (untimed) step per schedule of ours under torch's profiler: peak live bytes")
+    ap.add_argument("--small-mb-case", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the overhead-bound case (issue 27): our 1f1b vs torch.pipelining's "
+                         "Schedule1F1B at --small-mb-microbatches microbatches of --small-mb-mbs sample(s), "
+                         "same shapes otherwise, alternating steps as above, at every --stages")
+    ap.add_argument("--small-mb-only", action="store_true", help="time only the overhead-bound case")
+    ap.add_argument("--small-mb-microbatches", type=int, default=16)
+    ap.add_argument("--small-mb-mbs", type=int, default=1)
+    ap.add_argument("--out", default="bench_results/pipeline.json")
+    args = ap.parse_args()
+    ds_py = (deepspeed_python(args.peer_venv, args.no_install)
+             if "deepspeed" in args.peers and not args.small_mb_only else None)
+    rows = []
+    for p in args.stages if not args.small_mb_only else ():
+        rows += bench_stages(args, p, ds_py)
+    small_rows = []
+    if args.small_mb_case or args.small_mb_only:
+        small = argparse.Namespace(**{**vars(args), "microbatches": args.small_mb_microbatches, "mbs": args.small_mb_mbs,
+                                      "schedules": ["1f1b"], "peers": ["torch"]})
+        for p in args.stages:
+            small_rows += bench_stages(small, p, None, case="small_mb")
+    unit = {p: _simulated_unit_bubbles(p, args.microbatches) for p in sorted({*args.stages, 4})}
+    if rows:
+        _print_main(rows, args, unit)
+    small_targets = _print_small_mb(small_rows, args) if small_rows else {}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "peer_venv")}
     path.write_text(json.dumps({"config": config, "cpu_count": os.cpu_count(), "torch": torch.__version__,
                                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "load_average": os.getloadavg(), "unit_cost_bubbles": unit, "rows": rows},
+                                "load_average": os.getloadavg(), "unit_cost_bubbles": unit, "rows": rows,
+                                "small_mb_rows": small_rows, "small_mb_targets": small_targets},
                                indent=2))
     print(f"wrote {path}")
 

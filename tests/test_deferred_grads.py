@@ -191,3 +191,58 @@ def test_outside_a_b_layers_compute_their_weight_grads_and_mixed_marks_fail():
     with pytest.raises(RuntimeError, match="already open"):
         with deferral.collecting(), deferral.collecting():
             pass
+
+
+def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatches():
+    """Two chunks (as an interleaved stage holds), three microbatches each, B then W in a zero-bubble
+    order: every gradient bitwise equal to plain backwards of the same microbatches, each deferred
+    parameter's hook once per W; within ``reusing_graphs`` (one engine step) W's graph is built once
+    per chunk and rerun (not rebuilt), at most ``kept_graphs`` of them are kept, none after."""
+    cfg = ModelConfig(arch="gpt", num_layers=4, hidden_size=16, num_heads=2, vocab_size=32, max_seq_len=16,
+                      use_bias=True, fused_kernels=False)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2, 8, 16, generator=gen) for _ in range(3)]
+    grads = [torch.randn(2, 8, 16, generator=gen) for _ in range(3)]
+
+    def chunks(pstate):
+        return [build_model(cfg, pstate, seed=3, layer_range=r, pre_process=False, post_process=False)
+                for r in ((0, 2), (2, 4))]
+
+    plain = chunks(ParallelState(Topology()))
+    for c in plain:
+        for x, g in zip(xs, grads):
+            inp = x.clone().requires_grad_(True)
+            torch.autograd.backward(c(inp), grad_tensors=g)
+    pstate = ParallelState(Topology())
+    split = chunks(pstate)
+    fired: Counter = Counter()
+    for c in split:
+        for p in c.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: fired.update([id(p)]))
+    with _OpCount() as ops, pstate.weight_grads.reusing_graphs():
+        pending = []
+        for mb, (x, g) in enumerate(zip(xs, grads)):
+            for c in split:  # both chunks' B, then the previous microbatch's W (a delayed W)
+                inp = x.clone().requires_grad_(True)
+                pending.append(split_backward(c(inp), g, inp, pstate.weight_grads, backward_inputs(c.parameters()))[1])
+            if mb:
+                pending.pop(0).run()
+                pending.pop(0).run()
+        for work in pending:
+            work.run()
+    for a, b in zip(plain, split):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+            assert fired[id(q)] == 3, name
+    assert ops.ops["aten.zeros"] == 2  # one W graph per chunk, rerun for the later microbatches
+    assert not pstate.weight_grads._anchors._kept  # forgotten at the step's end
+    small = WeightGradDeferral(kept_graphs=1)
+    ps = [set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True) for _ in range(3)]
+    x = torch.randn(2, 4, requires_grad=True)
+    with small.reusing_graphs():
+        for w in ps:
+            with small.collecting() as work:
+                deferrable_linear(x, w, None, small).sum().backward(inputs=[x])
+            work.run()
+        assert len(small._anchors._kept) == 1
+    assert not small._anchors._kept

@@ -71,6 +71,7 @@ time.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -281,22 +282,24 @@ class PipelineEngine:
         block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
         cpu_start, cpu_busy = cpu(), 0.0
-        for planned in self.plan:
-            if planned.communicates:
-                run.communicate(planned)
-            c = planned.compute
-            if c is None:
-                continue
-            cpu_before = cpu()
-            start = clock()
-            handlers[c.kind](c)
-            end = clock()
-            cpu_busy += cpu() - cpu_before
-            run.busy += end - start
-            timeline.append((c.action, start - run.t0, end - run.t0))
-            if c.kind == "F":
-                run.release_sent(block)
-                run.record_peak()
+        # Split backwards: each chunk's W graph is built once this step and rerun (deferred_grads).
+        with self.pstate.weight_grads.reusing_graphs() if self.split_backward else nullcontext():
+            for planned in self.plan:
+                if planned.communicates:
+                    run.communicate(planned)
+                c = planned.compute
+                if c is None:
+                    continue
+                cpu_before = cpu()
+                start = clock()
+                handlers[c.kind](c)
+                end = clock()
+                cpu_busy += cpu() - cpu_before
+                run.busy += end - start
+                timeline.append((c.action, start - run.t0, end - run.t0))
+                if c.kind == "F":
+                    run.release_sent(block)
+                    run.record_peak()
         self.p2p.wait_sends()
         executor_cpu = cpu() - cpu_start - cpu_busy
         if run.leftovers():
