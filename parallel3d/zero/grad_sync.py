@@ -31,7 +31,8 @@ Invariants every strategy keeps:
 - Every parameter's main grad (``main_grad``) is a view of its bucket's contiguous
   buffer, and every reduction runs on that buffer: no gradient is copied on its way
   to the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
-- Collectives are launched from gradient hooks in backward order and by
+- Collectives are launched from gradient hooks in the order gradients arrive
+  (backward order; a split backward's W arrives in its own queue order) and by
   ``finalize`` in bucket order; every DP rank runs the same model and schedule,
   so it produces the same gradients in the same order (as DDP assumes) and the
   collectives match.
