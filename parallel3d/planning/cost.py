@@ -12,8 +12,11 @@ Per microbatch and layer, on one tensor-parallel rank:
 - tensor-parallel collectives: two all-reduces (or all-gather + reduce-scatter
   with sequence parallel, the same volume) of the ``[b, s, h]`` activation in
   forward and two in backward; full recompute repeats the forward ones;
+- a fused attention kernel at the device's ``attention_efficiency`` (flat), its backward 2.5
+  forwards (it recomputes the scores, ``gemm.FLASH_BACKWARD_FACTOR``);
+- a fixed ``layer_overhead_s`` per layer forward (kernel launch gaps; twice per backward);
 - backward = 2 x forward compute; full recompute adds one forward, selective
-  recompute the attention scores.
+  recompute the attention scores (or, for torchtitan's per-op policy, every second matmul).
 
 The pipeline is then *simulated* (``parallel3d.pipeline.schedules.simulate``)
 with those per-chunk times (embedding on the first chunk, head and loss on the
@@ -46,7 +49,8 @@ from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
-from parallel3d.planning.gemm import GemmCurve, attention_seconds, head_seconds, matmul_seconds
+from parallel3d.planning.gemm import (FLASH_BACKWARD_FACTOR, GemmCurve, alternate_matmul_seconds, attention_seconds,
+                                     head_seconds, matmul_seconds)
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
@@ -73,6 +77,10 @@ class CostOptions:
     # Tensor-parallel all-gather / reduce-scatter split into chunks run behind the layer's GEMMs
     # (Megatron-Core's --tp-comm-overlap): only what exceeds the matmul time is exposed.
     tp_comm_overlap: bool = False
+    # What ``recompute: selective`` recomputes: "attention" (Korthikanti et al.'s scores, as parallel3d
+    # and Megatron do) or "alternate_matmuls" (torchtitan's per-op policy: every second matmul of a
+    # layer, the flash attention's output kept; ``gemm.alternate_matmul_seconds``).
+    selective_recompute: str = "attention"
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -212,8 +220,10 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
                           micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
     # Every model here is a causal decoder: a fused kernel skips the masked blocks, unfused
     # attention (Narayanan et al. 2021) computes the whole product.
-    att_t = attention_seconds(config, curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len,
+    att_curve = GemmCurve.fused_attention_of(dev) if options.fused_attention else curve
+    att_t = attention_seconds(config, att_curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len,
                               causal_skip=options.fused_attention)
+    att_bwd = (FLASH_BACKWARD_FACTOR if options.fused_attention else 2.0) * att_t
     assumptions = ActivationAssumptions(
         element_bytes=4 if layout.precision == "fp32" else 2,
         hidden_dropout=config.dropout > 0 or not options.fused_attention,
@@ -233,12 +243,16 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
         tp_t = max(0.0, tp_t - mm_t)
     cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
     ep_t = ep_time(config, layout, comm, act_bytes)
-    fwd = mm_t + att_t + elem_t + score_t + tp_t + cp_f + ep_t
-    bwd = 2 * (mm_t + att_t + elem_t + score_t) + tp_t + cp_b + ep_t
+    ovh = dev.layer_overhead_s
+    fwd = mm_t + att_t + elem_t + score_t + ovh + tp_t + cp_f + ep_t
+    bwd = 2 * (mm_t + elem_t + score_t + ovh) + att_bwd + tp_t + cp_b + ep_t
     comm = {"tp": 2 * tp_t, "cp": cp_f + cp_b, "ep": 2 * ep_t}
     if layout.recompute == "full":
         bwd += fwd
         comm = {"tp": 3 * tp_t, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
+    elif layout.recompute == "selective" and options.selective_recompute == "alternate_matmuls":
+        bwd += alternate_matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
+                                        micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
     elif layout.recompute == "selective":
         bwd += att_t + score_t + cp_f
         comm["cp"] += cp_f

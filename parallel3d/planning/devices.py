@@ -4,8 +4,10 @@ Each file holds datasheet facts (dense bf16/fp16 and fp8 peak, HBM size and
 bandwidth, per-GPU NVLink/Infinity Fabric and NIC bandwidth, GPUs per node) and
 the sources they came from; a new device is a new file, named after its ``name``
 key. ``DeviceSpec`` also carries the cost model's achievable fractions
-(``matmul_efficiency`` with its shape knee ``gemm_knee``, ``link_efficiency``) and the offload throughputs, which are
-modelling assumptions rather than datasheet facts: files may set them, and the
+(``matmul_efficiency`` with its shape knee ``gemm_knee``, ``attention_efficiency``,
+``link_efficiency``), the fixed ``layer_overhead_us`` and the offload throughputs, which are
+modelling assumptions rather than datasheet facts (the compute ones fitted by
+``python -m parallel3d.planning.fit`` on calibration rows only): files may set them, and the
 defaults below apply otherwise.
 
 Invariant: every value is validated when the file is read; an unknown or missing
@@ -42,6 +44,14 @@ class DeviceSpec:
     # Shape size x = 1/(1/m + 1/n + 1/k) of a per-rank GEMM at which it reaches half of
     # ``matmul_efficiency`` (``parallel3d.planning.gemm``); 0 keeps one constant efficiency.
     gemm_knee: float = 0.0
+    # What fused (flash) attention kernels reach on the same shape curve, instead of
+    # ``matmul_efficiency`` (their softmax and rescaling share the SMs with the GEMMs); None: the
+    # GEMMs' own. Fitted on the calibration rows (``python -m parallel3d.planning.fit``).
+    attention_efficiency: float | None = None
+    # Fixed time of one transformer layer's forward (its backward: twice), whatever its size: the
+    # launch gaps and host work between its ~tens of kernels, which a small layer cannot hide behind
+    # its GEMMs. Fitted on the calibration rows; 0 adds nothing.
+    layer_overhead_s: float = 0.0
     # Fraction of link bandwidth NCCL collectives and P2P reach.
     link_efficiency: float = 0.8
     # Optimizer offload (parallel.offload), per GPU: its share of the host link (PCIe Gen4 x16
@@ -69,12 +79,14 @@ _NUMBER_KEYS: dict[str, tuple[str, float | None]] = {
     "host_adam_elements_per_s": ("host_adam_elements_per_s", 1.0),
     "matmul_efficiency": ("matmul_efficiency", 1.0),
     "gemm_knee": ("gemm_knee", 1.0),
+    "attention_efficiency": ("attention_efficiency", 1.0),
+    "layer_overhead_us": ("layer_overhead_s", 1e-6),
     "link_efficiency": ("link_efficiency", 1.0),
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
 }
 _REQUIRED = ("name", "vendor", "memory", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps",
              "gpus_per_node", "sources")
-_FRACTIONS = ("matmul_efficiency", "link_efficiency")
+_FRACTIONS = ("matmul_efficiency", "attention_efficiency", "link_efficiency")
 _ALLOWED = set(_NUMBER_KEYS) | set(_REQUIRED)
 
 

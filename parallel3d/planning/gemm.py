@@ -20,7 +20,9 @@ The per-rank dims of every matmul come from the model-shape module (``models.sha
 column-parallel weight's output and a row-parallel weight's input are split over tp, routed
 experts over etp (each expert sees ``tokens * top_k / num_experts * ep`` rows), and the rows are
 the micro-batch's tokens on this rank (``mbs * seq / cp``). Attention is two batched GEMMs per
-head (QK^T contracting over the score dim, PV over the keys).
+head (QK^T contracting over the score dim, PV over the keys); a device with an
+``attention_efficiency`` prices fused (flash) attention at that flat fraction of peak instead
+(``GemmCurve.fused_attention_of``).
 
 Invariant: only the *rate* depends on shapes; the FLOPs charged are exactly ``models.shape``'s,
 so MFU accounting is unchanged.
@@ -45,6 +47,16 @@ class GemmCurve:
     @classmethod
     def of(cls, device) -> "GemmCurve":
         return cls(device.peak_flops, device.matmul_efficiency, device.gemm_knee)
+
+    @classmethod
+    def fused_attention_of(cls, device) -> "GemmCurve":
+        """The device's fused (flash) attention kernels. With ``attention_efficiency`` set, one flat
+        fraction of peak: such a kernel works on fixed query x key tiles held on chip whatever the
+        head count or length, so the per-head GEMM shape says nothing of its rate. Without it, the
+        per-head GEMMs on the device's GEMM curve (the older, shape-based pricing)."""
+        if device.attention_efficiency is None:
+            return cls.of(device)
+        return cls(device.peak_flops, device.attention_efficiency, 0.0)
 
     def efficiency(self, m: float, n: float, k: float) -> float:
         if self.knee <= 0:
@@ -101,6 +113,31 @@ def matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 
     return total / len(shape.layers)
 
 
+def alternate_matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, ep: int = 1,
+                             etp: int | None = None, micro_batch_size: int, seq_len: int) -> float:
+    """Forward time of every second weight matmul of each layer (its 2nd, 4th, ... in forward order),
+    mean over the layers, the attention's q, k and v projections counted as three matmuls as
+    separate wq, wk, wv run them: what per-op selective checkpointing that saves every compute op's
+    output except every second matmul (torchtitan's ``selective_ac_option: op``) recomputes."""
+    shape = config.shape
+    tokens = micro_batch_size * seq_len / cp
+    etp = tp if etp is None else etp
+    total = 0.0
+    for layer in shape.layers:
+        mms: list[tuple[float, float, float, float]] = []
+        gemms = _layer_gemms(layer, config.hidden_size, tp, etp, ep, tokens)
+        names = [t.name for t in layer.tensors if t.matmul and (t.expert is None or t.expert == 0)]
+        for name, (share, m, n, k) in zip(names, gemms):
+            if name.endswith("qkv.weight"):
+                a = layer.block.attention
+                q, kv = a.num_heads * a.score_dim, a.num_kv_heads * a.score_dim
+                mms += [(share * w / (q + 2 * kv), m, n * w / (q + 2 * kv), k) for w in (q, kv, kv)]
+            else:
+                mms.append((share, m, n, k))
+        total += sum(curve.seconds(share * tokens / tp, m, n, k) for share, m, n, k in mms[1::2])
+    return total / len(shape.layers)
+
+
 def attention_seconds(config: ModelConfig, curve: GemmCurve, flops: float, *, cp: int = 1,
                       seq_len: int, causal_skip: bool = False) -> float:
     """Time of ``flops`` attention-score FLOPs (QK^T and PV over the full ``s x s`` product, this
@@ -118,6 +155,11 @@ def attention_seconds(config: ModelConfig, curve: GemmCurve, flops: float, *, cp
     done = causal_work_fraction(seq_len) if causal_skip else 1.0
     return done * flops / curve.peak_flops * (w / qk + (1 - w) / pv)
 
+
+# A flash kernel's backward recomputes the scores S = QK^T from the saved softmax statistics before
+# it forms dP, dS, dQ and dK (FlashAttention, Dao et al. 2022, algorithm 4): 5 GEMMs of the
+# forward's size against the forward's 2, so 2.5 forwards where a kernel that stored S needs 2.
+FLASH_BACKWARD_FACTOR = 2.5
 
 # Query/key block edge of flash-style kernels (FlashAttention-2/3, cuDNN): a causal kernel skips
 # the key blocks wholly above the diagonal and computes the diagonal blocks in full.
@@ -139,5 +181,6 @@ def head_seconds(curve: GemmCurve, flops: float, *, tokens: float, vocab_per_ran
     return curve.seconds(flops, tokens, vocab_per_rank, hidden)
 
 
-__all__ = ["FLASH_BLOCK", "GemmCurve", "attention_seconds", "causal_work_fraction", "head_seconds",
+__all__ = ["FLASH_BACKWARD_FACTOR", "FLASH_BLOCK", "GemmCurve", "alternate_matmul_seconds", "attention_seconds",
+           "causal_work_fraction", "head_seconds",
            "matmul_seconds"]

@@ -99,6 +99,10 @@ MEGATRON_2021_SOURCES: tuple[str, ...] = ("Narayanan et al.", "Korthikanti et al
 TP_OVERLAP_SOURCES: tuple[str, ...] = ("NVIDIA Megatron-LM README",)
 
 
+# Sources that measured torchtitan, whose selective checkpointing recomputes every second matmul.
+TORCHTITAN_SOURCES: tuple[str, ...] = ("torchtitan",)
+
+
 def run_options(run: PublishedRun) -> CostOptions:
     """The ``CostOptions`` of the framework the source measured."""
     if any(run.source.citation.startswith(s) for s in MEGATRON_2021_SOURCES):
@@ -106,6 +110,8 @@ def run_options(run: PublishedRun) -> CostOptions:
     options = CostOptions.megatron_core()
     if any(run.source.citation.startswith(s) for s in TP_OVERLAP_SOURCES):
         options = replace(options, tp_comm_overlap=True)
+    if any(run.source.citation.startswith(s) for s in TORCHTITAN_SOURCES):
+        options = replace(options, selective_recompute="alternate_matmuls")
     return options
 
 

@@ -1,0 +1,115 @@
+"""The calibrated compute terms of the cost model and the fit that sets them (issue 26).
+
+References: hand-listed GEMM shapes of a Llama block (torchtitan's wq, wk, wv, wo, w1, w3, w2 order),
+``attention_seconds`` / ``layer_times`` with the knob in question switched off (the difference must
+be exactly the term's definition), a parabola's known minimum, and the split column of
+``published_runs.yaml`` read directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from models import ModelConfig
+from parallel3d.planning.cluster import ClusterSpec
+from parallel3d.planning.comm_cost import CommModel
+from parallel3d.planning.cost import CostOptions, layer_times
+from parallel3d.planning.devices import DEVICES, device_from_dict
+from parallel3d.planning.fit import FAMILIES, calibration_rows, golden_section
+from parallel3d.planning.gemm import FLASH_BACKWARD_FACTOR, GemmCurve, alternate_matmul_seconds
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.published import load_published_runs
+
+LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=1024, num_heads=16, num_kv_heads=4,
+                    ffn_hidden_size=2816, vocab_size=1000, max_seq_len=4096)
+
+
+def _layer(config: ModelConfig, device, options: CostOptions, recompute: str = "none", tp: int = 2):
+    cluster = ClusterSpec(gpus=tp, gpus_per_node=8, device=device)
+    layout = Layout(tp=tp, pp=1, dp=1, micro_batch_size=1, global_batch_size=1, seq_len=4096,
+                    recompute=recompute, sequence_parallel=tp > 1)
+    return layer_times(config, layout, cluster, CommModel(cluster, layout.topology), options)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_alternate_matmuls_are_wk_wo_and_w3_of_a_llama_block(tp):
+    """torchtitan's op policy recomputes mm #2, #4, #6 of wq, wk, wv, wo, w1, w3, w2: wk, wo, w3."""
+    curve = GemmCurve(peak_flops=1e15, max_efficiency=0.7, knee=150.0)
+    h, kv, ffn, tokens = 1024, 4 * 64, 2816, 4096.0
+    by_hand = [(kv // tp, h), (h, h // tp), (ffn // tp, h)]  # (n, k) of wk, wo, w3 on one tp rank
+    expected = sum(curve.seconds(2.0 * tokens * n * k, tokens, n, k) for n, k in by_hand)
+    got = alternate_matmul_seconds(LLAMA, curve, tp=tp, micro_batch_size=1, seq_len=4096)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_torchtitan_selective_recompute_adds_the_alternate_matmuls_not_the_attention():
+    device = DEVICES["a100_80gb"]
+    plain = _layer(LLAMA, device, CostOptions(), "none")
+    titan = _layer(LLAMA, device, CostOptions(selective_recompute="alternate_matmuls"), "selective")
+    extra = alternate_matmul_seconds(LLAMA, GemmCurve.of(device), tp=2, micro_batch_size=1, seq_len=4096)
+    assert titan.fwd == pytest.approx(plain.fwd)
+    assert titan.bwd - plain.bwd == pytest.approx(extra, rel=1e-9)
+
+
+def test_flash_backward_costs_two_and_a_half_forwards_of_attention():
+    """Halving the fused attention rate adds its forward time once to the forward and 2.5 times to the
+    backward (the recomputed scores); the GEMMs and everything else are unchanged."""
+    fast = replace(DEVICES["h100_80gb"], attention_efficiency=0.6)
+    slow = replace(fast, attention_efficiency=0.3)
+    a, b = _layer(LLAMA, fast, CostOptions()), _layer(LLAMA, slow, CostOptions())
+    d_fwd = b.fwd - a.fwd
+    assert d_fwd > 0
+    flash_gemms_backward, flash_gemms_forward = 5, 2  # S=QK^T again, dV, dP, dQ, dK; S and PV
+    assert FLASH_BACKWARD_FACTOR == flash_gemms_backward / flash_gemms_forward
+    assert b.bwd - a.bwd == pytest.approx(flash_gemms_backward / flash_gemms_forward * d_fwd, rel=1e-9)
+
+
+def test_attention_efficiency_leaves_unfused_attention_at_the_gemm_rate():
+    fast = replace(DEVICES["a100_80gb"], attention_efficiency=0.6)
+    slow = replace(fast, attention_efficiency=0.3)
+    unfused = CostOptions(fused_attention=False)
+    assert _layer(LLAMA, fast, unfused) == _layer(LLAMA, slow, unfused)
+
+
+@pytest.mark.parametrize("recompute, bwd_overheads", [("none", 2), ("selective", 2), ("full", 3)])
+def test_layer_overhead_is_a_fixed_time_per_forward_and_twice_per_backward(recompute, bwd_overheads):
+    base = replace(DEVICES["h100_80gb"], layer_overhead_s=0.0)
+    with_ovh = replace(base, layer_overhead_s=1e-4)
+    a, b = _layer(LLAMA, base, CostOptions(), recompute), _layer(LLAMA, with_ovh, CostOptions(), recompute)
+    assert b.fwd - a.fwd == pytest.approx(1e-4, rel=1e-9)
+    assert b.bwd - a.bwd == pytest.approx(bwd_overheads * 1e-4, rel=1e-9)
+
+
+def test_device_files_validate_the_new_knobs():
+    entry = {"name": "x", "vendor": "v", "memory": "80GiB", "peak_tflops": 900, "hbm_gbps": 3000,
+             "intra_node_gbps": 400, "inter_node_gbps": 50, "gpus_per_node": 8, "sources": ["test"]}
+    assert device_from_dict({**entry, "layer_overhead_us": 40}).layer_overhead_s == pytest.approx(40e-6)
+    assert device_from_dict(entry).attention_efficiency is None
+    with pytest.raises(ValueError, match="attention_efficiency"):
+        device_from_dict({**entry, "attention_efficiency": 1.5})
+    with pytest.raises(ValueError, match="layer_overhead_us"):
+        device_from_dict({**entry, "layer_overhead_us": -1})
+
+
+def test_golden_section_finds_a_parabola_minimum():
+    assert golden_section(lambda x: (x - 0.37) ** 2, 0.0, 1.0, 30) == pytest.approx(0.37, abs=1e-4)
+
+
+def test_fit_reads_only_calibration_rows_of_each_family_device():
+    split = {r.id: r.split for r in load_published_runs()}
+    for device in FAMILIES:
+        rows = calibration_rows(device)
+        assert rows, device
+        assert all(split[r.run_id] == "calibration" for r in rows)
+
+
+def test_every_family_member_carries_its_calibration_device_curve():
+    """The fitted knobs are per SM generation: every device of a family has the calibrated values."""
+    for calibrated, members in FAMILIES.items():
+        ref = DEVICES[calibrated]
+        for name in members:
+            dev = DEVICES[name]
+            knobs = ("matmul_efficiency", "gemm_knee", "attention_efficiency", "layer_overhead_s")
+            assert [getattr(dev, k) for k in knobs] == [getattr(ref, k) for k in knobs], name
