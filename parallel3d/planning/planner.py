@@ -11,7 +11,8 @@ and the expert ZeRO stage (the dense one or a higher searched one); 1F1B, zero-b
 backward priced by the simulator), and interleaved 1F1B with v chunks per stage
 when v*pp divides the layers (with ``uneven_stages``: when the layers fill every chunk but the first and
 the last, which may hold the embedding or the head alone, as in Llama 3 405B's 128 chunks of 126 layers) (GPipe is not searched: 1F1B's time with more memory). Sequence
-parallelism is on whenever tp > 1 (same communication volume, less memory).
+parallelism is on whenever tp > 1 (same communication volume, less memory). ``fixed_degrees`` holds
+named degrees at given values (the published-run rank check holds what a source's experiment held).
 For each, the cheapest recompute mode (none < selective < full) and the fastest
 ZeRO stage (1, 2, 3 by default) and offload mode (``none``; ``cpu`` when asked:
 ``plan.offload=[none,cpu]``) that fit the device memory are kept. A recompute
@@ -43,6 +44,7 @@ from parallel3d.planning.params import stage_layer_counts
 from parallel3d.zero.options import ZERO_STAGES
 
 RECOMPUTE_ORDER: tuple[str, ...] = RECOMPUTE_MODES  # cheapest first
+FIXABLE_DEGREES: tuple[str, ...] = ("tp", "cp", "pp", "dp", "ep")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class PlanRequest:
     # Sequence parallelism on every tp > 1 layout (the runtime's recommended setting); False prices
     # frameworks without it (Megatron-LM before Korthikanti et al. 2022).
     sequence_parallel: bool = True
+    # Parallel degrees held at given values, e.g. (("dp", 4),): the rank check holds what a published
+    # experiment held fixed (``validation.rank_run``); empty for a user's search.
+    fixed_degrees: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp"):
@@ -98,6 +103,11 @@ class PlanRequest:
         if not self.schedules or bad_s:
             raise ValueError(f"plan.schedules={list(self.schedules)!r} must be a non-empty subset of "
                              f"{[n for n in SCHEDULES if n != 'gpipe']}")
+        bad_fixed = [(k, v) for k, v in self.fixed_degrees if k not in FIXABLE_DEGREES
+                     or isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad_fixed:
+            raise ValueError(f"plan.fixed_degrees={list(self.fixed_degrees)!r}: names must be in "
+                             f"{list(FIXABLE_DEGREES)}, values integers >= 1")
         bad_rc = [r for r in self.recompute_modes if r not in RECOMPUTE_ORDER]
         if not self.recompute_modes or bad_rc:
             raise ValueError(f"plan.recompute_modes={list(self.recompute_modes)!r} must be a subset of {list(RECOMPUTE_ORDER)}")
@@ -242,7 +252,8 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
                                 check_fits_model(config, layout)
                             except (ConfigError, LayoutError, ValueError):
                                 continue
-                            layouts.append(layout)
+                            if all(getattr(layout, k) == v for k, v in request.fixed_degrees):
+                                layouts.append(layout)
     return layouts
 
 

@@ -92,7 +92,8 @@ def parse_run(data: Mapping[str, Any]) -> PublishedRun:
                                 "flops_convention": _typed(FlopsConvention, data.get("flops_convention"), run_id,
                                                            "flops_convention"),
                                 "source": _typed(Source, data.get("source"), run_id, "source"),
-                                "inferred": data.get("inferred")}, run_id, "run")
+                                "inferred": data.get("inferred"),
+                                "unstated": tuple(data.get("unstated") or ())}, run_id, "run")
     validate_run(run, data)
     return run
 

@@ -5,7 +5,8 @@
 - the shape: heads divide by kv heads and by tp, experts by ep;
 - the published numbers agree with each other (TFLOP/s / peak vs MFU, tokens/s vs step time)
   and with the device catalogue's peak;
-- conventions are named from fixed vocabularies, and every ``inferred`` key names a real field.
+- conventions are named from fixed vocabularies, and every ``inferred`` key names a real field;
+- the rank check's metadata: ``unstated`` fields are completable and inferred, ``rank_fixed`` degrees stated.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ METRICS = ("mfu_percent", "hfu_percent", "tflops_per_gpu", "tokens_per_s_per_gpu
 # from the printed MFU by this many points, and tokens/s from batch/step time by this fraction.
 MFU_POINTS_TOLERANCE = 1.0
 RATE_TOLERANCE = 0.02
+# Fields the rank check may complete when the source leaves them unstated (the knobs the search itself
+# chooses per layout), and the parallel degrees a source may state its experiment held fixed.
+UNSTATED_FIELDS = ("layout.vp", "layout.schedule", "layout.micro_batch")
+FIXED_FIELDS = ("layout.tp", "layout.pp", "layout.cp", "layout.ep", "layout.dp")
 
 
 def fail(run_id: str, message: str) -> ValueError:
@@ -160,3 +165,24 @@ def validate_run(run: PublishedRun, data: Mapping[str, Any]) -> None:
     bad = sorted(set(run.inferred) - valid)
     if bad:
         raise fail(run.id, f"inferred names field(s) that do not exist: {bad}")
+    _check_rank_metadata(run)
+
+
+def _check_rank_metadata(run: PublishedRun) -> None:
+    """``unstated`` names completable fields the run also lists as inferred; ``rank_fixed`` holds only
+    stated degrees, each with the source's words."""
+    if not all(isinstance(f, str) for f in run.unstated) or len(set(run.unstated)) != len(run.unstated):
+        raise fail(run.id, f"unstated={list(run.unstated)!r} must be a list of distinct field paths")
+    for path in run.unstated:
+        _choice(run.id, "unstated", path, UNSTATED_FIELDS)
+        if path not in run.inferred:
+            raise fail(run.id, f"unstated names {path}, which inferred does not explain")
+    fixed = run.rank_fixed or {}
+    if not isinstance(fixed, Mapping):
+        raise fail(run.id, "rank_fixed must map layout degrees to the source's statement")
+    for path, why in fixed.items():
+        _choice(run.id, "rank_fixed", path, FIXED_FIELDS)
+        if not isinstance(why, str) or not why:
+            raise fail(run.id, f"rank_fixed.{path} needs the source's statement")
+        if path in run.inferred:
+            raise fail(run.id, f"rank_fixed holds {path}, which the source does not state (it is inferred)")

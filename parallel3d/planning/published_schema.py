@@ -131,6 +131,12 @@ class PublishedRun:
     source: Source
     inferred: Mapping[str, str]
     notes: str = ""
+    # Rank check only (``validation.rank_run``; the data file's header states the rule): layout fields the
+    # source does not state, which the check completes at the planner's best allowed choice instead of the
+    # placeholder written here; and parallel degrees the source states its experiment held fixed, with the
+    # source's words, which the search then holds at the published value.
+    unstated: tuple[str, ...] = ()
+    rank_fixed: Mapping[str, str] | None = None
 
     @property
     def tokens_per_step(self) -> int:

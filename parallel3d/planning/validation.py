@@ -11,9 +11,13 @@ published), else ``models.shape`` under the convention.
 Rows the planner cannot price in the source's terms (fp8, MLA, sliding-window attention, a
 schedule the runtime lacks) are listed as skipped with the reason, never silently dropped.
 
-The rank check runs the planner's search with the run's global batch, sequence and precision
-and asks whether the published layout is in the top 5, or whether every layout above it is
-predicted at least as fast within 3% of it (``rank_ok``).
+The rank check (``rank_run``) runs the planner's search with the run's global batch, sequence and
+precision and asks whether the published layout is in the top 5, or whether every layout above it is
+predicted at least as fast within 3% of it (``rank_ok``). Like with like: the search is held at the
+source framework's recompute mode, ZeRO stage, sequence parallelism, schedules and (``EVEN_SPLIT_SOURCES``)
+even layer splits; a field the source leaves unstated (the row's ``unstated``: virtual stages, schedule,
+micro-batch) is priced at the planner's best allowed choice, not at the data file's placeholder; a degree
+the source says its experiment held fixed (``rank_fixed``, with the source's words) is held in the search.
 
 Invariant: nothing here is fitted per run; the only tuned numbers live in the device YAMLs and
 ``CostOptions``, and were set on the ``calibration`` rows only.
@@ -30,8 +34,9 @@ from models.config import ModelConfig
 from models.moe_config import MoEConfig
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate
-from parallel3d.planning.layout import Layout
-from parallel3d.planning.planner import PlanRequest, evaluate, plan
+from parallel3d.option_checks import ConfigError
+from parallel3d.planning.layout import Layout, check_fits_model
+from parallel3d.planning.planner import Candidate, PlanRequest, evaluate, plan, schedule_choices
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.published_schema import PublishedRun
 from parallel3d.topology import LayoutError
@@ -102,6 +107,13 @@ TP_OVERLAP_SOURCES: tuple[str, ...] = ("NVIDIA Megatron-LM README",)
 # Sources that measured torchtitan, whose selective checkpointing recomputes every second matmul.
 TORCHTITAN_SOURCES: tuple[str, ...] = ("torchtitan",)
 
+# Sources whose framework split the layers evenly: Megatron-LM asserts num_layers % pp == 0 (and, when
+# interleaving, layers per stage % layers per virtual stage == 0) in arguments.py, from 2021 until uneven
+# first/last stages (--decoder-first/last-pipeline-num-layers) arrived after Megatron-Core r0.8. The rank
+# search for these runs tries only even splits, as their source could have run; every other source (Llama 3
+# and BLOOM state uneven stages; 2025 Megatron-Core has them) is searched with uneven stages too.
+EVEN_SPLIT_SOURCES: tuple[str, ...] = MEGATRON_2021_SOURCES + ("NVIDIA Megatron-LM README", "NVIDIA, Nemotron-4")
+
 
 def run_options(run: PublishedRun) -> CostOptions:
     """The ``CostOptions`` of the framework the source measured."""
@@ -159,16 +171,19 @@ def rank_reason(published: StepEstimate, best: StepEstimate) -> str:
 
 
 def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step: StepEstimate,
-                options: CostOptions) -> tuple[int, bool, float, str]:
-    """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best)."""
-    request = _rank_request(layout)
+                options: CostOptions, fixed: tuple[tuple[str, int], ...] = (),
+                uneven: bool = True) -> tuple[int, bool, float, str]:
+    """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best);
+    ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
+    searches even layer splits only (``EVEN_SPLIT_SOURCES``)."""
+    request = _rank_request(layout, fixed, uneven)
     ranked = plan(config, cluster, request, options).ranked
     faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
     position, ok, gap = _rank_rule(step.step_time_s, faster)
     return position, ok, gap, rank_reason(step, faster[0].step) if faster else ""
 
 
-def _rank_request(layout: Layout) -> PlanRequest:
+def _rank_request(layout: Layout, fixed: tuple[tuple[str, int], ...] = (), uneven: bool = True) -> PlanRequest:
     # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
     # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
     # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
@@ -177,7 +192,74 @@ def _rank_request(layout: Layout) -> PlanRequest:
                        precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
                        recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
                        max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
-                       sequence_parallel=layout.sequence_parallel)
+                       sequence_parallel=layout.sequence_parallel, fixed_degrees=fixed, uneven_stages=uneven)
+
+
+def uneven_splits_allowed(run: PublishedRun, config: ModelConfig) -> bool:
+    """Whether the run's framework could split layers unevenly: not for ``EVEN_SPLIT_SOURCES``, unless
+    the published layout itself is uneven."""
+    lay = run.layout
+    if config.num_layers % (lay.pp * lay.vp):
+        return True
+    return not any(run.source.citation.startswith(s) for s in EVEN_SPLIT_SOURCES)
+
+
+def rank_fixed_degrees(run: PublishedRun) -> tuple[tuple[str, int], ...]:
+    """The degrees the source states its experiment held fixed (``rank_fixed``), at their published values."""
+    return tuple((path.split(".", 1)[1], getattr(run.layout, path.split(".", 1)[1]))
+                 for path in sorted(run.rank_fixed or {}))
+
+
+def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, cluster: ClusterSpec,
+                     options: CostOptions, uneven: bool = True) -> Candidate:
+    """The published layout as the rank check prices it: each field the source leaves unstated
+    (``run.unstated``: virtual stages, schedule, micro-batch) at the planner's best allowed choice
+    (the choices ``_rank_request``'s search would try for these degrees, fitting memory), every stated
+    field as published. The placeholder written in the data file stays a candidate, so a completion is
+    never slower than it; with nothing unstated this is ``evaluate`` of the layout as written.
+
+    Why: the search picks v and the micro-batch for every layout it ranks, so pricing the published
+    degrees at a default the source never stated (v = 1: a 1F1B bubble) compares a chosen layout with an
+    unchosen one."""
+    best = evaluate(config, layout, cluster, options)
+    free = set(run.unstated)
+    if not free:
+        return best
+    request = _rank_request(layout, uneven=uneven)
+    budget = cluster.device.memory_bytes * request.memory_fraction
+    mbs_choices = request.micro_batch_sizes if "layout.micro_batch" in free else (layout.micro_batch_size,)
+    for mbs in mbs_choices:
+        if layout.global_batch_size % (layout.dp * mbs):
+            continue
+        m = layout.global_batch_size // (layout.dp * mbs)
+        for schedule, v in schedule_choices(config, layout.pp, m, request):
+            if ("layout.schedule" not in free and schedule != layout.schedule) or \
+                    ("layout.vp" not in free and v != layout.virtual_stages):
+                continue
+            try:
+                trial = layout.replace(micro_batch_size=mbs, schedule=schedule, virtual_stages=v)
+                check_fits_model(config, trial)
+                cand = evaluate(config, trial, cluster, options)
+            except (ConfigError, LayoutError, ValueError):
+                continue
+            if cand.peak_bytes <= budget and cand.step.step_time_s < best.step.step_time_s:
+                best = cand
+    return best
+
+
+def rank_run(run: PublishedRun, options: CostOptions | None = None) -> tuple[int, bool, float, str]:
+    """The issue's rank rule for one run: its layout, completed where the source is silent
+    (``completed_layout``), against the search held where the source says its experiment was
+    (``rank_fixed_degrees``). Returns ``rank_search``'s (position, ok, gap, why)."""
+    options = options or run_options(run)
+    config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
+    uneven = uneven_splits_allowed(run, config)
+    published = completed_layout(run, config, layout, cluster, options, uneven)
+    position, ok, gap, why = rank_search(config, layout, cluster, published.step, options,
+                                         rank_fixed_degrees(run), uneven)
+    if published.layout != layout:
+        why = f"published completed as {published.layout.short()}" + (f"; {why}" if why else "")
+    return position, ok, gap, why
 
 
 def _rank_rule(step_time: float, faster: list) -> tuple[int, bool, float]:
@@ -216,7 +298,7 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
     rank = ok = gap = None
     why = ""
     if with_rank:
-        rank, ok, gap, why = rank_search(config, layout, cluster, cand.step, options)
+        rank, ok, gap, why = rank_run(run, options)
     return RowResult(run, published, predicted, rank=rank, rank_ok=ok, rank_gap=gap, rank_why=why)
 
 
