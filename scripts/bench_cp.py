@@ -235,8 +235,8 @@ def _mib(x: float) -> str:
 def report(results: list[dict], args) -> tuple[list[str], dict]:
     lines = [f"shape: batch {args.batch}, seq {args.seq}, heads q {args.q_heads} / kv {args.kv_heads}, head_dim "
              f"{args.head_dim}, fp32, causal, backend {args.backend}; {args.rounds} alternating rounds x {args.steps} "
-             f"steps (+{args.warmup} warm-up), gloo, 1 thread/rank{', pinned rank r -> core r mod cores' if args.pin else ''}, "
-             f"{os.cpu_count()} cores, load "
+             f"steps (+{args.warmup} warm-up), gloo, 1 thread/rank"
+             f"{', pinned rank r -> core r mod cores' if args.pin else ''}, {os.cpu_count()} cores, load "
              f"{os.getloadavg()[0]:.2f} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
     head = (f"{'cp':>2} {'implementation':<20} {'min ms':>8} {'median ms':>9} {'max ms':>8} {'x deepspeed [range]':>22} "
             f"{'cpu ms/rank':>11} {'cpu x deepspeed':>22} {'peak RSS MiB':>12} {'+step MiB':>9} {'mismatch':>9}")
