@@ -31,7 +31,13 @@ follows the neighbour's last compute, so it cannot hide). ``hidden e2e`` = (comm
 overlapped) / comm from three separate timings is printed beside it: it also charges any
 slow-down of the compute by gloo's transfer thread, but where the transfer is a few ms of a
 step of hundreds its noise is larger than the transfer, so the target is judged on ``hidden``.
-Blocked time also includes waiting for a neighbour that runs behind (a loaded machine).
+Blocked time also includes waiting for a neighbour that runs behind (a loaded machine): the
+``late`` / ``xfer`` columns split it (``parallel3d.context_parallel.ring_timeline``: waits lined
+up with the neighbours' posts on the shared monotonic clock), ``hidden xfer`` = 1 - xfer / comm
+is the transfer that compute did not cover once both neighbours had posted, reported as its
+own target line beside the blocked reading; ``busy c/o`` = CPU of every rank / (wall x cores),
+compute-only / overlapped. ``--pin`` pins rank r to core r mod cores (a placement control),
+``--overlap-only`` runs the ring overlap alone (long shapes: no float64 whole-attention check).
 CPU time per step and rank (user + sys of every thread, ``cpu ms/rank``) is paired the same way
 (``cpu x deepspeed``): on a machine other jobs load, wall time also counts the time a rank sits
 descheduled or waits for a descheduled peer, CPU time hardly does, so its ratio is the steadier one.
@@ -95,8 +101,16 @@ def _worker(rank: int, world: int, args, gate) -> dict:
     from parallel3d.context_parallel import context_parallel_attention, split_for_cp, unsplit_from_cp
     from parallel3d.context_parallel.bench import bench_ring_overlap, bench_variants
 
+    if args.pin:  # before the process group: gloo's transfer threads inherit the compute thread's core
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     cp, variants = _variants(rank, world)
+    shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                 head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
+    if args.overlap_only:
+        return {"fingerprints": {}, "median_ms": {}, "cpu_ms": {},
+                "overlap": bench_ring_overlap(cp, **shape) if world > 1 else None}
     full = cp_inputs(args.batch, args.seq, args.q_heads, args.kv_heads, args.head_dim, args.seed)
     q, k, v, dout = (split_for_cp(full[n], world, rank).contiguous() for n in ("q", "k", "v", "dout"))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -116,8 +130,6 @@ def _worker(rank: int, world: int, args, gate) -> dict:
                 result["fingerprints"].setdefault(label, {})[name] = fingerprint(unsplit_from_cp(shares))
             del o, grads, shares  # not held through the measured step
         gate.measure(lambda: step(kwargs))
-    shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                 head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
     result["cpu_ms"] = {}
     result["median_ms"] = bench_variants(cp, variants=variants, cpu_ms=result["cpu_ms"], **shape)
     result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 else None
@@ -153,8 +165,8 @@ def _spread(values: list[float]) -> dict:
 
 def bench_cp_size(args, cp: int, ds_py: str | None, reference: dict) -> dict:
     """All rounds at one cp size: per-round times, memory, overlap, and the numerical checks."""
-    labels = variant_labels(cp)
-    skip = deepspeed_skip_reason(args, cp) if ds_py else "DeepSpeed not run"
+    labels = [] if args.overlap_only else variant_labels(cp)
+    skip = deepspeed_skip_reason(args, cp) if ds_py and not args.overlap_only else "DeepSpeed not run"
     ours: dict[str, list[float]] = {lb: [] for lb in labels}
     memory: dict[str, list[dict]] = {lb: [] for lb in labels + ["deepspeed"]}
     ds_times: list[float] = []
@@ -202,14 +214,17 @@ def bench_cp_size(args, cp: int, ds_py: str | None, reference: dict) -> dict:
     overlap = None
     if overlaps:
         keys = ("comm_ms", "compute_ms", "overlapped_ms", "hidden", "exposed_wait_ms", "hidden_waits",
-                "backward_comm_ms", "backward_exposed_wait_ms", "backward_hidden_waits")
+                "late_wait_ms", "transfer_wait_ms", "hidden_transfer", "cores", "cores_busy_compute",
+                "cores_busy_overlapped", "backward_comm_ms", "backward_exposed_wait_ms", "backward_hidden_waits",
+                "backward_late_wait_ms", "backward_transfer_wait_ms", "backward_hidden_transfer")
         overlap = {k: _spread([o[k] for o in overlaps]) for k in keys}
         per_block = overlap["compute_ms"]["median"] / cp
         per_transfer = overlap["comm_ms"]["median"] / (cp - 1)
         # Judged on the direct reading (time blocked in the ring's waits); the end-to-end one is
         # reported beside it but is the difference of two times whose noise exceeds a small transfer.
         overlap.update(compute_per_step_ms=per_block, transfer_ms=per_transfer, applies=per_block > per_transfer,
-                       met=overlap["hidden_waits"]["median"] >= 0.5)
+                       met=overlap["hidden_waits"]["median"] >= 0.5,
+                       met_transfer=overlap["hidden_transfer"]["median"] >= 0.5)
     return {"cp": cp, "rows": rows, "overlap": overlap, "deepspeed_skipped": skip if not ds_times else None}
 
 
@@ -220,7 +235,8 @@ def _mib(x: float) -> str:
 def report(results: list[dict], args) -> tuple[list[str], dict]:
     lines = [f"shape: batch {args.batch}, seq {args.seq}, heads q {args.q_heads} / kv {args.kv_heads}, head_dim "
              f"{args.head_dim}, fp32, causal, backend {args.backend}; {args.rounds} alternating rounds x {args.steps} "
-             f"steps (+{args.warmup} warm-up), gloo, 1 thread/rank, {os.cpu_count()} cores, load "
+             f"steps (+{args.warmup} warm-up), gloo, 1 thread/rank"
+             f"{', pinned rank r -> core r mod cores' if args.pin else ''}, {os.cpu_count()} cores, load "
              f"{os.getloadavg()[0]:.2f} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)"]
     head = (f"{'cp':>2} {'implementation':<20} {'min ms':>8} {'median ms':>9} {'max ms':>8} {'x deepspeed [range]':>22} "
             f"{'cpu ms/rank':>11} {'cpu x deepspeed':>22} {'peak RSS MiB':>12} {'+step MiB':>9} {'mismatch':>9}")
@@ -241,10 +257,15 @@ def report(results: list[dict], args) -> tuple[list[str], dict]:
                  "cpu: CPU ms per step and rank (user + sys, every thread), paired per round like the wall ratio")
     lines.append("")
     head = (f"{'cp':>2} {'comm ms':>8} {'compute ms':>10} {'overlapped ms':>13} {'hidden e2e [range]':>20} "
-            f"{'blocked ms':>10} {'hidden [range]':>16} {'compute/step ms':>15} {'transfer ms':>11} {'target':>8} "
-            f"{'bwd comm ms':>11} {'bwd blocked ms':>14} {'bwd hidden':>10}")
+            f"{'blocked ms':>10} {'hidden [range]':>16} {'late ms':>8} {'xfer ms':>8} {'hidden xfer [range]':>19} "
+            f"{'compute/step ms':>15} {'transfer ms':>11} {'busy c/o':>9} {'target':>8} {'xfer target':>11} "
+            f"{'bwd comm ms':>11} {'bwd blocked ms':>14} {'bwd hidden':>10} {'bwd late':>8} {'bwd xfer':>8} "
+            f"{'bwd hidden xfer':>15}")
     lines += ["ring (p2p) overlap: forward (target) and backward; hidden = 1 - blocked / comm, where blocked is the "
               "time the ring waited on its transfers; hidden e2e = (comm + compute - overlapped) / comm",
+              "blocked = late + xfer (ring_timeline): late = waiting while a neighbour had not yet posted the "
+              "exchange (it ran behind), xfer = blocked after both neighbours had posted; hidden xfer = 1 - xfer / "
+              "comm; busy c/o = CPU of all ranks / (wall x cores) in compute-only / overlapped",
               head, "-" * len(head)]
     targets: dict = {}
     for res in results:
@@ -253,15 +274,23 @@ def report(results: list[dict], args) -> tuple[list[str], dict]:
             continue
         h = o["hidden"]
         status = ("met" if o["met"] else "NOT met") if o["applies"] else "n/a"
+        xfer_status = ("met" if o["met_transfer"] else "NOT met") if o["applies"] else "n/a"
         targets[f"p2p_overlap_cp{res['cp']}"] = status
-        w = o["hidden_waits"]
-        e2e = f"{h['median']:.2f} [{h['min']:.2f}-{h['max']:.2f}]"
-        direct = f"{w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}]"
+        targets[f"p2p_overlap_transfer_cp{res['cp']}"] = xfer_status
+
+        def spread(x: dict) -> str:
+            return f"{x['median']:.2f} [{x['min']:.2f}-{x['max']:.2f}]"
+
+        busy = f"{o['cores_busy_compute']['median']:.2f}/{o['cores_busy_overlapped']['median']:.2f}"
         lines.append(f"{res['cp']:>2} {o['comm_ms']['median']:>8.2f} {o['compute_ms']['median']:>10.2f} "
-                     f"{o['overlapped_ms']['median']:>13.2f} {e2e:>20} {o['exposed_wait_ms']['median']:>10.2f} "
-                     f"{direct:>16} {o['compute_per_step_ms']:>15.2f} {o['transfer_ms']:>11.2f} {status:>8} "
-                     f"{o['backward_comm_ms']['median']:>11.2f} {o['backward_exposed_wait_ms']['median']:>14.2f} "
-                     f"{o['backward_hidden_waits']['median']:>10.2f}")
+                     f"{o['overlapped_ms']['median']:>13.2f} {spread(h):>20} {o['exposed_wait_ms']['median']:>10.2f} "
+                     f"{spread(o['hidden_waits']):>16} {o['late_wait_ms']['median']:>8.2f} "
+                     f"{o['transfer_wait_ms']['median']:>8.2f} {spread(o['hidden_transfer']):>19} "
+                     f"{o['compute_per_step_ms']:>15.2f} {o['transfer_ms']:>11.2f} {busy:>9} {status:>8} "
+                     f"{xfer_status:>11} {o['backward_comm_ms']['median']:>11.2f} "
+                     f"{o['backward_exposed_wait_ms']['median']:>14.2f} {o['backward_hidden_waits']['median']:>10.2f} "
+                     f"{o['backward_late_wait_ms']['median']:>8.2f} {o['backward_transfer_wait_ms']['median']:>8.2f} "
+                     f"{o['backward_hidden_transfer']['median']:>15.2f}")
     for res in results:
         a2a = next((r for r in res["rows"] if r["impl"] == "ours a2a"), None)
         if res["cp"] > 1 and a2a and a2a["vs_deepspeed"]:
@@ -287,6 +316,10 @@ def main() -> None:
     ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: cp 2, a tiny shape, 1 round of 1 step (every check still runs)")
+    ap.add_argument("--overlap-only", action="store_true",
+                    help="only the ring overlap (no variant timings, memory, DeepSpeed or numerical check): long shapes")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin rank r (and its gloo threads) to core r mod cores: a control for the OS's placement")
     ap.add_argument("--out", default="bench_results/cp.json")
     args = ap.parse_args()
     if args.quick:
@@ -295,8 +328,9 @@ def main() -> None:
     for cp in args.cp:
         if args.seq % (2 * cp):
             ap.error(f"--seq={args.seq} must divide into 2 * cp = {2 * cp} chunks")
-    ds_py = deepspeed_python(args.peer_venv, args.no_install) if "deepspeed" in args.peers else None
-    reference = reference_fingerprints(args)
+    ds_py = (deepspeed_python(args.peer_venv, args.no_install)
+             if "deepspeed" in args.peers and not args.overlap_only else None)
+    reference = {} if args.overlap_only else reference_fingerprints(args)
     results = [bench_cp_size(args, cp, ds_py, reference) for cp in args.cp]
     lines, targets = report(results, args)
     print("\n".join(lines))

@@ -119,3 +119,36 @@ def test_cp_group_from_a_parallel_state_takes_its_counters_and_nccl_emulation() 
     out = torch.empty(3)
     group.all_gather(out, torch.arange(3.0)).wait()  # size 1: a local copy, nothing counted
     assert torch.equal(out, torch.arange(3.0)) and pstate.comm_stats.total() == 0
+
+
+def test_scheduling_point_runs_once_per_block_and_changes_no_number() -> None:
+    """The ring's hook between blocks (``os.sched_yield`` on CPU while a transfer is in flight):
+    called after every computed block, forward and backward, and the results are bitwise those
+    of the same call without it."""
+    from kernels.attention_math import default_scale
+    from parallel3d.context_parallel.block_compute import BlockAttention
+    from parallel3d.context_parallel.blockwise import (
+        attend, attend_backward, backward_inputs, finish_output, heads_first, output_accumulators,
+    )
+
+    g = torch.Generator().manual_seed(7)
+    s, segments = 12, [Segment(6, 6), Segment(0, 6)]
+    q, k, v, dout = (torch.randn(1, s, h, 8, generator=g) for h in (4, 2, 2, 4))
+    engine = BlockAttention("math", default_scale(8))
+    plan = plan_blocks(segments, segments, None)
+    assert len(plan.blocks) > 1
+    results = []
+    for hook in (None, "count"):
+        calls = []
+        point = (lambda: calls.append(1)) if hook else None
+        acc_out, acc_lse = output_accumulators(q)
+        attend(engine, heads_first(q), heads_first(k), heads_first(v), plan, acc_out, acc_lse, set(), point)
+        out = finish_output(acc_out, q.dtype)
+        qh, outh, doh, delta, dq = backward_inputs(q, out, dout)
+        dk, dv = torch.zeros_like(heads_first(k)), torch.zeros_like(heads_first(v))
+        attend_backward(engine, doh, qh, heads_first(k), heads_first(v), outh, acc_lse, delta, plan, dq, dk, dv, point)
+        results.append((out, dq, dk, dv))
+        if hook:
+            assert len(calls) == 2 * len(plan.blocks)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

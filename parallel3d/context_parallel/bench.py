@@ -11,6 +11,12 @@
   two large noisy times when the transfer is small. ``hidden_waits = 1 - exposed / comm``,
   where ``exposed_wait_ms`` is the time the overlapped ring actually blocked in its waits: a
   direct, low-noise reading of the communication compute did not cover.
+  ``ring_timeline`` splits that blocked time: ``late_wait_ms`` (a neighbour had not yet
+  posted the exchange: it ran behind) and ``transfer_wait_ms`` (blocked after both
+  neighbours had posted); ``hidden_transfer = 1 - transfer_wait / comm``. ``compute_cpu_ms``
+  / ``compute_wall_ms`` ([least, most] over ranks) say why a neighbour ran behind, and
+  ``cores_busy_*`` (CPU of every rank / (wall x cores)) whether a rank's blocked time left
+  a core idle at all (on an oversubscribed machine another rank runs meanwhile).
 
 Times are the slowest rank's (max over the group) median of ``steps`` repetitions after
 ``warmup``, each repetition started together (a barrier). The caller owns process groups
@@ -19,6 +25,7 @@ and prints or stores the dicts (``scripts/bench_cp.py``).
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -34,6 +41,7 @@ from parallel3d.context_parallel.blockwise import attend, heads_first, output_ac
 from parallel3d.context_parallel.group_comm import CPGroup
 from parallel3d.context_parallel.load_balance import rank_segments
 from parallel3d.context_parallel.ring import RingAttention
+from parallel3d.context_parallel.ring_timeline import TimedRing, gather_events, split_blocked
 
 
 def _cpu_seconds() -> float:
@@ -101,30 +109,6 @@ def bench_variants(
     return results
 
 
-class _TimedWaits:
-    """A ring group whose exchange handles record how long ``wait`` blocked (``blocked_s``): the
-    communication compute did NOT hide. Everything else is the wrapped ``CPGroup``."""
-
-    def __init__(self, group: CPGroup) -> None:
-        self._group, self.blocked_s = group, 0.0
-
-    def __getattr__(self, name: str):
-        return getattr(self._group, name)
-
-    def ring_exchange(self, sends, recvs):
-        work, timer = self._group.ring_exchange(sends, recvs), self
-
-        class _Handle:
-            def wait(self, timeout=None):
-                start = time.perf_counter()
-                try:
-                    return work.wait()
-                finally:
-                    timer.blocked_s += time.perf_counter() - start
-
-        return _Handle()
-
-
 def bench_ring_overlap(
     cp_group: CPGroup, *, batch: int, seq_len: int, q_heads: int, kv_heads: int, head_dim: int,
     dtype: torch.dtype = torch.float32, backend: str = "auto", steps: int = 5, warmup: int = 1,
@@ -154,7 +138,7 @@ def bench_ring_overlap(
             attend(engine, heads_first(q), heads_first(k), heads_first(v), plans[(cp_group.index - t) % n],
                    acc_out, acc_lse, merged)
 
-    timed = _TimedWaits(cp_group)
+    timed = TimedRing(cp_group)
     blocked: list[float] = []
 
     def overlapped() -> None:
@@ -181,12 +165,15 @@ def bench_ring_overlap(
     grads_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
     blocked_backward: list[float] = []
+    timed_bwd = TimedRing(cp_group)
 
     def overlapped_backward() -> None:
-        out = RingAttention.apply(*grads_in, timed, members[cp_group.index], members, engine)
-        timed.blocked_s = 0.0
+        forward_events = len(timed_bwd.events)
+        out = RingAttention.apply(*grads_in, timed_bwd, members[cp_group.index], members, engine)
+        del timed_bwd.events[forward_events:]  # only the backward's exchanges are split below
+        timed_bwd.blocked_s = 0.0
         torch.autograd.grad(out, grads_in, dout)
-        blocked_backward.append(timed.blocked_s)
+        blocked_backward.append(timed_bwd.blocked_s)
 
     def slowest(values: list[float]) -> float:
         x = torch.tensor([statistics.median(values[warmup:]) * 1e3], dtype=torch.float64)
@@ -198,14 +185,37 @@ def bench_ring_overlap(
         return min(1.0, max(0.0, 1.0 - exposed / comm)) if comm > 0 else 0.0
 
     comm = _slowest_median_ms(comm_only, cp_group, steps, warmup) if n > 1 else 0.0
-    compute = _slowest_median_ms(compute_only, cp_group, steps, warmup)
-    both = _slowest_median_ms(overlapped, cp_group, steps, warmup)
+    cpu_compute: list[float] = []
+    compute = _slowest_median_ms(compute_only, cp_group, steps, warmup, cpu_compute)
+    cpu_both: list[float] = []
+    both = _slowest_median_ms(overlapped, cp_group, steps, warmup, cpu_both)
     exposed = slowest(blocked)
+    split = split_blocked(gather_events(cp_group, timed.events), n - 1, warmup) if n > 1 else {}
     comm_bwd = _slowest_median_ms(comm_only_backward, cp_group, steps, warmup) if n > 1 else 0.0
     _slowest_median_ms(overlapped_backward, cp_group, steps, warmup)
     exposed_bwd = slowest(blocked_backward)
+    split_bwd = split_blocked(gather_events(cp_group, timed_bwd.events), 2 * n - 1, warmup) if n > 1 else {}
+    cores = _cores_in_use(cp_group)
     hidden = min(1.0, max(0.0, (comm + compute - both) / comm)) if comm > 0 else 0.0
     return {"comm_ms": comm, "compute_ms": compute, "overlapped_ms": both, "hidden": hidden,
             "exposed_wait_ms": exposed, "hidden_waits": fraction(exposed, comm),
+            "late_wait_ms": split.get("late_ms", 0.0), "transfer_wait_ms": split.get("transfer_ms", 0.0),
+            "hidden_transfer": fraction(split.get("transfer_ms", 0.0), comm),
+            "compute_cpu_ms": split.get("compute_cpu_ms", [0.0, 0.0]),
+            "compute_wall_ms": split.get("compute_wall_ms", [0.0, 0.0]),
+            "cores": cores, "cores_busy_compute": cpu_compute[0] * n / (compute * cores),
+            "cores_busy_overlapped": cpu_both[0] * n / (both * cores),
             "backward_comm_ms": comm_bwd, "backward_exposed_wait_ms": exposed_bwd,
-            "backward_hidden_waits": fraction(exposed_bwd, comm_bwd)}
+            "backward_hidden_waits": fraction(exposed_bwd, comm_bwd),
+            "backward_late_wait_ms": split_bwd.get("late_ms", 0.0),
+            "backward_transfer_wait_ms": split_bwd.get("transfer_ms", 0.0),
+            "backward_hidden_transfer": fraction(split_bwd.get("transfer_ms", 0.0), comm_bwd)}
+
+
+def _cores_in_use(group: CPGroup) -> int:
+    """How many cores the group's ranks may run on together (the union of their affinities)."""
+    mask = torch.zeros(os.cpu_count() or 1, dtype=torch.float64)
+    mask[sorted(os.sched_getaffinity(0))] = 1.0
+    if group.size > 1:
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group.group)
+    return int(mask.sum())

@@ -13,6 +13,8 @@ exact gradient (from the final out/lse) into fp32 ``dq`` and into this kv share'
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from kernels.attention_math import compute_dtype
@@ -55,8 +57,10 @@ def plan_shares(engine: BlockAttention, q_segments: list[Segment], kv_segments: 
 def attend(
     engine: BlockAttention, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, plan: BlockPlan,
     acc_out: torch.Tensor, acc_lse: torch.Tensor, merged: set[tuple[int, int]] | None = None,
+    between_blocks: Callable[[], object] | None = None,
 ) -> None:
-    """Merge every block of ``plan`` (queries ``qh``, keys/values ``kh``/``vh``, all ``[b, h, s, d]``).
+    """Merge every block of ``plan`` (queries ``qh``, keys/values ``kh``/``vh``, all ``[b, h, s, d]``);
+    ``between_blocks`` (optional) runs after each block (the ring's scheduling point, ``ring.py``).
 
     ``merged``: the query rows ``(offset, length)`` already holding a partial result, kept by the
     caller across calls on the same accumulators. The first block of rows is copied in, not
@@ -71,14 +75,17 @@ def attend(
             merged.add(rows)
         else:
             merge_partial(acc_out[:, :, block.q_rows], acc_lse[:, :, block.q_rows], out, lse)
+        if between_blocks is not None:
+            between_blocks()
 
 
 def attend_backward(
     engine: BlockAttention, doh: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
     outh: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, plan: BlockPlan,
-    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, between_blocks: Callable[[], object] | None = None,
 ) -> None:
-    """Add every block's gradient into ``dq`` (queries) and ``dk``/``dv`` (this kv share), in place."""
+    """Add every block's gradient into ``dq`` (queries) and ``dk``/``dv`` (this kv share), in place;
+    ``between_blocks`` (optional) runs after each block."""
     for block in plan.blocks:
         q_rows, k_rows = block.q_rows, block.k_rows
         gq, gk, gv = engine.backward(
@@ -88,6 +95,8 @@ def attend_backward(
         dq[:, :, q_rows] += gq
         dk[:, :, k_rows] += gk
         dv[:, :, k_rows] += gv
+        if between_blocks is not None:
+            between_blocks()
 
 
 def backward_inputs(
