@@ -21,6 +21,7 @@ from parallel3d.planning.fit import FAMILIES, calibration_rows, golden_section
 from parallel3d.planning.gemm import FLASH_BACKWARD_FACTOR, GemmCurve, alternate_matmul_seconds
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.published import load_published_runs
+from parallel3d.planning.validation import run_layout, validate_run
 
 LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=1024, num_heads=16, num_kv_heads=4,
                     ffn_hidden_size=2816, vocab_size=1000, max_seq_len=4096)
@@ -113,3 +114,17 @@ def test_every_family_member_carries_its_calibration_device_curve():
             dev = DEVICES[name]
             knobs = ("matmul_efficiency", "gemm_knee", "attention_efficiency", "layer_overhead_s")
             assert [getattr(dev, k) for k in knobs] == [getattr(ref, k) for k in knobs], name
+
+
+def test_fit_prices_each_calibration_row_as_the_mfu_check_does():
+    """One rule: the fit's rows carry the layout ``validation`` prices (unstated fields completed at the
+    planner's best fitting choice), and its MFU on the YAML device is the validation table's."""
+    by_id = {r.id: r for r in load_published_runs()}
+    completed = 0
+    for device in FAMILIES:
+        for row in calibration_rows(device):
+            ref = validate_run(by_id[row.run_id])
+            assert row.layout == ref.priced, row.run_id
+            assert row.predicted_mfu(DEVICES[device]) == pytest.approx(ref.predicted_mfu, rel=1e-9), row.run_id
+            completed += ref.priced != run_layout(by_id[row.run_id])
+    assert completed >= 5  # rows whose unstated fields moved off the data file's placeholder

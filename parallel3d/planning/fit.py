@@ -7,10 +7,13 @@ the calibration rows' MFU errors before and after, and the YAML lines to paste. 
 H100, H200, H800): its rows are priced on the family's calibration device.
 
 The objective is the mean absolute relative MFU error of the family's calibration rows, each priced
-exactly as ``validation`` prices it (the run's own framework options, the full pipeline simulator,
-the source's FLOPs convention); it is minimised one knob at a time by golden-section search inside
-physical bounds, for ``rounds`` sweeps. A knob that no calibration row exercises (fused attention on
-a family whose calibration rows all ran unfused) keeps its current value.
+exactly as ``validation`` prices it (the run's own framework options, unstated layout fields at the
+planner's best fitting choice, the full pipeline simulator, the source's FLOPs convention); it is
+minimised one knob at a time by golden-section search inside physical bounds, for ``rounds`` sweeps.
+The completion of unstated fields depends on the device curve, so it is held fixed during a fit and
+redone on the fitted curve, refitting until it no longer changes (at most ``MAX_COMPLETIONS`` passes).
+A knob that no calibration row exercises (fused attention on a family whose calibration rows all ran
+unfused) keeps its current value.
 
 Invariant: only rows with ``split: calibration`` are read; held-out rows never enter the fit.
 """
@@ -28,7 +31,7 @@ from parallel3d.planning.cost import CostOptions, estimate_step
 from parallel3d.planning.devices import DEVICES, DeviceSpec
 from parallel3d.planning.planner import stage_layer_counts
 from parallel3d.planning.published import load_published_runs
-from parallel3d.planning.validation import (Unpriceable, run_cluster, run_config, run_layout, run_options,
+from parallel3d.planning.validation import (Unpriceable, priced_candidate, run_cluster, run_config, run_options,
                                             source_flops_per_token)
 
 # Devices sharing one compute curve (same SMs and tensor cores), keyed by the calibration device.
@@ -44,6 +47,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "layer_overhead_s": (0.0, 1e-3),
 }
 KNOBS = tuple(BOUNDS)
+MAX_COMPLETIONS = 3  # fit passes, each on the rows re-completed on the previous pass's fitted device
 _GOLDEN = 0.6180339887498949
 
 
@@ -72,14 +76,20 @@ class CalibrationRow:
         return self.options.fused_attention
 
 
-def calibration_rows(device: str) -> list[CalibrationRow]:
-    """The priceable ``calibration`` rows that ran on ``device`` (held-out rows are never read)."""
+def calibration_rows(device: str, completed_on: DeviceSpec | None = None) -> list[CalibrationRow]:
+    """The priceable ``calibration`` rows that ran on ``device`` (held-out rows are never read), each
+    layout as ``validation.priced_candidate`` completes it (unstated fields at the planner's best fitting
+    choice) on ``completed_on`` (default: the device YAML as it is). The completion is held fixed while
+    the fit varies the knobs; ``main`` re-completes on the fitted device and refits until it is stable."""
     rows = []
     for run in load_published_runs():
         if run.split != "calibration" or run.hardware.device != device or run.mfu is None:
             continue
         try:
-            config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
+            config, cluster = run_config(run), run_cluster(run)
+            if completed_on is not None:
+                cluster = ClusterSpec(gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, device=completed_on)
+            layout = priced_candidate(run, run_options(run), cluster).layout
         except Unpriceable:
             continue
         peak = (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
@@ -188,12 +198,19 @@ def main(argv: list[str] | None = None) -> int:
             unknown = set(knobs) - set(KNOBS)
             if unknown:
                 parser.error(f"--knobs: unknown {sorted(unknown)}; allowed: {list(KNOBS)}")
-            rows = rows_exercising(calibration_rows(name), knobs)
-            objective = Objective(rows, pool)
             current = DEVICES[name]
-            fitted = fit_family(current, objective, args.rounds, args.steps, knobs)
-            print(f"{name} family {', '.join(FAMILIES[name])}: {len(rows)} calibration rows")
-            print(_table(rows, objective.errors(current), objective.errors(fitted)))
+            fitted, completions, before = current, None, None
+            for passes in range(1, MAX_COMPLETIONS + 1):  # re-completed on the fitted curve until stable
+                rows = rows_exercising(calibration_rows(name, fitted), knobs)
+                if completions == [r.layout for r in rows]:
+                    break
+                completions = [r.layout for r in rows]
+                objective = Objective(rows, pool)
+                before = before or objective.errors(current)  # as validation prices the YAML today
+                fitted = fit_family(fitted, objective, args.rounds, args.steps, knobs)
+            print(f"{name} family {', '.join(FAMILIES[name])}: {len(rows)} calibration rows, "
+                  f"{passes} completion passes")
+            print(_table(rows, before, Objective(rows, pool).errors(fitted)))
             yaml = {k: getattr(fitted, k) for k in KNOBS}
             yaml["layer_overhead_us"] = round(yaml.pop("layer_overhead_s") * 1e6)
             print("  YAML:", ", ".join(f"{k}: {v}" for k, v in yaml.items()))

@@ -8,6 +8,11 @@ tokens/s per GPU x the FLOPs per token the source counts / the source's peak. Th
 is the one the source's own numbers imply where they pin it down (TFLOP/s and tokens/s both
 published), else ``models.shape`` under the convention.
 
+A field the source leaves unstated (the row's ``unstated``: virtual stages, schedule, micro-batch) is
+priced, in both checks, at the planner's best fitting choice (``priced_candidate``, the one place this
+rule lives), since the source presumably ran a tuned setting it did not report; every stated field is
+priced as written. ``--split`` tables mark such completed fields with ``*``.
+
 Rows the planner cannot price in the source's terms (fp8, MLA, sliding-window attention, a
 schedule the runtime lacks) are listed as skipped with the reason, never silently dropped.
 
@@ -16,8 +21,9 @@ precision and asks whether the published layout is in the top 5, or whether ever
 predicted at least as fast within 3% of it (``rank_ok``). Like with like: the search is held at the
 source framework's recompute mode, ZeRO stage, sequence parallelism, schedules and (``EVEN_SPLIT_SOURCES``)
 even layer splits; a field the source leaves unstated (the row's ``unstated``: virtual stages, schedule,
-micro-batch) is priced at the planner's best allowed choice, not at the data file's placeholder; a degree
-the source says its experiment held fixed (``rank_fixed``, with the source's words) is held in the search.
+micro-batch) is priced at the planner's best allowed choice (``priced_candidate``), not at the data file's
+placeholder; a degree the source says its experiment held fixed (``rank_fixed``, with the source's words) is
+held in the search.
 
 Invariant: nothing here is fitted per run; the only tuned numbers live in the device YAMLs and
 ``CostOptions``, and were set on the ``calibration`` rows only.
@@ -149,6 +155,7 @@ class RowResult:
     rank_ok: bool | None = None
     rank_gap: float | None = None  # predicted step time over the best searched layout's, minus 1
     rank_why: str = ""  # where the published layout loses to the best one found, by step-time column
+    priced: Layout | None = None  # the layout both checks priced (``priced_candidate``)
 
     @property
     def error(self) -> float | None:
@@ -247,14 +254,28 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     return best
 
 
-def rank_run(run: PublishedRun, options: CostOptions | None = None) -> tuple[int, bool, float, str]:
+def priced_candidate(run: PublishedRun, options: CostOptions | None = None,
+                     cluster: ClusterSpec | None = None) -> Candidate:
+    """The published layout as *both* checks price it (MFU and rank; also the calibration fit):
+    ``completed_layout`` with the run's own split rule, i.e. fields the source leaves unstated at the
+    planner's best fitting choice, since the source presumably ran a tuned setting it did not report.
+    The one place this rule lives."""
+    options = options or run_options(run)
+    config, layout = run_config(run), run_layout(run)
+    cluster = cluster or run_cluster(run)
+    return completed_layout(run, config, layout, cluster, options, uneven_splits_allowed(run, config))
+
+
+def rank_run(run: PublishedRun, options: CostOptions | None = None,
+             published: Candidate | None = None) -> tuple[int, bool, float, str]:
     """The issue's rank rule for one run: its layout, completed where the source is silent
-    (``completed_layout``), against the search held where the source says its experiment was
-    (``rank_fixed_degrees``). Returns ``rank_search``'s (position, ok, gap, why)."""
+    (``priced_candidate``; pass it as ``published`` if already priced), against the search held where
+    the source says its experiment was (``rank_fixed_degrees``). Returns ``rank_search``'s
+    (position, ok, gap, why)."""
     options = options or run_options(run)
     config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
     uneven = uneven_splits_allowed(run, config)
-    published = completed_layout(run, config, layout, cluster, options, uneven)
+    published = published or priced_candidate(run, options, cluster)
     position, ok, gap, why = rank_search(config, layout, cluster, published.step, options,
                                          rank_fixed_degrees(run), uneven)
     if published.layout != layout:
@@ -289,7 +310,7 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
     if published is None:
         return RowResult(run, None, None, skipped="no published MFU or TFLOP/s")
     try:
-        cand = evaluate(config, layout, cluster, options)
+        cand = priced_candidate(run, options, cluster)
     except (LayoutError, ValueError) as exc:  # e.g. more chunks than layers: a split the runtime lacks
         return RowResult(run, published, None, skipped=str(exc).split("; ")[0][:90])
     tokens_per_s_gpu = cand.step.tokens_per_s() / cluster.gpus
@@ -298,8 +319,9 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
     rank = ok = gap = None
     why = ""
     if with_rank:
-        rank, ok, gap, why = rank_run(run, options)
-    return RowResult(run, published, predicted, rank=rank, rank_ok=ok, rank_gap=gap, rank_why=why)
+        rank, ok, gap, why = rank_run(run, options, cand)
+    return RowResult(run, published, predicted, rank=rank, rank_ok=ok, rank_gap=gap, rank_why=why,
+                     priced=cand.layout)
 
 
 def validate(split: str = "held_out", with_rank: bool = False,
@@ -321,7 +343,11 @@ def format_rows(rows: list[RowResult]) -> str:
              f"{'err':>7s} {'rank':>5s} {'gap':>6s}  ok"]
     for r in rows:
         lay = r.run.layout
-        text = f"tp{lay.tp} pp{lay.pp} vp{lay.vp} cp{lay.cp} ep{lay.ep} dp{lay.dp} m{lay.micro_batch}"
+        vp, mbs = lay.vp, lay.micro_batch
+        if r.priced is not None:  # a '*' marks a field completed at the planner's choice (``unstated``)
+            vp = f"{r.priced.virtual_stages}{'*' if 'layout.vp' in r.run.unstated else ''}"
+            mbs = f"{r.priced.micro_batch_size}{'*' if 'layout.micro_batch' in r.run.unstated else ''}"
+        text = f"tp{lay.tp} pp{lay.pp} vp{vp} cp{lay.cp} ep{lay.ep} dp{lay.dp} m{mbs}"
         if r.skipped:
             lines.append(f"{r.run.id:38s} {r.run.split:11s} {r.run.hardware.gpus:5d} {text:28s} skipped: {r.skipped}")
             continue
