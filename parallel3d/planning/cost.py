@@ -45,7 +45,6 @@ from models.config import ModelConfig
 from models.shape import LayerFlops
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
-from parallel3d.pipeline.schedules import build_schedule, simulate
 from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
@@ -54,6 +53,7 @@ from parallel3d.planning.gemm import (FLASH_BACKWARD_FACTOR, GemmCurve, alternat
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
+from parallel3d.planning.pipeline_price import PipelineTimes, simulate_pipeline
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 
@@ -150,55 +150,6 @@ def step_flops(config: ModelConfig, layout: Layout) -> tuple[float, float]:
     flops = config.shape.flops_per_token(layout.seq_len, attention=COST_ATTENTION, recompute=layout.recompute)
     tokens = layout.global_batch_size * layout.seq_len
     return flops.model * tokens, flops.hardware * tokens
-
-
-# ---- pipeline ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PipelineTimes:
-    makespan: float
-    stage_end: list[float]  # when each stage's last computation ends
-    busy: list[float]  # per stage: time spent computing
-
-    @property
-    def bubble_fraction(self) -> float:
-        return sum(1 - b / self.makespan for b in self.busy) / len(self.busy) if self.makespan > 0 else 0.0
-
-
-def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
-    timeline = simulate(build_schedule(name, p, m, v), fwd, bwd, p2p)
-    end = [0.0] * p
-    for ta in timeline.actions:
-        if ta.action.is_compute:
-            end[ta.stage] = max(end[ta.stage], ta.end)
-    return PipelineTimes(timeline.makespan, end, list(timeline.busy))
-
-
-def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
-    """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
-
-    Once every stage is in its steady state (m >= 2p covers every schedule, ZB-V's V included),
-    each further group of p microbatches (interleaved 1F1B's count must stay a multiple of p)
-    adds the same time to every stage, so finish times are linear in m: simulate m = 2p and
-    3p and extend the line
-    (exact for these schedules; tests compare it with a full simulation). Keeps
-    1T-scale layouts (p = 64, m = 512) to seconds.
-    """
-    step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p
-    base = 2 * p
-    if m <= base + step:
-        return _simulate_once(name, p, m, v, fwd, bwd, p2p)
-    a = _simulate_once(name, p, base, v, fwd, bwd, p2p)
-    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p)
-    k = (m - base) / step
-
-    def line(x: float, y: float) -> float:
-        return x + (y - x) * k
-
-    return PipelineTimes(
-        line(a.makespan, b.makespan),
-        [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
-        [x * m / base for x in a.busy],
-    )
 
 
 # ---- per-chunk times ----------------------------------------------------------------------

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from models.config import ModelConfig
 from models.transformer import RECOMPUTE_MODES
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost import CostOptions, PipelineTimes, StepEstimate, chunk_layer_counts, estimate_step
+from parallel3d.planning.cost import CostOptions, StepEstimate, chunk_layer_counts, estimate_step
+from parallel3d.planning.pipeline_price import PipelineTimes
 from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
 from parallel3d.option_checks import ConfigError
 from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
