@@ -196,6 +196,12 @@ def _raw(run_id: str) -> dict:
     ("folding_mixtral_8x22b_folding_128gpus", lambda d: d["model"].update(moe=None), ["dense model", "layout.ep"]),
     ("llama3_405b_128k_16384gpus", lambda d: d["batch"].update(seq_len=131070), ["seq_len", "2*layout.cp"]),
     ("deepseek_v3_h800_pretraining", lambda d: d["model"].pop("mla"), ["model.mla"]),
+    # rank metadata (validation.rank_run): unstated fields must be inferred ones; rank_fixed only on stated degrees
+    ("narayanan21_gpt_3.6b", lambda d: d.update(unstated=["layout.tp"]), ["unstated", "layout.tp"]),
+    ("nemotron4_15b_dp96", lambda d: d.update(unstated=["layout.vp"]), ["layout.vp", "inferred"]),
+    ("narayanan21_gpt3_175b_384gpus", lambda d: d.update(rank_fixed={"layout.tp": "x"}), ["layout.tp", "inferred"]),
+    ("narayanan21_gpt3_175b_384gpus", lambda d: d.update(rank_fixed={"layout.vp": "x"}), ["rank_fixed", "layout.vp"]),
+    ("narayanan21_gpt3_175b_384gpus", lambda d: d.update(rank_fixed={"layout.dp": ""}), ["rank_fixed.layout.dp"]),
 ])
 def test_loader_rejects_an_inconsistent_row(run_id, mutate, words):
     data = _raw(run_id)
