@@ -32,7 +32,7 @@ from parallel3d.planning.devices import DEVICES, DeviceSpec
 from parallel3d.planning.planner import stage_layer_counts
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.validation import (Unpriceable, priced_candidate, run_cluster, run_config, run_options,
-                                            source_flops_per_token)
+                                            source_flops_per_token, source_peak_flops)
 
 # Devices sharing one compute curve (same SMs and tensor cores), keyed by the calibration device.
 FAMILIES: dict[str, tuple[str, ...]] = {
@@ -92,7 +92,7 @@ def calibration_rows(device: str, completed_on: DeviceSpec | None = None) -> lis
             layout = priced_candidate(run, run_options(run), cluster).layout
         except Unpriceable:
             continue
-        peak = (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
+        peak = source_peak_flops(run, cluster)
         rows.append(CalibrationRow(run.id, config, layout, cluster.gpus, cluster.gpus_per_node, run_options(run),
                                    tuple(stage_layer_counts(config, layout.pp, layout.virtual_stages)),
                                    source_flops_per_token(run, config), peak, run.mfu))
@@ -175,8 +175,7 @@ def _table(rows: list[CalibrationRow], before: list[float], after: list[float]) 
     lines = [f"  {'calibration row':38s} {'before':>8s} {'after':>8s}"]
     for row, b, a in zip(rows, before, after):
         lines.append(f"  {row.run_id:38s} {100 * b:+7.1f}% {100 * a:+7.1f}%")
-    for name, errs in (("mean |err|", None), ("worst |err|", None)):
-        agg = (lambda e: sum(map(abs, e)) / len(e)) if name.startswith("mean") else (lambda e: max(map(abs, e)))
+    for name, agg in (("mean |err|", lambda e: sum(map(abs, e)) / len(e)), ("worst |err|", lambda e: max(map(abs, e)))):
         lines.append(f"  {name:38s} {100 * agg(before):7.1f}% {100 * agg(after):7.1f}%")
     return "\n".join(lines)
 
@@ -191,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--knobs", default=",".join(KNOBS),
                         help="comma-separated knobs to fit (the others keep the device YAML's values)")
     args = parser.parse_args(argv)
+    knobs = tuple(k for k in args.knobs.split(",") if k)
+    unknown = set(knobs) - set(KNOBS)
+    if unknown:  # before any pricing or pool start-up
+        parser.error(f"--knobs: unknown {sorted(unknown)}; allowed: {list(KNOBS)}")
     pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
     try:
         for name in args.family or sorted(FAMILIES):
-            knobs = tuple(k for k in args.knobs.split(",") if k)
-            unknown = set(knobs) - set(KNOBS)
-            if unknown:
-                parser.error(f"--knobs: unknown {sorted(unknown)}; allowed: {list(KNOBS)}")
             current = DEVICES[name]
             fitted, completions, before = current, None, None
             for passes in range(1, MAX_COMPLETIONS + 1):  # re-completed on the fitted curve until stable

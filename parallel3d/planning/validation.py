@@ -145,6 +145,11 @@ def source_flops_per_token(run: PublishedRun, config: ModelConfig) -> float:
     return flops.hardware if recompute != "none" else flops.model
 
 
+def source_peak_flops(run: PublishedRun, cluster: ClusterSpec) -> float:
+    """The peak FLOP/s per GPU the source divides by: its stated peak, else the device's datasheet peak."""
+    return (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
+
+
 @dataclass(frozen=True)
 class RowResult:
     run: PublishedRun
@@ -314,8 +319,7 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
     except (LayoutError, ValueError) as exc:  # e.g. more chunks than layers: a split the runtime lacks
         return RowResult(run, published, None, skipped=str(exc).split("; ")[0][:90])
     tokens_per_s_gpu = cand.step.tokens_per_s() / cluster.gpus
-    peak = (run.flops_convention.peak_tflops or cluster.device.peak_flops / 1e12) * 1e12
-    predicted = tokens_per_s_gpu * source_flops_per_token(run, config) / peak
+    predicted = tokens_per_s_gpu * source_flops_per_token(run, config) / source_peak_flops(run, cluster)
     rank = ok = gap = None
     why = ""
     if with_rank:
