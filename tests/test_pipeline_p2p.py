@@ -38,6 +38,7 @@ def _exchange(rank, world, emulate_nccl):
         out = {"act0": got[Action("RECV_ACT", 0)], "act1": got[Action("RECV_ACT", 1)], "peer": prev}
     p2p.wait_sends()
     out["bytes"] = pstate.comm_stats.bytes[("pp", "send")]
+    out["direct"] = p2p.posts_directly
     return out
 
 
@@ -47,12 +48,64 @@ def test_batched_exchange_delivers_in_order_and_counts_bytes(world, emulate_nccl
     topo = Topology(tp=1, pp=2, dp=world // 2)
     for rank, r in enumerate(results):
         peer = r["peer"]
+        assert r["direct"] == (not emulate_nccl)  # plain gloo takes the op-by-op path, NCCL's keeps batches
         if topo.coords(rank).pp == 0:
             assert torch.equal(r["grad0"], -_payload(peer, 0))
             assert r["bytes"] == 2 * 24 * 4
         else:
             assert torch.equal(r["act0"], _payload(peer, 0)) and torch.equal(r["act1"], _payload(peer, 1))
             assert r["bytes"] == 24 * 4
+
+
+def _many_batches(rank, world, direct):
+    """Interleaved-like traffic on pp=2 (x dp): per round a batch of two sends and two receives each way
+    plus a receive posted ahead; returns every receive, by action, and whether batches went op by op."""
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=world // 2))
+    p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
+    send, recv = ("SEND_ACT", "RECV_GRAD") if pstate.coord("pp") == 0 else ("SEND_GRAD", "RECV_ACT")
+    got = {}
+    for r in range(3):
+        mbs = (2 * r, 2 * r + 1)
+        got.update(p2p.exchange([(Action(send, mb), _payload(rank, mb)) for mb in mbs],
+                                [Action(recv, mb) for mb in mbs], ahead=[Action(recv, 2 * r + 2)]))
+        p2p.release_sent(wait_for_activations=True)
+    got.update(p2p.exchange([(Action(send, 6), _payload(rank, 6))], [Action(recv, 6)]))
+    p2p.wait_sends()
+    peer = pstate.next_stage_rank if pstate.coord("pp") == 0 else pstate.prev_stage_rank
+    return {f"{a.kind}{a.microbatch}": t.clone() for a, t in got.items()}, p2p.posts_directly, peer
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_op_by_op_gloo_path_delivers_what_the_batched_path_does(world):
+    """The reference is each peer's payload; both paths (gloo's backend op by op, and
+    ``dist.batch_isend_irecv``) must deliver it to the right receive, FIFO per peer, across ranks of dp."""
+    for direct in (True, False):
+        for rank, (received, used_direct, peer) in enumerate(run_on_ranks(_many_batches, world, direct)):
+            assert used_direct == direct
+            recv = "RECV_GRAD" if Topology(tp=1, pp=2, dp=world // 2).coords(rank).pp == 0 else "RECV_ACT"
+            assert sorted(received) == sorted(f"{recv}{mb}" for mb in range(7)), received.keys()
+            for mb in range(7):
+                assert torch.equal(received[f"{recv}{mb}"], _payload(peer, mb)), (direct, rank, mb)
+
+
+def _unanswered_receive(rank, world, direct):
+    """Stage 1 waits for an activation stage 0 never sends: the error names the rank, its stage and the action."""
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1), timeout_s=2)
+    p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
+    if pstate.coord("pp") == 0:
+        return None
+    try:
+        p2p.exchange([], [Action("RECV_ACT", 3)])
+    except RuntimeError as exc:
+        return str(exc)
+    return "received"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["op-by-op", "batched"])
+def test_a_receive_that_times_out_names_rank_stage_and_action(direct):
+    message = run_on_ranks(_unanswered_receive, 2, direct, timeout=60)[1]
+    assert message.startswith("rank 1 (pipeline stage 1): p2p [\"Action(kind='RECV_ACT', microbatch=3, chunk=0)\"] "
+                              "failed:"), message
 
 
 def test_peers_follow_the_interleaved_layout():

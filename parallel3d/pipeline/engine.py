@@ -281,25 +281,28 @@ class PipelineEngine:
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)
         block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
-        cpu_start, cpu_busy = cpu(), 0.0
+        communicate, release_sent, record_peak, t0 = run.communicate, run.release_sent, run.record_peak, run.t0
+        cpu_start, cpu_busy, busy = cpu(), 0.0, 0.0
         # Split backwards: each chunk's W graph is built once this step and rerun (deferred_grads).
         with self.pstate.weight_grads.reusing_graphs() if self.split_backward else nullcontext():
             for planned in self.plan:
                 if planned.communicates:
-                    run.communicate(planned)
+                    communicate(planned)
                 c = planned.compute
                 if c is None:
                     continue
+                kind = c.kind
                 cpu_before = cpu()
                 start = clock()
-                handlers[c.kind](c)
+                handlers[kind](c)
                 end = clock()
                 cpu_busy += cpu() - cpu_before
-                run.busy += end - start
-                timeline.append((c.action, start - run.t0, end - run.t0))
-                if c.kind == "F":
-                    run.release_sent(block)
-                    run.record_peak()
+                busy += end - start
+                timeline.append((c.action, start - t0, end - t0))
+                if kind == "F":
+                    release_sent(block)
+                    record_peak()
+        run.busy = busy
         self.p2p.wait_sends()
         executor_cpu = cpu() - cpu_start - cpu_busy
         if run.leftovers():

@@ -12,6 +12,15 @@ receives the schedule lists between two computations go out as one
 ``comm.batch_isend_irecv``; receives posted ahead of need (prefetch, so their
 transfer overlaps this rank's compute) go out as batches of their own.
 
+On plain gloo (no NCCL emulation) a batch's ops are posted one by one on the
+group's gloo backend (``send``/``recv`` with the peer's group rank, tag 0): that is
+all ``dist.batch_isend_irecv`` does there (gloo does not coalesce), at a third of its
+CPU cost (no ``P2POp`` objects, op-list checks or rank translation per op). The
+batch is still one ``P2PBatch`` with one Work per op, so what is waited for, and
+when, is exactly the batched path's, which ``check_coalesced_progress`` proves
+deadlock-free. NCCL (and its emulation) keeps ``comm.batch_isend_irecv``: its
+batches must be coalesced, or the ops of one batch could deadlock each other.
+
 A batch is one unit (``P2PBatch``), because NCCL returns one Work for a whole
 batch while gloo returns one per op: a received tensor is handed out only after
 every Work of its batch has completed, and a batch's sent tensors stay
@@ -92,12 +101,19 @@ class ReceiveBuffers:
         self._buffers: list[torch.Tensor] = []
         self._posted: set[int] = set()  # ids of buffers a receive is posted into, not yet handed out
         self._alone: int | None = None  # _storage_users of a buffer nobody else uses
+        self._next = 0  # where the next search starts
         self.allocated = 0
 
     def acquire(self) -> torch.Tensor:
-        for buf in self._buffers if self._alone is not None and self._alone >= 0 else ():
-            if id(buf) not in self._posted and _storage_users(buf) == self._alone:
-                self._posted.add(id(buf))
+        # Round robin from the one after the last taken: pipelines free receives in about the
+        # order they arrived, so the first buffer looked at is usually free (one use-count check).
+        buffers, posted, alone = self._buffers, self._posted, self._alone
+        n = len(buffers) if alone is not None and alone >= 0 else 0
+        for k in range(self._next, self._next + n):
+            buf = buffers[k % n]
+            if id(buf) not in posted and _storage_users(buf) == alone:
+                posted.add(id(buf))
+                self._next = k % n + 1
                 return buf
         buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.device)
         if self._alone is None:
@@ -116,7 +132,7 @@ class ReceiveBuffers:
         return buf.detach()
 
 
-@dataclass
+@dataclass(slots=True)
 class P2PBatch:
     """One posted batch: the backend's Works for it and the tensors they read and write.
 
@@ -129,6 +145,7 @@ class P2PBatch:
     sends: list[tuple[Action, torch.Tensor]]
     recvs: dict[Action, torch.Tensor] = field(default_factory=dict)
     complete: bool = False
+    sends_activation: bool = False  # one of ``sends`` is a SEND_ACT (``release_sent`` may block on it)
 
     def wait(self) -> None:
         if not self.complete:
@@ -143,6 +160,17 @@ class P2PBatch:
         return self.complete
 
 
+def _gloo_backend(pstate: "ParallelState", group: Any) -> Any:
+    """gloo's backend of the pp ``group`` where batches may go out op by op: plain gloo, not
+    emulating NCCL; None otherwise (NCCL, the emulation, a fake backend, no group)."""
+    if group is None or pstate.backend != "gloo" or pstate.p2p_coalesces or not isinstance(group, dist.ProcessGroup):
+        return None
+    try:  # the backend itself: skips the ProcessGroup's dispatch (private API: the group does the same)
+        return group._get_backend(pstate.device)
+    except (AttributeError, RuntimeError):
+        return group
+
+
 class PipelineP2P:
     """This rank's sends/receives for the actions of its schedule, one ``P2PBatch`` at a time.
 
@@ -154,7 +182,7 @@ class PipelineP2P:
     """
 
     def __init__(self, pstate: "ParallelState", spec: MessageSpec, num_virtual_stages: int = 1,
-                 placement: ChunkPlacement | None = None) -> None:
+                 placement: ChunkPlacement | None = None, *, direct_gloo: bool = True) -> None:
         self.pstate = pstate
         self.spec = spec
         self.num_virtual_stages = num_virtual_stages
@@ -165,6 +193,14 @@ class PipelineP2P:
         self._peers: dict[tuple[str, int], int] = {}  # (kind, chunk) -> global rank, asked once
         self._group = pstate.group("pp")
         self.wait_time = 0.0  # seconds blocked in waits (take, blocking release_sent, wait_sends)
+        # Plain gloo: the backend that posts ops one by one (None: comm.batch_isend_irecv).
+        self._direct = _gloo_backend(pstate, self._group) if direct_gloo else None
+        self._group_ranks: dict[int, int] = {}  # global rank -> rank in the pp group, asked once
+
+    @property
+    def posts_directly(self) -> bool:
+        """Whether batches go out op by op on gloo's backend (else as ``comm.batch_isend_irecv``)."""
+        return self._direct is not None
 
     def peer(self, action: Action) -> int:
         """Global rank on the other end of a communication action."""
@@ -186,36 +222,61 @@ class PipelineP2P:
 
     def post(self, sends: Sequence[tuple[Action, torch.Tensor, int]], recvs: Sequence[tuple[Action, int]]) -> None:
         """Post ``sends`` (action, tensor, peer rank) and ``recvs`` (action, peer rank) as one batch."""
-        group, spec_shape, spec_dtype = self._group, self.spec.shape, self.spec.dtype
-        ops: list[dist.P2POp] = []
+        spec_shape, spec_dtype = self.spec.shape, self.spec.dtype
         kept: list[tuple[Action, torch.Tensor]] = []
-        nbytes = 0
-        for action, tensor, peer in sends:
+        nbytes, activation = 0, False
+        for action, tensor, _ in sends:
             if tensor.shape != spec_shape or tensor.dtype != spec_dtype:
                 raise ValueError(
                     f"rank {self.pstate.rank}: {action} sends shape {tuple(tensor.shape)} {tensor.dtype}, "
                     f"but the pipeline's messages are {spec_shape} {spec_dtype}"
                 )
+            # An alias: the engine may swap the output's data for a placeholder once posted.
             tensor = tensor.detach().contiguous()
             kept.append((action, tensor))
-            ops.append(dist.P2POp(dist.isend, tensor, peer, group=group))
             nbytes += tensor.numel() * tensor.element_size()
-        buffers = {}
-        for action, peer in recvs:
-            buf = buffers[action] = self.buffers.acquire()
-            ops.append(dist.P2POp(dist.irecv, buf, peer, group=group))
-        if not ops:
+            activation = activation or action.kind == "SEND_ACT"
+        acquire = self.buffers.acquire
+        buffers = {action: acquire() for action, _ in recvs}
+        if not kept and not buffers:
             return
         if kept:
             self.pstate.comm_stats.add("pp", "send", nbytes)
         try:
-            batch = P2PBatch(comm.batch_isend_irecv(ops, self.pstate, "pp"), kept, buffers)
+            if self._direct is not None:
+                works = self._post_direct(sends, kept, recvs, buffers)
+            else:
+                works = self._post_batched(sends, kept, recvs, buffers)
         except RuntimeError as exc:
             raise self._failed([a for a, _ in kept] + list(buffers), exc) from exc
+        batch = P2PBatch(works, kept, buffers, sends_activation=activation)
         if kept:
             self._sending.append(batch)
+        posted = self._posted
         for action in buffers:
-            self._posted[action] = batch
+            posted[action] = batch
+
+    def _post_batched(self, sends: Sequence[tuple[Action, torch.Tensor, int]], kept: list[tuple[Action, torch.Tensor]],
+                      recvs: Sequence[tuple[Action, int]], buffers: dict[Action, torch.Tensor]) -> list[Any]:
+        group = self._group
+        ops = [dist.P2POp(dist.isend, tensor, peer, group=group) for (_, tensor), (_, _, peer) in zip(kept, sends)]
+        ops += [dist.P2POp(dist.irecv, buffers[action], peer, group=group) for action, peer in recvs]
+        return comm.batch_isend_irecv(ops, self.pstate, "pp")
+
+    def _post_direct(self, sends: Sequence[tuple[Action, torch.Tensor, int]], kept: list[tuple[Action, torch.Tensor]],
+                     recvs: Sequence[tuple[Action, int]], buffers: dict[Action, torch.Tensor]) -> list[Any]:
+        """The batch's ops in the batched path's order (sends, then receives), one gloo Work each."""
+        backend, ranks = self._direct, self._group_ranks
+        works = []
+        for (_, tensor), (_, _, peer) in zip(kept, sends):
+            works.append(backend.send([tensor], ranks[peer] if peer in ranks else self._group_rank(peer), 0))
+        for action, peer in recvs:
+            works.append(backend.recv([buffers[action]], ranks[peer] if peer in ranks else self._group_rank(peer), 0))
+        return works
+
+    def _group_rank(self, peer: int) -> int:
+        rank = self._group_ranks[peer] = dist.get_group_rank(self._group, peer)
+        return rank
 
     def take(self, action: Action) -> torch.Tensor:
         """The tensor received for ``action`` (posted earlier), once its whole batch is complete."""
@@ -277,11 +338,13 @@ class PipelineP2P:
         anything; NCCL's Works report completion on their own. Dropping a batch releases
         this layer's references to its sent tensors.
         """
+        if not self._sending:
+            return []
         done: list[Action] = []
         still: list[P2PBatch] = []
-        start = time.perf_counter()
+        start = time.perf_counter() if wait_for_activations else 0.0
         for batch in self._sending:
-            if wait_for_activations and not batch.complete and any(a.kind == "SEND_ACT" for a, _ in batch.sends):
+            if wait_for_activations and batch.sends_activation and not batch.complete:
                 batch.wait()
             if batch.poll():
                 done += [a for a, _ in batch.sends]

@@ -16,7 +16,7 @@ proves deadlock-free: posting and waiting follow the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from torch import nn
@@ -48,17 +48,23 @@ class PlannedCompute:
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """Post ``sends`` and ``posts`` as one batch, each of ``ahead`` as its own, wait for ``needs``, compute."""
+    """Post ``sends`` and ``posts`` as one batch, each of ``ahead`` as its own, wait for ``needs``, compute.
+
+    ``communicates`` (any of the four non-empty) and ``received`` (each need with its key and
+    whether it is an activation) are derived once here, not per step of the hot loop."""
 
     sends: tuple[tuple[Action, Key, int], ...]  # (action, key of what it sends, peer rank)
     posts: tuple[tuple[Action, int], ...]  # receives posted in the batch, with peer ranks
     ahead: tuple[tuple[Action, int], ...]
     needs: tuple[Action, ...]
     compute: PlannedCompute | None
+    communicates: bool = field(init=False)
+    received: tuple[tuple[Action, Key, bool], ...] = field(init=False)  # (need, its key, RECV_ACT?)
 
-    @property
-    def communicates(self) -> bool:
-        return bool(self.sends or self.posts or self.ahead or self.needs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "communicates", bool(self.sends or self.posts or self.ahead or self.needs))
+        object.__setattr__(self, "received", tuple((a, (a.microbatch, a.chunk), a.kind == "RECV_ACT")
+                                                   for a in self.needs))
 
 
 def compile_plan(actions: Sequence[Action], stage: int, place: ChunkPlacement, chunks: Sequence[nn.Module],

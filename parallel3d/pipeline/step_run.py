@@ -65,6 +65,8 @@ class StepRun:
         self.weight_work: dict[Key, DeferredWeightGrads | FullBackward] = {}  # split backwards: B done, W owed
         self.losses: list[torch.Tensor] = []
         self.timeline: list[tuple[Action, float, float]] = []
+        # What a freed sent output keeps (all messages share one shape and dtype): one per step.
+        self.placeholder: torch.Tensor | None = None
         self.peak_live = self.peak_bytes = 0
         self.busy = self.comm_time = 0.0
         self.t0 = time.perf_counter()
@@ -76,29 +78,34 @@ class StepRun:
     def communicate(self, step: PlannedStep) -> None:
         """Post the step's batch (and receives ahead of need); wait for the receives it needs."""
         start = time.perf_counter()
-        outputs, grads_out = self.outputs, self.grads_out
+        outputs, grads_out, p2p = self.outputs, self.grads_out, self.p2p
         sends = [(a, outputs[key] if a.kind == "SEND_ACT" else grads_out.pop(key), peer) for a, key, peer in step.sends]
-        p2p = self.p2p
-        p2p.post(sends, step.posts)
+        if sends or step.posts:
+            p2p.post(sends, step.posts)
         for recv in step.ahead:
             p2p.post((), (recv,))
-        for a in step.needs:
-            tensor = p2p.take(a)
-            if a.kind == "RECV_ACT":
-                self.inputs[(a.microbatch, a.chunk)] = tensor.requires_grad_(True)
-            else:
-                self.grads_in[(a.microbatch, a.chunk)] = tensor
+        freeable = self.freeable_bytes
         for a, tensor, _ in sends:
-            if a.kind == "SEND_ACT" and (a.microbatch, a.chunk) in self.freeable_bytes:
-                # The p2p layer's reference keeps the storage alive until the send is done.
-                tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+            if a.kind == "SEND_ACT" and (a.microbatch, a.chunk) in freeable:
+                # The p2p layer's alias keeps the storage alive until the send is done; the output
+                # keeps only a placeholder of its shape (never read: autograd did not save it).
+                if self.placeholder is None:
+                    self.placeholder = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+                tensor.data = self.placeholder
+        take, inputs, grads_in = p2p.take, self.inputs, self.grads_in
+        for a, key, activation in step.received:
+            if activation:
+                inputs[key] = take(a).requires_grad_(True)
+            else:
+                grads_in[key] = take(a)
         end = time.perf_counter()
         self.comm_time += end - start
         start, end = start - self.t0, end - self.t0
+        timeline = self.timeline
         for a, _, _ in sends:
-            self.timeline.append((a, start, end))
+            timeline.append((a, start, end))
         for a in step.needs:
-            self.timeline.append((a, start, end))
+            timeline.append((a, start, end))
 
     def release_sent(self, block: bool) -> None:
         """Stop counting the sent outputs whose sends completed (their storage is gone now)."""

@@ -1,0 +1,265 @@
+"""``bench_pipeline.py``'s systems inside one process group: ours and torch.distributed.pipelining.
+
+Each spawned rank (``_worker``, launched by ``run_group``) builds parallel3d's GPT chunks
+(the same partition and init for every system), then times our schedules and torch's
+Schedule1F1B / ScheduleInterleaved1F1B step by step, the order rotating every step, and
+returns per system its step times (the slowest rank's, after a barrier) and, for ours,
+what the engine measured (busy, per-chunk F/B/W, executor us per action, activation
+peaks). Invariant: every system of a round sees the same batch, shapes and background load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from peer_env import free_port  # noqa: E402
+
+
+class _TorchStage(nn.Module):
+    """Adapts a parallel3d chunk to torch.distributed.pipelining (tensor in, tensor out)."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x)
+
+
+def _build_chunks(args, pstate, v: int, schedule: str = "1f1b") -> list[nn.Module]:
+    from models import build_model, get_config
+    from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+    from parallel3d.pipeline.placement import placement_for
+
+    cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
+                     vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
+    place = placement_for(schedule, pstate.size("pp"), v)
+    ranges = partition_layers(cfg, pstate.size("pp"), v)
+    total = len(ranges)
+    return [build_model(cfg, pstate, seed=0, layer_range=r, pre_process=k == 0, post_process=k == total - 1)
+            for k, r in zip(place.chunks_of(pstate.coord("pp")), stage_layer_ranges(ranges, pstate.size("pp"), pstate.coord("pp"),
+                                                                                place))]
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that tensor ops create while active and that are still alive; records
+    the peak. Observes every op from outside the engine (autograd's backward ops included); a
+    storage counts from the op that allocates it until the last tensor an op returned on it dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, int] = {}  # storage data pointer -> live tensors on it
+
+    def _gone(self, ptr: int, nbytes: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if ptr not in self._refs:
+                    self._refs[ptr] = 0
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                self._refs[ptr] += 1
+                weakref.finalize(t, self._gone, ptr, nbytes)
+        return out
+
+
+def _peak_live_bytes(fn) -> int:
+    """Peak bytes that ``fn``'s tensor ops allocated and still held (``_LiveBytes``: measured outside
+    the engine, gradients included)."""
+    with _LiveBytes() as meter:
+        fn()
+    return meter.peak
+
+
+def _batch(args, m: int) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (m * args.mbs, args.seq + 1), generator=gen)
+    inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    mbs = [{"input_ids": inputs[i * args.mbs:(i + 1) * args.mbs], "labels": labels[i * args.mbs:(i + 1) * args.mbs],
+            "sample_ids": torch.arange(i * args.mbs, (i + 1) * args.mbs)} for i in range(m)]
+    return mbs, inputs, labels
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest stage does
+    return elapsed.item()
+
+
+def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
+    """Mean seconds of one activation-sized send/recv between neighbouring stages (pp ring)."""
+    p, s = pstate.size("pp"), pstate.coord("pp")
+    nxt = pstate.topology.stage_rank(pstate.rank, (s + 1) % p)
+    prev = pstate.topology.stage_rank(pstate.rank, (s - 1) % p)
+    out, buf = torch.randn(shape), torch.empty(shape)
+    group = pstate.group("pp")
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, group=group),
+                                            dist.P2POp(dist.irecv, buf, prev, group=group)]):
+            work.wait()
+    return (time.perf_counter() - start) / reps
+
+
+def _compute_medians(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the mean measured time of our F / B / W computations (the mean, so that a
+    stage's simulated busy time equals its measured one: the bubbles then differ only by waiting)."""
+    own: dict[tuple[str, int], list[float]] = {}
+    for res in results:
+        for action, start, end in res.timeline:
+            if action.is_compute:
+                own.setdefault((action.kind, action.chunk), []).append(end - start)
+    return {k: statistics.fmean(vals) for k, vals in own.items()}
+
+
+def _group_round(args, pstate, v: int) -> dict:
+    """One round in one process group: every system alternates step by step; returns their step times."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from parallel3d.pipeline.engine import PipelineEngine
+
+    p, m, s = pstate.size("pp"), args.microbatches, pstate.coord("pp")
+    microbatches, inputs, labels = _batch(args, m)
+    vocab = args.vocab
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
+
+    systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
+    layouts = [("1f1b", 1), ("zb_h1", 1)] + ([("interleaved_1f1b", v)] if v > 1 else [])
+    layouts += [("zbv", 2)] if args.layers >= 2 * p else []
+    for schedule, vs in layouts:
+        if schedule not in args.schedules and schedule != "1f1b":
+            continue
+        chunks = _build_chunks(args, pstate, vs, schedule)
+        engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
+                                seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
+        results: list = []
+        systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (
+            (lambda e=engine, r=results: r.append(e.run_step(microbatches))), chunks, results, engine)
+    if "torch" in args.peers:
+        for vs in sorted({1, v}):
+            chunks = _build_chunks(args, pstate, vs)
+            stages = [PipelineStage(_TorchStage(c), s + k * p, p * vs, torch.device("cpu"), group=pstate.group("pp"))
+                      for k, c in enumerate(chunks)]
+            theirs = (Schedule1F1B(stages[0], m, loss_fn=loss_fn) if vs == 1
+                      else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
+            first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+
+            def run_theirs(sched=theirs, first=first, last=last) -> None:
+                sched.step(*((inputs,) if first else ()), **({"target": labels, "losses": []} if last else {}))
+
+            name = "torch.pipelining 1f1b" if vs == 1 else f"torch.pipelining interleaved_1f1b v{vs}"
+            systems[name] = (run_theirs, chunks, None, None)
+    names = list(systems)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args.warmup + args.steps):
+        order = names[i % len(names):] + names[:i % len(names)]  # rotate: background load hits all alike
+        for name in order:
+            run, chunks, _, _ = systems[name]
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            t = _timed(run)
+            if i >= args.warmup:
+                times[name].append(t)
+    out: dict = {"times": times, "ours": {}}
+    for name, (run, chunks, results, engine) in systems.items():
+        if results is None:
+            continue
+        measured = results[args.warmup:]
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        dist.barrier()
+        peak_measured = _peak_live_bytes(run) if args.memory else None
+        results.pop()  # the profiled step is not timed
+        out["ours"][name] = {
+            "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
+            "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
+            "busy_s": [r.busy_time for r in measured], "step_s": [r.step_time for r in measured],
+            "comm": statistics.median(r.comm_time / r.step_time for r in measured),
+            "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
+                                      for r in measured),
+            "compute": _compute_medians(measured),
+            # the executor's own time (neither computing nor blocked in p2p waits) per action
+            "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
+            # the same in this thread's CPU time: preemption on a busy machine and blocking waits excluded
+            "executor_cpu_us_per_action": statistics.median(1e6 * r.executor_cpu_time / r.num_actions
+                                                            for r in measured),
+            "finalize_s": statistics.median(r.finalize_time for r in measured),
+            "peak_activation_bytes": max(r.peak_activation_bytes for r in measured),
+            "peak_live_bytes_measured": peak_measured,
+        }
+    out["msg_s"] = _message_time(pstate, next(e for *_, e in systems.values() if e is not None).spec.shape,
+                                 args.p2p_reps)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+        from parallel3d.parallel_state import ParallelState
+        from parallel3d.topology import Topology
+
+        pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
+        v = args.virtual if args.virtual > 1 and args.layers >= world * args.virtual and \
+            args.microbatches % world == 0 and "interleaved_1f1b" in args.schedules else 1
+        result = _group_round(args, pstate, v)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (pstate.coord("pp"), result["ours"], result["msg_s"]))
+        rows = {"times": result["times"], "per_rank": gathered}
+        out.put((rank, "ok", rows))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, "err", traceback.format_exc()))
+
+
+def run_group(args, world: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    for _ in range(world):
+        rank, status, payload = out.get(timeout=1800)
+        if status == "err":
+            for proc in procs:
+                proc.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        got[rank] = payload
+    for proc in procs:
+        proc.join()
+    return got[0]
