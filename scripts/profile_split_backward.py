@@ -54,16 +54,18 @@ def _clock() -> tuple[float, float]:
 
 def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
     """``--variants``: one process, paired per round: the full backward against B + W with W's queue
-    first in, first out (the order before 2026-12-06) or last in, first out (now), and W's graph
-    built per W (before) or kept for the step (now). Prints (B+W)/full per variant, median and
-    quartiles over rounds of the per-round ratio of medians."""
+    first in, first out (the order before 2026-12-06) or last in, first out (now), W's graph
+    built per W (before) or kept for the step (now), and (``lifo_kept_held``) every queued layer's
+    tensors held until W's end (before) instead of freed as each layer's GEMMs ran (now). Prints
+    (B+W)/full per variant, median and quartiles over rounds of the per-round ratio of medians."""
     from parallel3d.deferred_grads import _Anchors
     from parallel3d.pipeline.backward_split import split_backward
 
     deferral = pstate.weight_grads
-    anchors = {"fifo_fresh": _Anchors(0), "lifo_fresh": _Anchors(0), "fifo_kept": _Anchors(8), "lifo_kept": _Anchors(8)}
+    anchors = {"fifo_fresh": _Anchors(0), "lifo_fresh": _Anchors(0), "fifo_kept": _Anchors(8),
+               "lifo_kept_held": _Anchors(8), "lifo_kept": _Anchors(8)}
     for name, a in anchors.items():
-        a.keep = name.endswith("kept")
+        a.keep = "kept" in name
     modes = ["full", *anchors]
     clock = time.thread_time
     ratios: dict[str, list[float]] = {m: [] for m in modes}
@@ -82,8 +84,12 @@ def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
                 _, work = split_backward(out, grad, inp, deferral, undeferred)
                 del out
                 if mode.startswith("fifo"):
-                    work._queue.reverse()  # run() reverses it again: first in, first out
+                    work._queue.reverse()  # run() takes from the end: first in, first out
+                # held: every closure (its layer's input and output gradient) kept until W ends, as
+                # before W freed each as soon as its GEMMs ran
+                held = list(work._queue) if mode.endswith("held") else None
                 work.run()
+                del held
             got[mode].append(clock() - start)
         if r >= args.warmup:
             base = statistics.median(got["full"])
