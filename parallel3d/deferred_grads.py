@@ -85,8 +85,7 @@ class DeferredWeightGrads:
     def run(self) -> None:
         """Compute every queued gradient and accumulate them through autograd (hooks fire now)."""
         queue, self._queue, self.held = self._queue, [], []
-        queue.reverse()  # last in, first out: see the module doc
-        params = [p for ps, _ in queue for p in ps]
+        params = [p for ps, _ in reversed(queue) for p in ps]  # last in, first out: see the module doc
         if any(p is not None and p.requires_grad for p in params):
             self._anchors.run(queue, params)
 
@@ -108,8 +107,13 @@ class _RunQueue(torch.autograd.Function):
     def backward(ctx, _):  # type: ignore[override]
         queue, ctx.slot[0] = ctx.slot[0], None
         grads: list[torch.Tensor | None] = []
-        for params, compute in queue:
+        while queue:
+            # Taken off the queue (the last queued first): each closure's input and output gradient
+            # are freed as soon as its GEMMs are done, so the next gradients reuse that memory (a whole
+            # queue freed at W's end left the allocator trimming its heap and faulting pages back in).
+            params, compute = queue.pop()
             got = list(compute())
+            del compute
             if len(got) != len(params):
                 raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
             grads.extend(got)

@@ -14,6 +14,9 @@ One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table
 ``--variants`` instead attributes the split's cost to W's queue order and W's graph reuse:
 
     .venv/bin/python scripts/profile_split_backward.py --hidden 128 --rounds 40 --variants
+
+``--breakdown`` times the weight-gradient GEMMs inside both and splits the excess (B against the
+full backward less its GEMMs; W outside its GEMMs).
 """
 
 from __future__ import annotations
@@ -54,16 +57,18 @@ def _clock() -> tuple[float, float]:
 
 def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
     """``--variants``: one process, paired per round: the full backward against B + W with W's queue
-    first in, first out (the order before 2026-12-06) or last in, first out (now), and W's graph
-    built per W (before) or kept for the step (now). Prints (B+W)/full per variant, median and
-    quartiles over rounds of the per-round ratio of medians."""
+    first in, first out (the order before 2026-12-06) or last in, first out (now), W's graph
+    built per W (before) or kept for the step (now), and (``lifo_kept_held``) every queued layer's
+    tensors held until W's end (before) instead of freed as each layer's GEMMs ran (now). Prints
+    (B+W)/full per variant, median and quartiles over rounds of the per-round ratio of medians."""
     from parallel3d.deferred_grads import _Anchors
     from parallel3d.pipeline.backward_split import split_backward
 
     deferral = pstate.weight_grads
-    anchors = {"fifo_fresh": _Anchors(0), "lifo_fresh": _Anchors(0), "fifo_kept": _Anchors(8), "lifo_kept": _Anchors(8)}
+    anchors = {"fifo_fresh": _Anchors(0), "lifo_fresh": _Anchors(0), "fifo_kept": _Anchors(8),
+               "lifo_kept_held": _Anchors(8), "lifo_kept": _Anchors(8)}
     for name, a in anchors.items():
-        a.keep = name.endswith("kept")
+        a.keep = "kept" in name
     modes = ["full", *anchors]
     clock = time.thread_time
     ratios: dict[str, list[float]] = {m: [] for m in modes}
@@ -82,8 +87,12 @@ def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
                 _, work = split_backward(out, grad, inp, deferral, undeferred)
                 del out
                 if mode.startswith("fifo"):
-                    work._queue.reverse()  # run() reverses it again: first in, first out
+                    work._queue.reverse()  # run() takes from the end: first in, first out
+                # held: every closure (its layer's input and output gradient) kept until W ends, as
+                # before W freed each as soon as its GEMMs ran
+                held = list(work._queue) if mode.endswith("held") else None
                 work.run()
+                del held
             got[mode].append(clock() - start)
         if r >= args.warmup:
             base = statistics.median(got["full"])
@@ -94,6 +103,63 @@ def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
     for m in modes:
         q = statistics.quantiles(ratios[m], n=4)
         print(f"  {m:11s} {statistics.median(ratios[m]):.3f}  [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
+
+
+def _breakdown(args, chunk, pstate, x, grad, undeferred) -> None:
+    """``--breakdown``: where B + W's excess over one backward sits, paired sample by sample (thread CPU
+    time): the weight-gradient GEMMs (``linear_weight_grads``, timed inside the full backward and
+    inside W), B against the full backward less its GEMMs, and W outside its GEMMs (autograd's entry
+    into W's one-node graph, the accumulation, Python)."""
+    import parallel3d.tensor_parallel.deferrable_linear as dl
+    from parallel3d.pipeline.backward_split import split_backward
+
+    clock = time.thread_time
+    in_gemms = [0.0]
+    gemms = dl.linear_weight_grads
+
+    def timed(*a):
+        t0 = clock()
+        try:
+            return gemms(*a)
+        finally:
+            in_gemms[0] += clock() - t0
+
+    full: list[tuple[float, float]] = []
+    split: list[tuple[float, float, float]] = []
+    dl.linear_weight_grads = timed
+    try:
+        with pstate.weight_grads.reusing_graphs():
+            for r in range(args.warmup + args.rounds * args.reps):
+                for mode in (("full", "split") if r % 2 else ("split", "full")):
+                    chunk.zero_grad(set_to_none=True)
+                    inp = x.detach().clone().requires_grad_(True)
+                    out = chunk(inp)
+                    in_gemms[0] = 0.0
+                    t0 = clock()
+                    if mode == "full":
+                        torch.autograd.backward(out, grad_tensors=grad)
+                        sample: tuple = (in_gemms[0], clock() - t0)
+                    else:
+                        _, work = split_backward(out, grad, inp, pstate.weight_grads, undeferred)
+                        del out
+                        t1 = clock()
+                        work.run()
+                        sample = (in_gemms[0], t1 - t0, clock() - t1)
+                    if r >= args.warmup:
+                        (full if mode == "full" else split).append(sample)
+    finally:
+        dl.linear_weight_grads = gemms
+
+    def med(rows: list, i: int) -> float:
+        return 1e6 * statistics.median(row[i] for row in rows)
+
+    f_g, f, s_g, b, w = med(full, 0), med(full, 1), med(split, 0), med(split, 1), med(split, 2)
+    print(f"hidden {args.hidden}, layers {args.layer_range} of {args.layers}; medians of {len(full)} paired samples, "
+          f"thread CPU us")
+    print(f"  full backward {f:8.0f}   its weight GEMMs {f_g:8.0f}   the rest {f - f_g:8.0f}")
+    print(f"  B             {b:8.0f}   B / (full - its GEMMs) {b / (f - f_g):.3f}")
+    print(f"  W             {w:8.0f}   its weight GEMMs {s_g:8.0f} ({s_g / f_g:.3f} of full's)   W outside them {w - s_g:8.0f}")
+    print(f"  (B + W) / full {(b + w) / f:.3f}")
 
 
 def main() -> None:
@@ -111,6 +177,8 @@ def main() -> None:
                     help="build W's graph every time (no reusing_graphs), as before the engine kept them per step")
     ap.add_argument("--variants", action="store_true",
                     help="instead: W's queue order (fifo/lifo) x W's graph (fresh/kept), paired in this process")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="instead: B + W's excess split into GEMMs, B's rest and W outside its GEMMs (paired)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table for one B + W")
     ap.add_argument("--out", default=None, help="write the samples as JSON here")
     args = ap.parse_args()
@@ -121,6 +189,9 @@ def main() -> None:
     chunk, pstate, x, grad, undeferred = _setup(args)
     if args.variants:
         _variants(args, chunk, pstate, x, grad, undeferred)
+        return
+    if args.breakdown:
+        _breakdown(args, chunk, pstate, x, grad, undeferred)
         return
 
     def forward():

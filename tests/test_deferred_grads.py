@@ -246,3 +246,45 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
             work.run()
         assert len(small._anchors._kept) == 1
     assert not small._anchors._kept
+
+
+def test_w_frees_each_layers_tensors_before_the_next_layers_gemms():
+    """W runs the queue last in, first out and lets each layer's input and output gradient go as soon
+    as its GEMMs ran (the next gradients reuse that memory), with gradients equal to a plain backward."""
+    deferral = WeightGradDeferral()
+    gen = torch.Generator().manual_seed(5)
+    ws = [set_meta(torch.nn.Parameter(torch.randn(6, 6, generator=gen)), wgrad_deferrable=True) for _ in range(3)]
+    x0 = torch.randn(4, 6, generator=gen)
+
+    def forward(x):
+        x = x.tanh()  # every layer's input an intermediate (a leaf stays alive in autograd's own records)
+        for w in ws:
+            x = deferrable_linear(x, w, None, deferral).tanh()
+        return x.sum()
+
+    forward(x0.clone().requires_grad_(True)).backward()
+    plain = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    inp = x0.clone().requires_grad_(True)
+    with deferral.collecting() as work:
+        forward(inp).backward(inputs=[inp])
+    work.held = []  # the layers' tensors are now alive only in the queue
+    alive = [[weakref.ref(t) for t in compute.__closure__ and
+              [c.cell_contents for c in compute.__closure__ if isinstance(c.cell_contents, torch.Tensor)]]
+             for _, compute in work._queue]
+    assert all(len(refs) == 2 for refs in alive)  # x and grad of each of the three layers
+    ran: list[int] = []
+    for i, (_, compute) in enumerate(work._queue):
+        def wrapped(i=i, compute=compute):
+            later = range(i + 1, len(alive))  # queued after i: run before it (LIFO), freed by now
+            assert all(r() is None for j in later for r in alive[j]), (i, ran)
+            ran.append(i)
+            return compute()
+        work._queue[i] = (work._queue[i][0], wrapped)
+    del compute, wrapped
+    work.run()
+    assert ran == [2, 1, 0]
+    assert all(r() is None for refs in alive for r in refs)
+    for w, g in zip(ws, plain):
+        assert torch.equal(w.grad, g)

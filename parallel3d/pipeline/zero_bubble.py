@@ -26,21 +26,34 @@ chunks per stage in a V (``placement``: stage ``s`` holds model chunks ``s`` and
 ``2p - 1 - s``), so the first and the last chunk, and the two chunks at the turn, share a
 stage, and with ``W`` filling the gaps its bubble approaches zero at 1F1B's peak memory
 (at most ``2p`` microbatch-chunks of half a stage each in flight: ``p`` microbatches'
-worth, 1F1B's first stage). ``zbv_order`` builds it by list scheduling on a unit-cost
-machine (F = B = W = 1, messages free), all stages at once: whenever a stage is free
+worth, 1F1B's first stage). ``zbv_order`` builds it by list scheduling on a machine with
+fixed relative costs (``ZBV_BUILD_COSTS``: F = 1, B = 1.2, W = 0.6; messages free), all stages at
+once: whenever a stage is free
 it runs, among the computations whose inputs are ready, a ``B`` before an ``F`` before a
 ``W`` (``B`` unblocks the stage upstream, nobody waits for ``W``); among ``B``s and ``W``s
 the oldest microbatch first, among ``F``s the chunk nearest the loss first (so the first
 microbatch reaches the loss early), then the oldest; an ``F`` only while the stage holds
 fewer than ``2p`` microbatch-chunks. When nothing is ready, the stage that can start
-soonest goes next. F = B = W: bubble 0.059 at p = 4, m = 8, against interleaved 1F1B's
-0.158 at v = 2.
+soonest goes next. Simulated at F = B = W: bubble 0.094 at p = 4, m = 8, against interleaved
+1F1B's 0.158 at v = 2.
+
+Why W cheaper than F and B when building: a W is only the weight-gradient GEMMs, while B carries
+the input GEMMs plus attention's and the norms' backward; measured in-process on one gpt_tiny
+layer (CPU, thread CPU time of forward, B, W), F : B : W is about 1 : 1 : 0.5 at hidden 128 and
+1 : 1 : 0.9 at hidden 256. An order built at F = B = W = 1 assumes a W fills a whole F-sized gap;
+run with cheaper Ws, its stages wait on the V's turn and the order was 1.06-1.2x interleaved
+1F1B's step in the simulator at the measured costs (and 1.15-1.21x measured). Built at 1 : 1.2 :
+0.6 it is at or below interleaved's at the measured costs, at F = B = W, and with message time
+(``tests/test_zero_bubble.py``). With few microbatches (m < 2p) the order built at F = B = W
+can still be the better one, so ``zbv_schedule`` keeps the least-regret order of the two. The
+ratios only pick the order; every rank builds the same one.
 """
 
 from __future__ import annotations
 
 from parallel3d.pipeline.actions import Action, Schedule
 from parallel3d.pipeline.placement import ChunkPlacement
+from parallel3d.pipeline.simulate import simulate
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
@@ -67,14 +80,21 @@ def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
 
 
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}
+ZBV_BUILD_COSTS = (1.0, 1.2, 0.6)  # relative F, B, W the order is built for (module doc: why)
+ZBV_COST_MODELS = (ZBV_BUILD_COSTS, (1.0, 1.0, 1.0))  # zbv_schedule keeps the least-regret order of these
 
 
-def zbv_order(p: int, m: int, *, forward_only: bool = False) -> list[tuple[int, Compute]]:
+def zbv_order(p: int, m: int, *, forward_only: bool = False,
+              costs: tuple[float, float, float] = ZBV_BUILD_COSTS) -> list[tuple[int, Compute]]:
     """ZB-V's computations (local chunks 0 and 1 of the V placement) as ``(stage, computation)`` in the
-    order the unit-cost machine starts them (by start time, then stage); see the module doc.
+    order the machine with relative ``costs`` (F, B, W) starts them (by start time, then stage); see
+    the module doc.
 
     ``forward_only``: the ``F``s alone, scheduled the same way with nothing held (evaluation).
     """
+    if len(costs) != 3 or not all(c > 0 for c in costs):
+        raise ValueError(f"zbv_order: costs={costs!r} must be three positive numbers (F, B, W)")
+    cost = dict(zip("FBW", costs))
     place = ChunkPlacement(p, 2, "v")
     last = place.total - 1
     kinds = "F" if forward_only else "FBW"
@@ -113,7 +133,7 @@ def zbv_order(p: int, m: int, *, forward_only: bool = False) -> list[tuple[int, 
             raise RuntimeError(f"zbv_orders({p}, {m}): no stage can progress (memory limit {limit})")
         start, _, s, kind, i, c = best
         k = place.model_chunk(s, c)
-        clock[s] = start + 1.0
+        clock[s] = start + cost[kind]
         done[(kind, i, k)] = clock[s]
         next_mb[(kind, k)] += 1
         in_flight[s] += {"F": 1, "W": -1}.get(kind, 0)
@@ -190,5 +210,19 @@ def _deferred_receives(schedule: Schedule) -> Schedule:
 
 
 def zbv_schedule(p: int, m: int, *, forward_only: bool = False) -> Schedule:
-    """ZB-V with its messages (``zbv_order`` lowered, receives deferred); validated by the caller."""
-    return _deferred_receives(_lowered(ChunkPlacement(p, 2, "v"), zbv_order(p, m, forward_only=forward_only)))
+    """ZB-V with its messages (``zbv_order`` lowered, receives deferred); validated by the caller.
+
+    Of the orders built at each of ``ZBV_COST_MODELS``, the one whose simulated step is furthest
+    from the best order's under its worst model is dropped (least regret; ties: the first, built
+    at ``ZBV_BUILD_COSTS``): cheaper-W costs are what we measure, but with few microbatches
+    (m < 2p) the order built at F = B = W can be the better one even there, and vice versa.
+    """
+    place = ChunkPlacement(p, 2, "v")
+    if forward_only:
+        return _deferred_receives(_lowered(place, zbv_order(p, m, forward_only=True)))
+    candidates = [_deferred_receives(_lowered(place, zbv_order(p, m, costs=c))) for c in ZBV_COST_MODELS]
+    steps = [[simulate(cand, f, b + w, wgrad_time=w).makespan for f, b, w in ZBV_COST_MODELS]
+             for cand in candidates]
+    best = [min(col) for col in zip(*steps)]
+    regret = [max(t / b for t, b in zip(row, best)) for row in steps]
+    return candidates[regret.index(min(regret))]
