@@ -13,6 +13,9 @@ would work on gloo only). With ``p2p_streams`` (``comm.EmulatedP2PStreams``, wha
 ``ParallelState(emulate_nccl=True)`` holds) a batch is posted only after this rank's
 previous batch on the group completed, NCCL's FIFO order on one stream.
 
+``all_to_all_pieces`` is an all-to-all as one such batch of point-to-point pieces, each received
+where the caller wants it (Ulysses at batch 1 receives along the sequence in place, no copy out).
+
 ``all_to_all`` is written here because ``parallel3d.comm`` has no all-to-all yet; it
 belongs there once the topology branch lands (kind ``"cp"``).
 """
