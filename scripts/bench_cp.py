@@ -10,8 +10,11 @@ rounds each launch our ranks once (every variant: ``p2p``, ``allgather``, ``a2a`
 times them) and DeepSpeed once (``peer_deepspeed_ulysses.py`` under DeepSpeed's own
 environment, created on first use by ``peer_env.deepspeed_python``), the launch order
 alternating per round so that load on a shared machine hits both. A variant's time is the
-slowest rank's median step of a round; the table gives min / median / max over rounds and
-the ratio to DeepSpeed paired within each round (median [min - max]).
+median over a round's steps of each step's slowest rank (DeepSpeed's is measured the same way,
+``peer_env.timed_steps``); the table gives min / median / max over rounds and the ratio to
+DeepSpeed paired within each round (median [min - max]). ``--variants a2a`` times only the
+listed variants: one variant per launch, like the peer's launch (otherwise our launch times the
+others first in the same processes).
 
 Before any timing counts, the first round checks the numbers: every variant's whole output
 and dq / dk / dv (gathered from the ranks) on the same seeded inputs
@@ -67,11 +70,12 @@ from peer_env import (deepspeed_python, free_port, run_peer, run_ranks,  # noqa:
 TENSORS = ("out", "dq", "dk", "dv")
 
 
-def variant_labels(cp: int) -> list[str]:
-    return ["p2p", "allgather", "a2a"] + [f"a2a+p2p/{a}" for a in range(1, cp + 1) if cp % a == 0]
+def variant_labels(cp: int, only: list[str] | None = None) -> list[str]:
+    labels = ["p2p", "allgather", "a2a"] + [f"a2a+p2p/{a}" for a in range(1, cp + 1) if cp % a == 0]
+    return [lb for lb in labels if not only or lb in only]
 
 
-def _variants(rank: int, world: int) -> tuple:
+def _variants(rank: int, world: int, only: list[str] | None = None) -> tuple:
     """The cp group over all ranks and ``{label: context_parallel_attention kwargs}`` (every rank
     creates every sub-group, in the same order)."""
     import torch.distributed as dist
@@ -82,7 +86,7 @@ def _variants(rank: int, world: int) -> tuple:
     cp = CPGroup(dist.new_group(ranks), ranks, rank)
     variants: dict[str, dict] = {"p2p": {"cp_comm": "p2p"}, "allgather": {"cp_comm": "allgather"},
                                  "a2a": {"cp_comm": "a2a"}}
-    for label in variant_labels(world)[3:]:
+    for label in [lb for lb in variant_labels(world) if lb.startswith("a2a+p2p/")]:
         a = int(label.split("/")[1])
         mine = {}
         for kind, lists in zip(("cp_a2a", "cp_ring"), hierarchical_rank_lists(ranks, a)):
@@ -91,7 +95,7 @@ def _variants(rank: int, world: int) -> tuple:
                 if rank in members:
                     mine[kind] = CPGroup(pg, members, rank, kind=kind, stats=cp.stats)
         variants[label] = {"cp_comm": "a2a+p2p", "a2a_group": mine["cp_a2a"], "ring_group": mine["cp_ring"]}
-    return cp, variants
+    return cp, {lb: kw for lb, kw in variants.items() if lb in variant_labels(world, only)}
 
 
 def _worker(rank: int, world: int, args, gate) -> dict:
@@ -105,7 +109,7 @@ def _worker(rank: int, world: int, args, gate) -> dict:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    cp, variants = _variants(rank, world)
+    cp, variants = _variants(rank, world, args.variants)
     shape = dict(batch=args.batch, seq_len=args.seq, q_heads=args.q_heads, kv_heads=args.kv_heads,
                  head_dim=args.head_dim, backend=args.backend, steps=args.steps, warmup=args.warmup)
     if args.overlap_only:
@@ -132,7 +136,8 @@ def _worker(rank: int, world: int, args, gate) -> dict:
         gate.measure(lambda: step(kwargs))
     result["cpu_ms"] = {}
     result["median_ms"] = bench_variants(cp, variants=variants, cpu_ms=result["cpu_ms"], **shape)
-    result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 else None
+    ring_timed = not args.variants or "p2p" in args.variants  # the overlap reading is the p2p variant's
+    result["overlap"] = bench_ring_overlap(cp, **shape) if world > 1 and ring_timed else None
     return result
 
 
@@ -165,7 +170,7 @@ def _spread(values: list[float]) -> dict:
 
 def bench_cp_size(args, cp: int, ds_py: str | None, reference: dict) -> dict:
     """All rounds at one cp size: per-round times, memory, overlap, and the numerical checks."""
-    labels = [] if args.overlap_only else variant_labels(cp)
+    labels = [] if args.overlap_only else variant_labels(cp, args.variants)
     skip = deepspeed_skip_reason(args, cp) if ds_py and not args.overlap_only else "DeepSpeed not run"
     ours: dict[str, list[float]] = {lb: [] for lb in labels}
     memory: dict[str, list[dict]] = {lb: [] for lb in labels + ["deepspeed"]}
@@ -320,6 +325,8 @@ def main() -> None:
                     help="only the ring overlap (no variant timings, memory, DeepSpeed or numerical check): long shapes")
     ap.add_argument("--pin", action="store_true",
                     help="pin rank r (and its gloo threads) to core r mod cores: a control for the OS's placement")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="time only these variants (p2p, allgather, a2a, a2a+p2p/<a>); default every one")
     ap.add_argument("--out", default="bench_results/cp.json")
     args = ap.parse_args()
     if args.quick:

@@ -11,6 +11,8 @@ masks hide are skipped, never computed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -113,10 +115,17 @@ class _HoldingGroup(CPGroup):
     def __init__(self, group: CPGroup) -> None:
         super().__init__(group.group, group.ranks, group.rank, kind=group.kind, stats=group.stats)
         self.held: list[tuple[str, torch.Tensor]] = []
+        self.pieces: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def all_to_all(self, output, inp):
         super().all_to_all(output, inp)
         self.held += [("all_to_all output", output), ("all_to_all input", inp)]
+
+    def all_to_all_pieces(self, sends, recvs):
+        super().all_to_all_pieces(sends, recvs)
+        # Point-to-point pieces: one side is the caller's (the gather sends from the attention's
+        # output, the scatter receives into its result); the op's own side must be freed.
+        self.pieces.append(([t for _, t in sends], [t for _, t in recvs]))
 
     def all_gather(self, output, shard, async_op=False):
         self.held += [("all_gather output", output), ("all_gather input", shard)]
@@ -138,8 +147,11 @@ def _buffers_held_by_the_backend(rank, world, case):
             holders = [groups.cp] + ([kwargs["a2a_group"]] if "a2a_group" in kwargs else [])
             for h in holders:
                 h.held.clear()
+                h.pieces.clear()
             errors = run_case(rank, groups, case, kwargs, torch.float32, "auto")["errors"]
             held = [(what, t.untyped_storage().nbytes()) for h in holders for what, t in h.held]
+            held += [("all_to_all_pieces, the op's side", min(sum(t.untyped_storage().nbytes() for t in side)
+                                                               for side in call)) for h in holders for call in h.pieces]
             out[label] = (max(errors.values()), held)
     return out
 
@@ -148,9 +160,10 @@ def test_collective_buffers_are_freed_when_the_op_is_done() -> None:
     """Send/receive buffers of the a2a and all-gather variants are freed by the attention itself once
     used, not when the backend drops its references (gloo: when its worker next runs, so a rank's
     peak memory varied run to run): a group standing in for a backend that holds every buffer sees
-    them all emptied, forward and backward, and the results still equal the float64 reference."""
+    them all emptied, forward and backward, and the results still equal the float64 reference.
+    Batch 1 runs the all-to-alls as point-to-point pieces, batch 2 as collectives: both are checked."""
     case = generate_cases(4, 1, seed=11)[0]
-    for per_label in run_on_ranks(_buffers_held_by_the_backend, 4, case):
+    for per_label in [r for b in (1, 2) for r in run_on_ranks(_buffers_held_by_the_backend, 4, replace(case, batch=b))]:
         assert set(per_label) == {"a2a", "allgather", "a2a+p2p/2"}, per_label
         for label, (error, held) in per_label.items():
             assert error < TOL, (label, error)

@@ -2,10 +2,13 @@
 
 The cost model the benchmark against DeepSpeed's Ulysses rests on: per attention call, forward
 and backward each run exactly two all-to-alls over the cp group (q/k/v packed together, then
-the output / its gradient), and every one carries exactly this rank's share of the tensors it
-moves (q, the kv heads after any GQA replication, the output). A change that sends q, k and v
-separately, or pads, repeats or re-sends anything, changes the counts. The same run must still
-equal torch's float64 attention on the whole sequence (load-balanced split, GQA replication).
+the output / its gradient), and every one sends the other members exactly their part of this
+rank's share of the tensors it moves (q, the kv heads after any GQA replication, the output):
+``(n - 1) / n`` of it. Batch 1 runs the all-to-all as point-to-point pieces received in place
+(``CPGroup.all_to_all_pieces``), larger batches as one collective (``CPGroup.all_to_all``); both
+are counted. A change that sends q, k and v separately, or pads, repeats or re-sends anything,
+changes the counts. The same run must still equal torch's float64 attention on the whole
+sequence (load-balanced split, GQA replication).
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ from tests.harness import run_on_ranks
 
 
 class _CountingGroup(CPGroup):
-    """A cp group that records the element count of every all-to-all it runs."""
+    """A cp group that records, per all-to-all it runs, the elements that leave this rank."""
 
     def __init__(self, group: CPGroup) -> None:
         super().__init__(group.group, group.ranks, group.rank, kind=group.kind, stats=group.stats)
         self.sent: list[int] = []
 
     def all_to_all(self, output, inp):
-        self.sent.append(inp.numel())
+        self.sent.append(inp.numel() * (self.size - 1) // self.size)  # block j goes to member j
         super().all_to_all(output, inp)
+
+    def all_to_all_pieces(self, sends, recvs):
+        assert all(m != self.index for m, _ in list(sends) + list(recvs)), "a piece to or from this rank itself"
+        self.sent.append(sum(t.numel() for _, t in sends))
+        super().all_to_all_pieces(sends, recvs)
 
 
 def _run(rank, world, b, s, hq, hk, d):
@@ -49,10 +57,11 @@ def _run(rank, world, b, s, hq, hk, d):
     return forward, backward, max(errors)
 
 
+@pytest.mark.parametrize("b", [1, 2], ids=["pieces", "collective"])
 @pytest.mark.parametrize("world,hq,hk,repeats", [(2, 4, 2, 1), (4, 4, 2, 2)], ids=["cp2-split-kv", "cp4-replicated-kv"])
-def test_a2a_runs_one_all_to_all_for_qkv_and_one_for_the_output_each_way(world, hq, hk, repeats) -> None:
-    b, s, d = 2, 16, 4
-    local = b * (s // world) * d  # elements of one head of this rank's sequence share
+def test_a2a_runs_one_all_to_all_for_qkv_and_one_for_the_output_each_way(world, hq, hk, repeats, b) -> None:
+    s, d = 16, 4
+    local = b * (s // world) * d * (world - 1) // world  # elements of one head of the share, sent to others
     qkv, o = local * (hq + 2 * hk * repeats), local * hq
     for forward, backward, error in run_on_ranks(_run, world, b, s, hq, hk, d):
         assert forward == [qkv, o], forward

@@ -18,8 +18,8 @@
   ``cores_busy_*`` (CPU of every rank / (wall x cores)) whether a rank's blocked time left
   a core idle at all (on an oversubscribed machine another rank runs meanwhile).
 
-Times are the slowest rank's (max over the group) median of ``steps`` repetitions after
-``warmup``, each repetition started together (a barrier). The caller owns process groups
+Times are the median over ``steps`` repetitions (after ``warmup``) of each repetition's slowest
+rank, each repetition started together (a barrier): the DeepSpeed peer's statistic. The caller owns process groups
 and prints or stores the dicts (``scripts/bench_cp.py``).
 """
 
@@ -52,9 +52,12 @@ def _cpu_seconds() -> float:
 
 def _slowest_median_ms(fn: Callable[[], None], group: CPGroup, steps: int, warmup: int,
                        cpu_ms: list[float] | None = None) -> float:
-    """The slowest rank's median wall ms; ``cpu_ms`` gets the median CPU ms per step averaged over the
-    ranks (time a rank spends descheduled or blocked in a collective is not CPU time, so on a shared
-    machine it moves far less than wall time with other jobs)."""
+    """The median over steps of each step's slowest rank (wall ms); ``cpu_ms`` gets the median over steps
+    of each step's CPU ms averaged over the ranks (time a rank spends descheduled or blocked in a
+    collective is not CPU time, so on a shared machine it moves far less than wall time with other jobs).
+    The same statistic as the DeepSpeed peer's (``scripts/peer_env.timed_steps``), so their ratio compares
+    like with like: a median of per-rank medians would be lower than this whenever the ranks' slow steps
+    differ."""
     times, cpu = [], []
     for i in range(warmup + steps):
         if group.size > 1:
@@ -62,17 +65,16 @@ def _slowest_median_ms(fn: Callable[[], None], group: CPGroup, steps: int, warmu
         cpu0 = _cpu_seconds()
         start = time.perf_counter()
         fn()
+        step = torch.tensor([time.perf_counter() - start, _cpu_seconds() - cpu0], dtype=torch.float64)
+        if group.size > 1:  # outside the timed region
+            dist.all_reduce(step[:1], op=dist.ReduceOp.MAX, group=group.group)
+            dist.all_reduce(step[1:], op=dist.ReduceOp.SUM, group=group.group)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-            cpu.append(_cpu_seconds() - cpu0)
-    both = torch.tensor([statistics.median(times) * 1e3, statistics.median(cpu) * 1e3 / group.size],
-                        dtype=torch.float64)
-    if group.size > 1:
-        dist.all_reduce(both[:1], op=dist.ReduceOp.MAX, group=group.group)
-        dist.all_reduce(both[1:], op=dist.ReduceOp.SUM, group=group.group)
+            times.append(float(step[0]) * 1e3)
+            cpu.append(float(step[1]) * 1e3 / group.size)
     if cpu_ms is not None:
-        cpu_ms.append(float(both[1]))
-    return float(both[0])
+        cpu_ms.append(statistics.median(cpu))
+    return statistics.median(times)
 
 
 def _share(cp_group: CPGroup, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,

@@ -13,6 +13,9 @@ would work on gloo only). With ``p2p_streams`` (``comm.EmulatedP2PStreams``, wha
 ``ParallelState(emulate_nccl=True)`` holds) a batch is posted only after this rank's
 previous batch on the group completed, NCCL's FIFO order on one stream.
 
+``all_to_all_pieces`` is an all-to-all as one such batch of point-to-point pieces, each received
+where the caller wants it (Ulysses at batch 1 receives along the sequence in place, no copy out).
+
 ``all_to_all`` is written here because ``parallel3d.comm`` has no all-to-all yet; it
 belongs there once the topology branch lands (kind ``"cp"``).
 """
@@ -117,13 +120,32 @@ class CPGroup:
         ops = [dist.P2POp(dist.isend, t, self.next_rank, group=self.group) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.prev_rank, group=self.group) for t in recvs]
         self.stats.add(self.kind, "send", _nbytes(sends))
-        with self._named("ring_exchange"):
+        return self._post(ops, "ring_exchange")
+
+    def _post(self, ops: list, op: str) -> CoalescedWork:
+        with self._named(op):
             if self.p2p_streams is not None:
                 self.p2p_streams.before_post(self.kind)
             work = CoalescedWork(dist.batch_isend_irecv(ops))
             if self.p2p_streams is not None:
                 self.p2p_streams.posted(self.kind, work)
         return work
+
+    def all_to_all_pieces(self, sends: Sequence[tuple[int, torch.Tensor]],
+                          recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """An all-to-all as one batch of point-to-point pieces, so that each piece lands in a buffer of
+        the caller's choosing (e.g. in place along the sequence): ``(member index, contiguous tensor)``
+        pairs, every other member's sends matched by this one's recvs from it in the same order.
+        Nothing goes to this rank itself (the caller copies its own pieces). Counted as ``all_to_all``
+        (what leaves the rank: N(n-1)/n of the local input, comm's convention); returns when done."""
+        if self.size == 1:
+            raise ValueError(f"rank {self.rank}: all_to_all_pieces on a {self.kind} group of one rank")
+        ops = [dist.P2POp(dist.isend, t, self.ranks[m], group=self.group) for m, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.ranks[m], group=self.group) for m, t in recvs]
+        self.stats.add(self.kind, "all_to_all", _nbytes([t for _, t in sends]))
+        work = self._post(ops, "all_to_all")
+        with self._named("all_to_all"):
+            work.wait()
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Every member's ``shard`` concatenated along dim 0 (group order) into ``output``."""

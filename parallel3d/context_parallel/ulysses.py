@@ -7,11 +7,19 @@ Member ``j`` gets heads ``[j H / n, (j + 1) H / n)``. After attention the invers
 all-to-all restores the sequence shard (``HeadsToSeq``; each direction's backward is the other).
 
 Cost: q, k and v travel in ONE all-to-all (their heads packed side by side in the send
-buffer), and each direction copies every element exactly twice, once into the send buffer
-and once out of the receive buffer. The reorder by position that the hierarchical variant
-needs (``order``) is folded into those copies, forward and backward, so it adds none. Both
-buffers are freed as soon as they are used (``group_comm.release``), whatever the backend
-still references, so the step's peak memory does not depend on thread timing.
+buffer). With batch 1 (long-context training's micro-batch) every sequence piece is a
+contiguous block on both sides, so the all-to-all runs as point-to-point pieces
+(``CPGroup.all_to_all_pieces``) and each direction copies every element ONCE: towards heads,
+q/k/v are packed into the send buffer and the pieces land straight in their places along
+the sequence of the attention input (which is that receive buffer, viewed); back towards the
+sequence, the pieces go out straight from the attention output (or gradient) and are copied
+once from the receive buffers into the result. This member's own pieces skip the buffers.
+The reorder by position (``order``: the load-balanced chunks, and the hierarchical variant's
+runs) is where each piece is received or sent from, so it costs nothing. Larger batches use
+one collective all-to-all and two copies per direction (into the send buffer, out of the
+receive buffer, with the reorder folded into them). Buffers the op allocates for the exchange
+alone are freed as soon as they are used (``group_comm.release``), whatever the backend still
+references, so the step's peak memory does not depend on thread timing.
 
 Grouped-query attention: query head ``i`` reads kv head ``i // (hq / hk)``, so member
 ``j``'s query heads read kv heads ``[j hk / n, (j + 1) hk / n)`` when ``n`` divides
@@ -105,6 +113,66 @@ def _unpack_seq(recv: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]
     return out
 
 
+def _slots(order: Sequence[int]) -> list[int]:
+    """``slot[piece]``: where piece ``piece`` (member ``m``'s ``p``-th: ``m * pieces + p``) sits in ``order``."""
+    slot = [0] * len(order)
+    for i, piece in enumerate(order):
+        slot[piece] = i
+    return slot
+
+
+def _scatter_in_place(xs: Sequence[torch.Tensor], group: CPGroup, order: Sequence[int]) -> torch.Tensor:
+    """Batch-1 ``[1, s, H_i, d]`` sequence shares -> ``[1, n s, sum H_i / n, d]`` laid out as ``order``, with
+    every piece received straight into its place (``all_to_all_pieces``): the one copy is the packing
+    of what goes to the other members (this member's own pieces are copied into place directly)."""
+    n, me = group.size, group.index
+    _, s, _, d = xs[0].shape
+    pieces = len(order) // n
+    c = s // pieces
+    widths = [x.shape[2] // n for x in xs]
+    width, slot, others = sum(widths), _slots(order), [m for m in range(n) if m != me]
+    heads = torch.empty((len(order), c, width, d), dtype=xs[0].dtype, device=xs[0].device)
+    send = torch.empty((n - 1, pieces, c, width, d), dtype=xs[0].dtype, device=xs[0].device)
+    at = 0
+    for x, w in zip(xs, widths):
+        split = x[0].unflatten(0, (pieces, c)).unflatten(2, (n, w))  # a view, whatever x's strides
+        for i, m in enumerate(others):
+            send[i, :, :, at:at + w].copy_(split[:, :, m])
+        for p in range(pieces):
+            heads[slot[me * pieces + p], :, at:at + w].copy_(split[p, :, me])
+        at += w
+    group.all_to_all_pieces([(m, send[i, p]) for i, m in enumerate(others) for p in range(pieces)],
+                            [(m, heads[slot[m * pieces + p]]) for m in others for p in range(pieces)])
+    release(send)
+    return heads.view(1, len(order) * c, width, d)
+
+
+def _gather_in_place(ys: Sequence[torch.Tensor], group: CPGroup, order: Sequence[int]) -> list[torch.Tensor]:
+    """The inverse of ``_scatter_in_place`` per tensor: ``[1, n s, W_i, d]`` laid out as ``order`` ->
+    ``[1, s, n W_i, d]``. Pieces go out straight from ``ys`` (a copy only where a piece is not
+    contiguous); the one copy is from the receive buffers (and this member's pieces) into the result."""
+    n, me = group.size, group.index
+    _, s_all, _, d = ys[0].shape
+    pieces = len(order) // n
+    c = s_all // len(order)
+    slot, others = _slots(order), [m for m in range(n) if m != me]
+    recvs = [torch.empty((n - 1, pieces, c, y.shape[2], d), dtype=y.dtype, device=y.device) for y in ys]
+    sends = [(m, y[0, slot[m * pieces + p] * c:(slot[m * pieces + p] + 1) * c].contiguous())
+             for m in others for p in range(pieces) for y in ys]
+    group.all_to_all_pieces(sends, [(m, r[i, p]) for i, m in enumerate(others) for p in range(pieces) for r in recvs])
+    outs = []
+    for y, recv in zip(ys, recvs):
+        w = y.shape[2]
+        out = torch.empty((pieces, c, n, w, d), dtype=y.dtype, device=y.device)
+        for i, m in enumerate(others):
+            out[:, :, m].copy_(recv[i])
+        for p in range(pieces):
+            out[p, :, me].copy_(y[0, slot[me * pieces + p] * c:(slot[me * pieces + p] + 1) * c])
+        release(recv)
+        outs.append(out.view(1, pieces * c, n * w, d))
+    return outs
+
+
 def _exchange(send: torch.Tensor, group: CPGroup) -> torch.Tensor:
     """``send``'s all-to-all into a new receive buffer; ``send`` is freed (``group_comm.release``)."""
     recv = torch.empty_like(send)
@@ -134,12 +202,17 @@ class SeqToHeads(torch.autograd.Function):
     def forward(ctx, group: CPGroup, order: list[int], *xs):
         n = group.size
         ctx.group, ctx.order, ctx.widths = group, order, [x.shape[2] // n for x in xs]
-        recv = _exchange(_pack_seq(xs, n), group)
-        (heads,) = _copied_out(recv, [_unpack_heads(recv, order)])
+        if xs[0].shape[0] == 1:
+            heads = _scatter_in_place(xs, group, order)
+        else:
+            recv = _exchange(_pack_seq(xs, n), group)
+            (heads,) = _copied_out(recv, [_unpack_heads(recv, order)])
         return tuple(heads.split(ctx.widths, dim=2))
 
     @staticmethod
     def backward(ctx, *grads):
+        if grads[0].shape[0] == 1:
+            return (None, None, *_gather_in_place(grads, ctx.group, ctx.order))
         recv = _exchange(_pack_heads(grads, ctx.group.size, ctx.order), ctx.group)
         return (None, None, *_copied_out(recv, _unpack_seq(recv, ctx.widths)))
 
@@ -150,12 +223,16 @@ class HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, group: CPGroup, order: list[int]):
         ctx.group, ctx.order = group, order
+        if y.shape[0] == 1:
+            return _gather_in_place([y], group, order)[0]
         recv = _exchange(_pack_heads([y], group.size, order), group)
         (out,) = _copied_out(recv, _unpack_seq(recv, [y.shape[2]]))
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        if grad.shape[0] == 1:
+            return _scatter_in_place([grad], ctx.group, ctx.order), None, None
         recv = _exchange(_pack_seq([grad], ctx.group.size), ctx.group)
         (out,) = _copied_out(recv, [_unpack_heads(recv, ctx.order)])
         return out, None, None
