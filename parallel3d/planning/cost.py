@@ -359,7 +359,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             br = bg = 0.0
             if options.grad_bucket is not None and zero != 3:
                 low, per_rank = options.grad_bucket  # a parameter is never split over two buckets
-                bucket = max(low, per_rank * comm.group_size(kind), emb_params if (stage, kind) == (0, "dp_cp") else 0.0)
+                emb = emb_params if (stage, kind) == (0, "dp_cp") else 0.0
+                bucket = max(low, per_rank * comm.group_size(kind), emb)
                 br, bg = _dp_times(comm, min(params, bucket), kind, zero, grad_bytes, pb.weight)
             if zero == 3:
                 r, g = _zero3_exposed(layout, r, g, pipe.busy[stage], stage_layers[stage])
