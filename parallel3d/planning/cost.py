@@ -23,7 +23,8 @@ with those per-chunk times (embedding on the first chunk, head and loss on the
 last) and one P2P message per boundary. After a stage's last backward come its
 data-parallel gradient reduction and parameter all-gather (dense parameters over dp x cp,
 the rank's routed experts over the expert data-parallel group), minus what overlaps
-with that backward, and the Adam update (memory-bound). ZeRO-3 has no all-gather
+with that backward (never the last gradient bucket nor the first parameter bucket:
+``CostOptions.grad_bucket``), and the Adam update (memory-bound). ZeRO-3 has no all-gather
 after the step; it gathers the stage's parameters before every forward and
 backward of every microbatch (``microbatch`` mode) or once per step (``step``),
 prefetched behind compute, so only the DP traffic (its per-microbatch reduce-scatters
@@ -81,13 +82,19 @@ class CostOptions:
     # and Megatron do) or "alternate_matmuls" (torchtitan's per-op policy: every second matmul of a
     # layer, the flash attention's output kept; ``gemm.alternate_matmul_seconds``).
     selective_recompute: str = "attention"
+    # Gradient buckets of the overlapped DP reduction, as (fewest parameters, parameters per DP rank):
+    # a bucket's reduce-scatter starts once all its gradients exist, so the last bucket (the first
+    # layers, the embedding on stage 0) runs after the backward, and the parameter all-gather of the
+    # first bucket before the forward, whatever else overlaps. None: no bucket floor.
+    grad_bucket: tuple[float, float] | None = None
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
         """Megatron-Core (2024) recipes: fused attention, distributed optimizer with the gradient
         reduce-scatter overlapped with the last backward and the parameter all-gather with the first
         forward (overlap_grad_reduce / overlap_param_gather), bf16 gradient reduction."""
-        return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2)
+        return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
+                   grad_bucket=(40e6, 1e6))  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
@@ -322,13 +329,15 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     placement = placement_for(layout.schedule, p, p * v)
     first, last = placement.stage_and_chunk(0), placement.stage_and_chunk(p * v - 1)
 
+    def ends(stage: int, chunk: int, emb: float, head: float) -> float:
+        # One chunk can be both ends (pp = 1 and v = 1): it runs the embedding *and* the head and loss.
+        return (emb if (stage, chunk) == first else 0.0) + (head if (stage, chunk) == last else 0.0)
+
     def fwd(stage: int, chunk: int) -> float:
-        extra = emb_f if (stage, chunk) == first else head_f if (stage, chunk) == last else 0.0
-        return chunk_layers[stage][chunk] * lt.fwd + extra
+        return chunk_layers[stage][chunk] * lt.fwd + ends(stage, chunk, emb_f, head_f)
 
     def bwd(stage: int, chunk: int) -> float:
-        extra = emb_b if (stage, chunk) == first else head_b if (stage, chunk) == last else 0.0
-        return chunk_layers[stage][chunk] * lt.bwd + extra
+        return chunk_layers[stage][chunk] * lt.bwd + ends(stage, chunk, emb_b, head_b)
 
     e = 4 if layout.precision == "fp32" else 2
     msg = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
@@ -342,10 +351,17 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     pb = PrecisionBytes.for_precision(layout.precision)
     grad_bytes = options.dp_grad_bytes or pb.grad
     finish, dp_worst, opt_worst, crit = 0.0, 0.0, 0.0, 0
+    emb_params = padded_vocab_size(config.vocab_size, layout.tp) // layout.tp * config.hidden_size
     for stage in range(p):
-        reduce_t = gather_t = hideable_r = hideable_g = opt_t = 0.0
+        reduce_t = gather_t = hideable_r = hideable_g = opt_t = last_r = first_g = 0.0
         for params, kind, zero in stage_grad_groups(config, layout, stage, stage_layers[stage]):
             r, g = _dp_times(comm, params, kind, zero, grad_bytes, pb.weight)
+            br = bg = 0.0
+            if options.grad_bucket is not None and zero != 3:
+                low, per_rank = options.grad_bucket  # a parameter is never split over two buckets
+                emb = emb_params if (stage, kind) == (0, "dp_cp") else 0.0
+                bucket = max(low, per_rank * comm.group_size(kind), emb)
+                br, bg = _dp_times(comm, min(params, bucket), kind, zero, grad_bytes, pb.weight)
             if zero == 3:
                 r, g = _zero3_exposed(layout, r, g, pipe.busy[stage], stage_layers[stage])
                 reduce_t, gather_t = reduce_t + r, gather_t + g
@@ -354,12 +370,13 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                 reduce_t, hideable_r = reduce_t + (0.0 if overlapped else r), hideable_r + (r if overlapped else 0.0)
                 gathered = options.overlap_param_gather and zero in (1, 2)
                 gather_t, hideable_g = gather_t + (0.0 if gathered else g), hideable_g + (g if gathered else 0.0)
+                last_r, first_g = last_r + (br if overlapped else 0.0), first_g + (bg if gathered else 0.0)
             shard = params / comm.group_size(kind) if zero >= 1 else params
             opt_t += _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
         # The dense and expert reductions share the NICs, so they add; the overlapped ones hide behind
         # the last microbatch's backward, the parameter all-gathers behind the next step's first forward.
-        reduce_t += max(0.0, hideable_r - bwd(stage, 0))
-        gather_t += max(0.0, hideable_g - fwd(stage, 0))
+        reduce_t += max(last_r, hideable_r - bwd(stage, 0))
+        gather_t += max(first_g, hideable_g - fwd(stage, 0))
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
         if end >= finish:
             finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t

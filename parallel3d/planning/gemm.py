@@ -31,6 +31,7 @@ so MFU accounting is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 from models.config import ModelConfig
 from models.shape import LayerShape, ParamShape
@@ -75,9 +76,11 @@ def _expert_local(t: ParamShape, hidden: int, etp: int) -> tuple[int, int]:
     return (out // etp, inp) if inp == hidden else (out, inp // etp)
 
 
-def _layer_gemms(layer: LayerShape, hidden: int, tp: int, etp: int, ep: int,
-                 tokens: float) -> list[tuple[float, float, float, float]]:
-    """(FLOPs per token over the tp group, m, n, k) of each distinct matmul of ``layer`` on one rank.
+def _layer_gemms(layer: LayerShape, hidden: int, tp: int, etp: int, ep: int, tokens: float,
+                 split_qkv: bool = False) -> list[tuple[float, float, float, float]]:
+    """(FLOPs per token over the tp group, m, n, k) of each distinct matmul of ``layer`` on one rank,
+    in forward order; ``split_qkv``: a fused q/k/v projection as the three matmuls separate wq, wk, wv
+    run (its FLOPs and output dim split in proportion to q, k and v's widths).
 
     Every routed expert of a layer has the same shape, so expert 0 stands for all of them."""
     out = []
@@ -92,25 +95,41 @@ def _layer_gemms(layer: LayerShape, hidden: int, tp: int, etp: int, ep: int,
         else:
             n, k = t.local_shape(tp) if len(t.shape) == 2 else (t.shape[0], 1)
             rows = tokens
-        out.append((share, rows, n, k))
+        if split_qkv and t.name.endswith("qkv.weight"):
+            a = layer.block.attention
+            q, kv = a.num_heads * a.score_dim, a.num_kv_heads * a.score_dim
+            out += [(share * w / (q + 2 * kv), rows, n * w / (q + 2 * kv), k) for w in (q, kv, kv)]
+        else:
+            out.append((share, rows, n, k))
     return out
+
+
+def _layers_matmuls(config: ModelConfig, *, tp: int, cp: int, ep: int, etp: int | None, micro_batch_size: int,
+                    seq_len: int, split_qkv: bool = False
+                    ) -> Iterator[tuple[object, float, list[tuple[float, float, float, float]]]]:
+    """(block, tokens on this rank, ``_layer_gemms``) of every layer of the model, in order: the one
+    walk over a layer's matmuls that ``matmul_seconds`` and ``alternate_matmul_seconds`` share. Layers
+    built from one BlockSpec have the same GEMMs, so each block's list is built once."""
+    tokens = micro_batch_size * seq_len / cp
+    etp = tp if etp is None else etp
+    by_block: dict[object, list[tuple[float, float, float, float]]] = {}
+    for layer in config.shape.layers:
+        if layer.block not in by_block:
+            by_block[layer.block] = _layer_gemms(layer, config.hidden_size, tp, etp, ep, tokens, split_qkv)
+        yield layer.block, tokens, by_block[layer.block]
 
 
 def matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, ep: int = 1,
                    etp: int | None = None, micro_batch_size: int, seq_len: int) -> float:
     """Forward time of the weight matmuls of one microbatch on one rank, mean over the layers."""
-    shape = config.shape
-    tokens = micro_batch_size * seq_len / cp
-    etp = tp if etp is None else etp
-    by_block: dict[object, float] = {}  # layers built from one BlockSpec have the same GEMMs
-    total = 0.0
-    for layer in shape.layers:
-        key = layer.block
-        if key not in by_block:
-            by_block[key] = sum(curve.seconds(share * tokens / tp, m, n, k)
-                                for share, m, n, k in _layer_gemms(layer, config.hidden_size, tp, etp, ep, tokens))
-        total += by_block[key]
-    return total / len(shape.layers)
+    by_block: dict[object, float] = {}
+    total, layers = 0.0, 0
+    for block, tokens, gemms in _layers_matmuls(config, tp=tp, cp=cp, ep=ep, etp=etp,
+                                                micro_batch_size=micro_batch_size, seq_len=seq_len):
+        if block not in by_block:
+            by_block[block] = sum(curve.seconds(share * tokens / tp, m, n, k) for share, m, n, k in gemms)
+        total, layers = total + by_block[block], layers + 1
+    return total / layers
 
 
 def alternate_matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, ep: int = 1,
@@ -119,23 +138,12 @@ def alternate_matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, 
     mean over the layers, the attention's q, k and v projections counted as three matmuls as
     separate wq, wk, wv run them: what per-op selective checkpointing that saves every compute op's
     output except every second matmul (torchtitan's ``selective_ac_option: op``) recomputes."""
-    shape = config.shape
-    tokens = micro_batch_size * seq_len / cp
-    etp = tp if etp is None else etp
-    total = 0.0
-    for layer in shape.layers:
-        mms: list[tuple[float, float, float, float]] = []
-        gemms = _layer_gemms(layer, config.hidden_size, tp, etp, ep, tokens)
-        names = [t.name for t in layer.tensors if t.matmul and (t.expert is None or t.expert == 0)]
-        for name, (share, m, n, k) in zip(names, gemms):
-            if name.endswith("qkv.weight"):
-                a = layer.block.attention
-                q, kv = a.num_heads * a.score_dim, a.num_kv_heads * a.score_dim
-                mms += [(share * w / (q + 2 * kv), m, n * w / (q + 2 * kv), k) for w in (q, kv, kv)]
-            else:
-                mms.append((share, m, n, k))
-        total += sum(curve.seconds(share * tokens / tp, m, n, k) for share, m, n, k in mms[1::2])
-    return total / len(shape.layers)
+    total, layers = 0.0, 0
+    for _, tokens, gemms in _layers_matmuls(config, tp=tp, cp=cp, ep=ep, etp=etp, micro_batch_size=micro_batch_size,
+                                            seq_len=seq_len, split_qkv=True):
+        total += sum(curve.seconds(share * tokens / tp, m, n, k) for share, m, n, k in gemms[1::2])
+        layers += 1
+    return total / layers
 
 
 def attention_seconds(config: ModelConfig, curve: GemmCurve, flops: float, *, cp: int = 1,
