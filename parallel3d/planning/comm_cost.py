@@ -1,5 +1,6 @@
 """Communication times of one layout's groups on one cluster: ring/hierarchical collectives, P2P,
-the context-parallel exchange (ring, all-gather, all-to-all) and the expert all-to-all.
+the context-parallel exchange (ring, all-gather, all-to-all) and the expert token exchange (all-to-all
+over ep, gather / reduce-scatter over etp).
 
 Invariant: a group's placement (members per node, nodes spanned) comes from the topology's own
 rank order, so a collective runs at NVLink bandwidth only when its group really sits in one node.
