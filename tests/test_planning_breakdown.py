@@ -4,7 +4,7 @@
 References: the columns must add up to the simulated step time; the tp column must equal the closed
 form (two all-reduces of the [b, s, h] activation forward and backward per layer, on the ring model's
 own ``CommModel``) times layers times microbatches; a column is zero exactly when its group has one
-member. Cases are generated over tp, cp, ep, pp and schedules.
+member (the ep column: the ep x etp expert grid). Cases are generated over tp, cp, ep, pp and schedules.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_breakdown_adds_up_and_matches_closed_forms(tp, cp, ep, pp, schedule):
     assert set(parts) == {"compute", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer"}
     assert sum(parts.values()) == pytest.approx(step.step_time_s, rel=1e-9)
     assert all(v >= 0 for v in parts.values())
-    for key, size in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
+    # ep: the expert token exchange, over ep and over etp (= tp here: its gather / reduce-scatter of the rows)
+    for key, size in (("tp", tp), ("cp", cp), ("ep", ep * tp), ("pp", pp)):
         assert (parts[key] > 0) == (size > 1), key
     # tp: 2 all-reduces of this rank's [b, s/cp, h] bf16 activation forward and 2 backward, per layer.
     comm = CommModel(cluster, layout.topology)

@@ -56,15 +56,17 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
         "rc=full: published loses in tp +1.45 s, compute +0.70 s, pp +0.13 s (section 5.1 states no layout: tp/pp "
         "are the data file's inference)",
     "folding_mixtral_8x22b_folding_128k_1024gpus":
-        "rank 17, +12.1%; published completed as tp=8 cp=8 ep=8 etp=1 pp=8 dp=2 v=4 mbs=1; best tp=8 cp=8(p2p) "
-        "pp=2 dp=8 v=3 mbs=1 zero=1 rc=none sp: published loses in bubble +2.18 s, pp +2.10 s, ep +1.75 s (cost "
-        "model: p2p and EP all-to-all at 128k)",
+        "rank 16, +7.5%; published completed as tp=8 cp=8(p2p) ep=8 etp=1 pp=8 dp=2 v=2 mbs=1; best tp=4 cp=8(p2p) "
+        "ep=8 pp=1 dp=32 mbs=1 zero=1 rc=none sp: published loses in bubble +3.09 s, tp +1.00 s, compute +0.25 s "
+        "(cost model: pp8's bubble at 64 microbatches, v = 2 completed)",
     "folding_qwen2_57b_mcore_64gpus":
-        "rank 8, +3.0%; published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=2; best tp=4 pp=4 dp=4 v=4 mbs=4 "
-        "zero=1 rc=none sp: published loses in ep +0.44 s, bubble +0.02 s (cost model: EP all-to-all, top-8)",
+        "rank 17, +15.1%; published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=2; best tp=2 ep=8 etp=1 pp=2 dp=16 v=2 "
+        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.58 s, ep +0.24 s, pp +0.07 s (the row is the "
+        "source's unfolded baseline: its own folded layout runs 39.0% vs 35.3% MFU; ETP=2's token gather/scatter)",
     "folding_qwen2_57b_folding_1024gpus":
-        "rank 11, +6.2%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=1 ep=8 pp=4 "
-        "dp=256 v=4 mbs=1 zero=1 rc=none: published loses in ep +0.05 s, tp +0.02 s, dp +0.02 s (cost model)",
+        "rank 9, +8.9%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
+        "dp=512 mbs=1 zero=1 rc=none sp: published loses in dp +0.18 s, bubble +0.16 s, pp +0.02 s (cost model: "
+        "expert ZeRO-1 reduce/gather over 32 nodes, exposed beyond one chunk)",
 }
 
 

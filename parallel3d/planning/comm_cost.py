@@ -1,5 +1,6 @@
 """Communication times of one layout's groups on one cluster: ring/hierarchical collectives, P2P,
-the context-parallel exchange (ring, all-gather, all-to-all) and the expert all-to-all.
+the context-parallel exchange (ring, all-gather, all-to-all) and the expert token exchange (all-to-all
+over ep, gather / reduce-scatter over etp).
 
 Invariant: a group's placement (members per node, nodes spanned) comes from the topology's own
 rank order, so a collective runs at NVLink bandwidth only when its group really sits in one node.
@@ -120,11 +121,26 @@ def cp_times(config: ModelConfig, layout: Layout, comm: CommModel, att_t: float,
     return ring_f + a2a, ring_b + a2a
 
 
+def ep_dispatch_bytes(config: ModelConfig, layout: Layout, act_bytes: float) -> float:
+    """Bytes one rank sends in one dispatch (or combine) all-to-all: ``top_k`` copies of each of its
+    tokens. ``act_bytes`` is the cp rank's ``[b, s / cp, h]``; the ranks of the expert grid hold
+    different tokens (``parallel3d.moe.layer``'s contract: ``1 / tp`` of them each, sequence parallel),
+    so a rank dispatches ``act_bytes / tp`` per copy, not the whole tp group's."""
+    return act_bytes / layout.tp * config.moe.top_k
+
+
 def ep_time(config: ModelConfig, layout: Layout, comm: CommModel, act_bytes: float) -> float:
-    """The EP all-to-alls of one (MoE) layer in one pass: dispatch and combine of top_k copies of
-    each token (mean over the layers, dense ones have none); the same again in the other pass."""
-    if layout.ep == 1 or not config.moe.enabled:
+    """The expert token exchange of one (MoE) layer in one pass, mean over the layers (dense ones have
+    none); the same again in the other pass. Dispatch and combine are each an all-to-all over ep of
+    ``ep_dispatch_bytes``, and with expert TP (``etp > 1``) an all-gather of the received rows over
+    etp (dispatch) and a reduce-scatter of the partial outputs (combine), as
+    ``parallel3d.moe.dispatcher_alltoall`` runs them; not overlapped with the expert GEMMs."""
+    if not config.moe.enabled:
         return 0.0
+    sent = ep_dispatch_bytes(config, layout, act_bytes)
+    etp = layout.etp or layout.tp
+    per_layer = 2 * comm.all_to_all(sent, "ep") if layout.ep > 1 else 0.0
+    if etp > 1:  # each etp rank receives ``sent`` rows on balance; the gather holds all etp ranks'
+        per_layer += 2 * comm.all_gather(sent * etp, "etp")
     moe_layers = sum(config.moe.is_moe_layer(i) for i in range(config.num_layers))
-    per_layer = 2 * comm.all_to_all(act_bytes * config.moe.top_k, "ep")
     return per_layer * moe_layers / config.num_layers

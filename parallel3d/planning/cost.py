@@ -58,7 +58,6 @@ from parallel3d.planning.pipeline_price import PipelineTimes, simulate_pipeline
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 
-
 @dataclass(frozen=True)
 class CostOptions:
     """What the training implementation overlaps or shrinks; defaults describe parallel3d."""
@@ -222,12 +221,13 @@ def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
     """(embedding fwd, embedding bwd, head fwd, head bwd) extra time on the first / last chunk."""
     dev, t = cluster.device, layout.tp
     e = 4 if layout.precision == "fp32" else 2
-    act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    tokens = layout.micro_batch_size * layout.seq_len / layout.cp  # a cp rank embeds and scores its share
+    act_bytes = e * tokens * config.hidden_size
     emb_fwd = comm.all_reduce(act_bytes, "tp")  # vocab-parallel lookup: partial rows summed over tp
-    head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t
+    head_mm = head_forward_flops(config, layout.micro_batch_size, layout.seq_len, t) / t / layout.cp
     vocab = padded_vocab_size(config.vocab_size, t) // t
-    logits = 4.0 * layout.micro_batch_size * layout.seq_len * vocab
-    head_fwd = head_seconds(GemmCurve.of(dev), head_mm, tokens=layout.micro_batch_size * layout.seq_len,
+    logits = 4.0 * tokens * vocab
+    head_fwd = head_seconds(GemmCurve.of(dev), head_mm, tokens=tokens,
                             vocab_per_rank=vocab, hidden=config.hidden_size) + 2 * logits / dev.hbm_bytes_per_s
     head_bwd = 2 * head_fwd + comm.all_reduce(act_bytes, "tp")  # grad of the head's replicated input
     return emb_fwd, 0.0, head_fwd, head_bwd
@@ -340,7 +340,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         return chunk_layers[stage][chunk] * lt.bwd + ends(stage, chunk, emb_b, head_b)
 
     e = 4 if layout.precision == "fp32" else 2
-    msg = e * layout.micro_batch_size * layout.seq_len * config.hidden_size
+    msg = e * layout.micro_batch_size * layout.seq_len / layout.cp * config.hidden_size  # this cp rank's tokens
     if layout.sequence_parallel or options.p2p_scatter_gather:
         msg /= layout.tp
     p2p = comm.p2p(msg)

@@ -18,7 +18,8 @@ half of it is left (both per device, in its YAML; calibrated on the ``calibratio
 
 The per-rank dims of every matmul come from the model-shape module (``models.shape``): a
 column-parallel weight's output and a row-parallel weight's input are split over tp, routed
-experts over etp (each expert sees ``tokens * top_k / num_experts * ep`` rows), and the rows are
+experts over etp (each expert sees ``tokens / tp * etp * top_k / num_experts * ep`` rows: the expert
+grid's ranks hold ``1 / tp`` of the tokens each, gathered over ep and etp), and the rows are
 the micro-batch's tokens on this rank (``mbs * seq / cp``). Attention is two batched GEMMs per
 head (QK^T contracting over the score dim, PV over the keys); a device with an
 ``attention_efficiency`` prices fused (flash) attention at that flat fraction of peak instead
@@ -91,7 +92,9 @@ def _layer_gemms(layer: LayerShape, hidden: int, tp: int, etp: int, ep: int, tok
         if t.expert is not None:
             n, k = _expert_local(t, hidden, etp)
             share *= layer.block.moe.num_experts
-            rows = max(1.0, tokens * t.active * ep)
+            # The expert grid's ranks hold different tokens (tokens / tp each); an expert's ep ranks
+            # send it their rows and its etp ranks all-gather them (``parallel3d.moe``).
+            rows = max(1.0, tokens / tp * etp * t.active * ep)
         else:
             n, k = t.local_shape(tp) if len(t.shape) == 2 else (t.shape[0], 1)
             rows = tokens

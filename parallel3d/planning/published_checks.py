@@ -21,6 +21,8 @@ SPLITS = ("calibration", "held_out", "reference")
 RUN_PRECISIONS = tuple(p for p in PRECISIONS if p != "fp32") + ("fp8",)
 # The training config's schedules, plus those only published runs use; "none" when pp = 1.
 RUN_SCHEDULES = ("none",) + SCHEDULES + ("dualpipe",)
+# A published run's K/V exchange: the runtime's single-level variants (a2a+p2p needs a size no source states).
+RUN_CP_COMMS = ("p2p", "allgather", "a2a")
 MLPS = ("gelu", "swiglu", "squared_relu")
 ATTENTIONS = ("mha", "gqa", "mla", "gqa_swa")
 ANSWERS = ("yes", "no", "n/a", "unknown")
@@ -94,6 +96,7 @@ def _check_layout(run: PublishedRun) -> None:
     _choice(rid, "layout.recompute", lay.recompute, RECOMPUTE)
     _choice(rid, "layout.schedule", lay.schedule, RUN_SCHEDULES)
     _choice(rid, "layout.precision", lay.precision, RUN_PRECISIONS)
+    _choice(rid, "layout.cp_comm", lay.cp_comm, RUN_CP_COMMS)
     _choice(rid, "layout.zero_stage", lay.zero_stage, (0, 1, 2, 3))
     gpus = run.hardware.gpus
     if lay.tp * lay.pp * lay.cp * lay.dp != gpus:

@@ -80,6 +80,7 @@ class RunLayout:
     zero_stage: int
     schedule: str
     precision: str
+    cp_comm: str = "p2p"  # how the cp ranks exchange K/V (``parallel3d.context_parallel``): p2p ring, allgather, a2a
 
 
 @dataclass(frozen=True)

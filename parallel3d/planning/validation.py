@@ -88,7 +88,7 @@ def run_layout(run: PublishedRun) -> Layout:
     if lay.schedule not in PRICEABLE_SCHEDULES:
         raise Unpriceable(f"schedule={lay.schedule}")
     schedule = PRICEABLE_SCHEDULES[lay.schedule]
-    return Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep,
+    return Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, cp_comm=lay.cp_comm if lay.cp > 1 else "p2p", ep=lay.ep,
                   etp=None if lay.etp == lay.tp else lay.etp, zero_stage=lay.zero_stage,
                   sequence_parallel=lay.sequence_parallel and lay.tp > 1, schedule=schedule,
                   virtual_stages=lay.vp, micro_batch_size=lay.micro_batch, seq_len=run.batch.seq_len,
