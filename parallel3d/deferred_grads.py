@@ -24,13 +24,17 @@ grouped-GEMM experts):
   are the tensors the closure keeps alive (memory accounting). True: queued, the layer
   returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
   layer calls ``compute()`` itself, so outside a split backward nothing changes.
-- ``work.run()`` (``W``) is one small backward whose single node (inside
-  ``deferral.reusing_graphs()``, which the engine opens around a step: built once per list
-  of parameters, i.e. per chunk, and rerun; ``_Anchors``) calls the queued
-  closures, last queued first, and returns every gradient to its parameter: each arrives
-  through its own ``AccumulateGrad`` as after a plain backward, so ``.grad``
-  accumulation, post-accumulate-grad hooks (ZeRO's buckets, fp32 main grads) and
-  tied-embedding copies see it unchanged, during ``W``.
+- ``work.run()`` (``W``) calls the queued closures, last queued first, and hands every
+  gradient to its parameter as autograd's ``AccumulateGrad`` would after a plain backward,
+  so ``.grad`` accumulation, tensor and post-accumulate-grad hooks (ZeRO's buckets, fp32 main
+  grads) and tied-embedding copies see it unchanged, during ``W``. Directly by default
+  (``parallel3d.leaf_grads``: each closure's gradients accumulated, their hooks called, right
+  after its GEMMs), without entering autograd's engine, whose entry was ``W``'s one fixed cost
+  (~300 us on CPU). Through autograd when a parameter is one ``leaf_grads`` does not take
+  (a non-leaf, a non-contiguous one, one listed twice) or with ``direct=False``: one small
+  backward whose single node returns every gradient to its parameter's ``AccumulateGrad``
+  (inside ``deferral.reusing_graphs()``, which the engine opens around a step, that graph is
+  built once per list of parameters, i.e. per chunk, and rerun; ``_Anchors``).
 
 Unmarked parameters (norms, embeddings, a row-parallel bias added after its
 reduction) get their gradients in ``B``, as cheap non-GEMM work. A closure may
@@ -54,6 +58,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from parallel3d.leaf_grads import accumulate, all_accepted
 from parallel3d.param_meta import is_wgrad_deferrable
 
 __all__ = ["DeferredWeightGrads", "WeightGradDeferral", "backward_inputs"]
@@ -70,10 +75,11 @@ def backward_inputs(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 class DeferredWeightGrads:
     """The weight-gradient work one ``B`` queued; ``run`` it exactly once (``W``)."""
 
-    def __init__(self, anchors: "_Anchors | None" = None) -> None:
+    def __init__(self, anchors: "_Anchors | None" = None, direct: bool = True) -> None:
         self._queue: list[tuple[Params, GradCompute]] = []
         self.held: list[torch.Tensor] = []  # what the queued closures keep alive
         self._anchors = anchors if anchors is not None else _Anchors(0)
+        self.direct = direct
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -83,11 +89,40 @@ class DeferredWeightGrads:
         self.held.extend(holds)
 
     def run(self) -> None:
-        """Compute every queued gradient and accumulate them through autograd (hooks fire now)."""
+        """Compute every queued gradient and accumulate each into its parameter as autograd would
+        (hooks fire now): directly where ``leaf_grads`` takes every parameter, else through autograd."""
         queue, self._queue, self.held = self._queue, [], []
         params = [p for ps, _ in reversed(queue) for p in ps]  # last in, first out: see the module doc
-        if any(p is not None and p.requires_grad for p in params):
+        if not any(p is not None and p.requires_grad for p in params):
+            return
+        if self.direct and all_accepted(params):
+            _run_direct(queue)
+        else:
             self._anchors.run(queue, params)
+
+
+def _take(params: Params, compute: GradCompute) -> list["torch.Tensor | None"]:
+    got = list(compute())
+    if len(got) != len(params):
+        raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
+    return got
+
+
+def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
+    """W without autograd's engine (``leaf_grads``): each closure, last queued first, then its gradients
+    accumulated and their hooks called at once, in the closure's parameter order, with grad mode off as
+    in a backward. Every rank runs the same queue, so hooks launch the same collectives in the same order."""
+    with torch.no_grad():
+        while queue:
+            # Off the queue before it runs: its input and output gradient go as soon as its GEMMs are done,
+            # and its gradients once accumulated (the next closure reuses that memory).
+            params, compute = queue.pop()
+            got = _take(params, compute)
+            del compute
+            for p, grad in zip(params, got):
+                if grad is not None and p is not None and p.requires_grad:  # autograd: no edge, no gradient
+                    accumulate(p, grad)
+            got = grad = None  # an added (not adopted) gradient's memory is free for the next closure
 
 
 class _RunQueue(torch.autograd.Function):
@@ -112,11 +147,8 @@ class _RunQueue(torch.autograd.Function):
             # are freed as soon as its GEMMs are done, so the next gradients reuse that memory (a whole
             # queue freed at W's end left the allocator trimming its heap and faulting pages back in).
             params, compute = queue.pop()
-            got = list(compute())
+            grads.extend(_take(params, compute))
             del compute
-            if len(got) != len(params):
-                raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
-            grads.extend(got)
         return (None, *grads)
 
 
@@ -168,8 +200,11 @@ class WeightGradDeferral:
     declines and layers compute their weight gradients in their own backward.
     """
 
-    def __init__(self, kept_graphs: int = 8) -> None:
+    def __init__(self, kept_graphs: int = 8, direct: bool = True) -> None:
         self._open: DeferredWeightGrads | None = None
+        # Whether W accumulates without autograd's engine where it can (``leaf_grads``); False: always
+        # through W's one-node graph (for hooks on AccumulateGrad nodes, which leaf_grads cannot see).
+        self.direct = direct
         # W's graphs, reused per chunk within a step (``_Anchors``): enough for every chunk of a stage.
         self._anchors = _Anchors(kept_graphs)
 
@@ -195,7 +230,7 @@ class WeightGradDeferral:
         """Queue every deferrable weight gradient of the backwards run inside this block."""
         if self._open is not None:
             raise RuntimeError("WeightGradDeferral.collecting() is already open (B blocks do not nest)")
-        work = DeferredWeightGrads(self._anchors)
+        work = DeferredWeightGrads(self._anchors, self.direct)
         self._open = work
         try:
             yield work

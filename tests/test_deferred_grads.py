@@ -63,8 +63,10 @@ def _draw(seed: int, tp: int) -> dict:
     }
 
 
-def _split_vs_plain(pstate: ParallelState, seed: int) -> dict:
+def _split_vs_plain(pstate: ParallelState, seed: int, direct: bool = True) -> dict:
+    """``direct``: W accumulates without autograd (``leaf_grads``), else through W's one-node graph."""
     draw = _draw(seed, pstate.size("tp"))
+    pstate.weight_grads.direct = direct
     cfg, (a, b) = draw["config"], draw["layers"]
     torch.manual_seed(seed)
     chunk = build_model(cfg, pstate, seed=seed, layer_range=(a, b), pre_process=False,
@@ -110,8 +112,9 @@ def _split_vs_plain(pstate: ParallelState, seed: int) -> dict:
     phase[0] = "W"
     with _OpCount() as w_ops:
         work.run()
+    pstate.weight_grads.direct = True
     return {
-        "case": (seed, pstate.size("tp"), draw),
+        "case": (seed, pstate.size("tp"), draw, direct),
         "equal": {n: torch.equal(p.grad, ref[n]) for n, p in params.items()},
         "input_equal": torch.equal(g_in, ref_in),
         "where": where,
@@ -133,7 +136,8 @@ def _check(result: dict) -> None:
         assert phases == (["W"] if result["deferrable"][name] else ["B"]), (case, name, phases)
     assert not result["deferred_in_b"], case
     plain, split = result["ops"]
-    # W's one-node graph adds a scalar anchor and its seed gradient. AccumulateGrad adopts a new
+    # W's one-node graph adds a scalar anchor and its seed gradient; W without autograd adds nothing
+    # (leaf_grads runs AccumulateGrad's ops: detach to adopt, new_empty_strided + copy_ to copy). AccumulateGrad adopts a new
     # gradient (detach) or, if something else still holds it (a tp collective's reference, released
     # by gloo's worker thread at a timing-dependent moment), copies it (new_empty_strided + copy_):
     # which one may differ for any gradient, but every gradient is accumulated exactly once either
@@ -141,7 +145,8 @@ def _check(result: dict) -> None:
     def compute(ops: Counter) -> Counter:
         return Counter({k: v for k, v in ops.items() if k not in _ACCUMULATE})
 
-    assert compute(split) - compute(plain) == Counter({"aten.zeros": 1, "aten.ones_like": 1}), (case, split - plain)
+    anchor = Counter() if case[3] else Counter({"aten.zeros": 1, "aten.ones_like": 1})
+    assert compute(split) - compute(plain) == anchor, (case, split - plain)
     assert not compute(plain) - compute(split), (case, plain - split)
     def accumulations(ops: Counter) -> int:  # adopted + copied gradients
         return ops["aten.detach"] + ops["aten.new_empty_strided"]
@@ -158,12 +163,13 @@ def _check(result: dict) -> None:
 
 def _on_ranks(rank: int, world: int, seeds: list[int]) -> list[dict]:
     pstate = ParallelState(Topology(tp=world))
-    return [_split_vs_plain(pstate, seed) for seed in seeds]
+    return [_split_vs_plain(pstate, seed, direct) for seed in seeds for direct in (True, False)]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
 @pytest.mark.parametrize("seed", range(4))
-def test_split_backward_is_one_backward_tp1(seed):
-    _check(_split_vs_plain(ParallelState(Topology()), seed))
+def test_split_backward_is_one_backward_tp1(seed, direct):
+    _check(_split_vs_plain(ParallelState(Topology()), seed, direct))
 
 
 def test_split_backward_is_one_backward_tp2_and_sequence_parallel():
@@ -193,11 +199,13 @@ def test_outside_a_b_layers_compute_their_weight_grads_and_mixed_marks_fail():
             pass
 
 
-def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatches():
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
+def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatches(direct):
     """Two chunks (as an interleaved stage holds), three microbatches each, B then W in a zero-bubble
     order: every gradient bitwise equal to plain backwards of the same microbatches, each deferred
     parameter's hook once per W; within ``reusing_graphs`` (one engine step) W's graph is built once
-    per chunk and rerun (not rebuilt), at most ``kept_graphs`` of them are kept, none after."""
+    per chunk and rerun (not rebuilt), at most ``kept_graphs`` of them are kept, none after; W without
+    autograd (``direct``) builds none."""
     cfg = ModelConfig(arch="gpt", num_layers=4, hidden_size=16, num_heads=2, vocab_size=32, max_seq_len=16,
                       use_bias=True, fused_kernels=False)
     gen = torch.Generator().manual_seed(7)
@@ -214,6 +222,7 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
             inp = x.clone().requires_grad_(True)
             torch.autograd.backward(c(inp), grad_tensors=g)
     pstate = ParallelState(Topology())
+    pstate.weight_grads.direct = direct
     split = chunks(pstate)
     fired: Counter = Counter()
     for c in split:
@@ -234,9 +243,9 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p.grad, q.grad), name
             assert fired[id(q)] == 3, name
-    assert ops.ops["aten.zeros"] == 2  # one W graph per chunk, rerun for the later microbatches
+    assert ops.ops["aten.zeros"] == (0 if direct else 2)  # one W graph per chunk, rerun for the later microbatches
     assert not pstate.weight_grads._anchors._kept  # forgotten at the step's end
-    small = WeightGradDeferral(kept_graphs=1)
+    small = WeightGradDeferral(kept_graphs=1, direct=False)
     ps = [set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True) for _ in range(3)]
     x = torch.randn(2, 4, requires_grad=True)
     with small.reusing_graphs():
@@ -288,3 +297,94 @@ def test_w_frees_each_layers_tensors_before_the_next_layers_gemms():
     assert all(r() is None for refs in alive for r in refs)
     for w, g in zip(ws, plain):
         assert torch.equal(w.grad, g)
+
+
+def _leaf_case(seed: int) -> dict:
+    """Two layers (weight and bias each) with a drawn state: ``.grad`` absent, set, or a view of a
+    shared buffer (ZeRO's bucket binding); plain-torch tensor hooks that pass the gradient on or
+    replace it, post-accumulate hooks; the first layer's weight used twice (autograd sums its
+    gradients before one accumulation) or not."""
+    rng = random.Random(seed)
+    return {"grad": [rng.choice(("none", "set", "view")) for _ in range(4)],
+            "replace": [rng.random() < 0.3 for _ in range(4)], "post": [rng.randint(0, 2) for _ in range(4)],
+            "twice": rng.random() < 0.3}
+
+
+def _leaf_run(case: dict, mode: str) -> tuple[list[torch.Tensor], list, list[bool], Counter]:
+    gen = torch.Generator().manual_seed(1)
+    deferral = WeightGradDeferral(direct=mode == "direct")
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((5, 4), (5,), (3, 5), (3,))]
+    for p in params:
+        set_meta(p, wgrad_deferrable=True)
+    x0 = torch.randn(6, 4, generator=gen)
+    bucket = torch.randn(sum(p.numel() for p in params), generator=gen)
+    views, at = [], 0
+    for p, state in zip(params, case["grad"]):
+        views.append(bucket[at:at + p.numel()].view_as(p))
+        at += p.numel()
+        p.grad = None if state == "none" else views[-1] if state == "view" else views[-1].clone()
+    calls: list = []
+    for i, p in enumerate(params):
+        def pre(g, i=i):
+            calls.append(("tensor", i))
+            return g * 2 if case["replace"][i] else None
+        p.register_hook(pre)
+        for k in range(case["post"][i]):
+            p.register_post_accumulate_grad_hook(lambda p, i=i, k=k: calls.append(("post", i, k, p.grad.sum().item())))
+
+    def forward(x):
+        w1, b1, w2, b2 = params
+        h = deferrable_linear(x, w1, b1, deferral).tanh()
+        if case["twice"]:
+            h = h + deferrable_linear(x, w1, None, deferral).tanh()
+        return deferrable_linear(h, w2, b2, deferral).sum()
+
+    inp = x0.clone().requires_grad_(True)
+    with _OpCount() as ops:
+        if mode == "plain":
+            forward(inp).backward()
+        else:
+            with deferral.collecting() as work:
+                forward(inp).backward(inputs=[inp])
+            assert not calls
+            work.run()
+    still_views = [p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, views)]
+    return [p.grad for p in params], calls, still_views, ops.ops
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_w_without_autograd_accumulates_and_fires_hooks_as_autograd_does(seed):
+    """Against one plain backward: bitwise the same ``.grad`` (a bucket-bound ``.grad`` still the
+    bucket's memory), the same tensor and post-accumulate hook calls in the same order, each once;
+    a parameter queued twice in one W makes W take autograd's path (which sums before accumulating)."""
+    case = _leaf_case(seed)
+    plain_grads, plain_calls, plain_views, _ = _leaf_run(case, "plain")
+    for mode in ("direct", "graph"):
+        grads, calls, views, ops = _leaf_run(case, mode)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)), (case, mode)
+        assert views == plain_views, (case, mode)
+        # the order among parameters is W's (last queued first); per parameter it is autograd's
+        for i in range(4):
+            assert [c for c in calls if c[1] == i] == [c for c in plain_calls if c[1] == i], (case, mode, i)
+        assert len(calls) == len(plain_calls)
+        through_graph = mode == "graph" or case["twice"]
+        assert ops["aten.zeros"] == (1 if through_graph else 0), (case, mode)  # W's graph anchor, or none
+
+
+def test_generated_leaf_cases_cover_every_state():
+    cases = [_leaf_case(s) for s in range(12)]
+    assert {g for c in cases for g in c["grad"]} == {"none", "set", "view"}
+    assert any(c["twice"] for c in cases) and not all(c["twice"] for c in cases)
+    assert any(r for c in cases for r in c["replace"]) and any(p == 2 for c in cases for p in c["post"])
+
+
+def test_w_takes_autograd_for_a_parameter_leaf_grads_cannot_stand_in_for():
+    """A non-leaf or non-contiguous parameter: W goes through autograd (its graph anchor runs)."""
+    from parallel3d.leaf_grads import accepts, all_accepted
+
+    leaf = torch.nn.Parameter(torch.randn(4, 3))
+    assert accepts(leaf) and all_accepted([leaf, None])
+    assert not accepts(leaf * 2)
+    assert not accepts(torch.nn.Parameter(torch.randn(3, 4)).t())
+    assert not all_accepted([leaf, leaf])
+    assert all_accepted([leaf, torch.randn(2)])  # no gradient needed: not accumulated, not checked

@@ -1,0 +1,94 @@
+"""A gradient handed to a leaf tensor without autograd's engine, as its ``AccumulateGrad`` node would.
+
+Why: a zero-bubble ``W`` (``parallel3d.deferred_grads``) computes its weight gradients outside
+any graph. Handing them to the parameters through a backward of a one-node graph (to reach
+each parameter's ``AccumulateGrad``) cost a fixed ~300 us per ``W`` on CPU (the engine's entry
+and graph task, a Python ``Function.backward``, every gradient through an input buffer), as
+much as a small layer's weight GEMMs. ``accumulate`` does to one gradient what that backward
+did, directly.
+
+Invariant: for a tensor ``accepts`` admits, ``accumulate(p, g)`` run with grad mode off leaves
+``p.grad`` bitwise as autograd delivering ``g`` to ``p`` in a backward without
+``create_graph`` would, runs the same aten ops, and calls the same Python hooks in the same
+order, each exactly once:
+
+1. ``p.register_hook`` hooks (torch keeps them in ``p._backward_hooks``), in registration
+   order; one that returns a tensor replaces the gradient (autograd runs a leaf's tensor hooks
+   right before its accumulator).
+2. Autograd's check of a node's output: the gradient must have ``p``'s shape and device; it is
+   cast to ``p``'s dtype if it differs.
+3. ``AccumulateGrad``: no ``p.grad`` yet: ``p.grad`` adopts the gradient's memory (``detach``)
+   when its strides are ``p``'s, else gets a copy with ``p``'s strides (autograd also copies
+   when something else holds the gradient; our callers hand over fresh GEMM outputs, and a view
+   is always copied here); ``p.grad`` set: ``p.grad += g`` in place (a ``.grad`` bound to a ZeRO
+   bucket's view keeps accumulating into the bucket).
+4. ``p.register_post_accumulate_grad_hook`` hooks (``p._post_accumulate_grad_hooks``: ZeRO's
+   buckets and fp32 main grads, and anyone else's), in registration order.
+
+Not seen: hooks registered on ``p``'s ``AccumulateGrad`` node itself (``Node.register_hook`` or
+``register_prehook`` on ``p.view_as(p).grad_fn.next_functions[0][0]``, as torch's DDP does):
+torch offers no way to list them. Nothing in parallel3d registers one; a program that does
+must keep ``W`` on the autograd path (``WeightGradDeferral(direct=False)``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["accepts", "accumulate", "all_accepted"]
+
+
+def accepts(p: torch.Tensor) -> bool:
+    """Whether ``accumulate`` stands in exactly for ``p``'s ``AccumulateGrad`` (module invariant):
+    a leaf (a non-leaf's gradient flows on into its graph), dense and contiguous (the only layout
+    whose ``AccumulateGrad`` copy ``accumulate`` reproduces), whose hooks torch keeps where this
+    module reads them (a torch that moved them must not silently lose them)."""
+    return (p.grad_fn is None and p.layout is torch.strided and p.is_contiguous()
+            and hasattr(p, "_backward_hooks") and hasattr(p, "_post_accumulate_grad_hooks"))
+
+
+def all_accepted(params: Sequence["torch.Tensor | None"]) -> bool:
+    """Whether every parameter needing a gradient is ``accepts``-ed and appears once.
+
+    A parameter listed twice gets its gradients summed by autograd before its one accumulation
+    (one hook call); ``accumulate`` per entry would accumulate (and call its hooks) twice.
+    """
+    seen: set[int] = set()
+    for p in params:
+        if p is None or not p.requires_grad:
+            continue
+        if id(p) in seen or not accepts(p):
+            return False
+        seen.add(id(p))
+    return True
+
+
+def accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``p.grad`` and call ``p``'s hooks exactly as autograd would (module doc);
+    call with grad mode off, on a ``p`` that ``accepts`` admits and that requires grad."""
+    pre = p._backward_hooks
+    if pre:
+        for hook in tuple(pre.values()):  # a hook may register or remove hooks: iterate a snapshot
+            new = hook(grad)
+            if new is not None:
+                grad = new
+    if grad.shape != p.shape or grad.device != p.device:
+        raise RuntimeError(f"a gradient of shape {tuple(grad.shape)} on {grad.device} for a parameter of shape "
+                           f"{tuple(p.shape)} on {p.device}")
+    if grad.dtype != p.dtype:
+        grad = grad.to(p.dtype)
+    current = p.grad
+    if current is None:
+        if grad._base is None and grad.stride() == p.stride():
+            p.grad = grad.detach()  # adopt the memory, as AccumulateGrad steals an unshared gradient
+        else:
+            p.grad = grad.new_empty_strided(p.size(), p.stride()).copy_(grad)
+    else:
+        current += grad  # in place, as AccumulateGrad outside create_graph: .grad keeps its identity
+    post = p._post_accumulate_grad_hooks
+    if post:
+        for hook in tuple(post.values()):
+            if hook(p) is not None:
+                raise RuntimeError("a post-accumulate-grad hook returned a value (torch requires None)")
