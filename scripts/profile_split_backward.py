@@ -16,7 +16,9 @@ One thread (as the benchmark's ranks). ``--profile`` adds torch's profiler table
     .venv/bin/python scripts/profile_split_backward.py --hidden 128 --rounds 40 --variants
 
 ``--breakdown`` times the weight-gradient GEMMs inside both and splits the excess (B against the
-full backward less its GEMMs; W outside its GEMMs).
+full backward less its GEMMs; W outside its GEMMs). ``--w-paths`` pairs the full backward with B + W
+accumulating through autograd's one-node graph (``direct=False``, before 2026-12-06) and without it
+(``parallel3d.leaf_grads``, now), in one process, sample by sample.
 """
 
 from __future__ import annotations
@@ -105,6 +107,61 @@ def _variants(args, chunk, pstate, x, grad, undeferred) -> None:
         print(f"  {m:11s} {statistics.median(ratios[m]):.3f}  [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
 
 
+def _w_paths(args, chunk, pstate, x, grad, undeferred) -> None:
+    """``--w-paths``: per round, alternating sample by sample, the full backward, B + W through W's
+    one-node autograd graph (kept for the step, as the engine does) and B + W without autograd; thread
+    CPU time. Prints each path's median B, W, (B+W)/full (median over rounds of per-round ratios of
+    medians) and W(direct)/W(graph)."""
+    from parallel3d.pipeline.backward_split import split_backward
+
+    deferral = pstate.weight_grads
+    clock = time.thread_time
+    modes = ("full", "graph", "direct")
+    b_all: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    w_all: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    ratios: dict[str, list[float]] = {m: [] for m in modes[1:]}
+    w_ratio: list[float] = []
+    for r in range(args.warmup + args.rounds):
+        got: dict[str, list] = {m: [] for m in modes}
+        with deferral.reusing_graphs():
+            for i in range(args.reps * len(modes)):
+                mode = modes[(i + r) % len(modes)]
+                chunk.zero_grad(set_to_none=True)
+                inp = x.detach().clone().requires_grad_(True)
+                out = chunk(inp)
+                t0 = clock()
+                if mode == "full":
+                    torch.autograd.backward(out, grad_tensors=grad)
+                    got[mode].append((clock() - t0, 0.0))
+                    continue
+                deferral.direct = mode == "direct"
+                _, work = split_backward(out, grad, inp, deferral, undeferred)
+                del out
+                t1 = clock()
+                work.run()
+                got[mode].append((t1 - t0, clock() - t1))
+        deferral.direct = True
+        if r < args.warmup:
+            continue
+        full = statistics.median(s[0] for s in got["full"])
+        w_med = {}
+        for m in modes[1:]:
+            b, w = (statistics.median(s[k] for s in got[m]) for k in (0, 1))
+            b_all[m].append(b)
+            w_all[m].append(w)
+            w_med[m] = w
+            ratios[m].append((b + w) / full)
+        w_ratio.append(w_med["direct"] / w_med["graph"])
+    print(f"hidden {args.hidden}, layers {args.layer_range} of {args.layers}: thread CPU us, {args.rounds} rounds x "
+          f"{args.reps} samples per path, alternating")
+    for m in modes[1:]:
+        q = statistics.quantiles(ratios[m], n=4)
+        print(f"  W {m:6s}  B {1e6 * statistics.median(b_all[m]):8.0f}  W {1e6 * statistics.median(w_all[m]):8.0f}  "
+              f"(B+W)/full {statistics.median(ratios[m]):.3f} [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
+    q = statistics.quantiles(w_ratio, n=4)
+    print(f"  W direct / W graph {statistics.median(w_ratio):.3f} [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
+
+
 def _breakdown(args, chunk, pstate, x, grad, undeferred) -> None:
     """``--breakdown``: where B + W's excess over one backward sits, paired sample by sample (thread CPU
     time): the weight-gradient GEMMs (``linear_weight_grads``, timed inside the full backward and
@@ -179,6 +236,8 @@ def main() -> None:
                     help="instead: W's queue order (fifo/lifo) x W's graph (fresh/kept), paired in this process")
     ap.add_argument("--breakdown", action="store_true",
                     help="instead: B + W's excess split into GEMMs, B's rest and W outside its GEMMs (paired)")
+    ap.add_argument("--w-paths", action="store_true",
+                    help="instead: B + W with W through autograd's graph vs without autograd (paired)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table for one B + W")
     ap.add_argument("--out", default=None, help="write the samples as JSON here")
     args = ap.parse_args()
@@ -192,6 +251,9 @@ def main() -> None:
         return
     if args.breakdown:
         _breakdown(args, chunk, pstate, x, grad, undeferred)
+        return
+    if args.w_paths:
+        _w_paths(args, chunk, pstate, x, grad, undeferred)
         return
 
     def forward():

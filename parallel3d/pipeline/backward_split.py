@@ -7,7 +7,7 @@ ordinary backward of the chunk, run while the deferral collects, that accumulate
 the input and the parameters no layer defers (norms, embeddings: cheap, non-GEMM), and
 frees the graph; the deferring layers (the tensor-parallel linears, the LM head) queue
 their weight-gradient GEMMs. ``W`` is ``run()`` on what ``B`` returned: the queued GEMMs,
-then one autograd call that accumulates their results into ``.grad`` (hooks fire there).
+each result accumulated into ``.grad`` as autograd would (hooks fire there; ``deferred_grads``).
 Between ``B`` and ``W`` a microbatch-chunk holds only what the queue holds (``held``: each
 deferring layer's input and output gradient), not its graph.
 
