@@ -2,10 +2,10 @@
 
 Why: a zero-bubble ``W`` (``parallel3d.deferred_grads``) computes its weight gradients outside
 any graph. Handing them to the parameters through a backward of a one-node graph (to reach
-each parameter's ``AccumulateGrad``) cost a fixed ~300 us per ``W`` on CPU (the engine's entry
-and graph task, a Python ``Function.backward``, every gradient through an input buffer), as
-much as a small layer's weight GEMMs. ``accumulate`` does to one gradient what that backward
-did, directly.
+each parameter's ``AccumulateGrad``) costs a fixed amount per ``W`` (the engine's entry and
+graph task, a Python ``Function.backward``, every gradient through an input buffer; 2026-12-06,
+one CPU thread: 2-8% of ``W`` at hidden 128, ``scripts/profile_split_backward.py --w-paths``).
+``accumulate`` does to one gradient what that backward did, directly.
 
 Invariant: for a tensor ``accepts`` admits, ``accumulate(p, g)`` run with grad mode off leaves
 ``p.grad`` bitwise as autograd delivering ``g`` to ``p`` in a backward without

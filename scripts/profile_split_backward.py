@@ -165,8 +165,8 @@ def _w_paths(args, chunk, pstate, x, grad, undeferred) -> None:
 def _breakdown(args, chunk, pstate, x, grad, undeferred) -> None:
     """``--breakdown``: where B + W's excess over one backward sits, paired sample by sample (thread CPU
     time): the weight-gradient GEMMs (``linear_weight_grads``, timed inside the full backward and
-    inside W), B against the full backward less its GEMMs, and W outside its GEMMs (autograd's entry
-    into W's one-node graph, the accumulation, Python)."""
+    inside W), B against the full backward less its GEMMs, and W outside its GEMMs (the accumulation,
+    freeing what the queue held, Python; autograd's entry into W's one-node graph with ``direct=False``)."""
     import parallel3d.tensor_parallel.deferrable_linear as dl
     from parallel3d.pipeline.backward_split import split_backward
 
