@@ -29,8 +29,9 @@ grouped-GEMM experts):
   so ``.grad`` accumulation, tensor and post-accumulate-grad hooks (ZeRO's buckets, fp32 main
   grads) and tied-embedding copies see it unchanged, during ``W``. Directly by default
   (``parallel3d.leaf_grads``: each closure's gradients accumulated, their hooks called, right
-  after its GEMMs), without entering autograd's engine, whose entry is a fixed cost per ``W``. Through autograd when a parameter is one ``leaf_grads`` does not take
-  (a non-leaf, a non-contiguous one, one listed twice) or with ``direct=False``: one small
+  after its GEMMs), without entering autograd's engine, whose entry is a fixed cost per ``W``.
+  Through autograd when a parameter is one ``leaf_grads`` does not take (a non-leaf, a
+  non-contiguous one, one listed twice) or with ``direct=False``: one small
   backward whose single node returns every gradient to its parameter's ``AccumulateGrad``
   (inside ``deferral.reusing_graphs()``, which the engine opens around a step, that graph is
   built once per list of parameters, i.e. per chunk, and rerun; ``_Anchors``).
