@@ -137,9 +137,10 @@ def _check(result: dict) -> None:
     assert not result["deferred_in_b"], case
     plain, split = result["ops"]
     # W's one-node graph adds a scalar anchor and its seed gradient; W without autograd adds nothing
-    # (leaf_grads runs AccumulateGrad's ops: detach to adopt, new_empty_strided + copy_ to copy). AccumulateGrad adopts a new
-    # gradient (detach) or, if something else still holds it (a tp collective's reference, released
-    # by gloo's worker thread at a timing-dependent moment), copies it (new_empty_strided + copy_):
+    # (leaf_grads runs AccumulateGrad's ops: detach to adopt, new_empty_strided + copy_ to copy).
+    # AccumulateGrad adopts a new gradient (detach) or, if something else still holds it (a tp
+    # collective's reference, released by gloo's worker thread at a timing-dependent moment), copies
+    # it (new_empty_strided + copy_):
     # which one may differ for any gradient, but every gradient is accumulated exactly once either
     # way, and every other op runs equally often.
     def compute(ops: Counter) -> Counter:
