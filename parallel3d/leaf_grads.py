@@ -12,11 +12,11 @@ Invariant: for a tensor ``accepts`` admits, ``accumulate(p, g)`` run with grad m
 ``create_graph`` would, runs the same aten ops, and calls the same Python hooks in the same
 order, each exactly once:
 
-1. ``p.register_hook`` hooks (torch keeps them in ``p._backward_hooks``), in registration
-   order; one that returns a tensor replaces the gradient (autograd runs a leaf's tensor hooks
-   right before its accumulator).
-2. Autograd's check of a node's output: the gradient must have ``p``'s shape and device; it is
-   cast to ``p``'s dtype if it differs.
+1. Autograd's check of the producing node's output: the gradient must be dense, with ``p``'s
+   shape and device; it is cast to ``p``'s dtype if it differs.
+2. ``p.register_hook`` hooks (torch keeps them in ``p._backward_hooks``), in registration
+   order; one that returns a tensor replaces the gradient, which must keep its dtype, shape
+   and device (autograd runs a leaf's tensor hooks right before its accumulator).
 3. ``AccumulateGrad``: no ``p.grad`` yet: ``p.grad`` adopts the gradient's memory (``detach``)
    when its strides are ``p``'s, else gets a copy with ``p``'s strides (autograd also copies
    when something else holds the gradient; our callers hand over fresh GEMM outputs, and a view
@@ -68,17 +68,20 @@ def all_accepted(params: Sequence["torch.Tensor | None"]) -> bool:
 def accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` to ``p.grad`` and call ``p``'s hooks exactly as autograd would (module doc);
     call with grad mode off, on a ``p`` that ``accepts`` admits and that requires grad."""
+    if grad.layout is not torch.strided or grad.shape != p.shape or grad.device != p.device:
+        raise RuntimeError(f"a {grad.layout} gradient of shape {tuple(grad.shape)} on {grad.device} for a "
+                           f"parameter of shape {tuple(p.shape)} on {p.device}")
+    if grad.dtype != p.dtype:
+        grad = grad.to(p.dtype)
     pre = p._backward_hooks
     if pre:
         for hook in tuple(pre.values()):  # a hook may register or remove hooks: iterate a snapshot
             new = hook(grad)
             if new is not None:
+                if (not isinstance(new, torch.Tensor) or new.layout is not torch.strided or new.dtype != grad.dtype
+                        or new.shape != grad.shape or new.device != grad.device):
+                    raise RuntimeError("a tensor hook returned a gradient of another type, shape or device")
                 grad = new
-    if grad.shape != p.shape or grad.device != p.device:
-        raise RuntimeError(f"a gradient of shape {tuple(grad.shape)} on {grad.device} for a parameter of shape "
-                           f"{tuple(p.shape)} on {p.device}")
-    if grad.dtype != p.dtype:
-        grad = grad.to(p.dtype)
     current = p.grad
     if current is None:
         if grad._base is None and grad.stride() == p.stride():

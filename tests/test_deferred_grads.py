@@ -389,3 +389,26 @@ def test_w_takes_autograd_for_a_parameter_leaf_grads_cannot_stand_in_for():
     assert not accepts(torch.nn.Parameter(torch.randn(3, 4)).t())
     assert not all_accepted([leaf, leaf])
     assert all_accepted([leaf, torch.randn(2)])  # no gradient needed: not accumulated, not checked
+
+
+def test_w_without_autograd_checks_and_casts_gradients_as_autograd_does():
+    """A gradient of another dtype is cast to the parameter's (autograd's output check); a wrong shape
+    or a tensor hook that changes the shape raises, in W as in a plain backward."""
+    from parallel3d.leaf_grads import accumulate
+
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    with torch.no_grad():
+        accumulate(p, torch.ones(3, 2, dtype=torch.float64))
+    assert p.grad.dtype == torch.float32 and torch.equal(p.grad, torch.ones(3, 2))
+    with pytest.raises(RuntimeError, match="shape"), torch.no_grad():
+        accumulate(p, torch.ones(2, 3))
+    w = set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True)
+    w.register_hook(lambda g: g[:1])
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="hook"):
+        deferrable_linear(x, w, None, None).sum().backward()  # autograd refuses the hook's gradient too
+    deferral = WeightGradDeferral()
+    with deferral.collecting() as work:
+        deferrable_linear(x, w, None, deferral).sum().backward(inputs=[x])
+    with pytest.raises(RuntimeError, match="hook"):
+        work.run()
