@@ -105,7 +105,8 @@ def test_unstated_fields_are_completed_at_the_fastest_fitting_choice(run_id):
     uneven = uneven_splits_allowed(run, config)
     times = [evaluate(config, layout, cluster, options).step.step_time_s]
     for mbs in (1, 2, 4, 8):
-        for v in (1, 2, 3, 4):
+        # v up to the search's cap of 4, and one layer per chunk (48 layers / pp 2 = 24; 28 / 4 = 7).
+        for v in (1, 2, 3, 4, config.num_layers // layout.pp):
             if not uneven and config.num_layers % (layout.pp * v):
                 continue
             trial = layout.replace(micro_batch_size=mbs, virtual_stages=v,
