@@ -37,36 +37,37 @@ CI_MAX_GPUS = 128
 # these 8 miss. Each entry: rank, gap (predicted step time over the best searched layout's), `--rank`'s line,
 # and the cause: in all but one the cost model itself prefers the other layout (tp / EP / CP-pipeline pricing,
 # the cost helper's and the lead's call); narayanan21_gpt3_175b_1024gpus has no stated layout at all.
+# Re-measured after interleaving at one layer per chunk joined the search (planner.virtual_stage_counts) and
+# the H100 curve was refitted: 30 of 36 pass. Mixtral 8x22B 128K now passes (v = 7 completed, +2.2%); GPT-3
+# 175B on 1,024 GPUs passes at rank 4 of the 16 layouts the check simulates, but that is fragile: simulating
+# the best 64 of the analytic pre-ranking finds 10 faster (best tp4 pp16 v6, +6.5%), so the planner's search
+# still prefers tp4 there as in the 384-GPU row.
 KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.planning.validation --rank`
     "narayanan21_gpt_3.6b":
         "rank 6, +3.9%; published completed as tp=2 pp=1 dp=32 mbs=8; best tp=1 pp=1 dp=64 mbs=8 zero=0 rc=full: "
         "published loses in tp +0.15 s, compute +0.08 s (since the head and loss are priced on a pp1 chunk, tp2 "
         "adds their 2021 TP all-reduces per microbatch; was rank <= 5 when the head was dropped)",
     "narayanan21_gpt_7.5b":
-        "rank 10, +7.5%; published completed as tp=4 pp=1 dp=32 mbs=8; best tp=2 pp=1 dp=64 mbs=8 zero=0 "
-        "rc=full: published loses in tp +0.24 s, compute +0.13 s (cost model: tp4's exposed 2021 TP all-reduces)",
+        "rank 11, +8.7%; published completed as tp=4 pp=1 dp=32 mbs=8; best tp=1 pp=2 dp=64 v=3 mbs=1 zero=0 "
+        "rc=full: published loses in tp +0.36 s, dp +0.09 s, compute +0.02 s (cost model: tp4's exposed 2021 TP "
+        "all-reduces; the MFU check under-predicts this row by 12%, so the tp4 price is the suspect)",
     "narayanan21_gpt_39.1b":
-        "rank 17, +13.7%; published completed as tp=8 pp=2 dp=32 v=4 mbs=2; best tp=2 pp=8 dp=32 v=3 mbs=1 zero=0 "
-        "rc=full: published loses in tp +1.45 s, compute +0.71 s, dp +0.67 s (cost model: tp8 vs tp2)",
+        "rank 17, +13.0%; published completed as tp=8 pp=2 dp=32 v=24 mbs=4; best tp=2 pp=8 dp=32 v=3 mbs=1 zero=0 "
+        "rc=full: published loses in tp +1.45 s, dp +0.67 s, pp +0.51 s (cost model: tp8 vs tp2; the paper's tp = 8 "
+        "follows its takeaway #1, tp up to a node, not a search)",
     "narayanan21_gpt3_175b_384gpus":
-        "rank 7, +6.0%; dp held at 4; published completed as tp=8 pp=12 dp=4 v=4 mbs=1; best tp=4 pp=24 dp=4 v=4 "
-        "mbs=2 zero=0 rc=full: published loses in compute +4.36 s, tp +3.87 s, dp +0.34 s (cost model: tp8 vs tp4)",
-    "narayanan21_gpt3_175b_1024gpus":
-        "rank 7, +5.8%; published completed as tp=8 pp=16 dp=8 v=3 mbs=1; best tp=4 pp=16 dp=16 v=3 mbs=1 zero=0 "
-        "rc=full: published loses in tp +1.45 s, compute +0.70 s, pp +0.13 s (section 5.1 states no layout: tp/pp "
-        "are the data file's inference)",
-    "folding_mixtral_8x22b_folding_128k_1024gpus":
-        "rank 16, +7.5%; published completed as tp=8 cp=8(p2p) ep=8 etp=1 pp=8 dp=2 v=2 mbs=1; best tp=4 cp=8(p2p) "
-        "ep=8 pp=1 dp=32 mbs=1 zero=1 rc=none sp: published loses in bubble +3.09 s, tp +1.00 s, compute +0.25 s "
-        "(cost model: pp8's bubble at 64 microbatches, v = 2 completed)",
+        "rank 7, +5.7%; dp held at 4; published completed as tp=8 pp=12 dp=4 v=8 mbs=1; best tp=4 pp=24 dp=4 v=4 "
+        "mbs=2 zero=0 rc=full: published loses in tp +3.87 s, compute +2.77 s, pp +0.74 s (cost model: tp8 vs tp4)",
     "folding_qwen2_57b_mcore_64gpus":
         "rank 17, +15.1%; published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=2; best tp=2 ep=8 etp=1 pp=2 dp=16 v=2 "
-        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.58 s, ep +0.24 s, pp +0.07 s (the row is the "
-        "source's unfolded baseline: its own folded layout runs 39.0% vs 35.3% MFU; ETP=2's token gather/scatter)",
+        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.59 s, ep +0.24 s, pp +0.07 s (the row is the "
+        "source's unfolded baseline: its own folded layout runs 39.0% vs 35.3% MFU, 10% faster, so no honest "
+        "model ranks it within 3%; ETP=2's token gather/scatter is what Megatron-Core's alltoall dispatcher runs)",
     "folding_qwen2_57b_folding_1024gpus":
-        "rank 9, +8.9%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
-        "dp=512 mbs=1 zero=1 rc=none sp: published loses in dp +0.18 s, bubble +0.16 s, pp +0.02 s (cost model: "
-        "expert ZeRO-1 reduce/gather over 32 nodes, exposed beyond one chunk)",
+        "rank 8, +5.1%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
+        "dp=512 mbs=1 zero=1 rc=none sp: published loses in dp +0.17 s, bubble +0.16 s, pp +0.02 s (cost model: "
+        "expert ZeRO-1 reduce/gather over 32 nodes, exposed beyond one chunk; Table 4 reuses the 64-GPU mapping "
+        "of Table 3 at 1,024 GPUs, so the layout was not chosen for this size)",
 }
 
 
@@ -105,7 +106,8 @@ def test_unstated_fields_are_completed_at_the_fastest_fitting_choice(run_id):
     uneven = uneven_splits_allowed(run, config)
     times = [evaluate(config, layout, cluster, options).step.step_time_s]
     for mbs in (1, 2, 4, 8):
-        for v in (1, 2, 3, 4):
+        # v up to the search's cap of 4, and one layer per chunk (48 layers / pp 2 = 24; 28 / 4 = 7).
+        for v in (1, 2, 3, 4, config.num_layers // layout.pp):
             if not uneven and config.num_layers % (layout.pp * v):
                 continue
             trial = layout.replace(micro_batch_size=mbs, virtual_stages=v,

@@ -1,5 +1,5 @@
 """The planner's search space (issue 26): CP variants, EP for MoE, uneven stages by default, every
-runtime schedule, and the capped-microbatch memory shortcut against the full estimate."""
+runtime schedule, virtual stages up to the cap plus one layer per chunk, and the capped-microbatch memory shortcut against the full estimate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from parallel3d.pipeline.options import SCHEDULES
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts, memory_layout, pipeline_sizes
+from parallel3d.planning.planner import (PlanRequest, enumerate_layouts, memory_layout, pipeline_sizes,
+                                         virtual_stage_counts)
 
 
 def _dense(layers: int = 12) -> ModelConfig:
@@ -59,3 +60,20 @@ def test_capped_microbatch_memory_equals_the_full_estimate(schedule, v):
     capped = memory_layout(layout)
     assert capped.num_microbatches < layout.num_microbatches
     assert estimate_memory(_dense(8), capped).peak_bytes == estimate_memory(_dense(8), layout).peak_bytes
+
+
+def test_one_layer_per_chunk_interleaving_is_searched_above_the_cap():
+    # Hand count: 56 layers (Mixtral 8x22B's depth) on pp 8 is 7 layers a stage, so Megatron's finest even
+    # interleaving is v = 7; on pp 4 it is v = 14; pp 3 splits 56 unevenly (19, 19, 18), so nothing is added;
+    # at the cap of 1 (plain 1F1B asked for) nothing is interleaved at all.
+    model, req = _dense(56), PlanRequest(global_batch_size=64, seq_len=1024, micro_batch_sizes=(1,))
+    assert virtual_stage_counts(model, 8, req) == [1, 2, 3, 4, 7]
+    assert virtual_stage_counts(model, 4, req) == [1, 2, 3, 4, 14]
+    assert virtual_stage_counts(model, 3, req) == [1, 2, 3, 4]
+    assert virtual_stage_counts(model, 14, req) == [1, 2, 3, 4]  # 4 layers a stage: already within the cap
+    assert virtual_stage_counts(model, 8, PlanRequest(global_batch_size=64, seq_len=1024,
+                                                     max_virtual_stages=1)) == [1]
+    found = {(l.pp, l.virtual_stages) for l in enumerate_layouts(model, ClusterSpec.build(8, 8, "h100_80gb"), req)
+             if l.schedule == "interleaved_1f1b"}
+    assert (8, 7) in found and (4, 14) in found
+    assert not any(v > 4 and (p, v) not in ((8, 7), (4, 14), (2, 28)) for p, v in found)

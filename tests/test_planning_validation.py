@@ -28,19 +28,21 @@ KNOWN_MISSES: dict[str, str] = {  # row -> error and the term the breakdown poin
     # first parameter bucket exposed (CostOptions.grad_bucket) took mcore08 1.7B / 16B and Nemotron-4 15B
     # dp96 / dp192 inside the bar (+26 / +12 / +20 / +22% -> +6.3 / +5.2 / +6.9 / +8.7%).
     "narayanan21_gpt_7.5b": "-12.0%: tp4 at pp1, 2021 TP all-reduces exposed; micro-batch completed at 8",
-    "mcore08_gpt_32b_384gpus": "+11.2%: micro-batch completed at 4 (one microbatch per step, so DP hides behind "
+    "mcore08_gpt_32b_384gpus": "+10.4%: micro-batch completed at 4 (one microbatch per step, so DP hides behind "
                                "the whole backward but its last bucket); compute 97% of the step at tp8, h=7168",
-    "mcore08_gpt_462b_6144gpus": "-11.0%: 1F1B bubble at pp16: 7 layers per stage, so no even interleaving "
-                                 "with v <= 4 (Megatron-LM's split rule, EVEN_SPLIT_SOURCES)",
-    "nemotron4_15b_dp288": "+18.0%: same per-rank work as dp96 / dp192 (+6.9 / +8.7%); the published step "
+    "nemotron4_15b_dp288": "+17.3%: same per-rank work as dp96 / dp192 (+6.3 / +8.1%); the published step "
                            "grows 0.57 -> 0.64 s with dp, the priced exposed DP bucket only by ~9 ms (bucket "
                            "197M -> 288M parameters): cross-node collectives at 288 nodes are unpriced",
     # Cp ranks' head/embedding/pp messages at seq/cp tokens, Llama 3 128K's all-gather CP as stated, the
     # expert exchange at a rank's own 1/tp of the tokens took Llama 3 128K, Mixtral 128K and Qwen2-57B 1,024
     # GPUs inside the bar (-31.7 / -15.5 / -11.8% -> -0.9 / -9.9 / -9.0%).
-    "folding_mixtral_8x22b_folding_128gpus": "-13.6%: v = 4 completed; bubble 11.6% of the step (7 layers "
-                                             "per stage in 4 chunks); the MoE calibration rows run -7 to -9% too",
-    "folding_mixtral_8x22b_folding_1024gpus": "-13.5%: as on 128 GPUs, plus the expert ZeRO-1 reduce/gather over "
+    # One layer per chunk searched above the v <= 4 cap (planner.virtual_stage_counts: v = 7 for 7 layers a
+    # stage) took MCore 462B inside the bar (-11.0% -> +1.9%) and Mixtral 8x22B on 128 / 1,024 GPUs from -13.6 /
+    # -13.5% to -10.3 / -10.8% (-9.7 / -10.2% before the H100 curve was refitted on the calibration rows so
+    # completed: matmul_efficiency 0.628 -> 0.623).
+    "folding_mixtral_8x22b_folding_128gpus": "-10.3%: v = 7 completed; the MoE calibration rows run -6 to -8% too "
+                                             "(H100 curve fitted mostly on dense rows)",
+    "folding_mixtral_8x22b_folding_1024gpus": "-10.8%: as on 128 GPUs, plus the expert ZeRO-1 reduce/gather over "
                                               "16 nodes (dp 7% of the step)",
 }
 
@@ -90,7 +92,7 @@ def test_unstated_virtual_stages_are_priced_at_the_best_fitting_choice_in_the_mf
     as_written = evaluate(config, layout, cluster, options).step
     best = as_written
     for mbs in (1, 2, 4, 8):
-        for v in (1, 2, 3, 4):
+        for v in (1, 2, 3, 4, 7):  # the search's cap of 4, and one layer per chunk (56 layers / pp 8)
             try:
                 trial = layout.replace(micro_batch_size=mbs, virtual_stages=v,
                                        schedule="1f1b" if v == 1 else "interleaved_1f1b")

@@ -8,7 +8,8 @@ balanced stages differ by at most ~10%) whose tp*pp divides the GPUs; dp the res
 micro-batch sizes that divide the per-replica batch; for MoE models ep, etp (the dense tp or 1)
 and the expert ZeRO stage (the dense one or a higher searched one); 1F1B, zero-bubble zb_h1
 (pp > 1: same activation peak on the first stage, a smaller bubble, its split
-backward priced by the simulator), and interleaved 1F1B with v chunks per stage
+backward priced by the simulator), and interleaved 1F1B with v chunks per stage (v up to
+``max_virtual_stages``, and one layer per chunk: ``virtual_stage_counts``)
 when v*pp divides the layers (with ``uneven_stages``: when the layers fill every chunk but the first and
 the last, which may hold the embedding or the head alone, as in Llama 3 405B's 128 chunks of 126 layers) (GPipe is not searched: 1F1B's time with more memory). Sequence
 parallelism is on whenever tp > 1 (same communication volume, less memory). ``fixed_degrees`` holds
@@ -54,7 +55,7 @@ class PlanRequest:
     seq_len: int
     precision: str = "bf16"
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    max_virtual_stages: int = 4
+    max_virtual_stages: int = 4  # 1 = no interleaving; above 1 one layer per chunk is also tried
     zero_stages: tuple[int, ...] = (1, 2, 3)
     offload_modes: tuple[str, ...] = ("none",)
     recompute_modes: tuple[str, ...] = RECOMPUTE_ORDER
@@ -203,14 +204,32 @@ def expert_zero_choices(config: ModelConfig, zero: int, request: PlanRequest) ->
     return [None, *(z for z in request.zero_stages if z > zero)]
 
 
+def virtual_stage_counts(config: ModelConfig, pp: int, request: PlanRequest) -> list[int]:
+    """Chunks per stage searched: 1 to ``max_virtual_stages``, and, when interleaving is searched at all
+    (``max_virtual_stages`` > 1) and ``pp`` divides the layers, also one layer per chunk
+    (v = layers / pp, Megatron's ``--num-layers-per-virtual-pipeline-stage 1``).
+
+    Why: the finest even interleaving has the smallest bubble ((p - 1) / (v m)) a stage's layers
+    allow, and Megatron runs it whatever the cap (a 56-layer model at pp 8 has 7 layers a stage: v = 7,
+    where the cap allows only v <= 4, i.e. uneven chunks of 4 and 3 layers). Only this one value is added above the cap, which keeps
+    the search's size: the values in between trade the same bubble against more P2P hops.
+    Invariant: ascending, no duplicates, each v >= 1."""
+    counts = list(range(1, request.max_virtual_stages + 1))
+    per_stage = config.num_layers // pp
+    if request.max_virtual_stages > 1 and config.num_layers % pp == 0 and per_stage > request.max_virtual_stages:
+        counts.append(per_stage)
+    return counts
+
+
 def schedule_choices(config: ModelConfig, pp: int, m: int, request: PlanRequest) -> list[tuple[str, int]]:
     """Every runtime schedule (``SCHEDULES``, minus GPipe: 1F1B's time with more memory) with the
-    virtual-stage counts its options allow; chunks may hold unequal layer counts (uneven stages)."""
+    virtual-stage counts its options allow (``virtual_stage_counts``); chunks may hold unequal layer
+    counts (uneven stages)."""
     out = []
     for name in SCHEDULES:
         if name not in request.schedules or (pp == 1 and name != "1f1b"):
             continue
-        for v in range(1, request.max_virtual_stages + 1):
+        for v in virtual_stage_counts(config, pp, request):
             # Uneven stages include Llama 3 405B's split: the first and the last chunk may hold no layer
             # (pipeline.partition), so up to num_layers + 2 chunks fit.
             if (fewest_layers(pp * v) > config.num_layers if request.uneven_stages
