@@ -14,7 +14,9 @@ process group once (ours and torch's systems alternate step by step, the order r
 every step) and DeepSpeed once (its own processes; the two launches alternate their order
 from round to round), so background load hits every system alike. Per system it prints
 min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
-fastest 1F1B peer; for ours also the measured bubble (1 - busy / step) and the bubble
+fastest 1F1B peer, and for the process-group systems (ours, torch's) the CPU seconds a step costs
+all ranks (process time, gloo threads included) with its paired ratio to our 1f1b: on a machine
+with fewer free cores than ranks that, not wall time, compares the systems' work; for ours also the measured bubble (1 - busy / step) and the bubble
 ``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
 time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
@@ -27,7 +29,9 @@ JSON to ``--out`` (``small_mb_rows``, ``small_mb_targets`` for that case).
 
 On a shared or small machine (p > cores) ranks time-share, "busy" includes waiting for a
 core, and numbers are noisy: compare ratios of the same run, never absolute times.
-DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not.
+DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not. Ours
+sums the tied embedding's two gradient copies in its step (``grad_sync.finalize``); torch's step
+is followed by the same call (``sync_tied_embedding_grads``), which a user of it needs for this GPT.
 
 Modules: this one (the CLI, rounds and rows); ``bench_pipeline_group`` (the ranks of one
 process group: ours and torch's systems alternating); ``bench_pipeline_report`` (simulated
@@ -63,18 +67,26 @@ def run_deepspeed(args, py: str, world: int) -> list[float]:
 def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[dict]:
     """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # process group systems: CPU seconds per step, summed over ranks
     per_round: list[dict[str, list[float]]] = []  # per round: system -> its step times in that round
+    cpu_round: list[dict[str, list[float]]] = []  # the same in CPU seconds
     per_round_stats = []
+    grad_diffs: list[float | None] = []  # per round: torch 1f1b's last-step gradients vs ours 1f1b's
     for r in range(args.rounds):
         order = ["group", "deepspeed"] if r % 2 == 0 else ["deepspeed", "group"]
         per_round.append({})
+        cpu_round.append({})
         for what in order:
             if what == "group":
                 got = run_group(args, p)
                 for name, ts in got["times"].items():
                     times.setdefault(name, []).extend(ts)
                     per_round[-1][name] = ts
+                for name, cs in got["cpu_times"].items():
+                    cpu.setdefault(name, []).extend(cs)
+                    cpu_round[-1][name] = cs
                 per_round_stats.append(got["per_rank"])
+                grad_diffs.append(got["grad_diff_vs_ours_1f1b"])
             elif ds_py is not None:
                 ts = run_deepspeed(args, ds_py, p)
                 times.setdefault("deepspeed PipelineModule 1f1b", []).extend(ts)
@@ -96,6 +108,17 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                    for rnd in per_round if name in rnd),
                "round_medians_s": [statistics.median(rnd[name]) for rnd in per_round if name in rnd],
                "ours_1f1b_round_medians_s": [statistics.median(rnd["ours 1f1b"]) for rnd in per_round if name in rnd]}
+        if name == "torch.pipelining 1f1b":
+            row["grad_diff_vs_ours_1f1b"] = max(d for d in grad_diffs if d is not None)
+        if name in cpu:
+            # CPU seconds a step costs all ranks together: the executor's and the model's work, which
+            # time-sharing (p > cores, other users) does not inflate as it does wall time.
+            row.update(cpu_median_s=statistics.median(cpu[name]), cpu_steps_s=cpu[name],
+                       paired_cpu_vs_ours_1f1b=statistics.median(
+                           statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                           for rnd in cpu_round if name in rnd),
+                       cpu_round_ratios=[statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                                         for rnd in cpu_round if name in rnd])
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)
