@@ -16,9 +16,12 @@ from round to round), so background load hits every system alike. Per system it 
 min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
 fastest 1F1B peer, and for the process-group systems (ours, torch's) the CPU seconds a step costs
 all ranks (process time, gloo threads included) with its paired ratio to our 1f1b: on a machine
-with fewer free cores than ranks that, not wall time, compares the systems' work; for ours also the measured bubble (1 - busy / step) and the bubble
-``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
-time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
+with fewer free cores than ranks that, not wall time, compares the systems' work; for ours also
+the measured bubble and ``simulate``'s fed with our measured costs, defined alike
+(``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
+executor time per computation in the feed; ``sim``: plus the measured time of one
+activation-sized send/recv; ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
+rank; with more ranks than cores the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
 default) the overhead-bound case of issue 27: m = 16 microbatches of one sample each, our 1f1b
 against torch.pipelining's Schedule1F1B only, same shapes, same alternation, its own table
@@ -34,8 +37,8 @@ sums the tied embedding's two gradient copies in its step (``grad_sync.finalize`
 is followed by the same call (``sync_tied_embedding_grads``), which a user of it needs for this GPT.
 
 Modules: this one (the CLI, rounds and rows); ``bench_pipeline_group`` (the ranks of one
-process group: ours and torch's systems alternating); ``bench_pipeline_report`` (simulated
-bubbles, ratios, the printed tables).
+process group: ours and torch's systems alternating); ``bench_pipeline_bubble`` (measured and
+simulated bubbles); ``bench_pipeline_report`` (ratios, the printed tables).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench_pipeline_group import run_group  # noqa: E402
-from bench_pipeline_report import (_print_main, _print_small_mb, _simulated, _simulated_unit_bubbles,  # noqa: E402
+from bench_pipeline_bubble import simulated_bubbles  # noqa: E402
+from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit_bubbles,  # noqa: E402
                                    _split_backward_ratio, _stats)
 from peer_env import deepspeed_python, run_peer  # noqa: E402
 
@@ -122,13 +126,16 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)
-            measured = [_simulated(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs))
-                        for rs in per_round_stats]
-            meas = statistics.median(x[0] for x in measured)
-            sim = statistics.median(x[1] for x in measured)
-            row.update(bubble_measured=meas, bubble_simulated=sim,
-                       bubble_simulated_zero_latency=statistics.median(x[2] for x in measured),
-                       bubble_rel_diff=abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
+            cores = len(os.sched_getaffinity(0))
+            rounds = [simulated_bubbles(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs),
+                                        oversubscribed=p > cores) for rs in per_round_stats]
+            bub = {k: statistics.median(x[k] for x in rounds) if rounds[0][k] is not None else None
+                   for k in rounds[0]}
+            meas, sim = bub["measured"], bub["sim"]
+            row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
+                       bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
+                       bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
+                       bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
                        executor_us_per_action=statistics.median(
                            o[name]["executor_us_per_action"] for rs in per_round_stats for _, o, _ in rs),

@@ -149,6 +149,16 @@ def _compute_medians(results: list) -> dict[tuple[str, int], float]:
     return {k: statistics.fmean(vals) for k, vals in own.items()}
 
 
+def _compute_cpu_means(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the mean thread CPU seconds of our F / B / W computations (their cost on a
+    core of their own)."""
+    own: dict[tuple[str, int], list[float]] = {}
+    for res in results:
+        for action, spent in res.compute_cpu:
+            own.setdefault((action.kind, action.chunk), []).append(spent)
+    return {k: statistics.fmean(vals) for k, vals in own.items()}
+
+
 def _grad_diff(systems: dict, ours: str, theirs: str) -> float | None:
     """Largest |difference| between the gradients two systems' last steps left (same layers, init and
     batch), over all ranks: ~0 when both did the same work, tied embedding sum included."""
@@ -241,6 +251,11 @@ def _group_round(args, pstate, v: int) -> dict:
             "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
                                       for r in measured),
             "compute": _compute_medians(measured),
+            "compute_cpu": _compute_cpu_means(measured),
+            # per step: what bench_pipeline_bubble puts on the ranks' common axis
+            "step_times": [(r.start_time, max(e for a, _, e in r.timeline if a.is_compute), r.schedule_wait_time,
+                            len(r.compute_cpu), r.busy_time, r.step_time) for r in measured],
+            "executor_cpu_per_compute": [r.executor_cpu_time / len(r.compute_cpu) for r in measured],
             # the executor's own time (neither computing nor blocked in p2p waits) per action
             "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
             # the same in this thread's CPU time: preemption on a busy machine and blocking waits excluded
