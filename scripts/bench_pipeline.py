@@ -21,7 +21,8 @@ the measured bubble and ``simulate``'s fed with our measured costs, defined alik
 (``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
 executor time per computation in the feed; ``sim``: plus the measured time of one
 activation-sized send/recv; ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
-rank; with more ranks than cores the measured bubble is not reported), and the issue's schedule
+rank; where ranks outnumber cores, or the computations' CPU / wall time shows they waited for a
+core, the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
 default) the overhead-bound case of issue 27: m = 16 microbatches of one sample each, our 1f1b
 against torch.pipelining's Schedule1F1B only, same shapes, same alternation, its own table
@@ -135,6 +136,7 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
+                       core_share=min(x["core_share"] for x in rounds),
                        bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
                        executor_us_per_action=statistics.median(

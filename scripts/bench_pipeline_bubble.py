@@ -19,9 +19,12 @@ timelines, and the simulator is fed what the ranks really spend:
 
 Time-sharing: with more ranks than cores (pp 4 on 2 cores, or other users' load) a rank blocked
 in a wait is not idle hardware (another rank computes on that core) and a computation's wall
-span includes waiting for a core, so the wall-clock bubble is no measure of the schedule. There
-the measured bubble is not reported (None), and ``sim_cpu`` feeds the simulator the computations'
-and the executor's thread CPU times: the bubble the schedule would have with a core per rank.
+span includes waiting for a core, so the wall-clock bubble is no measure of the schedule. The
+ranks' own clocks tell: ``core_share``, the computations' thread CPU time over their wall time
+(the least over stages), is about 1 on a core of one's own. Where ranks outnumber cores or
+``core_share < CORE_SHARE_MIN`` the measured bubble is not reported (None; the time-shared value
+stays in the JSON, labelled), and ``sim_cpu`` feeds the simulator the computations' and the
+executor's thread CPU times: the bubble the schedule would have with a core per rank.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Callable
 # Per stage, per measured step: (start_time, own last computation's end relative to start,
 # schedule_wait_time, number of computations, busy seconds, step seconds).
 StepTimes = tuple[float, float, float, int, float, float]
+
+CORE_SHARE_MIN = 0.9  # below: the ranks' computations waited for a core (module doc)
 
 
 def window_bubble(step: list[StepTimes]) -> float:
@@ -76,8 +81,9 @@ def fed_costs(compute: dict[tuple[int, str, int], float], overhead: dict[int, fl
 def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
                       oversubscribed: bool) -> dict[str, float | None]:
     """For our system ``name`` in one round: the measured bubble (window definition; None when
-    time-shared), the former whole-step one, and ``simulate``'s fed with the measured costs (wall:
-    with and without message time; CPU: a core per rank)."""
+    time-shared: ``oversubscribed`` (ranks > cores) or ``core_share`` low), the former whole-step
+    one, and ``simulate``'s fed with the measured costs (wall: with and without message time; CPU:
+    a core per rank)."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
     per_stage = {st: ours[name] for st, ours, _ in rank_stats}
@@ -91,8 +97,11 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     fwd, bwd, wgt = fed_costs(wall, overhead)
     cfwd, cbwd, cwgt = fed_costs(cpu, overhead_cpu)
     measured = statistics.median(window_bubble(s) for s in steps)
+    core_share = min(sum(t for (st, _, _), t in cpu.items() if st == stage) /
+                     sum(t for (st, _, _), t in wall.items() if st == stage) for stage in per_stage)
     return {
-        "measured": None if oversubscribed else measured,
+        "measured": None if oversubscribed or core_share < CORE_SHARE_MIN else measured,
+        "core_share": core_share,
         "measured_time_shared": measured,
         "measured_whole_step": statistics.median(whole_step_bubble(s) for s in steps),
         "sim": simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt).bubble_fraction,

@@ -64,3 +64,8 @@ def test_window_uses_the_common_clock_and_time_sharing_hides_the_measured_bubble
     assert whole_step_bubble(steps) > truth
     got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=True)
     assert got["measured"] is None and got["measured_time_shared"] == pytest.approx(truth)
+    # Computations that got half a core (CPU time half their wall span): time-shared too.
+    for _, ours, _ in stats:
+        ours["1f1b"]["compute_cpu"] = {k: 0.5 * t for k, t in ours["1f1b"]["compute"].items()}
+    got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
+    assert got["core_share"] == pytest.approx(0.5) and got["measured"] is None
