@@ -136,7 +136,7 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
-                       core_share=min(x["core_share"] for x in rounds),
+                       core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
                        bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
                        executor_us_per_action=statistics.median(

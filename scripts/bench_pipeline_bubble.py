@@ -17,6 +17,12 @@ timelines, and the simulator is fed what the ranks really spend:
   at the measured message time (``sim``) or free (``sim0``). Mean, not median, so that a stage's
   simulated work equals its measured work: the two bubbles then differ only by waiting.
 
+The mean-fed simulator assumes every microbatch costs the mean; ``replay`` feeds it each
+computation's own measured duration (plus the stage's executor time per computation), step by
+step: where replay and measured agree but the mean-fed ``sim`` does not, the gap is the
+variation of the costs (a schedule with little slack passes it on as waiting), not a
+difference of definitions.
+
 Time-sharing: with more ranks than cores (pp 4 on 2 cores, or other users' load) a rank blocked
 in a wait is not idle hardware (another rank computes on that core) and a computation's wall
 span includes waiting for a core, so the wall-clock bubble is no measure of the schedule. The
@@ -83,7 +89,7 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     """For our system ``name`` in one round: the measured bubble (window definition; None when
     time-shared: ``oversubscribed`` (ranks > cores) or ``core_share`` low), the former whole-step
     one, and ``simulate``'s fed with the measured costs (wall: with and without message time; CPU:
-    a core per rank)."""
+    a core per rank; ``replay``: each computation's own duration, with message time)."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
     per_stage = {st: ours[name] for st, ours, _ in rank_stats}
@@ -97,6 +103,11 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     fwd, bwd, wgt = fed_costs(wall, overhead)
     cfwd, cbwd, cwgt = fed_costs(cpu, overhead_cpu)
     measured = statistics.median(window_bubble(s) for s in steps)
+    replays = []
+    for i in range(len(steps)):
+        def own(st: int, a, i: int = i) -> float:
+            return per_stage[st]["action_s"][i][(a.kind, a.microbatch, a.chunk)] + overhead[st]
+        replays.append(simulate(schedule, 0.0, 0.0, p2p_time=msg_s, action_time=own).bubble_fraction)
     core_share = min(sum(t for (st, _, _), t in cpu.items() if st == stage) /
                      sum(t for (st, _, _), t in wall.items() if st == stage) for stage in per_stage)
     return {
@@ -107,4 +118,5 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         "sim": simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt).bubble_fraction,
         "sim0": simulate(schedule, fwd, bwd, wgrad_time=wgt).bubble_fraction,
         "sim_cpu": simulate(schedule, cfwd, cbwd, wgrad_time=cwgt).bubble_fraction,
+        "replay": statistics.median(replays),
     }

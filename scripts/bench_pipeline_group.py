@@ -256,6 +256,9 @@ def _group_round(args, pstate, v: int) -> dict:
             "step_times": [(r.start_time, max(e for a, _, e in r.timeline if a.is_compute), r.schedule_wait_time,
                             len(r.compute_cpu), r.busy_time, r.step_time) for r in measured],
             "executor_cpu_per_compute": [r.executor_cpu_time / len(r.compute_cpu) for r in measured],
+            # per step: each computation's own wall duration, for a replay in simulate()
+            "action_s": [{(a.kind, a.microbatch, a.chunk): e - b for a, b, e in r.timeline if a.is_compute}
+                         for r in measured],
             # the executor's own time (neither computing nor blocked in p2p waits) per action
             "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
             # the same in this thread's CPU time: preemption on a busy machine and blocking waits excluded

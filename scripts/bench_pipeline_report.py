@@ -48,7 +48,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
     """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} {'cpu/1f1b':>8} "
-              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8} {'step def':>8} {'sim cpu':>7} {'core':>5}")
+              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -58,7 +58,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
             meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'time-shared':>11}"
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
             bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_zero_latency']:>6.3f} {diff} "
-                   f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} {r['core_share']:>5.2f}")
+                   f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
+                   f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
         cpu = f"{r['paired_cpu_vs_ours_1f1b']:>8.3f}" if "paired_cpu_vs_ours_1f1b" in r else f"{'-':>8}"
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
@@ -71,7 +72,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "reported) where ranks outnumber cores or core < 0.9 (idle is then another rank's compute); sim: simulate() fed with our measured per-chunk "
           "F/B/W plus the stage's executor time per computation, and message times; sim0: zero message latency; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
-          "CPU time (a core per rank); core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
+          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
           "(SGD) optimizer step")
     print()
     head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13}")

@@ -39,8 +39,11 @@ def _measured_from_simulation(name: str, p: int, m: int, v: int, starts: list[fl
         waited = own_end - busy - OVERHEAD * len(mine)
         compute = {(t.action.kind, t.action.chunk): {"F": F, "B": b, "W": W}[t.action.kind] for t in mine}
         step = (starts[st], own_end, waited, len(mine), busy, timeline.makespan + TAIL)
+        own = {(t.action.kind, t.action.microbatch, t.action.chunk): {"F": F, "B": b, "W": W}[t.action.kind]
+               for t in mine}
         stats.append((st, {name: {"schedule": name, "virtual_stages": v, "compute": compute, "compute_cpu": compute,
-                                  "step_times": [step, step], "executor_cpu_per_compute": [OVERHEAD]}}, 0.0))
+                                  "step_times": [step, step], "executor_cpu_per_compute": [OVERHEAD],
+                                  "action_s": [own, own]}}, 0.0))
     return stats, timeline.bubble_fraction
 
 
@@ -52,6 +55,7 @@ def test_measured_bubble_equals_simulated_on_a_simulated_execution(name: str, p:
     assert got["measured"] == pytest.approx(truth, rel=1e-9)
     assert got["sim0"] == pytest.approx(truth, rel=1e-9)  # the feed puts the executor time back in
     assert got["sim_cpu"] == pytest.approx(truth, rel=1e-9)
+    assert got["replay"] == pytest.approx(truth, rel=1e-9)  # every microbatch at the mean: the same run
     # The former definition counts executor time and the tail as idle: far off.
     assert abs(got["measured_whole_step"] - truth) > 0.1 * truth
 
@@ -69,3 +73,17 @@ def test_window_uses_the_common_clock_and_time_sharing_hides_the_measured_bubble
         ours["1f1b"]["compute_cpu"] = {k: 0.5 * t for k, t in ours["1f1b"]["compute"].items()}
     got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
     assert got["core_share"] == pytest.approx(0.5) and got["measured"] is None
+
+
+def test_replay_uses_each_computations_own_duration() -> None:
+    """One slow forward on the first stage delays the whole pipeline in a replay; at the mean cost
+    (what ``sim`` assumes) the same total work packs tighter."""
+    stats, _ = _measured_from_simulation("1f1b", 2, 4, 1, starts=[0.0, 0.0])
+    for _, ours, _ in stats:
+        ours["1f1b"]["action_s"] = [dict(s) for s in ours["1f1b"]["action_s"]]
+    first = stats[0][1]["1f1b"]
+    for step in first["action_s"]:
+        step[("F", 0, 0)] += 4.0  # the first microbatch's forward, which every later action waits for
+    first["compute"] = {k: t + (1.0 if k == ("F", 0) else 0.0) for k, t in first["compute"].items()}  # mean +4/4
+    got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
+    assert got["replay"] > got["sim0"] + 0.02
