@@ -14,9 +14,9 @@ process group once (ours and torch's systems alternate step by step, the order r
 every step) and DeepSpeed once (its own processes; the two launches alternate their order
 from round to round), so background load hits every system alike. Per system it prints
 min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
-fastest 1F1B peer, and for the process-group systems (ours, torch's) the CPU seconds a step costs
-all ranks (process time, gloo threads included) with its paired ratio to our 1f1b: on a machine
-with fewer free cores than ranks that, not wall time, compares the systems' work; for ours also
+fastest 1F1B peer, and for every system the CPU seconds a step costs all ranks (process
+time, gloo threads included) with its paired ratio to our 1f1b: on a machine with fewer free
+cores than ranks that, not wall time, compares the systems' work; for ours also
 the measured bubble and ``simulate``'s fed with our measured costs, defined alike
 (``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
 executor time per computation in the feed; ``sim``: plus the measured time of one
@@ -33,7 +33,8 @@ JSON to ``--out`` (``small_mb_rows``, ``small_mb_targets`` for that case).
 
 On a shared or small machine (p > cores) ranks time-share, "busy" includes waiting for a
 core, and numbers are noisy: compare ratios of the same run, never absolute times.
-DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not. Ours
+DeepSpeed's step also runs its optimizer step (SGD, tiny here) but no tied-embedding sum (its
+stages are built without ``TiedLayerSpec``); ours and torch's run no optimizer step. Ours
 sums the tied embedding's two gradient copies in its step (``grad_sync.finalize``); torch's step
 is followed by the same call (``sync_tied_embedding_grads``), which a user of it needs for this GPT.
 
@@ -63,10 +64,12 @@ from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit
 from peer_env import deepspeed_python, run_peer  # noqa: E402
 
 
-def run_deepspeed(args, py: str, world: int) -> list[float]:
+def run_deepspeed(args, py: str, world: int) -> tuple[list[float], list[float]]:
+    """DeepSpeed's step times and CPU seconds per step (all ranks), from its own launch."""
     cmd = [f"--{key}={getattr(args, key)}" for key in ("microbatches", "layers", "hidden", "seq", "mbs", "vocab",
                                                          "steps", "warmup")]
-    return run_peer(py, "peer_deepspeed_pipeline.py", [*cmd, f"--stages={world}"])["step_times_s"]
+    got = run_peer(py, "peer_deepspeed_pipeline.py", [*cmd, f"--stages={world}"])
+    return got["step_times_s"], got["cpu_times_s"]
 
 
 def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[dict]:
@@ -93,9 +96,11 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                 per_round_stats.append(got["per_rank"])
                 grad_diffs.append(got["grad_diff_vs_ours_1f1b"])
             elif ds_py is not None:
-                ts = run_deepspeed(args, ds_py, p)
+                ts, cs = run_deepspeed(args, ds_py, p)
                 times.setdefault("deepspeed PipelineModule 1f1b", []).extend(ts)
                 per_round[-1]["deepspeed PipelineModule 1f1b"] = ts
+                cpu.setdefault("deepspeed PipelineModule 1f1b", []).extend(cs)
+                cpu_round[-1]["deepspeed PipelineModule 1f1b"] = cs
         print(f"[bench] {case} pp={p} round {r + 1}/{args.rounds} done", flush=True)
     base = statistics.median(times["ours 1f1b"])
     peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
