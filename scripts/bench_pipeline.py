@@ -14,9 +14,15 @@ process group once (ours and torch's systems alternate step by step, the order r
 every step) and DeepSpeed once (its own processes; the two launches alternate their order
 from round to round), so background load hits every system alike. Per system it prints
 min / median / max over all measured steps and the ratio of medians to our 1f1b and to the
-fastest 1F1B peer; for ours also the measured bubble (1 - busy / step) and the bubble
-``simulate`` predicts from our measured per-chunk F/B/W times (``sim``: plus the measured
-time of one activation-sized send/recv; ``sim0``: zero latency), and the issue's schedule
+fastest 1F1B peer, and for every system the CPU seconds a step costs all ranks (process
+time, gloo threads included) with its paired ratio to our 1f1b: on a machine with fewer free
+cores than ranks that, not wall time, compares the systems' work; for ours also
+the measured bubble and ``simulate``'s fed with our measured costs, defined alike
+(``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
+executor time per computation in the feed; ``sim``: plus the measured time of one
+activation-sized send/recv; ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
+rank; where ranks outnumber cores, or the computations' CPU / wall time shows they waited for a
+core, the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
 default) the overhead-bound case of issue 27: m = 16 microbatches of one sample each, our 1f1b
 against torch.pipelining's Schedule1F1B only, same shapes, same alternation, its own table
@@ -27,11 +33,14 @@ JSON to ``--out`` (``small_mb_rows``, ``small_mb_targets`` for that case).
 
 On a shared or small machine (p > cores) ranks time-share, "busy" includes waiting for a
 core, and numbers are noisy: compare ratios of the same run, never absolute times.
-DeepSpeed's step also runs its optimizer step (SGD, tiny here); ours and torch's do not.
+DeepSpeed's step also runs its optimizer step (SGD, tiny here) but no tied-embedding sum (its
+stages are built without ``TiedLayerSpec``); ours and torch's run no optimizer step. Ours
+sums the tied embedding's two gradient copies in its step (``grad_sync.finalize``); torch's step
+is followed by the same call (``sync_tied_embedding_grads``), which a user of it needs for this GPT.
 
 Modules: this one (the CLI, rounds and rows); ``bench_pipeline_group`` (the ranks of one
-process group: ours and torch's systems alternating); ``bench_pipeline_report`` (simulated
-bubbles, ratios, the printed tables).
+process group: ours and torch's systems alternating); ``bench_pipeline_bubble`` (measured and
+simulated bubbles); ``bench_pipeline_report`` (ratios, the printed tables).
 """
 
 from __future__ import annotations
@@ -49,36 +58,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench_pipeline_group import run_group  # noqa: E402
-from bench_pipeline_report import (_print_main, _print_small_mb, _simulated, _simulated_unit_bubbles,  # noqa: E402
+from bench_pipeline_bubble import simulated_bubbles  # noqa: E402
+from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit_bubbles,  # noqa: E402
                                    _split_backward_ratio, _stats)
 from peer_env import deepspeed_python, run_peer  # noqa: E402
 
 
-def run_deepspeed(args, py: str, world: int) -> list[float]:
+def run_deepspeed(args, py: str, world: int) -> tuple[list[float], list[float]]:
+    """DeepSpeed's step times and CPU seconds per step (all ranks), from its own launch."""
     cmd = [f"--{key}={getattr(args, key)}" for key in ("microbatches", "layers", "hidden", "seq", "mbs", "vocab",
                                                          "steps", "warmup")]
-    return run_peer(py, "peer_deepspeed_pipeline.py", [*cmd, f"--stages={world}"])["step_times_s"]
+    got = run_peer(py, "peer_deepspeed_pipeline.py", [*cmd, f"--stages={world}"])
+    return got["step_times_s"], got["cpu_times_s"]
 
 
 def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[dict]:
     """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # process group systems: CPU seconds per step, summed over ranks
     per_round: list[dict[str, list[float]]] = []  # per round: system -> its step times in that round
+    cpu_round: list[dict[str, list[float]]] = []  # the same in CPU seconds
     per_round_stats = []
+    grad_diffs: list[float | None] = []  # per round: torch 1f1b's last-step gradients vs ours 1f1b's
     for r in range(args.rounds):
         order = ["group", "deepspeed"] if r % 2 == 0 else ["deepspeed", "group"]
         per_round.append({})
+        cpu_round.append({})
         for what in order:
             if what == "group":
                 got = run_group(args, p)
                 for name, ts in got["times"].items():
                     times.setdefault(name, []).extend(ts)
                     per_round[-1][name] = ts
+                for name, cs in got["cpu_times"].items():
+                    cpu.setdefault(name, []).extend(cs)
+                    cpu_round[-1][name] = cs
                 per_round_stats.append(got["per_rank"])
+                grad_diffs.append(got["grad_diff_vs_ours_1f1b"])
             elif ds_py is not None:
-                ts = run_deepspeed(args, ds_py, p)
+                ts, cs = run_deepspeed(args, ds_py, p)
                 times.setdefault("deepspeed PipelineModule 1f1b", []).extend(ts)
                 per_round[-1]["deepspeed PipelineModule 1f1b"] = ts
+                cpu.setdefault("deepspeed PipelineModule 1f1b", []).extend(cs)
+                cpu_round[-1]["deepspeed PipelineModule 1f1b"] = cs
         print(f"[bench] {case} pp={p} round {r + 1}/{args.rounds} done", flush=True)
     base = statistics.median(times["ours 1f1b"])
     peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
@@ -96,16 +118,31 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                    for rnd in per_round if name in rnd),
                "round_medians_s": [statistics.median(rnd[name]) for rnd in per_round if name in rnd],
                "ours_1f1b_round_medians_s": [statistics.median(rnd["ours 1f1b"]) for rnd in per_round if name in rnd]}
+        if name == "torch.pipelining 1f1b":
+            row["grad_diff_vs_ours_1f1b"] = max(d for d in grad_diffs if d is not None)
+        if name in cpu:
+            # CPU seconds a step costs all ranks together: the executor's and the model's work, which
+            # time-sharing (p > cores, other users) does not inflate as it does wall time.
+            row.update(cpu_median_s=statistics.median(cpu[name]), cpu_steps_s=cpu[name],
+                       paired_cpu_vs_ours_1f1b=statistics.median(
+                           statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                           for rnd in cpu_round if name in rnd),
+                       cpu_round_ratios=[statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                                         for rnd in cpu_round if name in rnd])
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)
-            measured = [_simulated(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs))
-                        for rs in per_round_stats]
-            meas = statistics.median(x[0] for x in measured)
-            sim = statistics.median(x[1] for x in measured)
-            row.update(bubble_measured=meas, bubble_simulated=sim,
-                       bubble_simulated_zero_latency=statistics.median(x[2] for x in measured),
-                       bubble_rel_diff=abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
+            cores = len(os.sched_getaffinity(0))
+            rounds = [simulated_bubbles(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs),
+                                        oversubscribed=p > cores) for rs in per_round_stats]
+            bub = {k: statistics.median(x[k] for x in rounds) if rounds[0][k] is not None else None
+                   for k in rounds[0]}
+            meas, sim = bub["measured"], bub["sim"]
+            row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
+                       bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
+                       bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
+                       core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
+                       bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
                        executor_us_per_action=statistics.median(
                            o[name]["executor_us_per_action"] for rs in per_round_stats for _, o, _ in rs),

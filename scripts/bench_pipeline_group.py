@@ -3,7 +3,8 @@
 Each spawned rank (``_worker``, launched by ``run_group``) builds parallel3d's GPT chunks
 (the same partition and init for every system), then times our schedules and torch's
 Schedule1F1B / ScheduleInterleaved1F1B step by step, the order rotating every step, and
-returns per system its step times (the slowest rank's, after a barrier) and, for ours,
+returns per system its step times (the slowest rank's, after a barrier), its CPU seconds per step
+(summed over ranks: ``_timed``) and, for ours,
 what the engine measured (busy, per-chunk F/B/W, executor us per action, activation
 peaks). Invariant: every system of a round sees the same batch, shapes and background load.
 """
@@ -105,13 +106,20 @@ def _batch(args, m: int) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
     return mbs, inputs, labels
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds of the step: the slowest rank's; CPU seconds of the step summed over ranks).
+
+    The CPU time is the process's (its gloo threads included): the work a system does for a step,
+    which, unlike wall time, time-sharing the cores with other ranks or other users does not inflate.
+    """
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step ends when the slowest stage does
-    return elapsed.item()
+    wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    cpu = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # the step ends when the slowest stage does
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    return wall.item(), cpu.item()
 
 
 def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
@@ -141,11 +149,38 @@ def _compute_medians(results: list) -> dict[tuple[str, int], float]:
     return {k: statistics.fmean(vals) for k, vals in own.items()}
 
 
+def _compute_cpu_means(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the mean thread CPU seconds of our F / B / W computations (their cost on a
+    core of their own)."""
+    own: dict[tuple[str, int], list[float]] = {}
+    for res in results:
+        for action, spent in res.compute_cpu:
+            own.setdefault((action.kind, action.chunk), []).append(spent)
+    return {k: statistics.fmean(vals) for k, vals in own.items()}
+
+
+def _grad_diff(systems: dict, ours: str, theirs: str) -> float | None:
+    """Largest |difference| between the gradients two systems' last steps left (same layers, init and
+    batch), over all ranks: ~0 when both did the same work, tied embedding sum included."""
+    if ours not in systems or theirs not in systems:
+        return None
+    worst = 0.0
+    for a, b in zip(systems[ours][1], systems[theirs][1]):
+        for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+            ga = pa.grad if pa.grad is not None else torch.zeros_like(pa)
+            gb = pb.grad if pb.grad is not None else torch.zeros_like(pb)
+            worst = max(worst, (ga - gb).abs().max().item())
+    value = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
 def _group_round(args, pstate, v: int) -> dict:
     """One round in one process group: every system alternates step by step; returns their step times."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from parallel3d.pipeline.engine import PipelineEngine
+    from parallel3d.pipeline.tied import sync_tied_embedding_grads
 
     p, m, s = pstate.size("pp"), args.microbatches, pstate.coord("pp")
     microbatches, inputs, labels = _batch(args, m)
@@ -175,23 +210,30 @@ def _group_round(args, pstate, v: int) -> dict:
                       else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
             first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
 
-            def run_theirs(sched=theirs, first=first, last=last) -> None:
+            def run_theirs(sched=theirs, first=first, last=last, chunks=chunks) -> None:
                 sched.step(*((inputs,) if first else ()), **({"target": labels, "losses": []} if last else {}))
+                # torch.pipelining knows nothing of the GPT's tied input/output embedding: a user
+                # training it must sum the two copies' gradients after the step, which our engine
+                # does in its step (grad_sync.finalize). Same work on both sides, same code.
+                sync_tied_embedding_grads(chunks, pstate)
 
             name = "torch.pipelining 1f1b" if vs == 1 else f"torch.pipelining interleaved_1f1b v{vs}"
             systems[name] = (run_theirs, chunks, None, None)
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu_times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.warmup + args.steps):
         order = names[i % len(names):] + names[:i % len(names)]  # rotate: background load hits all alike
         for name in order:
             run, chunks, _, _ = systems[name]
             for c in chunks:
                 c.zero_grad(set_to_none=True)
-            t = _timed(run)
+            t, cpu = _timed(run)
             if i >= args.warmup:
                 times[name].append(t)
-    out: dict = {"times": times, "ours": {}}
+                cpu_times[name].append(cpu)
+    out: dict = {"times": times, "cpu_times": cpu_times, "ours": {},
+                 "grad_diff_vs_ours_1f1b": _grad_diff(systems, "ours 1f1b", "torch.pipelining 1f1b")}
     for name, (run, chunks, results, engine) in systems.items():
         if results is None:
             continue
@@ -209,6 +251,14 @@ def _group_round(args, pstate, v: int) -> dict:
             "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
                                       for r in measured),
             "compute": _compute_medians(measured),
+            "compute_cpu": _compute_cpu_means(measured),
+            # per step: what bench_pipeline_bubble puts on the ranks' common axis
+            "step_times": [(r.start_time, max(e for a, _, e in r.timeline if a.is_compute), r.schedule_wait_time,
+                            len(r.compute_cpu), r.busy_time, r.step_time) for r in measured],
+            "executor_cpu_per_compute": [r.executor_cpu_time / len(r.compute_cpu) for r in measured],
+            # per step: each computation's own wall duration, for a replay in simulate()
+            "action_s": [{(a.kind, a.microbatch, a.chunk): e - b for a, b, e in r.timeline if a.is_compute}
+                         for r in measured],
             # the executor's own time (neither computing nor blocked in p2p waits) per action
             "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
             # the same in this thread's CPU time: preemption on a busy machine and blocking waits excluded
@@ -238,7 +288,8 @@ def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
         result = _group_round(args, pstate, v)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (pstate.coord("pp"), result["ours"], result["msg_s"]))
-        rows = {"times": result["times"], "per_rank": gathered}
+        rows = {"times": result["times"], "cpu_times": result["cpu_times"], "per_rank": gathered,
+                "grad_diff_vs_ours_1f1b": result["grad_diff_vs_ours_1f1b"]}
         out.put((rank, "ok", rows))
         dist.destroy_process_group()
     except BaseException:

@@ -1,42 +1,13 @@
 """``bench_pipeline.py``'s derived numbers and tables: simulated bubbles, split-backward ratio, printing.
 
-Pure functions of what the rounds measured (no timing here): ``_simulated`` feeds our measured
-per-chunk F/B/W and message times to ``simulate``; ``_print_main`` / ``_print_small_mb`` print
+Pure functions of what the rounds measured (no timing here; the bubbles are
+``bench_pipeline_bubble``'s): ``_print_main`` / ``_print_small_mb`` print
 the tables and mark the issue-27 target of the overhead-bound case.
 """
 
 from __future__ import annotations
 
 import statistics
-
-
-def _simulated(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> tuple[float, float, float]:
-    """(measured bubble, simulated with measured message time, simulated at zero latency) for our ``name``."""
-    from parallel3d.pipeline.schedules import build_schedule, simulate
-
-    per_stage = {st: ours[name] for st, ours, _ in rank_stats}
-    sched = per_stage[0]["schedule"]
-    v = per_stage[0]["virtual_stages"]
-    med = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}
-
-    def fwd(st, c):
-        return med[(st, "F", c)]
-
-    def wgt(st, c):
-        return med.get((st, "W", c), 0.0)
-
-    def bwd(st, c):  # a whole backward: B, plus W where the schedule splits it
-        return med[(st, "B", c)] + wgt(st, c)
-
-    schedule = build_schedule(sched, p, m, v)
-    sim = simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt)
-    sim0 = simulate(schedule, fwd, bwd, wgrad_time=wgt)
-    # Like simulate(): each stage's idle share of the step's global end (the slowest rank's step),
-    # averaged over stages, per step; the median over the round's steps.
-    steps = zip(*(zip(o["busy_s"], o["step_s"]) for o in per_stage.values()))
-    measured = statistics.median(
-        statistics.mean(1.0 - busy / max(st for _, st in step) for busy, _ in step) for step in steps)
-    return measured, sim.bubble_fraction, sim0.bubble_fraction
 
 
 def _split_backward_ratio(per_round_stats: list, name: str) -> float | None:
@@ -76,20 +47,32 @@ def _simulated_unit_bubbles(p: int, m: int) -> dict:
 def _print_main(rows: list[dict], args, unit: dict) -> None:
     """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
-              f"{'/peer':>6} "
-              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8}")
+              f"{'/peer':>6} {'cpu/1f1b':>8} "
+              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        bub = (f"{r['bubble_measured']:>11.3f} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_zero_latency']:>6.3f}"
-               f" {r['bubble_rel_diff']:>8.1%}") if "bubble_measured" in r else ""
+        if "bubble_measured" not in r:
+            bub = ""
+        else:
+            meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'time-shared':>11}"
+            diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
+            bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_zero_latency']:>6.3f} {diff} "
+                   f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
+                   f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
+        cpu = f"{r['paired_cpu_vs_ours_1f1b']:>8.3f}" if "paired_cpu_vs_ours_1f1b" in r else f"{'-':>8}"
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
-              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} {peer} {bub}")
+              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} {peer} {cpu} {bub}")
     print(f"m={args.microbatches}; {args.rounds} rounds x {args.steps} measured steps per system, alternating; "
           "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; paired: median over rounds of "
-          "the same ratio within one round; bubble meas: idle share of the slowest rank's step; sim: simulate() with our "
-          "measured per-chunk F/B/W and message times; sim0: zero message latency; deepspeed's step includes its "
+          "the same ratio within one round; cpu/1f1b: paired ratio of CPU seconds per step (all ranks, process time) to "
+          "our 1f1b's; bubble meas: idle share (p2p waits, and after the rank's last computation) of "
+          "the schedule's window (step start to the last computation on any rank), mean over ranks; time-shared (not "
+          "reported) where ranks outnumber cores or core < 0.9 (idle is then another rank's compute); sim: simulate() fed with our measured per-chunk "
+          "F/B/W plus the stage's executor time per computation, and message times; sim0: zero message latency; "
+          "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
+          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
           "(SGD) optimizer step")
     print()
     head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13}")
@@ -121,22 +104,24 @@ def _print_small_mb(rows: list[dict], args) -> dict[str, dict]:
     print(f"overhead-bound case: m={args.small_mb_microbatches}, micro-batch {args.small_mb_mbs}, "
           f"hidden {args.hidden}, seq {args.seq}; our 1f1b vs torch.pipelining Schedule1F1B")
     head = (f"{'p':>2} {'system':<28} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
-            f"{'per-round ratios':<30}")
+            f"{'cpu/1f1b':>8} {'per-round ratios':<30}")
     print(head)
     print("-" * len(head))
     targets: dict[str, dict] = {}
     for r in rows:
         per_round = [a / b for a, b in zip(r["round_medians_s"], r["ours_1f1b_round_medians_s"])]
         print(f"{r['stages']:>2} {r['system']:<28} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
-              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} "
+              f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} {r['paired_cpu_vs_ours_1f1b']:>8.3f} "
               + " ".join(f"{x:.2f}" for x in per_round))
         if r["system"] == "torch.pipelining 1f1b":
             # their step / ours: >= 1 means our 1F1B is no slower
             targets[f"pp{r['stages']}"] = {"torch_over_ours_paired": r["paired_vs_ours_1f1b"],
                                            "torch_over_ours_per_round": per_round,
+                                           "torch_over_ours_cpu_paired": r["paired_cpu_vs_ours_1f1b"],
                                            "met": r["paired_vs_ours_1f1b"] >= 1.0}
     for pp, t in targets.items():
         print(f"target (issue 27) {pp}, m={args.small_mb_microbatches} mbs={args.small_mb_mbs}: our 1f1b no slower "
               f"than torch.pipelining (paired torch/ours >= 1): {t['torch_over_ours_paired']:.3f} "
-              f"{'met' if t['met'] else 'NOT met'}")
+              f"{'met' if t['met'] else 'NOT met'} (CPU per step, paired torch/ours: "
+              f"{t['torch_over_ours_cpu_paired']:.3f})")
     return targets

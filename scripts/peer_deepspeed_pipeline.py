@@ -76,16 +76,21 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         ids = torch.randint(0, args.vocab, (m * args.mbs, args.seq + 1), generator=gen)
         batches = [(ids[i * args.mbs:(i + 1) * args.mbs, :-1].contiguous(),
                     ids[i * args.mbs:(i + 1) * args.mbs, 1:].contiguous()) for i in range(m)]
-        times = []
+        times, cpu_times = [], []
         for step in range(args.warmup + args.steps):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.train_batch(iter(batches))
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            # CPU seconds of the step summed over ranks (process time, gloo threads included), as the
+            # bench's process-group systems report it: comparable across launches under other load.
+            cpu = torch.tensor([time.process_time() - cpu_start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
             if step >= args.warmup:
                 times.append(elapsed.item())
-        out.put((rank, "ok", times))
+                cpu_times.append(cpu.item())
+        out.put((rank, "ok", (times, cpu_times)))
         dist.destroy_process_group()
     except BaseException:
         out.put((rank, "err", traceback.format_exc()))
@@ -98,7 +103,8 @@ def main() -> None:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
-    print(json.dumps({"step_times_s": rank_zero_result(_worker, args.stages, args.port, args)}))
+    times, cpu_times = rank_zero_result(_worker, args.stages, args.port, args)
+    print(json.dumps({"step_times_s": times, "cpu_times_s": cpu_times}))
 
 
 if __name__ == "__main__":

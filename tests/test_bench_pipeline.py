@@ -48,3 +48,26 @@ def test_small_microbatch_case_times_ours_and_torch_pipelining(tmp_path: Path) -
     assert target["torch_over_ours_paired"] == theirs["paired_vs_ours_1f1b"]
     assert target["met"] == (theirs["paired_vs_ours_1f1b"] >= 1.0)
     assert "m=16, micro-batch 1" in proc.stdout and "target (issue 27) pp2" in proc.stdout
+
+
+def test_small_microbatch_case_compares_equal_work_and_cpu_time(tmp_path: Path) -> None:
+    """Both systems' steps leave the same gradients (torch's step is followed by the tied-embedding
+    sum our engine does in its step; without it the word embedding's gradient lacks the head's part),
+    and each row carries its CPU seconds per step (all ranks) with the paired ratio to our 1f1b."""
+    out = tmp_path / "pipe.json"
+    rounds, steps = 2, 2
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--small-mb-only", "--stages", "2",
+           "--rounds", str(rounds), "--steps", str(steps), "--warmup", "0", "--layers", "2", "--hidden", "16",
+           "--seq", "8", "--vocab", "64", "--p2p-reps", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = {r["system"]: r for r in json.loads(out.read_text())["small_mb_rows"]}
+    ours, theirs = rows["ours 1f1b"], rows["torch.pipelining 1f1b"]
+    assert theirs["grad_diff_vs_ours_1f1b"] < 1e-5
+    for row in rows.values():
+        assert len(row["cpu_steps_s"]) == rounds * steps and all(c > 0 for c in row["cpu_steps_s"])
+        assert row["cpu_median_s"] == pytest.approx(statistics.median(row["cpu_steps_s"]))
+        assert len(row["cpu_round_ratios"]) == rounds
+        assert row["paired_cpu_vs_ours_1f1b"] == pytest.approx(statistics.median(row["cpu_round_ratios"]))
+    assert ours["paired_cpu_vs_ours_1f1b"] == 1.0
+    assert "CPU per step, paired torch/ours" in proc.stdout

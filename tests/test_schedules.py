@@ -253,3 +253,19 @@ def test_coalesced_check_catches_out_of_order_receives():
     bad = {0: schedule[0], 1: [Action("RECV_ACT", 1), Action("RECV_ACT", 0)] + [a for a in s1 if a.kind != "RECV_ACT"]}
     with pytest.raises(ScheduleError, match="message 0 on channel"):
         check_coalesced_progress(bad)
+
+
+def test_simulate_action_time_replays_each_computation() -> None:
+    """``action_time`` gives each computation its own duration: at the per-kind costs it is the same
+    run; one slower microbatch moves only what depends on it."""
+    from parallel3d.pipeline.schedules import build_schedule, simulate
+
+    sched = build_schedule("zb_h1", 3, 6, 1)
+    base = simulate(sched, 1.0, 2.5, wgrad_time=1.0)
+    same = simulate(sched, 0.0, 0.0, action_time=lambda s, a: {"F": 1.0, "B": 1.5, "W": 1.0}[a.kind])
+    assert [(t.stage, t.action, t.start, t.end) for t in same.actions] == \
+        [(t.stage, t.action, t.start, t.end) for t in base.actions]
+    slow = simulate(sched, 0.0, 0.0, action_time=lambda s, a: {"F": 1.0, "B": 1.5, "W": 1.0}[a.kind]
+                    + (3.0 if (s, a.kind, a.microbatch) == (0, "F", 0) else 0.0))
+    assert slow.makespan == pytest.approx(base.makespan + 3.0)
+    assert slow.busy[0] == pytest.approx(base.busy[0] + 3.0) and slow.busy[1:] == base.busy[1:]

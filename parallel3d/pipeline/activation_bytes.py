@@ -58,17 +58,21 @@ class SavedBytes:
         # A saved output returned as itself would hold its own grad_fn (tensor -> node -> saved
         # tensor): a cycle of C++ references no GC can see; a backward that never releases the
         # saved tensors (retain_graph) would leak every graph. A detached alias has no grad_fn.
-        return t.detach() if t.grad_fn is not None else t
+        # (``is_leaf`` is ``grad_fn is None`` without making the node's Python object: this hook
+        # runs for every saved tensor of every forward.)
+        return t if t.is_leaf else t.detach()
 
     @property
     def storages(self) -> dict[int, int]:
         """storage key -> bytes of each non-parameter storage seen (tensors are dropped once counted)."""
+        counted, params = self._counted, self.param_storages
         for t in self._seen:  # meta tensors too: a dry run's step measures its activations on meta
-            key = storage_key(t)
-            if key not in self.param_storages and key not in self._counted:
-                self._counted[key] = t.untyped_storage().nbytes()
+            storage = t.untyped_storage()  # once per tensor: each call makes a Python object
+            key = storage._cdata  # storage_key's identity
+            if key not in params and key not in counted:
+                counted[key] = storage.nbytes()
         self._seen = []
-        return self._counted
+        return counted
 
     @property
     def total(self) -> int:

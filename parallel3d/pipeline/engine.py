@@ -57,7 +57,10 @@ Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p w
 wait for the slowest stage) and what is left, ``executor_time``: the executor's own work
 (posting, bookkeeping), reported per action by ``scripts/bench_pipeline.py``, also as
 ``executor_cpu_time`` (the loop thread's CPU time outside computations), which a busy
-machine's preemption does not inflate.
+machine's preemption does not inflate. For putting ranks on one axis (the benchmark's
+bubble, ``scripts/bench_pipeline_bubble.py``): ``start_time`` (the system-wide monotonic
+clock at the step's start), ``schedule_wait_time`` (p2p waits until the action loop ends)
+and ``compute_cpu`` (each computation's thread CPU time).
 
 Gradient finalisation has one owner, called once per step: at the end of
 ``run_step``, after the last send has completed, the engine calls
@@ -133,6 +136,15 @@ class StepResult:
     # This thread's CPU seconds in the action loop outside computations: the executor's own work
     # measured so that a busy machine's preemption and blocking waits do not count.
     executor_cpu_time: float = 0.0
+    # ``time.perf_counter()`` when the step began (a system-wide monotonic clock on Linux, so the
+    # ranks' timelines, which are relative to it, can be put on one axis).
+    start_time: float = 0.0
+    # Seconds blocked in p2p waits until the action loop ended (``wait_time`` less the closing
+    # ``wait_sends``): the waiting inside the schedule, the measured counterpart of simulate()'s idle.
+    schedule_wait_time: float = 0.0
+    # Per computation, in timeline order: its thread CPU seconds (its cost on a core of its own,
+    # which time-sharing the cores does not inflate, unlike the wall span in ``timeline``).
+    compute_cpu: list[tuple[Action, float]] = field(default_factory=list, repr=False)
 
     @property
     def bubble_fraction(self) -> float:
@@ -283,6 +295,7 @@ class PipelineEngine:
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
         communicate, release_sent, record_peak, t0 = run.communicate, run.release_sent, run.record_peak, run.t0
         cpu_start, cpu_busy, busy = cpu(), 0.0, 0.0
+        compute_cpu: list[tuple[Action, float]] = []
         # Split backwards: each chunk's W graph is built once this step and rerun (deferred_grads).
         with self.pstate.weight_grads.reusing_graphs() if self.split_backward else nullcontext():
             for planned in self.plan:
@@ -296,13 +309,16 @@ class PipelineEngine:
                 start = clock()
                 handlers[kind](c)
                 end = clock()
-                cpu_busy += cpu() - cpu_before
+                spent = cpu() - cpu_before
+                cpu_busy += spent
                 busy += end - start
+                compute_cpu.append((c.action, spent))
                 timeline.append((c.action, start - t0, end - t0))
                 if kind == "F":
                     release_sent(block)
                     record_peak()
         run.busy = busy
+        schedule_wait = self.p2p.wait_time - waited
         self.p2p.wait_sends()
         executor_cpu = cpu() - cpu_start - cpu_busy
         if run.leftovers():
@@ -325,4 +341,7 @@ class PipelineEngine:
             num_actions=len(self.actions),
             finalize_time=finalize_time,
             executor_cpu_time=executor_cpu,
+            start_time=run.t0,
+            schedule_wait_time=schedule_wait,
+            compute_cpu=compute_cpu,
         )

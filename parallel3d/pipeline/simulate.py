@@ -74,7 +74,8 @@ def _message(kind: str, microbatch: int, from_virtual: int) -> tuple[str, int, i
 
 
 def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0,
-             wgrad_time: CostFn | None = None) -> Timeline:
+             wgrad_time: CostFn | None = None,
+             action_time: Callable[[int, Action], float] | None = None) -> Timeline:
     """Run the schedule on an idealised machine: stages in parallel, actions of a stage in order.
 
     A computation takes ``fwd_time(stage, chunk)`` / ``bwd_time(stage, chunk)``
@@ -84,6 +85,9 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
     costs its stage nothing and its message arrives ``p2p_time`` later; a receive waits
     for its message. Raises ``ScheduleError`` on a deadlock or a receive that does not
     match the oldest pending send between the two stages.
+
+    ``action_time(stage, action)``, where given, is each computation's own duration instead
+    (a replay of measured durations, which differ from microbatch to microbatch).
     """
     fwd, bwd, lat = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time"), _as_cost(p2p_time, "p2p_time")
     wgt = (lambda st, c: bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
@@ -105,7 +109,9 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
             vs = place.model_chunk(s, a.chunk)
             start = clock[s]
             if a.is_compute:
-                if a.kind == "F":
+                if action_time is not None:
+                    cost = action_time(s, a)
+                elif a.kind == "F":
                     cost = fwd(s, a.chunk)
                 elif a.kind == "W":
                     cost = wgt(s, a.chunk)

@@ -1,0 +1,89 @@
+"""``scripts/bench_pipeline_bubble.py``: the measured bubble is ``simulate``'s quantity on real timelines.
+
+A synthetic "measurement" is made from a simulated execution (what a rank with a core of its own
+would record: computations, executor time per computation, waits, then a tail of closing
+collectives); fed back, the measured bubble must equal the simulator's, exactly. The former
+whole-step definition (1 - computing / step) counted the executor's time and the tail as bubble,
+and does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from bench_pipeline_bubble import simulated_bubbles, window_bubble, whole_step_bubble  # noqa: E402
+
+from parallel3d.pipeline.schedules import build_schedule, simulate  # noqa: E402
+
+F, B, W, OVERHEAD, TAIL = 1.0, 2.0, 0.8, 0.25, 1.5
+
+
+def _measured_from_simulation(name: str, p: int, m: int, v: int, starts: list[float]) -> tuple[list, float]:
+    """Per stage (stage, {name: stats}, msg) as ``bench_pipeline_group`` reports them, recorded
+    from a simulated run whose computations each carry ``OVERHEAD`` of executor time."""
+    schedule = build_schedule(name, p, m, v)
+    split = any(a.kind == "W" for st in range(p) for a in schedule[st])
+    b = B if split else B + W
+    timeline = simulate(schedule, F + OVERHEAD, (b + OVERHEAD) + ((W + OVERHEAD) if split else 0.0),
+                        wgrad_time=(W + OVERHEAD) if split else None)
+    stats = []
+    for st in range(p):
+        mine = [t for t in timeline.actions if t.stage == st and t.action.is_compute]
+        own_end = max(t.end for t in mine)
+        busy = sum({"F": F, "B": b, "W": W}[t.action.kind] for t in mine)
+        waited = own_end - busy - OVERHEAD * len(mine)
+        compute = {(t.action.kind, t.action.chunk): {"F": F, "B": b, "W": W}[t.action.kind] for t in mine}
+        step = (starts[st], own_end, waited, len(mine), busy, timeline.makespan + TAIL)
+        own = {(t.action.kind, t.action.microbatch, t.action.chunk): {"F": F, "B": b, "W": W}[t.action.kind]
+               for t in mine}
+        stats.append((st, {name: {"schedule": name, "virtual_stages": v, "compute": compute, "compute_cpu": compute,
+                                  "step_times": [step, step], "executor_cpu_per_compute": [OVERHEAD],
+                                  "action_s": [own, own]}}, 0.0))
+    return stats, timeline.bubble_fraction
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 2, 8, 1), ("1f1b", 4, 8, 1), ("zb_h1", 4, 8, 1),
+                                        ("interleaved_1f1b", 2, 8, 2), ("zbv", 2, 8, 2)])
+def test_measured_bubble_equals_simulated_on_a_simulated_execution(name: str, p: int, m: int, v: int) -> None:
+    stats, truth = _measured_from_simulation(name, p, m, v, starts=[100.0] * p)
+    got = simulated_bubbles(stats, name, p, m, msg_s=0.0, oversubscribed=False)
+    assert got["measured"] == pytest.approx(truth, rel=1e-9)
+    assert got["sim0"] == pytest.approx(truth, rel=1e-9)  # the feed puts the executor time back in
+    assert got["sim_cpu"] == pytest.approx(truth, rel=1e-9)
+    assert got["replay"] == pytest.approx(truth, rel=1e-9)  # every microbatch at the mean: the same run
+    # The former definition counts executor time and the tail as idle: far off.
+    assert abs(got["measured_whole_step"] - truth) > 0.1 * truth
+
+
+def test_window_uses_the_common_clock_and_time_sharing_hides_the_measured_bubble() -> None:
+    # Only the common clock matters: the absolute start cancels.
+    stats, truth = _measured_from_simulation("1f1b", 2, 4, 1, starts=[7250.5, 7250.5])
+    steps = [o["1f1b"]["step_times"][0] for _, o, _ in stats]
+    assert window_bubble(steps) == pytest.approx(truth)
+    assert whole_step_bubble(steps) > truth
+    got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=True)
+    assert got["measured"] is None and got["measured_time_shared"] == pytest.approx(truth)
+    # Computations that got half a core (CPU time half their wall span): time-shared too.
+    for _, ours, _ in stats:
+        ours["1f1b"]["compute_cpu"] = {k: 0.5 * t for k, t in ours["1f1b"]["compute"].items()}
+    got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
+    assert got["core_share"] == pytest.approx(0.5) and got["measured"] is None
+
+
+def test_replay_uses_each_computations_own_duration() -> None:
+    """One slow forward on the first stage delays the whole pipeline in a replay; at the mean cost
+    (what ``sim`` assumes) the same total work packs tighter."""
+    stats, _ = _measured_from_simulation("1f1b", 2, 4, 1, starts=[0.0, 0.0])
+    for _, ours, _ in stats:
+        ours["1f1b"]["action_s"] = [dict(s) for s in ours["1f1b"]["action_s"]]
+    first = stats[0][1]["1f1b"]
+    for step in first["action_s"]:
+        step[("F", 0, 0)] += 4.0  # the first microbatch's forward, which every later action waits for
+    first["compute"] = {k: t + (1.0 if k == ("F", 0) else 0.0) for k, t in first["compute"].items()}  # mean +4/4
+    got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
+    assert got["replay"] > got["sim0"] + 0.02
