@@ -97,9 +97,9 @@ class CostOptions:
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
-        """Megatron-LM as measured by Narayanan et al. 2021: unfused attention, scatter/gather
-        P2P, fp32 gradient all-reduce after the backward pass, not overlapped."""
-        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=4)
+        """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
+        all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
+        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2)
 
 
 @dataclass(frozen=True)

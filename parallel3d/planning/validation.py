@@ -188,14 +188,23 @@ def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step:
     """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best);
     ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
     searches even layer splits only (``EVEN_SPLIT_SOURCES``)."""
-    request = _rank_request(layout, fixed, uneven)
+    request = _rank_request(layout, fixed, uneven, config.num_layers)
     ranked = plan(config, cluster, request, options).ranked
     faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
     position, ok, gap = _rank_rule(step.step_time_s, faster)
     return position, ok, gap, rank_reason(step, faster[0].step) if faster else ""
 
 
-def _rank_request(layout: Layout, fixed: tuple[tuple[str, int], ...] = (), uneven: bool = True) -> PlanRequest:
+def max_virtual_stages(num_layers: int, layout: Layout, default: int = PlanRequest.max_virtual_stages) -> int:
+    """Most virtual stages per pipeline rank the checks try: the planner's default, or the published
+    layout's layers per stage (or its own v) when more. Megatron-LM interleaves down to one layer per
+    virtual stage; the default cap is a search-cost choice that left a 7-layer stage (GPT 462B, Mixtral
+    at pp 8) 1F1B or 4 unequal chunks, a bubble a source free to pick v never had."""
+    return max(default, layout.virtual_stages, num_layers // layout.pp if layout.pp > 1 else 0)
+
+
+def _rank_request(layout: Layout, fixed: tuple[tuple[str, int], ...] = (), uneven: bool = True,
+                  num_layers: int = 0) -> PlanRequest:
     # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
     # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
     # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
@@ -204,7 +213,8 @@ def _rank_request(layout: Layout, fixed: tuple[tuple[str, int], ...] = (), uneve
                        precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
                        recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
                        max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
-                       sequence_parallel=layout.sequence_parallel, fixed_degrees=fixed, uneven_stages=uneven)
+                       sequence_parallel=layout.sequence_parallel, fixed_degrees=fixed, uneven_stages=uneven,
+                       max_virtual_stages=max_virtual_stages(num_layers, layout))
 
 
 def uneven_splits_allowed(run: PublishedRun, config: ModelConfig) -> bool:
@@ -237,7 +247,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     free = set(run.unstated)
     if not free:
         return best
-    request = _rank_request(layout, uneven=uneven)
+    request = _rank_request(layout, uneven=uneven, num_layers=config.num_layers)
     budget = cluster.device.memory_bytes * request.memory_fraction
     mbs_choices = request.micro_batch_sizes if "layout.micro_batch" in free else (layout.micro_batch_size,)
     for mbs in mbs_choices:
@@ -301,7 +311,7 @@ def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_t
                options: CostOptions) -> tuple[int, bool, float]:
     """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule,
     how much slower than the best found it is predicted: 0.05 = 5%)."""
-    ranked = plan(config, cluster, _rank_request(layout), options).ranked
+    ranked = plan(config, cluster, _rank_request(layout, num_layers=config.num_layers), options).ranked
     return _rank_rule(step_time, [c for c in ranked if c.step.step_time_s < step_time])
 
 
