@@ -82,3 +82,24 @@ def test_w_queue_holds_exactly_its_linears_inputs_and_output_grads(arch, last, r
     params = {storage_key(p) for p in chunk.parameters()}
     assert held_bytes(work.held, params) == _expected_w_bytes(chunk, tokens=16, element_bytes=4)
     work.run()
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_engine_peak_counts_the_w_pending_microbatch_a_b_leaves(rank):
+    """Full recompute saves only a chunk's input, while W still keeps its linears' inputs and output
+    grads: stage s's peak is then right after a steady-state B, with s + 1 microbatches waiting for W
+    (the engine once recorded its peak after forwards only, and saw s of them)."""
+    from parallel3d.config import resolve
+    from parallel3d.dryrun import dry_run_rank
+    from parallel3d.train import compose_job
+
+    job, _ = compose_job(["model=gpt_tiny", "parallel.pp=4", "parallel.tp=1", "train.precision=fp32",
+                          "train.micro_batch_size=1", "train.seq_len=128", "model.max_seq_len=128",
+                          "train.global_batch_size=8", "parallel.schedule=zb_h1", "train.recompute=full"])
+    rj = resolve(job, world_size=4)
+    h, layers = rj.model.hidden_size, rj.model.num_layers // 4
+    assert rj.model.arch == "gpt" and rj.model.ffn_hidden_size is None  # fc1: 4h
+    # per layer and token: qkv h -> 3h, out h -> h, fc1 h -> 4h, fc2 4h -> h: inputs + output grads = 16h
+    w_bytes = layers * 128 * 16 * h * 4
+    measured = dry_run_rank(rj, rank).activation_bytes
+    assert (rank + 1) * w_bytes <= measured <= 4 * w_bytes, (measured, w_bytes)
