@@ -4,7 +4,8 @@ The bound (``zero_bubble`` module doc): at each ``F`` stage ``s`` of ``zb_h1`` h
 1F1B's ``p - s`` microbatches whose ``B`` is pending and at most ``s`` whose ``W`` is pending
 (never more than ``p`` in all); a ``W``-pending microbatch keeps exactly its deferring linears'
 inputs and output gradients (``W_s``), nothing of its graph. So a stage's peak is
-``max over its F of n_B * A_s + n_W * W_s``, which is what the engine measured (issue 27:
+``max of n_B * A_s + n_W * W_s`` over its F's and B's (after a B one more microbatch waits for
+W: the peak where ``W_s > A_s``, e.g. under full recompute), which is what the engine measured (issue 27:
 p = 4, m = 8, gpt_tiny hidden 128: stage 3 1 * 2.64 + 3 * 2.5625 = 10.33 MiB against 1F1B's
 stage 0 4 * 2.03 = 8.13 MiB; ``W_s`` there is exactly the formula below).
 """

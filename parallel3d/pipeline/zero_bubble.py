@@ -18,7 +18,8 @@ Memory, in bytes (``pending_at_forwards``; ``tests/test_zb_memory.py``): at each
 ``F``s stage ``s`` holds at most 1F1B's ``p - s`` forwards whose ``B`` is pending, each a
 microbatch's saved activations ``A_s``, plus at most ``s`` microbatches whose ``W`` is pending,
 each exactly what its deferring linears' weight GEMMs read, ``W_s`` = their inputs + output
-gradients (``deferred_grads``; nothing else survives ``B``). The paper's "1F1B's peak" takes
+gradients (``deferred_grads``; nothing else survives ``B``); right after a steady ``B`` one of
+the former has become one of the latter (``p`` in all still). The paper's "1F1B's peak" takes
 ``W_s <= A_s`` and equal stages: then every stage holds at most ``p * A`` like 1F1B's first
 stage. Neither is given: a transformer layer saves about its linears' inputs and outputs, so
 ``W_s`` is close to ``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), and the last
