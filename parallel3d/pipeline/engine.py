@@ -117,7 +117,8 @@ class StepResult:
     the most bytes they held (tensors autograd saved for backward plus the stage's
     stored input and output, each storage counted once, parameters excluded; a sent
     output freed by ``free_sent_activations`` counts until its send completes; after
-    a split backward's ``B``, what its weight-gradient queue holds).
+    a split backward's ``B``, what its weight-gradient queue holds), sampled after
+    every ``F`` and, with split backwards, every ``B``.
     """
 
     loss: float | None
@@ -293,6 +294,7 @@ class PipelineEngine:
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)
         block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
+        split = self.split_backward
         communicate, release_sent, record_peak, t0 = run.communicate, run.release_sent, run.record_peak, run.t0
         cpu_start, cpu_busy, busy = cpu(), 0.0, 0.0
         compute_cpu: list[tuple[Action, float]] = []
@@ -316,6 +318,11 @@ class PipelineEngine:
                 timeline.append((c.action, start - t0, end - t0))
                 if kind == "F":
                     release_sent(block)
+                    record_peak()
+                elif kind == "B" and split:
+                    # A split B leaves one more microbatch waiting for W (zero_bubble.pending_at_forwards):
+                    # the peak is here where W's inputs + output grads outweigh a forward's saved tensors
+                    # (full recompute saves only the chunk input)
                     record_peak()
         run.busy = busy
         schedule_wait = self.p2p.wait_time - waited

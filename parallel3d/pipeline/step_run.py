@@ -146,7 +146,8 @@ class StepRun:
         self.stored_bytes[key] = saved.total
 
     def record_peak(self) -> None:
-        """Activations peak right after a forward (before its output is sent)."""
+        """Activations peak right after a forward (before its output is sent), or with split backwards
+        right after a ``B`` (its microbatch now holds W's tensors; the engine records both)."""
         self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
         self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
 

@@ -5,7 +5,7 @@ for) and ``W`` (the weight gradients, which nobody waits for; see
 ``backward_split``). ``zb_h1`` is 1F1B's order of ``F`` and ``B`` with the ``W``s
 placed so that no stage holds more microbatches than 1F1B's first stage does
 (``p``: a microbatch is held from its ``F`` until its ``W``), i.e. 1F1B's peak
-activation memory:
+activation memory counted in microbatches:
 
 - stage ``s`` runs 1F1B's ``p - 1 - s`` warm-up forwards, then steady ``F B``
   pairs, then the cool-down ``B``s;
@@ -13,6 +13,20 @@ activation memory:
   after each pair once ``s`` ``B``s are done: ``p - 1 - s`` warm-up + 1 + ``s``
   = ``p`` in flight at most), one ``W`` after each cool-down ``B``, and the rest
   at the end.
+
+Memory, in bytes (``pending_at_forwards``; ``tests/test_zb_memory.py``): at each of its
+``F``s stage ``s`` holds at most 1F1B's ``p - s`` forwards whose ``B`` is pending, each a
+microbatch's saved activations ``A_s``, plus at most ``s`` microbatches whose ``W`` is pending,
+each exactly what its deferring linears' weight GEMMs read, ``W_s`` = their inputs + output
+gradients (``deferred_grads``; nothing else survives ``B``); right after a steady ``B`` one of
+the former has become one of the latter (``p`` in all still). The paper's "1F1B's peak" takes
+``W_s <= A_s`` and equal stages: then every stage holds at most ``p * A`` like 1F1B's first
+stage. Neither is given: a transformer layer saves about its linears' inputs and outputs, so
+``W_s`` is close to ``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), and the last
+stage's ``W_s`` also holds the head's input and the logits' gradient (vocab-wide), so its
+``(p - 1) W_s + A_s`` tops stage 0's ``p A_0`` (p = 4, m = 8, gpt_tiny hidden 128, vocab
+1024: 10.33 MiB vs 8.13); with full recompute ``A_s`` is the chunk input alone while ``W_s``
+is unchanged. The bound a split backward keeps is the count, not 1F1B's bytes.
 
 So the ``B`` chain of the cool-down runs upstream at the cost of ``B`` alone while
 the later stages' deferred ``W``s fill what 1F1B leaves idle: with ``F = B = W``
@@ -57,7 +71,7 @@ from parallel3d.pipeline.simulate import simulate
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
-__all__ = ["zb_h1_order", "zbv_order", "zbv_schedule"]
+__all__ = ["pending_at_forwards", "zb_h1_order", "zbv_order", "zbv_schedule"]
 
 
 def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
@@ -77,6 +91,29 @@ def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
             next_w += 1
     order += [("W", i, 0) for i in range(next_w, m)]
     return order
+
+
+def pending_at_forwards(actions: list[Action], chunk: int = 0) -> list[tuple[int, int]]:
+    """At each ``F`` of ``chunk`` on one stage (after it; where the engine records its activation
+    peak): ``(microbatches whose B is pending, microbatches whose B ran and W is pending)``.
+
+    Invariant (``split`` schedules): a microbatch counts in exactly one of the two from its
+    ``F`` to its ``W``; for 1F1B (no ``W``) the second is always 0.
+    """
+    forward = backward = weight = 0
+    moments: list[tuple[int, int]] = []
+    splits = any(a.kind == "W" for a in actions)
+    for a in actions:
+        if a.chunk != chunk:
+            continue
+        if a.kind == "F":
+            forward += 1
+            moments.append((forward - backward, backward - weight if splits else 0))
+        elif a.kind == "B":
+            backward += 1
+        elif a.kind == "W":
+            weight += 1
+    return moments
 
 
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}

@@ -262,16 +262,19 @@ def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight:
     if stage == layout.pp - 1:
         held = layout.num_microbatches if layout.schedule == "gpipe" else 1
         total += held * head_activation_bytes(config, layout, assumptions)
-        if layout.schedule == "zb_h1":  # a deferred W of the head keeps the logits' gradient (its dY)
-            total += head_weight_grad_input_bytes(config, layout, assumptions)
+        if layout.schedule == "zb_h1":  # W trails B by p - 1 here: min(p, m) - 1 heads' W wait at the peak
+            total += (min(layout.pp, layout.num_microbatches) - 1) * head_weight_grad_input_bytes(
+                config, layout, assumptions)
     return total
 
 
 def head_weight_grad_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """The logits' gradient (activation dtype, the vocab shard) the head's weight gradient waits on while
-    a split backward defers its ``W``: alive beside the next microbatch's forward on the last stage."""
-    logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)
-    return float(assumptions.element_bytes * logits / layout.tp)
+    """What the head's deferred ``W`` keeps per microbatch (``zero_bubble.pending_at_forwards``: how many wait):
+    dlogits (activation dtype, the vocab shard) and the head's input (the local shard under sequence parallel)."""
+    s, b = local_seq_len(layout), layout.micro_batch_size
+    logits = s * b * padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
+    head_input = s * b * config.hidden_size / (layout.tp if layout.sequence_parallel else 1)
+    return float(assumptions.element_bytes * (logits + head_input))
 
 
 def estimate_memory(

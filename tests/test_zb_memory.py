@@ -1,0 +1,106 @@
+"""ZB-H1's activation memory, as data: what each stage holds at its forwards, and what a ``W`` keeps.
+
+The bound (``zero_bubble`` module doc): at each ``F`` stage ``s`` of ``zb_h1`` holds at most
+1F1B's ``p - s`` microbatches whose ``B`` is pending and at most ``s`` whose ``W`` is pending
+(never more than ``p`` in all); a ``W``-pending microbatch keeps exactly its deferring linears'
+inputs and output gradients (``W_s``), nothing of its graph. So a stage's peak is
+``max of n_B * A_s + n_W * W_s`` over its F's and B's (after a B one more microbatch waits for
+W: the peak where ``W_s > A_s``, e.g. under full recompute), which is what the engine measured (issue 27:
+p = 4, m = 8, gpt_tiny hidden 128: stage 3 1 * 2.64 + 3 * 2.5625 = 10.33 MiB against 1F1B's
+stage 0 4 * 2.03 = 8.13 MiB; ``W_s`` there is exactly the formula below).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from models import build_model
+from models.config import ModelConfig
+from parallel3d.deferred_grads import backward_inputs
+from parallel3d.param_meta import is_wgrad_deferrable
+from parallel3d.parallel_state import ParallelState
+from parallel3d.pipeline.activation_bytes import held_bytes, storage_key
+from parallel3d.pipeline.backward_split import split_backward
+from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.pipeline.zero_bubble import pending_at_forwards
+from parallel3d.topology import Topology
+
+_rng = random.Random(27)
+SHAPES = sorted({(1, 1), (2, 1), (4, 8), (3, 2)} | {(p, _rng.randint(1, 3 * p)) for p in (2, 3, 4, 5, 8)
+                                                    for _ in range(3)})
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zb_h1_holds_1f1b_forwards_plus_at_most_stage_w_pending(p, m):
+    zb, one = build_schedule("zb_h1", p, m), build_schedule("1f1b", p, m)
+    for s in range(p):
+        ours, theirs = pending_at_forwards(zb[s]), pending_at_forwards(one[s])
+        assert len(ours) == len(theirs) == m
+        assert all(n_w == 0 for _, n_w in theirs)
+        assert max(n_b for n_b, _ in theirs) == min(p - s, m)  # 1F1B's warm-up depth
+        for n_b, n_w in ours:
+            # B-pending forwards never exceed 1F1B's on the same stage; W-pending ones trail by at
+            # most `s`; together never more than 1F1B's first stage (the paper's count bound)
+            assert n_b <= min(p - s, m) and n_w <= min(s, m - 1) and n_b + n_w <= min(p, m), (s, ours)
+        if m >= p:  # tight: the peak moment holds both at once
+            assert (min(p - s, m), s) in ours, (s, ours)
+
+
+def _expected_w_bytes(chunk: torch.nn.Module, tokens: int, element_bytes: int) -> int:
+    """Bytes a W-pending microbatch-chunk must keep, from shapes: every deferring linear's output
+    gradient and its input, an input read by two linears (SwiGLU's gate and up) once."""
+    columns = 0
+    for name, p in chunk.named_parameters():
+        if not (is_wgrad_deferrable(p) and p.dim() == 2):
+            continue
+        out_features, in_features = p.shape
+        columns += out_features + (0 if name.endswith("mlp.up.weight") else in_features)
+    return tokens * columns * element_bytes
+
+
+CASES = [(arch, last, recompute) for arch in ("gpt", "llama") for last in (False, True)
+         for recompute in ("none", "selective", "full")]
+
+
+@pytest.mark.parametrize("arch,last,recompute", CASES)
+def test_w_queue_holds_exactly_its_linears_inputs_and_output_grads(arch, last, recompute):
+    pstate = ParallelState(Topology())
+    cfg = ModelConfig(arch=arch, num_layers=3, hidden_size=32, num_heads=4, vocab_size=40, max_seq_len=16,
+                      tie_embeddings=arch == "gpt", use_bias=arch == "gpt", fused_kernels=False,
+                      ffn_hidden_size=None if arch == "gpt" else 48)
+    torch.manual_seed(0)
+    chunk = build_model(cfg, pstate, seed=0, layer_range=(1, 3), pre_process=False, post_process=last,
+                        recompute=recompute)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 8))
+    out = chunk(x, labels if last else None)
+    grad = None if last else torch.randn_like(out)
+    _, work = split_backward(out, grad, x, pstate.weight_grads, backward_inputs(chunk.parameters()))
+    del out, grad  # what survives B now is what the queue keeps
+    params = {storage_key(p) for p in chunk.parameters()}
+    assert held_bytes(work.held, params) == _expected_w_bytes(chunk, tokens=16, element_bytes=4)
+    work.run()
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_engine_peak_counts_the_w_pending_microbatch_a_b_leaves(rank):
+    """Full recompute saves only a chunk's input, while W still keeps its linears' inputs and output
+    grads: stage s's peak is then right after a steady-state B, with s + 1 microbatches waiting for W
+    (the engine once recorded its peak after forwards only, and saw s of them)."""
+    from parallel3d.config import resolve
+    from parallel3d.dryrun import dry_run_rank
+    from parallel3d.train import compose_job
+
+    job, _ = compose_job(["model=gpt_tiny", "parallel.pp=4", "parallel.tp=1", "train.precision=fp32",
+                          "train.micro_batch_size=1", "train.seq_len=128", "model.max_seq_len=128",
+                          "train.global_batch_size=8", "parallel.schedule=zb_h1", "train.recompute=full"])
+    rj = resolve(job, world_size=4)
+    h, layers = rj.model.hidden_size, rj.model.num_layers // 4
+    assert rj.model.arch == "gpt" and rj.model.ffn_hidden_size is None  # fc1: 4h
+    # per layer and token: qkv h -> 3h, out h -> h, fc1 h -> 4h, fc2 4h -> h: inputs + output grads = 16h
+    w_bytes = layers * 128 * 16 * h * 4
+    measured = dry_run_rank(rj, rank).activation_bytes
+    assert (rank + 1) * w_bytes <= measured <= 4 * w_bytes, (measured, w_bytes)
