@@ -268,7 +268,8 @@ def _group_round(args, pstate, v: int) -> dict:
             "executor_cpu_us_per_action": statistics.median(1e6 * r.executor_cpu_time / r.num_actions
                                                             for r in measured),
             "finalize_s": statistics.median(r.finalize_time for r in measured),
-            "peak_activation_bytes": max(r.peak_activation_bytes for r in results if r.peak_activation_bytes is not None),
+            "peak_activation_bytes": max(r.peak_activation_bytes for r in results
+                                         if r.peak_activation_bytes is not None),
             "peak_live_bytes_measured": peak_measured,
         }
     out["msg_s"] = _message_time(pstate, next(e for *_, e in systems.values() if e is not None).spec.shape,

@@ -16,9 +16,9 @@ import torch
 
 from models import build_model, get_config
 from parallel3d.parallel_state import ParallelState
-from parallel3d.pipeline.activation_bytes import SavedBytes, output_saved, storage_key
 from parallel3d.pipeline import engine as engine_module
 from parallel3d.pipeline import step_run
+from parallel3d.pipeline.activation_bytes import SavedBytes, output_saved, storage_key
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import Topology

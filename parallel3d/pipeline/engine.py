@@ -300,7 +300,8 @@ class PipelineEngine:
         self._check_microbatches(microbatches)
         # Parameters may have been moved into flat buffers (ZeRO) since construction. Only the
         # accounting reads them (to leave them out of the activation bytes).
-        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters()} if account_activations else set()
+        param_storages = ({storage_key(p) for c in self.chunks for p in c.parameters()}
+                          if account_activations else set())
         undeferred = [backward_inputs(c.parameters()) for c in self.chunks] if self.split_backward else []
         waited = self.p2p.wait_time
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred, account_activations)
