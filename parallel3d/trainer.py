@@ -272,6 +272,8 @@ class Trainer:
         # Model-state bytes at their high-water mark during the log interval (inside backward,
         # where e.g. gradients peak), not what is left after the step.
         mem = memory_snapshot(self.pstate.device, self.optimizer.memory_peak_bytes())
+        if result.peak_activation_bytes is None:  # _logs_after agreed with the caller: a bug if not
+            raise RuntimeError(f"step {self.step}: logged, but the engine was not asked for its activation bytes")
         mem["mem_activations_bytes"] = result.peak_activation_bytes
         moe = self.moe.per_rank_metrics()
         per_rank = dict(mem, bubble_fraction=result.bubble_fraction,
@@ -344,7 +346,9 @@ class Trainer:
             microbatches = self._to_device(next(self.batches))
             self.optimizer.zero_grad()
             self.moe.before_step(self.optimizer.loss_scale, self.rj.grad_accum)
-            step_result = self.engine.run_step(microbatches, loss_scale=self.optimizer.loss_scale, step=self.step)
+            # The activation accounting (saved-tensor hooks) costs every forward: only log steps read it.
+            step_result = self.engine.run_step(microbatches, loss_scale=self.optimizer.loss_scale, step=self.step,
+                                               account_activations=self._logs_after(self.step + 1, end))
             self.moe.finish()
             info = self.optimizer.step()
             timer.stop()  # synchronises the device so the interval below is honest
@@ -357,7 +361,7 @@ class Trainer:
             if evaluation is not None:
                 interval_eval += evaluation.seconds
                 clock.add_eval(evaluation.seconds)
-            if self.step % lg.log_every == 0 or self.step == end or evaluation is not None:
+            if self._logs_after(self.step, end):
                 step_time = (time.perf_counter() - interval_start - interval_eval) / interval_steps
                 record = self._record(step_time, step_result, info, comm_bytes)
                 if record is not None:
@@ -395,10 +399,20 @@ class Trainer:
             wandb.finish(result.summary.wandb() if result.summary else {})
         return result
 
-    def _maybe_evaluate(self, end: int) -> EvalResult | None:
-        """Collective: evaluate after this step if it is an eval step (every ``eval_every``, and the last)."""
+    def _evaluates_after(self, step: int, end: int) -> bool:
+        """Whether the run evaluates once ``step`` steps are done (every ``eval_every``, and the last)."""
         every = self.rj.job.train.eval_every
-        if self.evaluator is None or not ((every and self.step % every == 0) or self.step == end):
+        return self.evaluator is not None and (bool(every and step % every == 0) or step == end)
+
+    def _logs_after(self, step: int, end: int) -> bool:
+        """Whether a metrics record is written once ``step`` steps are done: every ``log_every``, the
+        last step and evaluation steps. Known before the step runs, so it asks the engine for the
+        activation bytes the record reads (the same on every rank: the record is collective)."""
+        return step % self.rj.job.logging.log_every == 0 or step == end or self._evaluates_after(step, end)
+
+    def _maybe_evaluate(self, end: int) -> EvalResult | None:
+        """Collective: evaluate after this step if it is an eval step (``_evaluates_after``)."""
+        if not self._evaluates_after(self.step, end):
             return None
         return self.evaluator.evaluate(self.step)
 

@@ -135,7 +135,9 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             cores = len(os.sched_getaffinity(0))
             rounds = [simulated_bubbles(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs),
                                         oversubscribed=p > cores) for rs in per_round_stats]
-            bub = {k: statistics.median(x[k] for x in rounds) if rounds[0][k] is not None else None
+            # A round on a busy machine may report no measured bubble (core share too low): the
+            # median of the rounds that do (None if none does), not of round 0's choice.
+            bub = {k: statistics.median(vals) if (vals := [x[k] for x in rounds if x[k] is not None]) else None
                    for k in rounds[0]}
             meas, sim = bub["measured"], bub["sim"]
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],

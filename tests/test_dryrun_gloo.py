@@ -67,7 +67,7 @@ def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     stats.reset()
     opt.zero_grad()
     trainer.moe.before_step(opt.loss_scale, trainer.rj.grad_accum)  # as Trainer.train's step (MoE jobs)
-    result = trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0)
+    result = trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0, account_activations=True)
     trainer.moe.finish()
     held["activation_bytes"] = result.peak_activation_bytes  # the engine's count on real storages
     opt.step()

@@ -42,7 +42,7 @@ def _pipeline_case(rank, world, pp, schedule, m, v, num_layers, pp_layers, tied,
         chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=MBS, seq_len=SEQ, hidden_size=HIDDEN
     )
     microbatches = toy_batch(m, MBS, SEQ)
-    result = engine.run_step(microbatches)
+    result = engine.run_step(microbatches, account_activations=True)
     ref_loss, ref_grads = _reference(num_layers, microbatches, tied)
     errors = {}
     for chunk in chunks:
@@ -202,7 +202,7 @@ def _free_sent_case(rank, world, free):
     chunk = ToyModel(num_layers, r)
     engine = PipelineEngine([chunk], pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=MBS,
                             seq_len=SEQ, hidden_size=HIDDEN, free_sent_activations=free)
-    result = engine.run_step(toy_batch(m, MBS, SEQ))
+    result = engine.run_step(toy_batch(m, MBS, SEQ), account_activations=True)
     return {"stage": pstate.coord("pp"), "bytes": result.peak_activation_bytes,
             "grads": {n: p.grad.clone() for n, p in chunk.named_parameters()}}
 

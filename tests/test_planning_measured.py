@@ -53,7 +53,7 @@ def _measure(rank: int, world: int, case: dict) -> dict:
         ids = torch.randint(0, config.vocab_size, (mbs, s + 1), generator=gen)
         microbatches.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:],
                              "sample_ids": torch.arange(i * mbs, (i + 1) * mbs)})
-    result = engine.run_step(microbatches)
+    result = engine.run_step(microbatches, account_activations=True)
     optimizer.step()
     out = {"stage": pstate.coord("pp"), "activations": result.peak_activation_bytes, **optimizer.memory_peak_bytes()}
     pstate.destroy()

@@ -107,12 +107,13 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     with MetaValues(), kernels, routing:
         optimizer.zero_grad()
         moe.before_step(optimizer.loss_scale, microbatches)
-        result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0)
+        result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0, account_activations=True)
         moe.finish()
         optimizer.step()
         optimizer.finish_param_sync()
     counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}
     stats.reset()
+    assert result.peak_activation_bytes is not None  # asked for above
     return StepMeasure(microbatches, result.peak_activation_bytes, counts)
 
 

@@ -5,6 +5,11 @@
 stage's stored input and output, and after a split backward's ``B`` it counts what the
 weight-gradient queue holds instead (``held_bytes``). These are the numbers
 ``StepResult.peak_activation_bytes`` reports.
+
+The hooks cost a Python call per saved tensor, so the engine records only on steps that
+ask for the numbers (``run_step(account_activations=True)``). On the others
+``output_saved`` answers the one question the engine cannot skip (may a sent output's
+storage be freed?) from the output tensor alone.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["SavedBytes", "held_bytes", "storage_key"]
+__all__ = ["SavedBytes", "held_bytes", "output_saved", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -27,6 +32,48 @@ def held_bytes(tensors: Iterable[torch.Tensor], exclude: set[int]) -> int:
     """Bytes of the distinct storages behind ``tensors``, leaving out the storage keys ``exclude``."""
     sizes = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for k, n in sizes.items() if k not in exclude)
+
+
+def output_saved(out: torch.Tensor) -> bool:
+    """Whether autograd may have saved ``out``'s storage for backward (True unless proven not).
+
+    Read right after the forward that returned ``out``, with no saved-tensor hooks active.
+    Chunk contract (``models.transformer`` keeps it): ``out`` is the forward's last result,
+    no op recorded after it takes it as input. Then only its producer (``out.grad_fn``) or
+    an earlier node that saved a tensor sharing its storage can hold it, and:
+
+    * a torch node saves its own result as a *new* TensorImpl on the storage
+      (``SavedVariable(result, is_output=True)`` keeps ``tensor_data()``, to avoid a cycle),
+      and any earlier tensor sharing the storage (a base ``out`` views, a saved view) is one
+      more TensorImpl too. So one user of the storage, ``out`` itself, proves neither happened.
+    * a custom ``autograd.Function`` may also keep ``out`` on its ctx as a plain attribute,
+      the same TensorImpl (no extra use): its ctx's tensors are compared by storage.
+
+    * under saved-tensor hooks the pack hook decides what is kept: unproven.
+
+    Anything unproven answers True: a wrong True only keeps a storage that could go; a
+    wrong False would free what backward reads.
+    """
+    node = out.grad_fn
+    if node is None:  # a leaf or an input passed through: its owner keeps it anyway
+        return True
+    # Under saved-tensor hooks (the caller's, e.g. offloading) autograd keeps whatever the pack
+    # hook returned, which may be ``out`` itself: no extra use to see. (Called in the scope the
+    # forward ran in; hooks a chunk installs inside its forward, e.g. checkpoint's, are over.)
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return True
+    storage = out.untyped_storage()
+    # 2 = out's TensorImpl + the ``storage`` wrapper just made: no other tensor on the storage.
+    if torch._C._storage_Use_Count(storage._cdata) != 2:
+        return True
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        key = storage._cdata
+        held = [*node.saved_tensors, *vars(node).values()]
+        for value in held:
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(t, torch.Tensor) and storage_key(t) == key for t in items):
+                return True
+    return False
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

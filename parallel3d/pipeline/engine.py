@@ -17,7 +17,9 @@ whatever pp and m are (DP averaging is the optimizer's job).
 
 Sent activations (Megatron's trick): once a chunk's output has been sent
 downstream, only its autograd graph is needed for the backward, not its values,
-unless autograd saved the output tensor itself. With ``free_sent_activations``
+unless autograd saved the output tensor itself (on a step that accounts activations,
+the saved-tensor hooks' record says; on the others ``activation_bytes.output_saved``,
+which answers "saved" whenever it cannot prove otherwise: both free the same outputs). With ``free_sent_activations``
 the engine then swaps the output's data for a one-element placeholder (expanded
 to the same shape, so ``backward`` still type-checks); the storage goes when the
 send's batch has completed (``PipelineP2P.release_sent``), and from then on it is
@@ -114,6 +116,7 @@ class StepResult:
     the last stage, ``None`` elsewhere. Times are wall-clock seconds;
     ``bubble_fraction = 1 - busy_time / step_time``. ``peak_live_activations`` is
     the most (microbatch, chunk) pairs stored at once; ``peak_activation_bytes``
+    (``None`` unless the step was asked for it: ``run_step(account_activations=True)``)
     the most bytes they held (tensors autograd saved for backward plus the stage's
     stored input and output, each storage counted once, parameters excluded; a sent
     output freed by ``free_sent_activations`` counts until its send completes; after
@@ -125,7 +128,7 @@ class StepResult:
     step_time: float
     busy_time: float
     peak_live_activations: int
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None
     num_microbatches: int
     comm_time: float = 0.0  # seconds in point-to-point (posting + waiting for receives)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
@@ -283,15 +286,26 @@ class PipelineEngine:
 
     # ---- the step ------------------------------------------------------------------
     def run_step(
-        self, microbatches: Sequence[dict[str, Any]], *, loss_scale: float = 1.0, step: int = 0
+        self, microbatches: Sequence[dict[str, Any]], *, loss_scale: float = 1.0, step: int = 0,
+        account_activations: bool = False,
     ) -> StepResult:
-        """Forward and backward every microbatch once; grads accumulate into ``.grad``."""
+        """Forward and backward every microbatch once; grads accumulate into ``.grad``.
+
+        ``account_activations``: measure ``peak_activation_bytes`` (saved-tensor hooks around
+        every forward: a Python call per saved tensor, so only on steps that read it, e.g. the
+        trainer's log steps). Losses, gradients and which sent outputs are freed do not
+        depend on it; without it the result's ``peak_activation_bytes`` is None.
+        """
+        if not isinstance(account_activations, bool):
+            raise TypeError(f"account_activations must be a bool, got {account_activations!r}")
         self._check_microbatches(microbatches)
-        # Parameters may have been moved into flat buffers (ZeRO) since construction.
-        param_storages = {storage_key(p) for c in self.chunks for p in c.parameters()}
+        # Parameters may have been moved into flat buffers (ZeRO) since construction. Only the
+        # accounting reads them (to leave them out of the activation bytes).
+        param_storages = ({storage_key(p) for c in self.chunks for p in c.parameters()}
+                          if account_activations else set())
         undeferred = [backward_inputs(c.parameters()) for c in self.chunks] if self.split_backward else []
         waited = self.p2p.wait_time
-        run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred)
+        run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred, account_activations)
         block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
         split = self.split_backward
@@ -340,7 +354,7 @@ class PipelineEngine:
             step_time=time.perf_counter() - run.t0,
             busy_time=run.busy,
             peak_live_activations=run.peak_live,
-            peak_activation_bytes=run.peak_bytes,
+            peak_activation_bytes=run.peak_bytes if account_activations else None,
             num_microbatches=self.num_microbatches,
             comm_time=run.comm_time,
             timeline=run.timeline,

@@ -4,8 +4,10 @@ Keys are ``(microbatch, local chunk)``. A microbatch-chunk's input and output ar
 from its ``F`` to its ``B``; received (or, at a turn of ZB-V, handed over) output
 gradients from their arrival to the ``B``; input gradients from the ``B`` to their
 send (or to the ``B`` of the chunk before it on this stage); with split backwards the
-weight-gradient work from ``B`` to ``W``. ``stored_bytes`` counts each key's activations
-(``activation_bytes``). Everything an action needs beyond these dicts was resolved when
+weight-gradient work from ``B`` to ``W``. ``stored_bytes`` has a key per stored
+microbatch-chunk; only a step that accounts its activations (``account``) counts their
+bytes there (``activation_bytes``); the others keep 0s and skip the saved-tensor hooks.
+Everything an action needs beyond these dicts was resolved when
 the plan was compiled (``step_plan``), so nothing is looked up or allocated per action
 but the tensors themselves.
 """
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import torch
 
 from parallel3d.deferred_grads import DeferredWeightGrads
-from parallel3d.pipeline.activation_bytes import SavedBytes, held_bytes, storage_key
+from parallel3d.pipeline.activation_bytes import SavedBytes, held_bytes, output_saved, storage_key
 from parallel3d.pipeline.actions import Action
 from parallel3d.pipeline.backward_split import FullBackward, split_backward
 from parallel3d.pipeline.microbatch import document_kwargs
@@ -47,8 +49,10 @@ class StepRun:
     """One ``run_step``'s stored tensors, pending work and measurements (see the module doc)."""
 
     def __init__(self, engine: StepOwner, microbatches: Sequence[dict[str, Any]], loss_scale: float,
-                 step: int, param_storages: set[int], undeferred: list[list[torch.Tensor]]) -> None:
+                 step: int, param_storages: set[int], undeferred: list[list[torch.Tensor]],
+                 account: bool) -> None:
         self.engine = engine
+        self.account = account  # count activation bytes (saved-tensor hooks) this step
         self.p2p = engine.p2p
         self.microbatches = microbatches
         self.loss_factor = loss_scale / engine.num_microbatches
@@ -57,8 +61,9 @@ class StepRun:
         self.undeferred = undeferred  # split backwards: per chunk, the parameters B accumulates
         self.inputs: dict[Key, torch.Tensor] = {}  # received (or handed-over) activations, requiring grad
         self.outputs: dict[Key, torch.Tensor] = {}  # chunk outputs; the scaled loss on the last chunk
-        self.stored_bytes: dict[Key, int] = {}
-        # Outputs that may lose their storage once sent (autograd did not save them): their bytes.
+        self.stored_bytes: dict[Key, int] = {}  # bytes 0 unless ``account``
+        # Outputs that may lose their storage once sent (autograd did not save them): their bytes
+        # (0 unless ``account``).
         self.freeable_bytes: dict[Key, int] = {}
         self.grads_in: dict[Key, torch.Tensor] = {}
         self.grads_out: dict[Key, torch.Tensor] = {}
@@ -128,6 +133,17 @@ class StepRun:
             x = self.inputs[key] = self.outputs[c.local_input].detach().requires_grad_(True)
         else:
             x = self.inputs[key]
+        if not self.account:  # no hooks: whether the output may go is read off the output itself
+            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
+                           **document_kwargs(mb))
+            if c.last:
+                self.losses.append(out.detach())
+                out = out * self.loss_factor
+            elif c.sends_output and self.engine.free_sent_activations and not output_saved(out):
+                self.freeable_bytes[key] = 0
+            self.outputs[key] = out
+            self.stored_bytes[key] = 0
+            return
         saved = SavedBytes(self.param_storages)
         with saved.recording():
             out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
@@ -138,8 +154,10 @@ class StepRun:
             self.losses.append(out.detach())
             out = out * self.loss_factor
         else:
+            # The hooks see what autograd saved; output_saved also what a custom Function keeps on
+            # its ctx: free only what neither holds (and what the unaccounted steps free too).
             if c.sends_output and self.engine.free_sent_activations and out.grad_fn is not None \
-                    and storage_key(out) not in saved.storages:
+                    and storage_key(out) not in saved.storages and not output_saved(out):
                 self.freeable_bytes[key] = out.untyped_storage().nbytes()
             saved.add(out)
         self.outputs[key] = out
@@ -149,7 +167,8 @@ class StepRun:
         """Activations peak right after a forward (before its output is sent), or with split backwards
         right after a ``B`` (its microbatch now holds W's tensors; the engine records both)."""
         self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
-        self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
+        if self.account:
+            self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
 
     def backward(self, c: PlannedCompute) -> None:
         e, key = self.engine, c.key
@@ -169,7 +188,8 @@ class StepRun:
             self.grads_out[key], work = split_backward(out, grad, inp, e.pstate.weight_grads,
                                                        self.undeferred[c.action.chunk])
             self.weight_work[key] = work
-            self.stored_bytes[key] = held_bytes(work.held, self.param_storages)  # the graph is gone
+            # the graph is gone; what the queue holds counts instead
+            self.stored_bytes[key] = held_bytes(work.held, self.param_storages) if self.account else 0
             self.freeable_bytes.pop(key, None)
             return
         torch.autograd.backward(out, grad_tensors=grad)
