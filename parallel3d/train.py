@@ -92,7 +92,8 @@ def hydra_app(cfg: DictConfig) -> None:
         rj = resolve(job)
     except ConfigError as exc:
         _config_exit(exc)
-    from parallel3d.trainer import make_parallel_state, train
+    from parallel3d.rank_build import make_parallel_state
+    from parallel3d.trainer import train
 
     _configure_threads(rj.device)
     try:

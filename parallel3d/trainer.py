@@ -7,7 +7,7 @@ layer ranges of ``pipeline.partition``), one ``ZeroOptimizer`` over them, one
 of ``train.global_batch_size`` samples = ``grad_accum`` micro-batches per DP rank.
 
 Context parallel (``parallel.cp``): ``_to_device`` splits each microbatch's tokens and labels
-for this cp rank (train and eval); ``build_chunks`` builds the one ``ContextParallelAttention``.
+for this cp rank (train and eval); ``rank_build.build_chunks`` builds the one ``ContextParallelAttention``.
 
 Logging: every rank takes part in the per-log-step reductions (loss over dp x cp on
 the last stage; memory, bubble and communication over the world); only the
@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from models import build_model
 from parallel3d import comm, data, user_warnings
 from parallel3d.checkpoint import step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
@@ -40,7 +39,6 @@ from parallel3d.checkpoint_io.resume import load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.context_parallel import split_batch_for_cp
-from parallel3d.context_parallel.model_attention import ContextParallelAttention
 from parallel3d.datasets import build_datasets
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.heartbeat import Heartbeat, beat_interval
@@ -55,17 +53,16 @@ from parallel3d.metrics import (
     resolve_peak_tflops,
 )
 from parallel3d.moe_step import MoEStep
-from parallel3d.parallel_state import ParallelState, init_distributed
+from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
-from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
-from parallel3d.pipeline.placement import placement_for
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.topology import GROUP_KINDS
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
+from parallel3d.rank_build import build_chunks, make_parallel_state
 
 
 @dataclass
@@ -89,39 +86,6 @@ def _layout(rj: ResolvedJob) -> dict[str, Any]:
             "schedule": p.schedule,
             "virtual_stages": p.virtual_stages, "order": p.order,
             "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
-
-
-def make_parallel_state(rj: ResolvedJob) -> ParallelState:
-    """Initialise torch.distributed (if launched by torchrun) and build this rank's groups."""
-    backend = "nccl" if rj.device == "cuda" else "gloo"
-    init_distributed(backend, rj.job.train.timeout_s)
-    device = None
-    if rj.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    return ParallelState(rj.topology, backend=backend, timeout_s=rj.job.train.timeout_s, device=device)
-
-
-def build_chunks(rj: ResolvedJob, pstate: ParallelState) -> list[torch.nn.Module]:
-    """This stage's model chunks, by local chunk: model chunk ``placement.model_chunk(pp_rank, c)`` for
-    c < virtual_stages, where the schedule places them (``pipeline.placement``: ``pp_rank + c * pp``
-    in a loop; ZB-V's V: ``pp_rank`` and ``2 pp - 1 - pp_rank``)."""
-    p, t = rj.job.parallel, rj.job.train
-    ranges = partition_layers(rj.model, p.pp, p.virtual_stages, p.pp_layers, seq_len=t.seq_len)
-    last = len(ranges) - 1
-    chunks = []
-    # One for all chunks: with a2a+p2p it creates the cp sub-groups (collective, every rank once).
-    cp_attention = ContextParallelAttention.build(pstate, rj.context_parallel, t.timeout_s)
-    place = placement_for(p.schedule, p.pp, p.virtual_stages)
-    for k, layer_range in zip(place.chunks_of(pstate.coord("pp")), stage_layer_ranges(ranges, p.pp, pstate.coord("pp"), place)):
-        chunks.append(build_model(
-            rj.model, pstate, seed=t.seed, layer_range=layer_range, pre_process=k == 0, post_process=k == last,
-            sequence_parallel=p.sequence_parallel, recompute=t.recompute, dtype=precision_dtype(t.precision),
-            device=pstate.device, context_parallel=cp_attention,
-        ))
-    return chunks
-
-
 
 
 class Trainer:

@@ -18,7 +18,8 @@ import pytest
 from parallel3d.config import resolve
 from parallel3d.dryrun import dry_run_rank
 from parallel3d.train import compose_job
-from parallel3d.trainer import Trainer, make_parallel_state
+from parallel3d.rank_build import make_parallel_state
+from parallel3d.trainer import Trainer
 from tests.harness import run_on_ranks
 
 WORLD = 4

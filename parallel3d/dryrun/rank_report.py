@@ -31,7 +31,7 @@ from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cli import layout_from_job
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.memory import stage_activation_bytes
-from parallel3d.trainer import build_chunks
+from parallel3d.rank_build import build_chunks
 from parallel3d.zero import ZeroOptimizer
 
 
