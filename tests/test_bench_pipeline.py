@@ -21,15 +21,24 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def test_small_microbatch_case_times_ours_and_torch_pipelining(tmp_path: Path) -> None:
-    out = tmp_path / "pipe.json"
-    rounds, steps = 2, 2
+ROUNDS, STEPS = 2, 2
+
+
+@pytest.fixture(scope="module")
+def small_mb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """One run of the overhead-bound case on tiny shapes (its JSON and stdout), shared by the tests below."""
+    out = tmp_path_factory.mktemp("bench_pipeline") / "pipe.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--small-mb-only", "--stages", "2",
-           "--rounds", str(rounds), "--steps", str(steps), "--warmup", "0", "--layers", "2", "--hidden", "16",
+           "--rounds", str(ROUNDS), "--steps", str(STEPS), "--warmup", "0", "--layers", "2", "--hidden", "16",
            "--seq", "8", "--vocab", "64", "--p2p-reps", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_small_microbatch_case_times_ours_and_torch_pipelining(small_mb_run: tuple[dict, str]) -> None:
+    data, stdout = small_mb_run
+    rounds, steps = ROUNDS, STEPS
     assert data["rows"] == []
     rows = {r["system"]: r for r in data["small_mb_rows"]}
     assert set(rows) == {"ours 1f1b", "torch.pipelining 1f1b"}
@@ -47,21 +56,16 @@ def test_small_microbatch_case_times_ours_and_torch_pipelining(tmp_path: Path) -
     target = data["small_mb_targets"]["pp2"]
     assert target["torch_over_ours_paired"] == theirs["paired_vs_ours_1f1b"]
     assert target["met"] == (theirs["paired_vs_ours_1f1b"] >= 1.0)
-    assert "m=16, micro-batch 1" in proc.stdout and "target (issue 27) pp2" in proc.stdout
+    assert "m=16, micro-batch 1" in stdout and "target (issue 27) pp2" in stdout
 
 
-def test_small_microbatch_case_compares_equal_work_and_cpu_time(tmp_path: Path) -> None:
+def test_small_microbatch_case_compares_equal_work_and_cpu_time(small_mb_run: tuple[dict, str]) -> None:
     """Both systems' steps leave the same gradients (torch's step is followed by the tied-embedding
     sum our engine does in its step; without it the word embedding's gradient lacks the head's part),
     and each row carries its CPU seconds per step (all ranks) with the paired ratio to our 1f1b."""
-    out = tmp_path / "pipe.json"
-    rounds, steps = 2, 2
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_pipeline.py"), "--small-mb-only", "--stages", "2",
-           "--rounds", str(rounds), "--steps", str(steps), "--warmup", "0", "--layers", "2", "--hidden", "16",
-           "--seq", "8", "--vocab", "64", "--p2p-reps", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    rows = {r["system"]: r for r in json.loads(out.read_text())["small_mb_rows"]}
+    data, stdout = small_mb_run
+    rounds, steps = ROUNDS, STEPS
+    rows = {r["system"]: r for r in data["small_mb_rows"]}
     ours, theirs = rows["ours 1f1b"], rows["torch.pipelining 1f1b"]
     assert theirs["grad_diff_vs_ours_1f1b"] < 1e-5
     for row in rows.values():
@@ -70,4 +74,4 @@ def test_small_microbatch_case_compares_equal_work_and_cpu_time(tmp_path: Path) 
         assert len(row["cpu_round_ratios"]) == rounds
         assert row["paired_cpu_vs_ours_1f1b"] == pytest.approx(statistics.median(row["cpu_round_ratios"]))
     assert ours["paired_cpu_vs_ours_1f1b"] == 1.0
-    assert "CPU per step, paired torch/ours" in proc.stdout
+    assert "CPU per step, paired torch/ours" in stdout
