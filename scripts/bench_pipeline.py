@@ -20,7 +20,8 @@ cores than ranks that, not wall time, compares the systems' work; for ours also
 the measured bubble and ``simulate``'s fed with our measured costs, defined alike
 (``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
 executor time per computation in the feed; ``sim``: plus the measured time of one
-activation-sized send/recv; ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
+activation-sized message's latency, from its post to a blocked receiver waking, the post's own
+cost left to the executor time (``bench_pipeline_group.one_way_latency``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
 rank; where ranks outnumber cores, or the computations' CPU / wall time shows they waited for a
 core, the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
@@ -145,13 +146,15 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
                        bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
-                       after_schedule_share=statistics.mean(o[name]["tail"] for _, o, _ in stats),
+                       p2p_exchange_s=statistics.mean(x[3] for x in stats),
+                       p2p_post_s=statistics.mean(x[4] for x in stats),
+                       after_schedule_share=statistics.mean(o[name]["tail"] for _, o, *_ in stats),
                        executor_us_per_action=statistics.median(
-                           o[name]["executor_us_per_action"] for rs in per_round_stats for _, o, _ in rs),
+                           o[name]["executor_us_per_action"] for rs in per_round_stats for _, o, *_ in rs),
                        executor_cpu_us_per_action=statistics.median(
-                           o[name]["executor_cpu_us_per_action"] for rs in per_round_stats for _, o, _ in rs),
-                       peak_activation_bytes=max(o[name]["peak_activation_bytes"] for _, o, _ in stats),
-                       peak_live_bytes_measured=max((o[name]["peak_live_bytes_measured"] or 0) for _, o, _ in stats),
+                           o[name]["executor_cpu_us_per_action"] for rs in per_round_stats for _, o, *_ in rs),
+                       peak_activation_bytes=max(o[name]["peak_activation_bytes"] for _, o, *_ in stats),
+                       peak_live_bytes_measured=max((o[name]["peak_live_bytes_measured"] or 0) for _, o, *_ in stats),
                        backward_ratio=_split_backward_ratio(per_round_stats, name))
         rows.append(row)
     return rows
@@ -175,7 +178,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per system per round")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="receives our engine posts ahead of need (default: the engine's choice for the backend)")
-    ap.add_argument("--p2p-reps", type=int, default=20, help="send/recv rounds timed after the steps")
+    ap.add_argument("--p2p-reps", type=int, default=20, help="messages per ring link (latency) and send/recv rounds (exchange) timed after the steps")
     ap.add_argument("--peer-venv", default=str(Path(__file__).resolve().parent.parent / ".cache/peers/deepspeed-venv"))
     ap.add_argument("--no-install", action="store_true", help="skip DeepSpeed if its environment is missing")
     ap.add_argument("--memory", action="store_true",

@@ -14,7 +14,9 @@ timelines, and the simulator is fed what the ranks really spend:
   work: its computations and the executor's own time (posting, bookkeeping).
 * simulator feed, per stage and chunk: the mean measured F, B, W, each plus that stage's
   executor time per computation (serial with its computations on the rank's timeline); messages
-  at the measured message time (``sim``) or free (``sim0``). Mean, not median, so that a stage's
+  at the measured message latency (``sim``: from a send's post to a blocked receiver waking, less
+  the post's own cost, which the executor time already holds; not an exchange's wall time, which
+  counts both ends' posting and waiting a second time) or free (``sim0``). Mean, not median, so that a stage's
   simulated work equals its measured work: the two bubbles then differ only by waiting.
 
 The mean-fed simulator assumes every microbatch costs the mean; ``replay`` feeds it each
@@ -92,7 +94,7 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     a core per rank; ``replay``: each computation's own duration, with message time)."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
-    per_stage = {st: ours[name] for st, ours, _ in rank_stats}
+    per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
     schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"])
     steps = [list(step) for step in zip(*(o["step_times"] for o in per_stage.values()))]
     wall = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}

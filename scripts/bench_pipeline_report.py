@@ -18,7 +18,7 @@ def _split_backward_ratio(per_round_stats: list, name: str) -> float | None:
     ratios = []
     for rank_stats in per_round_stats:
         split, base = {}, {}
-        for stage, ours, _ in rank_stats:
+        for stage, ours, *_ in rank_stats:
             own = ours[name]["compute"]
             if not any(kind == "W" for kind, _ in own):
                 return None
@@ -70,10 +70,14 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "our 1f1b's; bubble meas: idle share (p2p waits, and after the rank's last computation) of "
           "the schedule's window (step start to the last computation on any rank), mean over ranks; time-shared (not "
           "reported) where ranks outnumber cores or core < 0.9 (idle is then another rank's compute); sim: simulate() fed with our measured per-chunk "
-          "F/B/W plus the stage's executor time per computation, and message times; sim0: zero message latency; "
+          "F/B/W plus the stage's executor time per computation, and message latency (post to blocked receiver waking); sim0: zero message latency; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
           "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
           "(SGD) optimizer step")
+    for r in rows:  # what sim's messages cost, beside what an exchange loop takes (module doc)
+        if r["system"] == "ours 1f1b" and "p2p_exchange_s" in r:
+            print(f"pp{r['stages']} message latency {1e6 * r['p2p_message_s']:.0f} us (post {1e6 * r['p2p_post_s']:.0f} us, "
+                  f"the executor's), exchange loop {1e6 * r['p2p_exchange_s']:.0f} us (not fed)")
     print()
     head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13}")
     print(head2)

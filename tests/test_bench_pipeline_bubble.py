@@ -87,3 +87,44 @@ def test_replay_uses_each_computations_own_duration() -> None:
     first["compute"] = {k: t + (1.0 if k == ("F", 0) else 0.0) for k, t in first["compute"].items()}  # mean +4/4
     got = simulated_bubbles(stats, "1f1b", 2, 4, msg_s=0.0, oversubscribed=False)
     assert got["replay"] > got["sim0"] + 0.02
+
+
+# ---- the message latency fed to ``sim`` (bench_pipeline_group.one_way_latency) ---------------
+POST, LAT = 40e-6, 25e-6  # a post's unpreempted cost; the message's latency after it
+
+
+def _stamps(p: int, reps: int, lat: dict[int, float], preempted: set[tuple[int, int]] = frozenset()) -> list:
+    """Per stage (stage, [(post began, post returned)], [woke]) as ``_message_latency`` gathers them:
+    stage s's k-th message to stage s + 1 leaves at s + k (seconds apart, so a wrong pairing shows)
+    and wakes its receiver ``POST + lat[s]`` later; a ``preempted`` (stage, k) post returns 1 ms
+    after its receiver woke (gloo handed the message on inside the call)."""
+    sent = {s: [] for s in range(p)}
+    woke = {s: [] for s in range(p)}
+    for k in range(reps):
+        for s in range(p):
+            began = 10.0 * s + k
+            wake = began + POST + lat[s]
+            sent[s].append((began, wake + 1e-3 if (s, k) in preempted else began + POST))
+            woke[(s + 1) % p].append(wake)
+    return [(s, sent[s], woke[s]) for s in reversed(range(p))]  # gathered in any order
+
+
+def test_message_latency_counts_from_the_post_and_leaves_the_post_to_the_executor() -> None:
+    """The feed's message time is post -> blocked receiver waking, less the post's own cost (the
+    executor time per computation holds it), not an exchange loop's wall time; a post preempted
+    after handing the message on does not move it; stage s's messages go to stage s + 1."""
+    from bench_pipeline_group import one_way_latency
+
+    lat, posting = one_way_latency(_stamps(2, 5, {0: LAT, 1: LAT}, preempted={(0, 1), (1, 3)}), 2)
+    assert posting == pytest.approx(POST)
+    assert lat == pytest.approx(LAT)
+    # pp 3 ring, one latency per link: the median message's, paired link by link
+    lat, _ = one_way_latency(_stamps(3, 4, {0: 10e-6, 1: 20e-6, 2: 90e-6}), 3)
+    assert lat == pytest.approx(20e-6)
+
+
+def test_message_latency_is_never_negative() -> None:
+    from bench_pipeline_group import one_way_latency
+
+    lat, _ = one_way_latency(_stamps(2, 3, {0: -POST, 1: -POST}), 2)  # woke as the post began
+    assert lat == 0.0

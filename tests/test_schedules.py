@@ -269,3 +269,22 @@ def test_simulate_action_time_replays_each_computation() -> None:
                     + (3.0 if (s, a.kind, a.microbatch) == (0, "F", 0) else 0.0))
     assert slow.makespan == pytest.approx(base.makespan + 3.0)
     assert slow.busy[0] == pytest.approx(base.busy[0] + 3.0) and slow.busy[1:] == base.busy[1:]
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (2, 16), (4, 16)])
+def test_simulate_charges_messages_only_between_stages(p, m):
+    """zbv's turn (model chunk p-1 -> p, both on stage p-1) is no message, so the simulator charges
+    it no latency; interleaved's wrap (last stage -> first) is one and is charged: 2p-2 vs 2p-1
+    messages per microbatch and direction, one latency each on the critical path."""
+    lat = 5.0
+    zbv, inter = build_schedule("zbv", p, m, 2), build_schedule("interleaved_1f1b", p, m, 2)
+    for schedule, links in ((zbv, 2 * p - 2), (inter, 2 * p - 1)):
+        for kind in ("SEND_ACT", "SEND_GRAD"):
+            assert sum(a.kind == kind for s in range(p) for a in schedule[s]) == m * links
+    t = simulate(zbv, 1.0, 2.0, p2p_time=lat)
+    # F(0) chunk 1 ends one forward (1.0) after F(0) chunk 0, plus only the stage's own other work
+    turn = t.end(p - 1, Action("F", 0, 1)) - 1.0 - t.end(p - 1, Action("F", 0, 0))
+    assert 0.0 <= turn < lat
+    t = simulate(inter, 1.0, 2.0, p2p_time=lat)
+    wrap = t.start(0, Action("F", 0, 1)) - t.end(p - 1, Action("F", 0, 0))
+    assert wrap >= lat
