@@ -15,6 +15,7 @@ but the tensors themselves.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
@@ -133,34 +134,28 @@ class StepRun:
             x = self.inputs[key] = self.outputs[c.local_input].detach().requires_grad_(True)
         else:
             x = self.inputs[key]
-        if not self.account:  # no hooks: whether the output may go is read off the output itself
+        # Saved-tensor hooks only on a step that accounts its activations; on the others whether a sent
+        # output may go is read off the output itself (output_saved).
+        saved = SavedBytes(self.param_storages) if self.account else None
+        with saved.recording() if saved is not None else nullcontext():
             out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
                            **document_kwargs(mb))
-            if c.last:
-                self.losses.append(out.detach())
-                out = out * self.loss_factor
-            elif c.sends_output and self.engine.free_sent_activations and not output_saved(out):
-                self.freeable_bytes[key] = 0
-            self.outputs[key] = out
-            self.stored_bytes[key] = 0
-            return
-        saved = SavedBytes(self.param_storages)
-        with saved.recording():
-            out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
-                           **document_kwargs(mb))
-        if not c.first and c.local_input is None:
+        if saved is not None and not c.first and c.local_input is None:
             saved.add(x)
         if c.last:
             self.losses.append(out.detach())
             out = out * self.loss_factor
-        else:
-            # The hooks see what autograd saved; output_saved also what a custom Function keeps on
-            # its ctx: free only what neither holds (and what the unaccounted steps free too).
-            if c.sends_output and self.engine.free_sent_activations and out.grad_fn is not None \
-                    and storage_key(out) not in saved.storages and not output_saved(out):
-                self.freeable_bytes[key] = out.untyped_storage().nbytes()
-            saved.add(out)
+        elif c.sends_output and self.engine.free_sent_activations \
+                and (saved is None or storage_key(out) not in saved.storages) and not output_saved(out):
+            # output_saved: what autograd or a custom Function's ctx holds; the hooks, where they ran,
+            # what autograd saved: free only what neither holds (the same outputs either way).
+            self.freeable_bytes[key] = out.untyped_storage().nbytes() if saved is not None else 0
         self.outputs[key] = out
+        if saved is None:
+            self.stored_bytes[key] = 0
+            return
+        if not c.last:
+            saved.add(out)
         self.stored_bytes[key] = saved.total
 
     def record_peak(self) -> None:
