@@ -188,7 +188,7 @@ def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step:
     """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best);
     ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
     searches even layer splits only (``EVEN_SPLIT_SOURCES``)."""
-    request = _rank_request(layout, fixed, uneven, config.num_layers)
+    request = _rank_request(layout, config.num_layers, fixed, uneven)
     ranked = plan(config, cluster, request, options).ranked
     faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
     position, ok, gap = _rank_rule(step.step_time_s, faster)
@@ -203,8 +203,8 @@ def max_virtual_stages(num_layers: int, layout: Layout, default: int = PlanReque
     return max(default, layout.virtual_stages, num_layers // layout.pp if layout.pp > 1 else 0)
 
 
-def _rank_request(layout: Layout, fixed: tuple[tuple[str, int], ...] = (), uneven: bool = True,
-                  num_layers: int = 0) -> PlanRequest:
+def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int], ...] = (),
+                  uneven: bool = True) -> PlanRequest:
     # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
     # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
     # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
@@ -247,7 +247,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     free = set(run.unstated)
     if not free:
         return best
-    request = _rank_request(layout, uneven=uneven, num_layers=config.num_layers)
+    request = _rank_request(layout, config.num_layers, uneven=uneven)
     budget = cluster.device.memory_bytes * request.memory_fraction
     mbs_choices = request.micro_batch_sizes if "layout.micro_batch" in free else (layout.micro_batch_size,)
     for mbs in mbs_choices:
@@ -311,7 +311,7 @@ def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_t
                options: CostOptions) -> tuple[int, bool, float]:
     """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule,
     how much slower than the best found it is predicted: 0.05 = 5%)."""
-    ranked = plan(config, cluster, _rank_request(layout, num_layers=config.num_layers), options).ranked
+    ranked = plan(config, cluster, _rank_request(layout, config.num_layers), options).ranked
     return _rank_rule(step_time, [c for c in ranked if c.step.step_time_s < step_time])
 
 
