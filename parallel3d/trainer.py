@@ -58,11 +58,11 @@ from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
+from parallel3d.rank_build import build_chunks, make_parallel_state
 from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.topology import GROUP_KINDS
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
-from parallel3d.rank_build import build_chunks, make_parallel_state
 
 
 @dataclass

@@ -124,12 +124,10 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
         if name in cpu:
             # CPU seconds a step costs all ranks together: the executor's and the model's work, which
             # time-sharing (p > cores, other users) does not inflate as it does wall time.
+            ratios = [statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
+                      for rnd in cpu_round if name in rnd]
             row.update(cpu_median_s=statistics.median(cpu[name]), cpu_steps_s=cpu[name],
-                       paired_cpu_vs_ours_1f1b=statistics.median(
-                           statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
-                           for rnd in cpu_round if name in rnd),
-                       cpu_round_ratios=[statistics.median(rnd[name]) / statistics.median(rnd["ours 1f1b"])
-                                         for rnd in cpu_round if name in rnd])
+                       paired_cpu_vs_ours_1f1b=statistics.median(ratios), cpu_round_ratios=ratios)
         if name.startswith("ours"):
             stats = per_round_stats[-1]
             msg_s = statistics.mean(x[2] for x in stats)

@@ -122,12 +122,17 @@ def _timed(fn) -> tuple[float, float]:
     return wall.item(), cpu.item()
 
 
+def _ring_neighbours(pstate) -> tuple[int, int, int, int]:
+    """(pp size, this rank's stage, the next stage's rank, the previous stage's rank) on the pp ring."""
+    p, s = pstate.size("pp"), pstate.coord("pp")
+    return (p, s, pstate.topology.stage_rank(pstate.rank, (s + 1) % p),
+            pstate.topology.stage_rank(pstate.rank, (s - 1) % p))
+
+
 def _message_time(pstate, shape: tuple[int, ...], reps: int) -> float:
     """Mean seconds of one activation-sized send/recv exchange between neighbouring stages (pp ring),
     Python posting included: reported for comparison, not fed to ``simulate`` (``_message_latency``)."""
-    p, s = pstate.size("pp"), pstate.coord("pp")
-    nxt = pstate.topology.stage_rank(pstate.rank, (s + 1) % p)
-    prev = pstate.topology.stage_rank(pstate.rank, (s - 1) % p)
+    p, s, nxt, prev = _ring_neighbours(pstate)
     out, buf = torch.randn(shape), torch.empty(shape)
     group = pstate.group("pp")
     dist.barrier()
@@ -152,9 +157,7 @@ def _message_latency(pstate, shape: tuple[int, ...], reps: int, lead_s: float = 
     receive does). Both ends stamp ``time.perf_counter`` (one system-wide monotonic clock on
     Linux, as the engine's ``start_time``). Invariant: every rank returns the same values.
     """
-    p, s = pstate.size("pp"), pstate.coord("pp")
-    nxt = pstate.topology.stage_rank(pstate.rank, (s + 1) % p)
-    prev = pstate.topology.stage_rank(pstate.rank, (s - 1) % p)
+    p, s, nxt, prev = _ring_neighbours(pstate)
     out, buf = torch.randn(shape), torch.empty(shape)
     group = pstate.group("pp")
     posted: list[tuple[float, float]] = []  # this rank's sends: when the post began and returned

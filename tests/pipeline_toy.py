@@ -85,11 +85,13 @@ class ToyModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def toy_batch(num_microbatches: int, micro_batch_size: int, seq_len: int, seed: int = 1) -> list[dict]:
+def toy_batch(num_microbatches: int, micro_batch_size: int, seq_len: int, seed: int = 1,
+              vocab: int = VOCAB) -> list[dict]:
+    """Microbatches of random token ids in ``[0, vocab)`` (the toy model's by default), labels shifted by one."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(num_microbatches):
-        ids = torch.randint(0, VOCAB, (micro_batch_size, seq_len + 1), generator=gen)
+        ids = torch.randint(0, vocab, (micro_batch_size, seq_len + 1), generator=gen)
         out.append(
             {
                 "input_ids": ids[:, :-1].contiguous(),

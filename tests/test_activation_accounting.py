@@ -23,6 +23,7 @@ from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
+from tests.pipeline_toy import toy_batch
 
 MBS, SEQ = 2, 8
 
@@ -134,13 +135,7 @@ def test_output_saved_agrees_with_hooks_tp2_sequence_parallel(model: str, recomp
 
 # ---- the step: same numbers with and without accounting ---------------------------------
 def _batch(cfg, m: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for i in range(m):
-        ids = torch.randint(0, cfg.vocab_size, (MBS, SEQ + 1), generator=gen)
-        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
-                    "sample_ids": torch.arange(i * MBS, (i + 1) * MBS)})
-    return out
+    return toy_batch(m, MBS, SEQ, seed=5, vocab=cfg.vocab_size)
 
 
 def _step_case(rank: int, world: int, model: str, schedule: str, v: int) -> dict:

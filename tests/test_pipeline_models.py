@@ -13,18 +13,13 @@ from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import Topology
 from tests.harness import run_on_ranks
+from tests.pipeline_toy import toy_batch
 
 MBS, SEQ = 2, 8
 
 
 def _batch(cfg, m: int, seed: int = 3) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(m):
-        ids = torch.randint(0, cfg.vocab_size, (MBS, SEQ + 1), generator=gen)
-        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
-                    "sample_ids": torch.arange(i * MBS, (i + 1) * MBS)})
-    return out
+    return toy_batch(m, MBS, SEQ, seed=seed, vocab=cfg.vocab_size)
 
 
 def _reference(cfg, microbatches) -> tuple[float, dict[str, torch.Tensor]]:
