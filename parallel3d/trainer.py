@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from parallel3d import comm, data, user_warnings
+from parallel3d import data, user_warnings
 from parallel3d.checkpoint import step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
 from parallel3d.checkpoint_io.resume import load_training_state, save_request
@@ -49,7 +49,6 @@ from parallel3d.metrics import (
     WandbSink,
     format_console,
     memory_snapshot,
-    reduce_over_world,
     resolve_peak_tflops,
 )
 from parallel3d.moe_step import MoEStep
@@ -59,8 +58,8 @@ from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.rank_build import build_chunks, make_parallel_state
+from parallel3d.step_record import StepRecorder
 from parallel3d.summary import RunSummary, per_rank_values
-from parallel3d.topology import GROUP_KINDS
 from parallel3d.zero import WarmupCosine, ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
@@ -138,6 +137,7 @@ class Trainer:
             peak_tflops=resolve_peak_tflops(t.peak_tflops, pstate.device, t.precision)
             if self.is_logging_rank else t.peak_tflops,
         )
+        self.recorder = StepRecorder(pstate, self.optimizer, self.moe, self.throughput, self.is_logging_rank)
         self.step = 0
         self.wandb_id: str | None = None
         self._wandb_dir: str | None = None
@@ -221,52 +221,6 @@ class Trainer:
         return [{k: v.pin_memory().to(self.pstate.device, non_blocking=True) for k, v in mb.items()}
                 for mb in microbatches]
 
-    def _dp_mean_loss(self, loss: float | None) -> float | None:
-        """Mean loss of the global batch (last stage only; other stages have none). Over dp x cp: each
-        cp rank's loss is cp times its token share of the sequence's (``models.transformer``)."""
-        if loss is None:
-            return None
-        t = torch.tensor([loss], dtype=torch.float64, device=self.pstate.device)
-        comm.all_reduce(t, self.pstate, "dp_cp")
-        return t.item() / comm.group_size(self.pstate, "dp_cp")
-
-    def _record(self, step_time: float, result: Any, info: Any, comm_bytes: dict[str, int]) -> dict[str, Any] | None:
-        """Collective: the step's metrics record (on the logging rank; None elsewhere)."""
-        loss = self._dp_mean_loss(result.loss)
-        # Model-state bytes at their high-water mark during the log interval (inside backward,
-        # where e.g. gradients peak), not what is left after the step.
-        mem = memory_snapshot(self.pstate.device, self.optimizer.memory_peak_bytes())
-        if result.peak_activation_bytes is None:  # _logs_after agreed with the caller: a bug if not
-            raise RuntimeError(f"step {self.step}: logged, but the engine was not asked for its activation bytes")
-        mem["mem_activations_bytes"] = result.peak_activation_bytes
-        moe = self.moe.per_rank_metrics()
-        per_rank = dict(mem, bubble_fraction=result.bubble_fraction,
-                        **{f"comm_bytes_{k}": v for k, v in comm_bytes.items()}, **moe)
-        reduced = reduce_over_world(per_rank, self.pstate)
-        if not self.is_logging_rank:
-            return None
-        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": info.lr, "grad_norm": info.grad_norm,
-                                  "loss_scale": info.loss_scale, "skipped": info.skipped}
-        record.update(self.throughput.step_metrics(step_time))
-        # Without a pipeline there is no bubble: 1 - busy/step would only measure the optimizer step.
-        pipelined = comm.group_size(self.pstate, "pp") > 1
-        record["bubble_fraction"] = reduced["bubble_fraction"].mean if pipelined else None
-        record["comm_bytes"] = sum(reduced[f"comm_bytes_{k}"].sum for k in comm_bytes)
-        for k in comm_bytes:
-            record[f"comm_bytes_{k}"] = reduced[f"comm_bytes_{k}"].sum
-        record.update({key: reduced[key].max for key in moe})
-        for key in mem:
-            record[f"{key}_max"] = int(reduced[key].max)
-            record[f"{key}_min"] = int(reduced[key].min)
-        return record
-
-    def _comm_delta(self, before: dict[str, int]) -> dict[str, int]:
-        """Bytes this rank sent in the step per group kind: every kind whose groups have more than one
-        rank (the same keys on every rank), ``world`` (the agreements between steps) excepted."""
-        now = self.pstate.comm_stats.by_kind()
-        kinds = [k for k in GROUP_KINDS if k != "world" and self.pstate.topology.group_size(k) > 1]
-        return {k: now.get(k, 0) - before.get(k, 0) for k in kinds}
-
     # ---- the run ---------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Train to ``train.steps`` (or ``stop_after``, or until ``StopPolicy`` stops the run)."""
@@ -316,7 +270,7 @@ class Trainer:
             self.moe.finish()
             info = self.optimizer.step()
             timer.stop()  # synchronises the device so the interval below is honest
-            comm_bytes = self._comm_delta(before)
+            comm_bytes = self.recorder.comm_delta(before)
             self.step += 1
             if heartbeat is not None:
                 heartbeat.completed(self.step)
@@ -327,7 +281,7 @@ class Trainer:
                 clock.add_eval(evaluation.seconds)
             if self._logs_after(self.step, end):
                 step_time = (time.perf_counter() - interval_start - interval_eval) / interval_steps
-                record = self._record(step_time, step_result, info, comm_bytes)
+                record = self.recorder.record(self.step, step_time, step_result, info, comm_bytes)
                 if record is not None:
                     if evaluation is not None:
                         record.update(evaluation.metrics())
