@@ -65,23 +65,32 @@ ratios only pick the order; every rank builds the same one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from parallel3d.pipeline.actions import Action, Schedule
 from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.simulate import simulate
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
-__all__ = ["pending_at_forwards", "zb_h1_order", "zbv_order", "zbv_schedule"]
+__all__ = ["pending_at_forwards", "zb_h1_lags", "zb_h1_order", "zbv_order", "zbv_schedule"]
 
 
-def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
-    """Stage ``stage``'s ZB-H1 computation order for ``p`` stages and ``m`` microbatches."""
+def zb_h1_order(stage: int, p: int, m: int, lag: int | None = None) -> list[Compute]:
+    """Stage ``stage``'s ZB-H1 computation order for ``p`` stages and ``m`` microbatches.
+
+    ``lag`` (default ``stage``, at most ``stage``): how many microbatches its steady-state ``W``s trail
+    its ``B``s, i.e. how many wait for ``W`` at its forwards (``zb_h1_lags`` lowers it where bytes say so).
+    """
+    lag = stage if lag is None else lag
+    if not 0 <= lag <= stage:
+        raise ValueError(f"zb_h1_order: lag={lag!r} must be in 0..{stage} on stage {stage}")
     warmup = min(p - 1 - stage, m)
     order: list[Compute] = [("F", i, 0) for i in range(warmup)]
     next_w = 0
-    for j in range(m - warmup):  # steady state: F, B, and the W that trails by `stage` microbatches
+    for j in range(m - warmup):  # steady state: F, B, and the W that trails by `lag` microbatches
         order += [("F", warmup + j, 0), ("B", j, 0)]
-        if j >= stage:
+        if j >= lag:
             order.append(("W", next_w, 0))
             next_w += 1
     for j in range(m - warmup, m):  # cool-down: each B, then one deferred W while the next B is on its way
@@ -91,6 +100,38 @@ def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
             next_w += 1
     order += [("W", i, 0) for i in range(next_w, m)]
     return order
+
+
+def _peak_bytes(order: list[Compute], held: float, waiting: float) -> float:
+    """Most bytes ``order`` holds after any of its ``F``s or ``B``s (where the engine records its peak):
+    ``held`` per microbatch whose ``B`` is pending, ``waiting`` per one whose ``W`` is."""
+    forward = backward = weight = 0
+    peak = 0.0
+    for kind, _, _ in order:
+        forward += kind == "F"
+        backward += kind == "B"
+        weight += kind == "W"
+        if kind != "W":
+            peak = max(peak, (forward - backward) * held + (backward - weight) * waiting)
+    return peak
+
+
+def zb_h1_lags(p: int, m: int, held: Sequence[float], waiting: Sequence[float]) -> tuple[int, ...]:
+    """Per stage, the longest ``W`` lag (``zb_h1_order``) whose peak bytes stay within 1F1B's peak.
+
+    ``held[s]``: bytes one microbatch keeps on stage ``s`` from its ``F`` to its ``B`` (``A_s``);
+    ``waiting[s]``: from its ``B`` to its ``W`` (``W_s``). 1F1B's peak is the most any of its stages
+    holds, ``max_s min(p - s, m) * A_s``. Invariant: every stage's zb_h1 peak is at most that, except
+    where even lag 0 exceeds it (``W_s`` above ``A_s`` by more than the slack, e.g. full recompute),
+    where the lag is 0 (the least a split backward holds). The longest lag keeps the most ``W``s for
+    the cool-down (module doc); the simulator prices what a shorter one costs.
+    """
+    if len(held) != p or len(waiting) != p:
+        raise ValueError(f"zb_h1_lags: need {p} bytes per stage, got held={list(held)}, waiting={list(waiting)}")
+    budget = max(min(p - s, m) * held[s] for s in range(p))
+    return tuple(next((d for d in range(s, -1, -1)
+                       if _peak_bytes(zb_h1_order(s, p, m, d), held[s], waiting[s]) <= budget), 0)
+                 for s in range(p))
 
 
 def pending_at_forwards(actions: list[Action], chunk: int = 0) -> list[tuple[int, int]]:
