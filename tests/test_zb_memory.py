@@ -7,7 +7,9 @@ inputs and output gradients (``W_s``), nothing of its graph. So a stage's peak i
 ``max of n_B * A_s + n_W * W_s`` over its F's and B's (after a B one more microbatch waits for
 W: the peak where ``W_s > A_s``, e.g. under full recompute), which is what the engine measured (issue 27:
 p = 4, m = 8, gpt_tiny hidden 128: stage 3 1 * 2.64 + 3 * 2.5625 = 10.33 MiB against 1F1B's
-stage 0 4 * 2.03 = 8.13 MiB; ``W_s`` there is exactly the formula below).
+stage 0 4 * 2.03 = 8.13 MiB; ``W_s`` there is exactly the formula below). So the lags are picked
+from the bytes (``zero_bubble.zb_h1_lags``): each stage within 1F1B's peak, the longest lag that
+is, and the engine's measured peak at most 1F1B's on the benchmark's shapes.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def test_zb_h1_lags_stay_within_1f1b_peak_bytes_and_are_the_longest_that_do(p, m
     budget = max(_bytes_at_moments(one[s], held[s], 0.0) for s in range(p))
     for s in range(p):
         assert 0 <= lags[s] <= s
+        assert all(n_b <= min(p - s, m) and n_w <= lags[s] for n_b, n_w in pending_at_forwards(zb[s]))
         shortest = build_schedule("zb_h1", p, m, w_lags=[*lags[:s], 0, *lags[s + 1:]])[s]
         if _bytes_at_moments(shortest, held[s], waiting[s]) > budget:  # a W wait heavier than a forward's
             assert lags[s] == 0  # by more than the slack: no lag fits; the least a split holds

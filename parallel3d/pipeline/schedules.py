@@ -38,8 +38,8 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
 - ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
   ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
-  not (1F1B's peak activation memory, its first stage's); the ``W``s fill the
-  cool-down bubble.
+  not (1F1B's peak activation memory, its first stage's; ``w_lags`` from the
+  stages' bytes keep it in bytes too); the ``W``s fill the cool-down bubble.
 - ``zbv``: two chunks per stage in a V, split backwards; stage ``s`` never holds
   more than ``2p`` microbatch-chunks whose forward is done and whose ``W`` is not
   (1F1B's peak activation memory: each chunk is half a stage).

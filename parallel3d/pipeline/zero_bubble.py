@@ -9,24 +9,37 @@ activation memory counted in microbatches:
 
 - stage ``s`` runs 1F1B's ``p - 1 - s`` warm-up forwards, then steady ``F B``
   pairs, then the cool-down ``B``s;
-- its ``W``s trail its ``B``s by ``s`` microbatches in the steady state (one ``W``
-  after each pair once ``s`` ``B``s are done: ``p - 1 - s`` warm-up + 1 + ``s``
-  = ``p`` in flight at most), one ``W`` after each cool-down ``B``, and the rest
-  at the end.
+- its ``W``s trail its ``B``s by a lag ``d_s <= s`` microbatches in the steady state (one
+  ``W`` after each pair once ``d_s`` ``B``s are done: ``p - 1 - s`` warm-up + 1 + ``d_s``
+  <= ``p`` in flight at most), one ``W`` after each cool-down ``B``, and the rest at the
+  end. The paper's lag is ``d_s = s``; ``zb_h1_lags`` shortens it where bytes say so (below).
 
 Memory, in bytes (``pending_at_forwards``; ``tests/test_zb_memory.py``): at each of its
 ``F``s stage ``s`` holds at most 1F1B's ``p - s`` forwards whose ``B`` is pending, each a
-microbatch's saved activations ``A_s``, plus at most ``s`` microbatches whose ``W`` is pending,
+microbatch's saved activations ``A_s``, plus at most ``d_s`` microbatches whose ``W`` is pending,
 each exactly what its deferring linears' weight GEMMs read, ``W_s`` = their inputs + output
 gradients (``deferred_grads``; nothing else survives ``B``); right after a steady ``B`` one of
-the former has become one of the latter (``p`` in all still). The paper's "1F1B's peak" takes
-``W_s <= A_s`` and equal stages: then every stage holds at most ``p * A`` like 1F1B's first
-stage. Neither is given: a transformer layer saves about its linears' inputs and outputs, so
-``W_s`` is close to ``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), and the last
-stage's ``W_s`` also holds the head's input and the logits' gradient (vocab-wide), so its
-``(p - 1) W_s + A_s`` tops stage 0's ``p A_0`` (p = 4, m = 8, gpt_tiny hidden 128, vocab
-1024: 10.33 MiB vs 8.13); with full recompute ``A_s`` is the chunk input alone while ``W_s``
-is unchanged. The bound a split backward keeps is the count, not 1F1B's bytes.
+the former has become one of the latter. The paper's "1F1B's peak" takes ``W_s <= A_s`` and
+equal stages: then every stage holds at most ``p * A`` like 1F1B's first stage. Neither is
+given: a transformer layer saves about its linears' inputs and outputs, so ``W_s`` is close to
+``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), but the last stage's ``W_s`` also
+holds the head's input and the logits' gradient (vocab-wide), so with ``d = p - 1`` its
+``(p - 1) W_s + A_s`` topped stage 0's ``p A_0`` (p = 4, m = 8, gpt_tiny hidden 128, vocab
+1024: 10.33 MiB vs 8.13). ``zb_h1_lags`` therefore takes, per stage, the longest lag whose peak
+(after any ``F`` or ``B``) stays within 1F1B's peak ``max_s min(p - s, m) A_s``, from the
+per-microbatch bytes (``planning.zb_lags`` reads them off the model shape): at p = 4 that
+lag is 2 on the last stage (2.64 + 2 x 2.5625 = 7.77 MiB), at p = 2 it is 0. Computing the
+head's weight gradient in ``B`` instead (no vocab-wide wait) would not do: 2.64 + 3 x 2.0 =
+8.64 MiB, still above 8.13. Where even lag 0 tops it (``W_s`` above ``A_s``, e.g. full
+recompute, where ``A_s`` is the chunk input alone) the lag is 0, the least a split holds.
+
+What a shorter lag costs: the last stage's trailing ``W``s are what let it run ahead of its
+upstream early and fill the end, so each microbatch of lag taken off it lengthens the step by
+about one ``W`` (simulated, p = 4, m = 8, F : B : W = 1 : 1 : 0.5, the last stage 1.3x: bubble
+0.281 at lags 0 1 2 3, 0.296 at 0 1 2 2, 1F1B 0.358; at p = 2, 0.154 at 0 1, 0.174 at 0 0,
+1F1B 0.193); no other placement of the last stage's ``W``s within two waiting does better
+(exhaustive search, same costs). Every lag keeps zb_h1's bubble below 1F1B's
+(``tests/test_zb_memory.py``).
 
 So the ``B`` chain of the cool-down runs upstream at the cost of ``B`` alone while
 the later stages' deferred ``W``s fill what 1F1B leaves idle: with ``F = B = W``
