@@ -91,10 +91,12 @@ def test_w_queue_holds_exactly_its_linears_inputs_and_output_grads(arch, last, r
 @pytest.mark.parametrize("rank", [1, 2])
 def test_engine_peak_counts_the_w_pending_microbatch_a_b_leaves(rank):
     """Full recompute saves only a chunk's input, while W still keeps its linears' inputs and output
-    grads: stage s's peak is then right after a steady-state B, with s + 1 microbatches waiting for W
-    (the engine once recorded its peak after forwards only, and saw s of them)."""
+    grads: stage s's peak is then right after a steady-state B, with its lag + 1 microbatches waiting
+    for W (the engine once recorded its peak after forwards only, and saw the lag's). A W wait tops a
+    forward's bytes there, so every lag is 0 (``zb_lags``; with the paper's lags, s + 1 waited)."""
     from parallel3d.config import resolve
     from parallel3d.dryrun import dry_run_rank
+    from parallel3d.planning.cli import job_w_lags
     from parallel3d.train import compose_job
 
     job, _ = compose_job(["model=gpt_tiny", "parallel.pp=4", "parallel.tp=1", "train.precision=fp32",
@@ -105,8 +107,10 @@ def test_engine_peak_counts_the_w_pending_microbatch_a_b_leaves(rank):
     assert rj.model.arch == "gpt" and rj.model.ffn_hidden_size is None  # fc1: 4h
     # per layer and token: qkv h -> 3h, out h -> h, fc1 h -> 4h, fc2 4h -> h: inputs + output grads = 16h
     w_bytes = layers * 128 * 16 * h * 4
+    lags = job_w_lags(rj)
+    assert lags == (0, 0, 0, 0)
     measured = dry_run_rank(rj, rank).activation_bytes
-    assert (rank + 1) * w_bytes <= measured <= 4 * w_bytes, (measured, w_bytes)
+    assert (lags[rank] + 1) * w_bytes <= measured < (lags[rank] + 2) * w_bytes, (measured, w_bytes)
 
 
 def _bytes_at_moments(actions, held: float, waiting: float) -> float:

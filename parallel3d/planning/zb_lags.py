@@ -4,9 +4,9 @@
 bytes from the model shape, with the same formulas the memory estimate uses
 (``planning.activations``): a microbatch whose ``B`` is pending keeps its layers' activations
 (``A_s``; plus the embedding's on the first stage and the head's on the last), one whose ``W`` is
-pending keeps about its layers' activations too (a layer saves about its linears' inputs and
-outputs, which is what its ``W`` reads) plus, on the last stage, the head's input and vocab-wide
-logits gradient. So the last stage, whose ``W`` waits hold that gradient, trails less when the
+pending keeps about what its layers save without recompute (a layer saves about its linears' inputs
+and outputs, which is what its ``W`` reads, whatever the recompute) plus, on the last stage, the
+head's input and vocab-wide logits gradient. So the last stage, whose ``W`` waits hold that gradient, trails less when the
 vocabulary is large against the hidden size.
 
 Invariant: every caller that builds a zb_h1 schedule for ``(config, layout)`` (the engine through
@@ -16,6 +16,8 @@ assumptions and the engine's default layer split.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from models.config import ModelConfig
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
@@ -47,11 +49,14 @@ def zb_h1_w_lags(config: ModelConfig, layout: Layout) -> tuple[int, ...]:
     p = layout.pp
     assumptions = ActivationAssumptions.for_model(config, layout.precision)
     ranges = partition_layers(config, p, 1)
-    layers = []
-    for s in range(p):
-        ids = [i for a, b in stage_layer_ranges(ranges, p, s) for i in range(a, b)]
-        layers.append(sum(layer_activation_bytes(config, layout, assumptions, i) for i in ids))
-    held, waiting = list(layers), list(layers)
+    ids = [[i for a, b in stage_layer_ranges(ranges, p, s) for i in range(a, b)] for s in range(p)]
+
+    def layers(lay: Layout) -> list[float]:
+        return [sum(layer_activation_bytes(config, lay, assumptions, i) for i in stage) for stage in ids]
+
+    # A W wait keeps the linears' inputs and output gradients whatever the recompute: about what a layer
+    # saves without recompute, while B-pending forwards save what the recompute leaves.
+    held, waiting = layers(layout), layers(replace(layout, recompute="none"))
     held[0] += embedding_activation_bytes(config, layout, assumptions)
     held[-1] += head_activation_bytes(config, layout, assumptions)
     waiting[-1] += head_weight_grad_input_bytes(config, layout, assumptions)
