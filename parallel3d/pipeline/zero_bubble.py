@@ -38,8 +38,9 @@ upstream early and fill the end, so each microbatch of lag taken off it lengthen
 about one ``W`` (simulated, p = 4, m = 8, F : B : W = 1 : 1 : 0.5, the last stage 1.3x: bubble
 0.281 at lags 0 1 2 3, 0.296 at 0 1 2 2, 1F1B 0.358; at p = 2, 0.154 at 0 1, 0.174 at 0 0,
 1F1B 0.193); no other placement of the last stage's ``W``s within two waiting does better
-(exhaustive search, same costs). Every lag keeps zb_h1's bubble below 1F1B's
-(``tests/test_zb_memory.py``).
+(exhaustive search, same costs). Every lag keeps zb_h1's bubble below 1F1B's (all lags at
+p <= 4, m = 8, F : B : W = 1 : 1 : 1, 0.5 and 0.9; ``tests/test_zb_memory.py``), and no lag
+changes a gradient: each stage's ``W``s still run in microbatch order (``tests/test_zero_bubble.py``).
 
 So the ``B`` chain of the cool-down runs upstream at the cost of ``B`` alone while
 the later stages' deferred ``W``s fill what 1F1B leaves idle: with ``F = B = W``
