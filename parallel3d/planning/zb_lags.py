@@ -6,13 +6,13 @@ bytes from the model shape, with the same formulas the memory estimate uses
 (``A_s``; plus the embedding's on the first stage and the head's on the last), one whose ``W`` is
 pending keeps about what its layers save without recompute (a layer saves about its linears' inputs
 and outputs, which is what its ``W`` reads, whatever the recompute) plus, on the last stage, the
-head's input and vocab-wide logits gradient. So the last stage, whose ``W`` waits hold that gradient, trails less when the
-vocabulary is large against the hidden size.
+head's input and vocab-wide logits gradient. So the last stage, whose ``W`` waits hold that
+gradient, trails less when the vocabulary is large against the hidden size.
 
 Invariant: every caller that builds a zb_h1 schedule for ``(config, layout)`` (the engine through
-the trainer, the dry run and the bench, and the memory estimate) gets the same lags: they depend on
-the model shape and the layout only, always with the default (fused-kernel) activation
-assumptions and the engine's default layer split.
+the trainer, the dry run and the bench; the memory estimate and the step price) gets the same
+lags: they depend on the model shape and the layout only, always with the default (fused-kernel)
+activation assumptions and the engine's default layer split.
 """
 
 from __future__ import annotations
