@@ -55,6 +55,7 @@ from parallel3d.moe_step import MoEStep
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
+from parallel3d.planning.cli import job_w_lags
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.rank_build import build_chunks, make_parallel_state
@@ -108,7 +109,7 @@ class Trainer:
             self.chunks, pstate, schedule=p.schedule, num_microbatches=rj.grad_accum,
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
-            grad_sync=self.optimizer.grad_sync,
+            grad_sync=self.optimizer.grad_sync, w_lags=job_w_lags(rj),
         )
         self.moe = MoEStep(self.chunks, rj.model, pstate, p.sequence_parallel)
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)

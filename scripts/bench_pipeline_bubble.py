@@ -95,7 +95,8 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
     per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
-    schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"])
+    schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"],
+                              w_lags=per_stage[0].get("w_lags"))  # the schedule the engine ran
     steps = [list(step) for step in zip(*(o["step_times"] for o in per_stage.values()))]
     wall = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}
     cpu = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute_cpu"].items()}

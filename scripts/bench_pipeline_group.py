@@ -43,13 +43,31 @@ class _TorchStage(nn.Module):
         return self.chunk(x)
 
 
+def _model_config(args):
+    from models import get_config
+
+    return get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
+                      vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
+
+
+def _w_lags(args, p: int, m: int, schedule: str) -> tuple[int, ...] | None:
+    """zb_h1's W lags for the benchmark's model, as the trainer picks them (``planning.zb_lags``)."""
+    if schedule != "zb_h1":
+        return None
+    from parallel3d.planning.layout import Layout
+    from parallel3d.planning.zb_lags import zb_h1_w_lags
+
+    layout = Layout(pp=p, schedule=schedule, micro_batch_size=args.mbs, seq_len=args.seq,
+                    global_batch_size=m * args.mbs, precision="fp32")
+    return zb_h1_w_lags(_model_config(args), layout)
+
+
 def _build_chunks(args, pstate, v: int, schedule: str = "1f1b") -> list[nn.Module]:
-    from models import build_model, get_config
+    from models import build_model
     from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
     from parallel3d.pipeline.placement import placement_for
 
-    cfg = get_config("gpt_tiny", num_layers=args.layers, hidden_size=args.hidden, num_heads=4,
-                     vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
+    cfg = _model_config(args)
     place = placement_for(schedule, pstate.size("pp"), v)
     ranges = partition_layers(cfg, pstate.size("pp"), v)
     total = len(ranges)
@@ -256,7 +274,8 @@ def _group_round(args, pstate, v: int) -> dict:
             continue
         chunks = _build_chunks(args, pstate, vs, schedule)
         engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
-                                seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch)
+                                seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch,
+                                w_lags=_w_lags(args, p, m, schedule))
         results: list = []
         systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (
             # The first step (a warmup one) measures the activation bytes; the timed ones run as the
@@ -307,6 +326,7 @@ def _group_round(args, pstate, v: int) -> dict:
         results.pop()  # the profiled step is not timed
         out["ours"][name] = {
             "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
+            "w_lags": _w_lags(args, p, m, engine.schedule_name),
             "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
             "busy_s": [r.busy_time for r in measured], "step_s": [r.step_time for r in measured],
             "comm": statistics.median(r.comm_time / r.step_time for r in measured),

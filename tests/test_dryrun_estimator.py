@@ -72,8 +72,8 @@ def test_estimator_agrees_with_the_dry_run_on_generated_layouts(world, overrides
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "llama_tiny"])
 def test_estimator_counts_zb_h1s_w_pending_heads_on_the_last_stage(model):
-    """zb_h1 at pp = 4: the last stage's peak holds p - 1 microbatches waiting for W, each keeping
-    the head's dlogits and input (the estimator once counted one: -17% on the last stage)."""
+    """zb_h1 at pp = 4: the last stage's peak holds its lag's microbatches waiting for W (``zb_lags``),
+    each keeping the head's dlogits and input (the estimator once counted one: -17% on the last stage)."""
     overrides = [f"model={model}", "parallel.pp=4", "parallel.tp=1", "train.precision=fp32",
                  "train.micro_batch_size=1", "train.seq_len=128", "model.max_seq_len=128",
                  "train.global_batch_size=8", "parallel.schedule=zb_h1"]

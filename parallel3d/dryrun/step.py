@@ -40,6 +40,7 @@ from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.planning.activations import chunk_in_flight_moments
+from parallel3d.planning.cli import job_w_lags
 from parallel3d.zero.precision import precision_dtype
 
 __all__ = ["StepMeasure", "in_flight_profile", "reduced_microbatches", "run_step"]
@@ -86,6 +87,7 @@ def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> Pi
         chunks, pstate, schedule=p.schedule, num_microbatches=microbatches,
         micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
         dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel, grad_sync=optimizer.grad_sync,
+        w_lags=job_w_lags(rj),
     )
 
 

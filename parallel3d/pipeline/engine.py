@@ -48,7 +48,9 @@ them, and their gradients reach ``.grad`` (and its hooks) then. A microbatch-chu
 holds its activations from ``F`` to ``B`` and the queue's tensors from ``B`` to
 ``W`` (the first model chunk, with no input gradient to send, runs its whole
 backward at ``W``). ``grad_sync.prepare`` is told before ``B`` whether it is the
-chunk's last ``B`` and before ``W`` whether it is its last ``W``.
+chunk's last ``B`` and before ``W`` whether it is its last ``W``. ``w_lags`` (zb_h1): how far
+each stage's ``W``s trail (``build_schedule``; ``planning.zb_lags.zb_h1_w_lags`` keeps every stage
+within 1F1B's peak bytes); the same on every rank.
 
 The loss lives on the stage holding the last model chunk; where that is not the last
 pipeline stage (ZB-V: stage 0), it is sent there at the end of the step, so
@@ -219,6 +221,7 @@ class PipelineEngine:
         grad_sync: GradSync | None = None,
         prefetch_recvs: int | None = None,
         free_sent_activations: bool = True,
+        w_lags: Sequence[int] | None = None,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")
@@ -232,7 +235,8 @@ class PipelineEngine:
         p = pstate.size("pp")
         self.schedule_name = schedule
         coalesces = pstate.p2p_coalesces
-        full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces)
+        full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces,
+                              w_lags=w_lags)
         self.placement: ChunkPlacement = full.placement
         self.actions = full[pstate.coord("pp")]
         self.spec = MessageSpec.from_config(

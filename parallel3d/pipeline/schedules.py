@@ -38,8 +38,8 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
 - ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
   ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
-  not (1F1B's peak activation memory, its first stage's); the ``W``s fill the
-  cool-down bubble.
+  not (1F1B's peak activation memory, its first stage's; ``w_lags`` from the
+  stages' bytes keep it in bytes too); the ``W``s fill the cool-down bubble.
 - ``zbv``: two chunks per stage in a V, split backwards; stage ``s`` never holds
   more than ``2p`` microbatch-chunks whose forward is done and whose ``W`` is not
   (1F1B's peak activation memory: each chunk is half a stage).
@@ -55,7 +55,7 @@ batches).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from parallel3d.pipeline.actions import (
     ACTION_KINDS,
@@ -198,14 +198,19 @@ def build_schedule(
     num_virtual_stages: int = 1,
     *,
     coalesced_p2p: bool = False,
+    w_lags: Sequence[int] | None = None,
 ) -> Schedule:
     """One action list per stage for schedule ``name``; validated before it is returned.
 
     ``coalesced_p2p``: the backend runs each p2p batch as one unit, in FIFO order (NCCL; see
     the module contract); only ``interleaved_1f1b`` places its communication differently.
+    ``w_lags`` (``zb_h1`` only; default stage ``s`` lags ``s``): per stage, how many microbatches its
+    ``W``s trail its ``B``s (``zero_bubble.zb_h1_lags`` picks them from the stages' bytes).
     """
     p, m, v = num_stages, num_microbatches, num_virtual_stages
     _check_args(name, p, m, v)
+    if w_lags is not None and (name != "zb_h1" or len(w_lags) != p):
+        raise ValueError(f"w_lags={w_lags!r}: one lag per stage ({p}), for zb_h1 only (schedule {name!r})")
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
     place = placement_for(name, p, v)
@@ -214,7 +219,7 @@ def build_schedule(
         if name == "gpipe":
             compute = _gpipe(s, p, m)
         elif name == "zb_h1":
-            compute = zb_h1_order(s, p, m)
+            compute = zb_h1_order(s, p, m, None if w_lags is None else w_lags[s])
         elif name == "1f1b":
             compute = _one_f_one_b(s, p, m)
         else:

@@ -9,24 +9,38 @@ activation memory counted in microbatches:
 
 - stage ``s`` runs 1F1B's ``p - 1 - s`` warm-up forwards, then steady ``F B``
   pairs, then the cool-down ``B``s;
-- its ``W``s trail its ``B``s by ``s`` microbatches in the steady state (one ``W``
-  after each pair once ``s`` ``B``s are done: ``p - 1 - s`` warm-up + 1 + ``s``
-  = ``p`` in flight at most), one ``W`` after each cool-down ``B``, and the rest
-  at the end.
+- its ``W``s trail its ``B``s by a lag ``d_s <= s`` microbatches in the steady state (one
+  ``W`` after each pair once ``d_s`` ``B``s are done: ``p - 1 - s`` warm-up + 1 + ``d_s``
+  <= ``p`` in flight at most), one ``W`` after each cool-down ``B``, and the rest at the
+  end. The paper's lag is ``d_s = s``; ``zb_h1_lags`` shortens it where bytes say so (below).
 
 Memory, in bytes (``pending_at_forwards``; ``tests/test_zb_memory.py``): at each of its
 ``F``s stage ``s`` holds at most 1F1B's ``p - s`` forwards whose ``B`` is pending, each a
-microbatch's saved activations ``A_s``, plus at most ``s`` microbatches whose ``W`` is pending,
+microbatch's saved activations ``A_s``, plus at most ``d_s`` microbatches whose ``W`` is pending,
 each exactly what its deferring linears' weight GEMMs read, ``W_s`` = their inputs + output
 gradients (``deferred_grads``; nothing else survives ``B``); right after a steady ``B`` one of
-the former has become one of the latter (``p`` in all still). The paper's "1F1B's peak" takes
-``W_s <= A_s`` and equal stages: then every stage holds at most ``p * A`` like 1F1B's first
-stage. Neither is given: a transformer layer saves about its linears' inputs and outputs, so
-``W_s`` is close to ``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), and the last
-stage's ``W_s`` also holds the head's input and the logits' gradient (vocab-wide), so its
-``(p - 1) W_s + A_s`` tops stage 0's ``p A_0`` (p = 4, m = 8, gpt_tiny hidden 128, vocab
-1024: 10.33 MiB vs 8.13); with full recompute ``A_s`` is the chunk input alone while ``W_s``
-is unchanged. The bound a split backward keeps is the count, not 1F1B's bytes.
+the former has become one of the latter. The paper's "1F1B's peak" takes ``W_s <= A_s`` and
+equal stages: then every stage holds at most ``p * A`` like 1F1B's first stage. Neither is
+given: a transformer layer saves about its linears' inputs and outputs, so ``W_s`` is close to
+``A_s`` (gpt, hidden 128: 2.00 vs 2.01 MiB per two layers), but the last stage's ``W_s`` also
+holds the head's input and the logits' gradient (vocab-wide), so with ``d = p - 1`` its
+``(p - 1) W_s + A_s`` topped stage 0's ``p A_0`` (p = 4, m = 8, gpt_tiny hidden 128, vocab
+1024: 10.33 MiB vs 8.13). ``zb_h1_lags`` therefore takes, per stage, the longest lag whose peak
+(after any ``F`` or ``B``) stays within 1F1B's peak ``max_s min(p - s, m) A_s``, from the
+per-microbatch bytes (``planning.zb_lags`` reads them off the model shape): at p = 4 that
+lag is 2 on the last stage (2.64 + 2 x 2.5625 = 7.77 MiB), at p = 2 it is 0. Computing the
+head's weight gradient in ``B`` instead (no vocab-wide wait) would not do: 2.64 + 3 x 2.0 =
+8.64 MiB, still above 8.13. Where even lag 0 tops it (``W_s`` above ``A_s``, e.g. full
+recompute, where ``A_s`` is the chunk input alone) the lag is 0, the least a split holds.
+
+What a shorter lag costs: the last stage's trailing ``W``s are what let it run ahead of its
+upstream early and fill the end, so each microbatch of lag taken off it lengthens the step by
+about one ``W`` (simulated, p = 4, m = 8, F : B : W = 1 : 1 : 0.5, the last stage 1.3x: bubble
+0.281 at lags 0 1 2 3, 0.296 at 0 1 2 2, 1F1B 0.358; at p = 2, 0.154 at 0 1, 0.174 at 0 0,
+1F1B 0.193); no other placement of the last stage's ``W``s within two waiting does better
+(exhaustive search, same costs). Every lag keeps zb_h1's bubble below 1F1B's (all lags at
+p <= 4, m = 8, F : B : W = 1 : 1 : 1, 0.5 and 0.9; ``tests/test_zb_memory.py``), and no lag
+changes a gradient: each stage's ``W``s still run in microbatch order (``tests/test_zero_bubble.py``).
 
 So the ``B`` chain of the cool-down runs upstream at the cost of ``B`` alone while
 the later stages' deferred ``W``s fill what 1F1B leaves idle: with ``F = B = W``
@@ -65,23 +79,32 @@ ratios only pick the order; every rank builds the same one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from parallel3d.pipeline.actions import Action, Schedule
 from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.simulate import simulate
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
-__all__ = ["pending_at_forwards", "zb_h1_order", "zbv_order", "zbv_schedule"]
+__all__ = ["pending_at_forwards", "zb_h1_lags", "zb_h1_order", "zbv_order", "zbv_schedule"]
 
 
-def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
-    """Stage ``stage``'s ZB-H1 computation order for ``p`` stages and ``m`` microbatches."""
+def zb_h1_order(stage: int, p: int, m: int, lag: int | None = None) -> list[Compute]:
+    """Stage ``stage``'s ZB-H1 computation order for ``p`` stages and ``m`` microbatches.
+
+    ``lag`` (default ``stage``, at most ``stage``): how many microbatches its steady-state ``W``s trail
+    its ``B``s, i.e. how many wait for ``W`` at its forwards (``zb_h1_lags`` lowers it where bytes say so).
+    """
+    lag = stage if lag is None else lag
+    if not 0 <= lag <= stage:
+        raise ValueError(f"zb_h1_order: lag={lag!r} must be in 0..{stage} on stage {stage}")
     warmup = min(p - 1 - stage, m)
     order: list[Compute] = [("F", i, 0) for i in range(warmup)]
     next_w = 0
-    for j in range(m - warmup):  # steady state: F, B, and the W that trails by `stage` microbatches
+    for j in range(m - warmup):  # steady state: F, B, and the W that trails by `lag` microbatches
         order += [("F", warmup + j, 0), ("B", j, 0)]
-        if j >= stage:
+        if j >= lag:
             order.append(("W", next_w, 0))
             next_w += 1
     for j in range(m - warmup, m):  # cool-down: each B, then one deferred W while the next B is on its way
@@ -91,6 +114,38 @@ def zb_h1_order(stage: int, p: int, m: int) -> list[Compute]:
             next_w += 1
     order += [("W", i, 0) for i in range(next_w, m)]
     return order
+
+
+def _peak_bytes(order: list[Compute], held: float, waiting: float) -> float:
+    """Most bytes ``order`` holds after any of its ``F``s or ``B``s (where the engine records its peak):
+    ``held`` per microbatch whose ``B`` is pending, ``waiting`` per one whose ``W`` is."""
+    forward = backward = weight = 0
+    peak = 0.0
+    for kind, _, _ in order:
+        forward += kind == "F"
+        backward += kind == "B"
+        weight += kind == "W"
+        if kind != "W":
+            peak = max(peak, (forward - backward) * held + (backward - weight) * waiting)
+    return peak
+
+
+def zb_h1_lags(p: int, m: int, held: Sequence[float], waiting: Sequence[float]) -> tuple[int, ...]:
+    """Per stage, the longest ``W`` lag (``zb_h1_order``) whose peak bytes stay within 1F1B's peak.
+
+    ``held[s]``: bytes one microbatch keeps on stage ``s`` from its ``F`` to its ``B`` (``A_s``);
+    ``waiting[s]``: from its ``B`` to its ``W`` (``W_s``). 1F1B's peak is the most any of its stages
+    holds, ``max_s min(p - s, m) * A_s``. Invariant: every stage's zb_h1 peak is at most that, except
+    where even lag 0 exceeds it (``W_s`` above ``A_s`` by more than the slack, e.g. full recompute),
+    where the lag is 0 (the least a split backward holds). The longest lag keeps the most ``W``s for
+    the cool-down (module doc); the simulator prices what a shorter one costs.
+    """
+    if len(held) != p or len(waiting) != p:
+        raise ValueError(f"zb_h1_lags: need {p} bytes per stage, got held={list(held)}, waiting={list(waiting)}")
+    budget = max(min(p - s, m) * held[s] for s in range(p))
+    return tuple(next((d for d in range(s, -1, -1)
+                       if _peak_bytes(zb_h1_order(s, p, m, d), held[s], waiting[s]) <= budget), 0)
+                 for s in range(p))
 
 
 def pending_at_forwards(actions: list[Action], chunk: int = 0) -> list[tuple[int, int]]:

@@ -299,7 +299,8 @@ def inflight_chunks(layout: Layout, stage: int) -> int:
 
     gpipe: all m microbatches of every chunk. 1F1B: stage i warms up with p - i
     forwards before its first backward. zb_h1: every stage holds up to p (a microbatch stays
-    until its weight-gradient ``W``; the schedule's contract). Interleaved 1F1B (Narayanan et al.
+    until its weight-gradient ``W``; the schedule's contract; ``stage_activation_bytes`` counts the
+    stage's own, from its ``W`` lag, ``zb_lags``). Interleaved 1F1B (Narayanan et al.
     2021): stage i runs (p - i - 1) * 2 + (v - 1) * p warm-up forwards, then
     one more before the first backward; for the first stage that is
     p*v + p - 1 chunks, i.e. Korthikanti's factor (1 + (p - 1)/(p*v)) on L layers.

@@ -23,6 +23,7 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.planner import evaluate, Plan, PlanRequest, plan
+from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import LayoutError
 from parallel3d.train_options import TrainOptions
@@ -133,6 +134,15 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
     ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers)
     stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, dims.pp, s)) for s in range(dims.pp)]
     return model, layout, stage_layers
+
+
+def job_w_lags(rj) -> tuple[int, ...] | None:
+    """zb_h1's per-stage ``W`` lags for resolved job ``rj`` (``zb_lags.zb_h1_w_lags`` on the layout training
+    uses; None for other schedules): what the trainer and the dry run hand the engine."""
+    if rj.pipeline.schedule != "zb_h1":
+        return None
+    model, layout, _ = layout_from_job(rj.job, ClusterSpec.build(rj.world_size, 1))
+    return zb_h1_w_lags(model, layout)
 
 
 def _gib(x: float) -> str:

@@ -51,6 +51,7 @@ from parallel3d.planning.params import (
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
+from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_peak_counts, zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # Gradient buckets as parallel3d.zero's optimizer cuts them (its defaults): about 1 MiB first, then
@@ -235,14 +236,16 @@ def stage_activation_bytes(
             inflight = max(sum(live) for live in moments)
             outputs = kept_chunk_outputs(layout, stage, inflight, assumptions)
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
-    inflight = inflight_chunks(layout, stage)
+    inflight, w_heads = inflight_chunks(layout, stage), 0
+    if layout.schedule == "zb_h1":  # in flight at the fullest forward, and those waiting for W (zb_lags)
+        inflight, w_heads = zb_h1_peak_counts(layout, stage, zb_h1_w_lags(config, layout)[stage])
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
     total = inflight * _layers_bytes(config, layout, stage_layer_ids(config.shape, layers), assumptions) \
         / layout.virtual_stages
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
-    return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight
+    return total + _outputs_and_head(config, layout, stage, inflight, w_heads, assumptions), inflight
 
 
 def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assumptions: ActivationAssumptions) -> float:
@@ -255,26 +258,16 @@ def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assum
     return sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
 
 
-def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int,
+def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int, w_heads: int,
                       assumptions: ActivationAssumptions) -> float:
-    """Kept chunk outputs at the peak, and on the last stage the head's kept tensors."""
+    """Kept chunk outputs at the peak, and on the last stage the head's kept tensors (``w_heads``: zb_h1's
+    microbatches waiting for W there, each keeping the head's input and logits gradient)."""
     total = kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
     if stage == layout.pp - 1:
         held = layout.num_microbatches if layout.schedule == "gpipe" else 1
         total += held * head_activation_bytes(config, layout, assumptions)
-        if layout.schedule == "zb_h1":  # W trails B by p - 1 here: min(p, m) - 1 heads' W wait at the peak
-            total += (min(layout.pp, layout.num_microbatches) - 1) * head_weight_grad_input_bytes(
-                config, layout, assumptions)
+        total += w_heads * head_weight_grad_input_bytes(config, layout, assumptions)
     return total
-
-
-def head_weight_grad_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """What the head's deferred ``W`` keeps per microbatch (``zero_bubble.pending_at_forwards``: how many wait):
-    dlogits (activation dtype, the vocab shard) and the head's input (the local shard under sequence parallel)."""
-    s, b = local_seq_len(layout), layout.micro_batch_size
-    logits = s * b * padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
-    head_input = s * b * config.hidden_size / (layout.tp if layout.sequence_parallel else 1)
-    return float(assumptions.element_bytes * (logits + head_input))
 
 
 def estimate_memory(

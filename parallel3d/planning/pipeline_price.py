@@ -25,8 +25,8 @@ class PipelineTimes:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy) if self.makespan > 0 else 0.0
 
 
-def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
-    timeline = simulate(build_schedule(name, p, m, v), fwd, bwd, p2p)
+def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None) -> PipelineTimes:
+    timeline = simulate(build_schedule(name, p, m, v, w_lags=w_lags), fwd, bwd, p2p)
     end = [0.0] * p
     for ta in timeline.actions:
         if ta.action.is_compute:
@@ -34,8 +34,10 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipeline
     return PipelineTimes(timeline.makespan, end, list(timeline.busy))
 
 
-def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
+                      w_lags: tuple[int, ...] | None = None) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
+    ``w_lags``: zb_h1's (``build_schedule``; the same at every m >= p, ``planning.zb_lags``).
 
     Once every stage is in its steady state (m >= 2p covers every schedule, ZB-V's V included),
     each further group of p microbatches (interleaved 1F1B's count must stay a multiple of p)
@@ -47,9 +49,9 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pipel
     step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p
     base = 2 * p
     if m <= base + step:
-        return _simulate_once(name, p, m, v, fwd, bwd, p2p)
-    a = _simulate_once(name, p, base, v, fwd, bwd, p2p)
-    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p)
+        return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags)
+    a = _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags)
+    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags)
     k = (m - base) / step
 
     def line(x: float, y: float) -> float:
