@@ -23,8 +23,8 @@ with those per-chunk times (embedding on the first chunk, head and loss on the
 last) and one P2P message per boundary. After a stage's last backward come its
 data-parallel gradient reduction and parameter all-gather (dense parameters over dp x cp,
 the rank's routed experts over the expert data-parallel group), minus what overlaps
-with that backward (never the last gradient bucket nor the first parameter bucket:
-``CostOptions.grad_bucket``), and the Adam update (memory-bound). ZeRO-3 has no all-gather
+with the backwards (each chunk's from its own last one, ``dp_overlap``; never the last gradient
+bucket nor the first parameter bucket: ``CostOptions.grad_bucket``), and the Adam update (memory-bound). ZeRO-3 has no all-gather
 after the step; it gathers the stage's parameters before every forward and
 backward of every microbatch (``microbatch`` mode) or once per step (``step``),
 prefetched behind compute, so only the DP traffic (its per-microbatch reduce-scatters
@@ -87,10 +87,9 @@ class CostOptions:
     # layers, the embedding on stage 0) runs after the backward, and the parameter all-gather of the
     # first bucket before the forward, whatever else overlaps. None: no bucket floor.
     grad_bucket: tuple[float, float] | None = None
-    # Each model chunk's overlapped gradient reduction starts at that chunk's own last backward, and its
-    # parameter all-gather ends by its own first forward (``dp_overlap``), as parallel3d's engine runs it
-    # (``grad_sync.prepare`` on a chunk's last backward). False: the whole stage's traffic overlaps only one
-    # chunk's pass (the first-chunk backward / forward), the rule before per-chunk pricing.
+    # Each chunk's overlapped reduction starts at its own last backward and its all-gather ends by its own
+    # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
+    # stage's whole traffic overlaps one chunk's pass only.
     chunk_grad_sync: bool = True
 
     @classmethod
@@ -394,8 +393,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                                           [bwd(stage, c) for c in range(v)], pipe.stage_end[stage], last_r)
             gather_t += exposed_gather([hideable_g * w for w in share], pipe.chunk_first_forward[stage],
                                        [fwd(stage, c) for c in range(v)], first_g)
-        else:  # one pass of the stage's last (first) chunk hides it; also for a pipeline stand-in without
-            # chunk times (the planner's analytic pre-ranking)
+        else:  # one pass of one chunk hides it (also for a stand-in without chunk times: the pre-ranking)
             reduce_t += max(last_r, hideable_r - bwd(stage, 0))
             gather_t += max(first_g, hideable_g - fwd(stage, 0))
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
