@@ -28,6 +28,9 @@ def test_extrapolated_pipeline_equals_full_simulation(name, p, m, v):
     assert fast.makespan == pytest.approx(full.makespan, rel=1e-12)
     assert fast.stage_end == pytest.approx(full.stage_end, rel=1e-12)
     assert fast.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9)
+    for kind in ("chunk_grads_done", "chunk_first_forward"):  # per-chunk DP overlap reads these
+        for a, b in zip(getattr(fast, kind), getattr(full, kind), strict=True):
+            assert a == pytest.approx(b, rel=1e-12)
 
 
 @pytest.mark.parametrize("p, m", [(4, 16), (8, 64)])

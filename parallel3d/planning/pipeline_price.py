@@ -9,7 +9,7 @@ formulas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallel3d.pipeline.schedules import build_schedule, simulate
 
@@ -19,6 +19,11 @@ class PipelineTimes:
     makespan: float
     stage_end: list[float]  # when each stage's last computation ends
     busy: list[float]  # per stage: time spent computing
+    # Per stage and local chunk: when its last backward (B or W) ends, after which that chunk's gradients
+    # are complete and its data-parallel reduction can finish; and when its first forward starts, counted
+    # from the stage's first computation, before which its parameters must be gathered. Empty: not known.
+    chunk_grads_done: list[list[float]] = field(default_factory=list)
+    chunk_first_forward: list[list[float]] = field(default_factory=list)
 
     @property
     def bubble_fraction(self) -> float:
@@ -28,10 +33,20 @@ class PipelineTimes:
 def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None) -> PipelineTimes:
     timeline = simulate(build_schedule(name, p, m, v, w_lags=w_lags), fwd, bwd, p2p)
     end = [0.0] * p
+    first = [float("inf")] * p
+    grads = [[0.0] * v for _ in range(p)]
+    starts = [[float("inf")] * v for _ in range(p)]
     for ta in timeline.actions:
         if ta.action.is_compute:
-            end[ta.stage] = max(end[ta.stage], ta.end)
-    return PipelineTimes(timeline.makespan, end, list(timeline.busy))
+            s, c = ta.stage, ta.action.chunk
+            end[s] = max(end[s], ta.end)
+            first[s] = min(first[s], ta.start)
+            if ta.action.kind == "F":
+                starts[s][c] = min(starts[s][c], ta.start)
+            else:
+                grads[s][c] = max(grads[s][c], ta.end)
+    starts = [[t - first[s] for t in row] for s, row in enumerate(starts)]
+    return PipelineTimes(timeline.makespan, end, list(timeline.busy), grads, starts)
 
 
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
@@ -57,8 +72,12 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     def line(x: float, y: float) -> float:
         return x + (y - x) * k
 
+    # The last backwards are in the cool-down, linear in m like the stage ends; the first forwards are in
+    # the warm-up, which more microbatches do not change.
     return PipelineTimes(
         line(a.makespan, b.makespan),
         [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
         [x * m / base for x in a.busy],
+        [[line(x, y) for x, y in zip(ra, rb)] for ra, rb in zip(a.chunk_grads_done, b.chunk_grads_done)],
+        a.chunk_first_forward,
     )
