@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 
+from models.config import ModelConfig
+
 from parallel3d.option_checks import ConfigError
-from parallel3d.planning.planner import PlanRequest, evaluate
+from parallel3d.planning.planner import PlanRequest, evaluate, finest_virtual_stages, virtual_stage_counts
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.validation import (MFU_TOLERANCE, format_rows, max_virtual_stages, run_cluster, run_config,
+from parallel3d.planning.validation import (MFU_TOLERANCE, _rank_request, format_rows, run_cluster, run_config,
                                             run_layout, run_options, source_flops_per_token, summary, validate,
                                             validate_run)
 from parallel3d.topology import LayoutError
@@ -112,19 +114,35 @@ def test_unstated_virtual_stages_are_priced_at_the_best_fitting_choice_in_the_mf
 
 def test_virtual_stages_are_tried_down_to_one_layer_per_chunk():
     # Megatron-LM interleaves down to one layer per virtual stage, so a source free to pick v could run
-    # v = layers / pp; the planner's default cap (4) is only a search-cost choice. Hand values: GPT 462B,
-    # 112 layers at pp 16 -> 7; GPT 177B, 96 at pp 6 -> 16; Llama 3 405B, 126 at pp 16 written as v 8 -> 8;
-    # a pp 1 layout, or 2 layers per stage, keeps the default 4.
+    # v = layers / pp; the planner's default cap (4) is only a search-cost choice. The rank check asks the
+    # planner's one rule (virtual_stage_counts) with its cap raised to the published depth's finest v
+    # (planner.finest_virtual_stages). Hand values: GPT 462B, 112 layers at pp 16 -> 7; GPT 177B, 96 at pp 6
+    # -> 16; Llama 3 405B, 126 at pp 16 written as v 8 (uneven: 128 chunks, the first and last may hold only
+    # the embedding / head) -> 8; a pp 1 layout, or 2 layers per stage, keeps the default 4.
     lay = Layout(tp=8, pp=16, dp=48, micro_batch_size=1, seq_len=4096, global_batch_size=3072)
-    assert max_virtual_stages(112, lay) == 7
-    assert max_virtual_stages(96, lay.replace(pp=6, dp=128)) == 16
-    assert max_virtual_stages(126, lay.replace(virtual_stages=8, schedule="interleaved_1f1b")) == 8
-    assert max_virtual_stages(32, lay.replace(pp=1, dp=768)) == 4
-    assert max_virtual_stages(128, lay.replace(pp=64, dp=12)) == 4
+    assert _rank_request(lay, 112, uneven=False).max_virtual_stages == 7
+    assert _rank_request(lay.replace(pp=6, dp=128), 96, uneven=False).max_virtual_stages == 16
+    llama = lay.replace(virtual_stages=8, schedule="interleaved_1f1b")
+    assert _rank_request(llama, 126, uneven=True).max_virtual_stages == 8
+    assert _rank_request(lay.replace(pp=1, dp=768), 32).max_virtual_stages == 4
+    assert _rank_request(lay.replace(pp=64, dp=12), 128).max_virtual_stages == 4
+    # One layer per chunk: 112 at pp 16 -> 7; 126 at pp 16 splits evenly not at all (1), unevenly into 8
+    # chunks a stage (126 layers + an embedding-only and a head-only chunk = 128).
+    assert finest_virtual_stages(112, 16, uneven=False) == 7
+    assert (finest_virtual_stages(126, 16, uneven=False), finest_virtual_stages(126, 16, uneven=True)) == (1, 8)
+    # The rule itself: the cap, plus one layer per chunk where pp divides the layers (112 at pp 16: 7).
+    assert virtual_stage_counts(_model(112), 16, PlanRequest(global_batch_size=3072, seq_len=4096)) == [1, 2, 3, 4, 7]
+    assert virtual_stage_counts(_model(112), 16, _rank_request(lay, 112, uneven=False)) == list(range(1, 8))
+    assert virtual_stage_counts(_model(126), 16, PlanRequest(global_batch_size=3072, seq_len=4096)) == [1, 2, 3, 4]
     # GPT 462B states no v: 7 layers per stage split evenly only as v = 1 or 7, and the completion takes 7.
     run = next(r for r in load_published_runs() if r.id == "mcore08_gpt_462b_6144gpus")
     assert "layout.vp" in run.unstated
     assert validate_run(run).priced.virtual_stages == 7
+
+
+def _model(layers: int) -> ModelConfig:
+    return ModelConfig(arch="gpt", num_layers=layers, hidden_size=256, num_heads=8, num_kv_heads=8,
+                       ffn_hidden_size=1024, vocab_size=1024, max_seq_len=4096)
 
 
 def test_megatron_2021_all_reduces_fp16_gradients_after_the_backward():

@@ -204,20 +204,33 @@ def expert_zero_choices(config: ModelConfig, zero: int, request: PlanRequest) ->
     return [None, *(z for z in request.zero_stages if z > zero)]
 
 
+def finest_virtual_stages(num_layers: int, pp: int, uneven: bool) -> int:
+    """The most chunks per stage ``num_layers`` fill at ``pp`` stages: one layer per chunk (even splits:
+    ``num_layers / pp`` when ``pp`` divides the layers, else 1); with uneven stages the first and the last
+    chunk may hold the embedding or the head alone (``fewest_layers``), so up to ``(num_layers + 2) / pp``."""
+    if uneven:
+        return max(1, (num_layers + 2) // pp)
+    return num_layers // pp if num_layers % pp == 0 else 1
+
+
 def virtual_stage_counts(config: ModelConfig, pp: int, request: PlanRequest) -> list[int]:
-    """Chunks per stage searched: 1 to ``max_virtual_stages``, and, when interleaving is searched at all
-    (``max_virtual_stages`` > 1) and ``pp`` divides the layers, also one layer per chunk
-    (v = layers / pp, Megatron's ``--num-layers-per-virtual-pipeline-stage 1``).
+    """Chunks per stage searched, the one rule the search, the published-layout completion and the rank
+    check share (they differ only in the request's cap): 1 to ``max_virtual_stages``, and, when
+    interleaving is searched at all (``max_virtual_stages`` > 1) and ``pp`` divides the layers, also one
+    layer per chunk (``finest_virtual_stages``: v = layers / pp, Megatron's
+    ``--num-layers-per-virtual-pipeline-stage 1``).
 
     Why: the finest even interleaving has the smallest bubble ((p - 1) / (v m)) a stage's layers
     allow, and Megatron runs it whatever the cap (a 56-layer model at pp 8 has 7 layers a stage: v = 7,
-    where the cap allows only v <= 4, i.e. uneven chunks of 4 and 3 layers). Only this one value is added above the cap, which keeps
-    the search's size: the values in between trade the same bubble against more P2P hops.
+    where the cap allows only v <= 4, i.e. uneven chunks of 4 and 3 layers). Only this one value is added
+    above the cap, which keeps the search's size: the values in between trade the same bubble against
+    more P2P hops. A v the layers cannot fill is dropped later (``schedule_choices``).
     Invariant: ascending, no duplicates, each v >= 1."""
-    counts = list(range(1, request.max_virtual_stages + 1))
-    per_stage = config.num_layers // pp
-    if request.max_virtual_stages > 1 and config.num_layers % pp == 0 and per_stage > request.max_virtual_stages:
-        counts.append(per_stage)
+    cap = request.max_virtual_stages
+    counts = list(range(1, cap + 1))
+    finest = finest_virtual_stages(config.num_layers, pp, uneven=False)
+    if cap > 1 and finest > cap:
+        counts.append(finest)
     return counts
 
 
@@ -365,4 +378,5 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
 
 
 __all__ = ["Candidate", "Plan", "PlanRequest", "analytic_pipeline", "enumerate_layouts",
-           "evaluate", "pipeline_sizes", "plan", "tensor_parallel_sizes"]
+           "evaluate", "finest_virtual_stages", "pipeline_sizes", "plan", "tensor_parallel_sizes",
+           "virtual_stage_counts"]

@@ -42,7 +42,8 @@ from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate
 from parallel3d.option_checks import ConfigError
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.planner import Candidate, PlanRequest, evaluate, plan, schedule_choices
+from parallel3d.planning.planner import (Candidate, PlanRequest, evaluate, finest_virtual_stages, plan,
+                                         schedule_choices)
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.published_schema import PublishedRun
 from parallel3d.topology import LayoutError
@@ -195,26 +196,24 @@ def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step:
     return position, ok, gap, rank_reason(step, faster[0].step) if faster else ""
 
 
-def max_virtual_stages(num_layers: int, layout: Layout, default: int = PlanRequest.max_virtual_stages) -> int:
-    """Most virtual stages per pipeline rank the checks try: the planner's default, or the published
-    layout's layers per stage (or its own v) when more. Megatron-LM interleaves down to one layer per
-    virtual stage; the default cap is a search-cost choice that left a 7-layer stage (GPT 462B, Mixtral
-    at pp 8) 1F1B or 4 unequal chunks, a bubble a source free to pick v never had."""
-    return max(default, layout.virtual_stages, num_layers // layout.pp if layout.pp > 1 else 0)
-
-
 def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int], ...] = (),
                   uneven: bool = True) -> PlanRequest:
     # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
     # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
     # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
     # run. One recompute x one ZeRO stage per layout instead of up to 3 x 3 also keeps it fast.
+    # Virtual stages: the planner's one rule (``planner.virtual_stage_counts``) with the cap raised to the
+    # published v and to one layer per chunk at the published depth (``planner.finest_virtual_stages``):
+    # Megatron-LM interleaves down to one layer per virtual stage, and the default cap (4) is only a
+    # search-cost choice that left a 7-layer stage (GPT 462B, Mixtral at pp 8) 1F1B or 4 unequal chunks,
+    # a bubble a source free to pick v never had. The raised cap applies to every depth searched.
+    finest = finest_virtual_stages(num_layers, layout.pp, uneven) if layout.pp > 1 else 1
     return PlanRequest(global_batch_size=layout.global_batch_size, seq_len=layout.seq_len,
                        precision=layout.precision, top_k=RANK_TOP, simulate_top=16,
                        recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
                        max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
                        sequence_parallel=layout.sequence_parallel, fixed_degrees=fixed, uneven_stages=uneven,
-                       max_virtual_stages=max_virtual_stages(num_layers, layout))
+                       max_virtual_stages=max(PlanRequest.max_virtual_stages, layout.virtual_stages, finest))
 
 
 def uneven_splits_allowed(run: PublishedRun, config: ModelConfig) -> bool:
