@@ -43,15 +43,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from models.config import ModelConfig
-from models.shape import LayerFlops
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
-from parallel3d.planning.activations import ActivationAssumptions, layer_activation_terms
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.comm_cost import CommModel, cp_times, ep_time
+from parallel3d.planning.comm_cost import CommModel
+from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
-from parallel3d.planning.gemm import (FLASH_BACKWARD_FACTOR, GemmCurve, alternate_matmul_seconds, attention_seconds,
-                                     head_seconds, matmul_seconds)
+from parallel3d.planning.gemm import GemmCurve, head_seconds
+from parallel3d.planning.layer_time import COST_ATTENTION, LayerTimes, layer_forward_flops, layer_times
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
@@ -59,58 +58,9 @@ from parallel3d.planning.pipeline_price import PipelineTimes, simulate_pipeline
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
-
-@dataclass(frozen=True)
-class CostOptions:
-    """What the training implementation overlaps or shrinks; defaults describe parallel3d."""
-
-    # Fused (flash-style) attention keeps no s x s scores, so it moves no score bytes.
-    fused_attention: bool = True
-    # Send 1/tp of each activation across nodes and all-gather it over NVLink
-    # (Megatron-LM's scatter/gather optimisation); sequence parallel gets this for free.
-    p2p_scatter_gather: bool = False
-    # ZeRO stages whose gradient reduce-scatter runs during the last backward (parallel3d: stages 2-3).
-    overlapped_zero_stages: tuple[int, ...] = (2, 3)
-    # Bytes per gradient element in the DP reduction (None: the precision's gradient dtype).
-    dp_grad_bytes: int | None = None
-    # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
-    # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
-    overlap_param_gather: bool = False
-    # Tensor-parallel all-gather / reduce-scatter split into chunks run behind the layer's GEMMs
-    # (Megatron-Core's --tp-comm-overlap): only what exceeds the matmul time is exposed.
-    tp_comm_overlap: bool = False
-    # What ``recompute: selective`` recomputes: "attention" (Korthikanti et al.'s scores, as parallel3d
-    # and Megatron do) or "alternate_matmuls" (torchtitan's per-op policy: every second matmul of a
-    # layer, the flash attention's output kept; ``gemm.alternate_matmul_seconds``).
-    selective_recompute: str = "attention"
-    # Gradient buckets of the overlapped DP reduction, as (fewest parameters, parameters per DP rank):
-    # a bucket's reduce-scatter starts once all its gradients exist, so the last bucket (the first
-    # layers, the embedding on stage 0) runs after the backward, and the parameter all-gather of the
-    # first bucket before the forward, whatever else overlaps. None: no bucket floor.
-    grad_bucket: tuple[float, float] | None = None
-    # Each chunk's overlapped reduction starts at its own last backward and its all-gather ends by its own
-    # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
-    # stage's whole traffic overlaps one chunk's pass only.
-    chunk_grad_sync: bool = True
-
-    @classmethod
-    def megatron_core(cls) -> "CostOptions":
-        """Megatron-Core (2024) recipes: fused attention, distributed optimizer with the gradient
-        reduce-scatter overlapped with the last backward and the parameter all-gather with the first
-        forward (overlap_grad_reduce / overlap_param_gather), bf16 gradient reduction."""
-        # chunk_grad_sync=False: Megatron-Core also launches each chunk's reduction at its last backward
-        # (schedules.py grad_sync_func), but priced so, the r0.8 README rows whose unstated vp the validation
-        # completes at 14-16 chunks run +12 to +19% (at vp 1: -5 to -7%); kept at one chunk's overlap until
-        # that completion is settled (README "Planner validation").
-        return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
-                   grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
-                   chunk_grad_sync=False)
-
-    @classmethod
-    def megatron_sc21(cls) -> "CostOptions":
-        """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
-        all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
-        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2)
+# Re-exported: callers and tests take the options and the per-layer time from here.
+__all__ = ["COST_ATTENTION", "CostOptions", "LayerTimes", "StepEstimate", "chunk_layer_counts", "estimate_step",
+           "head_forward_flops", "layer_forward_flops", "layer_times", "stage_grad_groups", "step_flops"]
 
 
 @dataclass(frozen=True)
@@ -143,20 +93,6 @@ class StepEstimate:
         return self.layout.global_batch_size * self.layout.seq_len / self.step_time_s
 
 
-# ---- FLOPs ---------------------------------------------------------------------------
-# The cost model counts attention over the full s x s product (QK^T and PV), as Megatron-LM's
-# formula does (Narayanan et al. 2021, eq. 3), whose published TFLOP/s the planner is checked against.
-COST_ATTENTION = "full"
-
-
-def layer_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int) -> LayerFlops:
-    """Forward FLOPs of one layer for one microbatch (all tp ranks), from ``models.shape``: the
-    mean over the layers (every layer's, for a model whose layers are alike)."""
-    tokens = micro_batch_size * seq_len
-    layers = config.shape.layers_forward_flops(seq_len, COST_ATTENTION)
-    return LayerFlops(layers.matmul * tokens / config.num_layers, layers.attention * tokens / config.num_layers)
-
-
 def head_forward_flops(config: ModelConfig, micro_batch_size: int, seq_len: int, tp: int = 1) -> float:
     """The logits matmul of one microbatch over the vocabulary padded for ``tp`` (all tp ranks)."""
     return micro_batch_size * seq_len * config.shape.head_forward_flops(tp)
@@ -167,64 +103,6 @@ def step_flops(config: ModelConfig, layout: Layout) -> tuple[float, float]:
     flops = config.shape.flops_per_token(layout.seq_len, attention=COST_ATTENTION, recompute=layout.recompute)
     tokens = layout.global_batch_size * layout.seq_len
     return flops.model * tokens, flops.hardware * tokens
-
-
-# ---- per-chunk times ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerTimes:
-    fwd: float
-    bwd: float  # includes recomputation
-    # Exposed communication inside fwd + bwd of one layer, by kind ("tp", "cp", "ep"); the rest is compute.
-    comm: tuple[tuple[str, float], ...] = ()
-
-
-def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm: CommModel,
-                options: CostOptions) -> LayerTimes:
-    dev, t = cluster.device, layout.tp
-    curve = GemmCurve.of(dev)
-    layer = layer_forward_flops(config, layout.micro_batch_size, layout.seq_len)
-    c = layout.cp  # load-balanced context parallelism: each rank holds seq_len / cp tokens
-    mm_t = matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
-                          micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
-    # Every model here is a causal decoder: a fused kernel skips the masked blocks, unfused
-    # attention (Narayanan et al. 2021) computes the whole product.
-    att_curve = GemmCurve.fused_attention_of(dev) if options.fused_attention else curve
-    att_t = attention_seconds(config, att_curve, layer.attention / (t * c), cp=c, seq_len=layout.seq_len,
-                              causal_skip=options.fused_attention)
-    att_bwd = (FLASH_BACKWARD_FACTOR if options.fused_attention else 2.0) * att_t
-    assumptions = ActivationAssumptions(
-        element_bytes=4 if layout.precision == "fp32" else 2,
-        hidden_dropout=config.dropout > 0 or not options.fused_attention,
-        attention_dropout=not options.fused_attention,
-        fused_attention=options.fused_attention,
-    )
-    # Activation bytes of the whole sequence, then this rank's 1/cp share (the estimator's own cp
-    # handling is for memory; the traffic here is per token either way).
-    stored = layer_activation_terms(config, layout.replace(recompute="none", cp=1, cp_comm="p2p", cp_a2a_size=None),
-                                    assumptions)
-    elem_t = 2.0 * (stored.replicated + stored.sharded) / dev.hbm_bytes_per_s / c
-    score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
-    e = assumptions.element_bytes
-    act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
-    tp_t = 2 * comm.all_reduce(act_bytes, "tp")
-    if options.tp_comm_overlap:
-        tp_t = max(0.0, tp_t - mm_t)
-    cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
-    ep_t = ep_time(config, layout, comm, act_bytes)
-    ovh = dev.layer_overhead_s
-    fwd = mm_t + att_t + elem_t + score_t + ovh + tp_t + cp_f + ep_t
-    bwd = 2 * (mm_t + elem_t + score_t + ovh) + att_bwd + tp_t + cp_b + ep_t
-    comm = {"tp": 2 * tp_t, "cp": cp_f + cp_b, "ep": 2 * ep_t}
-    if layout.recompute == "full":
-        bwd += fwd
-        comm = {"tp": 3 * tp_t, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
-    elif layout.recompute == "selective" and options.selective_recompute == "alternate_matmuls":
-        bwd += alternate_matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
-                                        micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
-    elif layout.recompute == "selective":
-        bwd += att_t + score_t + cp_f
-        comm["cp"] += cp_f
-    return LayerTimes(fwd, bwd, tuple(comm.items()))
 
 
 def _end_times(layout: Layout, cluster: ClusterSpec, comm: CommModel,
