@@ -25,8 +25,8 @@ class CostOptions:
     # ZeRO 1/2 parameter all-gather after the step runs behind the next step's first forward
     # (Megatron-Core's overlap_param_gather); False: exposed after the optimizer.
     overlap_param_gather: bool = False
-    # Tensor-parallel all-gather / reduce-scatter split into chunks run behind the layer's GEMMs
-    # (Megatron-Core's --tp-comm-overlap): only what exceeds the matmul time is exposed.
+    # Tensor-parallel all-gathers / reduce-scatters run beside the layer's GEMMs by TransformerEngine's
+    # userbuffers (Megatron-Core's --tp-comm-overlap), priced by ``tp_overlap``.
     tp_comm_overlap: bool = False
     # What ``recompute: selective`` recomputes: "attention" (Korthikanti et al.'s scores, as parallel3d
     # and Megatron do) or "alternate_matmuls" (torchtitan's per-op policy: every second matmul of a

@@ -135,6 +135,34 @@ def matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 
     return total / layers
 
 
+def tp_split_gemms(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, micro_batch_size: int,
+                   seq_len: int, chunks: tuple[int, int] = (1, 1)) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(share of the layers, [(split dim, forward seconds)]) per distinct block: the dense tp-split matmuls
+    of one microbatch on one rank in forward order, split dim 0 column-parallel (its input all-gathered
+    under sequence parallelism), 1 row-parallel (its output reduce-scattered). Each GEMM runs as
+    ``chunks[split dim]`` GEMMs over equal slices of its token rows, one after another, each priced at
+    its own (thinner) shape, as a comm-GEMM overlap splits it. Routed experts are left out (their
+    tokens travel over ep)."""
+    tokens = micro_batch_size * seq_len / cp
+    by_block: dict[object, list[tuple[int, float]]] = {}
+    counts: dict[object, int] = {}
+    for layer in config.shape.layers:
+        counts[layer.block] = counts.get(layer.block, 0) + 1
+        if layer.block in by_block:
+            continue
+        gemms = []
+        for t in layer.tensors:
+            if not t.matmul or t.expert is not None or t.split_dim not in (0, 1) or len(t.shape) != 2:
+                continue
+            n, k = t.local_shape(tp)
+            rows = tokens / chunks[t.split_dim]
+            flops = 2.0 * t.numel * t.active * rows / tp
+            gemms.append((t.split_dim, chunks[t.split_dim] * curve.seconds(flops, rows, n, k)))
+        by_block[layer.block] = gemms
+    total = sum(counts.values())
+    return [(counts[b] / total, g) for b, g in by_block.items()]
+
+
 def alternate_matmul_seconds(config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int = 1, ep: int = 1,
                              etp: int | None = None, micro_batch_size: int, seq_len: int) -> float:
     """Forward time of every second weight matmul of each layer (its 2nd, 4th, ... in forward order),

@@ -18,6 +18,7 @@ from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.gemm import (FLASH_BACKWARD_FACTOR, GemmCurve, alternate_matmul_seconds, attention_seconds,
                                      matmul_seconds)
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.tp_overlap import tp_overlap_exposed
 
 # The cost model counts attention over the full s x s product (QK^T and PV), as Megatron-LM's
 # formula does (Narayanan et al. 2021, eq. 3), whose published TFLOP/s the planner is checked against.
@@ -68,18 +69,19 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     score_t = 2.0 * stored.scores / dev.hbm_bytes_per_s / c
     e = assumptions.element_bytes
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
-    tp_t = 2 * comm.all_reduce(act_bytes, "tp")
+    tp_f = tp_b = 2 * comm.all_reduce(act_bytes, "tp")  # each direction: 2 all-gathers + 2 reduce-scatters
     if options.tp_comm_overlap:
-        tp_t = max(0.0, tp_t - mm_t)
+        tp_f, tp_b = tp_overlap_exposed(tp_f / 4, 2, config, curve, tp=t, cp=c,
+                                        micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
     cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
     ep_t = ep_time(config, layout, comm, act_bytes)
     ovh = dev.layer_overhead_s
-    fwd = mm_t + att_t + elem_t + score_t + ovh + tp_t + cp_f + ep_t
-    bwd = 2 * (mm_t + elem_t + score_t + ovh) + att_bwd + tp_t + cp_b + ep_t
-    comm = {"tp": 2 * tp_t, "cp": cp_f + cp_b, "ep": 2 * ep_t}
+    fwd = mm_t + att_t + elem_t + score_t + ovh + tp_f + cp_f + ep_t
+    bwd = 2 * (mm_t + elem_t + score_t + ovh) + att_bwd + tp_b + cp_b + ep_t
+    comm = {"tp": tp_f + tp_b, "cp": cp_f + cp_b, "ep": 2 * ep_t}
     if layout.recompute == "full":
         bwd += fwd
-        comm = {"tp": 3 * tp_t, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
+        comm = {"tp": 2 * tp_f + tp_b, "cp": 2 * cp_f + cp_b, "ep": 3 * ep_t}
     elif layout.recompute == "selective" and options.selective_recompute == "alternate_matmuls":
         bwd += alternate_matmul_seconds(config, curve, tp=t, cp=c, ep=layout.ep, etp=layout.etp,
                                         micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
