@@ -87,3 +87,11 @@ def test_pricing_slices_on_the_gemm_curve_costs_more():
     plain = tp_overlap_exposed(0.3e-3, 2, config, curve, **kw)
     sliced = tp_overlap_exposed(0.3e-3, 2, config, curve, ub=UbConfig(price_slices=True), **kw)
     assert sliced[0] > plain[0] and sliced[1] > plain[1]
+
+
+def test_a_collective_with_no_gemm_beside_it_stays_whole():
+    # A GPT layer has two column -> row runs (attention, MLP); a third pair of collectives has nothing to hide behind.
+    config, curve = _gpt32b(), GemmCurve.of(ClusterSpec.build(8, 8, "h100_80gb").device)
+    kw = dict(tp=8, cp=1, micro_batch_size=4, seq_len=4096)
+    two, three = (tp_overlap_exposed(0.5e-3, pairs, config, curve, **kw) for pairs in (2, 3))
+    assert three[0] - two[0] == pytest.approx(2 * 0.5e-3) and three[1] - two[1] == pytest.approx(2 * 0.5e-3)
