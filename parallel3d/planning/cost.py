@@ -1,6 +1,6 @@
 """Predicted step time of a layout on a cluster.
 
-Per microbatch and layer, on one tensor-parallel rank:
+Per microbatch and layer, on one tensor-parallel rank (``layer_time``):
 
 - matmuls and attention scores: FLOPs / tp at ``peak`` times the efficiency of each GEMM's
   per-rank shape (``gemm``: thin shards and small hidden sizes run further from peak); a fused
@@ -11,7 +11,8 @@ Per microbatch and layer, on one tensor-parallel rank:
   once) at HBM bandwidth; these are the Korthikanti terms of ``activations``;
 - tensor-parallel collectives: two all-reduces (or all-gather + reduce-scatter
   with sequence parallel, the same volume) of the ``[b, s, h]`` activation in
-  forward and two in backward; full recompute repeats the forward ones;
+  forward and two in backward (with Megatron-Core's ``--tp-comm-overlap`` only what ``tp_overlap``
+  leaves exposed beside the GEMMs); full recompute repeats the forward ones;
 - a fused attention kernel at the device's ``attention_efficiency`` (flat), its backward 2.5
   forwards (it recomputes the scores, ``gemm.FLASH_BACKWARD_FACTOR``);
 - a fixed ``layer_overhead_s`` per layer forward (kernel launch gaps; twice per backward);
