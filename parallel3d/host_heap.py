@@ -9,7 +9,7 @@ microbatch's ``W`` tensors (its linears' inputs and output gradients) across oth
 its heap grows and shrinks at the top every few actions, and its ``B``s and ``F``s fault pages
 in where 1F1B's reuse what the previous backward freed (2026-12-06, pp 2, hidden 128, the last
 stage, after the first step: ~100 minor faults per ``B`` against none for 1F1B's backward; about
-4% of ``B + W`` in thread CPU time; ``scripts/profile_split_backward.py --faults``).
+4% of ``B + W`` in thread CPU time; ``scripts/profile_pipeline_actions.py``).
 
 ``retain_freed_memory`` fixes glibc's two thresholds, so that blocks up to 32 MiB come from the
 heap and a freed heap top stays mapped: each step's allocations, which recur step after step,
