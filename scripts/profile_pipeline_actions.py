@@ -7,7 +7,8 @@ the cache). This runs the benchmark's process group (``bench_pipeline_group.run_
 model, shapes, alternation of the schedules step by step) with each ``StepRun`` computation
 wrapped: CPU time (``time.thread_time``: the executor thread's own, no preemption), minor faults
 (``getrusage(RUSAGE_THREAD)``: pages the kernel zero-filled for it) and the time inside
-``linear_weight_grads`` (the weight-gradient GEMMs, deferred or not). Medians per action after
+``linear_weight_grads`` (the weight-gradient GEMMs, deferred or not) and, in ``W``, in its direct
+accumulation (``leaf_grads.accumulate``). Medians per action after
 the first step (its allocations fault in either way). Prints per stage each kind's numbers and
 (B+W)/B; B + W less GEMMs against 1f1b's B less GEMMs isolates what is not the GEMMs.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import parallel3d.deferred_grads as deferred_grads  # noqa: E402
 import parallel3d.pipeline.engine as engine_mod  # noqa: E402
 import parallel3d.pipeline.step_run as step_run  # noqa: E402
 import parallel3d.tensor_parallel.deferrable_linear as deferrable_linear  # noqa: E402
@@ -43,9 +45,9 @@ def _instrument() -> None:
     """Wrap StepRun's computations and the weight-gradient GEMMs in this process (every spawned rank
     re-imports this module, so each rank instruments itself). Samples: per (schedule, stage, kind),
     (CPU s, minor faults, GEMM CPU s) per action; written after each step."""
-    samples: dict[str, list[tuple[float, int, float]]] = {}
-    in_gemms = [0.0]
-    gemms = deferrable_linear.linear_weight_grads
+    samples: dict[str, list[tuple[float, int, float, float]]] = {}
+    in_gemms, in_accumulate = [0.0], [0.0]
+    gemms, accumulate = deferrable_linear.linear_weight_grads, deferred_grads.accumulate
 
     def timed_gemms(*a):
         t0 = time.thread_time()
@@ -54,18 +56,24 @@ def _instrument() -> None:
         finally:
             in_gemms[0] += time.thread_time() - t0
 
+    def timed_accumulate(p, grad) -> None:
+        t0 = time.thread_time()
+        accumulate(p, grad)
+        in_accumulate[0] += time.thread_time() - t0
+
     deferrable_linear.linear_weight_grads = timed_gemms
+    deferred_grads.accumulate = timed_accumulate
 
     def wrap(name: str) -> None:
         inner = getattr(step_run.StepRun, name)
 
         def measured(self, c) -> None:
-            in_gemms[0] = 0.0
+            in_gemms[0] = in_accumulate[0] = 0.0
             faults, t0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
             inner(self, c)
             spent, faults = time.thread_time() - t0, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
             key = f"{self.engine.schedule_name}|{self.engine.pstate.coord('pp')}|{c.kind}"
-            samples.setdefault(key, []).append((spent, faults, in_gemms[0]))
+            samples.setdefault(key, []).append((spent, faults, in_gemms[0], in_accumulate[0]))
 
         setattr(step_run.StepRun, name, measured)
 
@@ -92,10 +100,11 @@ def _report(samples: dict[str, list], stages: int, schedule: str, skip: int) -> 
             for kind in "FBW":
                 got = samples.get(f"{sched}|{st}|{kind}", [])[skip:]
                 if got:
-                    med[(sched, kind)] = [statistics.median(x[i] for x in got) for i in range(3)]
-        print(f"stage {st}: " + "  ".join(f"{s} {k} {1e6 * v[0]:.0f} us ({v[1]:.0f} faults, GEMMs {1e6 * v[2]:.0f})"
+                    med[(sched, kind)] = [statistics.median(x[i] for x in got) for i in range(4)]
+        print(f"stage {st}: " + "  ".join(f"{s} {k} {1e6 * v[0]:.0f} us ({v[1]:.0f} faults, GEMMs {1e6 * v[2]:.0f}"
+                                          + (f", accumulate {1e6 * v[3]:.0f})" if k == "W" else ")")
                                           for (s, k), v in med.items()))
-        base, b, w = med[("1f1b", "B")], med[(schedule, "B")], med.get((schedule, "W"), [0.0, 0, 0.0])
+        base, b, w = med[("1f1b", "B")], med[(schedule, "B")], med.get((schedule, "W"), [0.0, 0, 0.0, 0.0])
         rest = (b[0] + w[0] - b[2] - w[2]) / max(base[0] - base[2], 1e-12)
         print(f"   (B+W)/B {(b[0] + w[0]) / base[0]:.3f}; GEMMs {(b[2] + w[2]) / max(base[2], 1e-12):.3f}; "
               f"the rest {rest:.3f}")
