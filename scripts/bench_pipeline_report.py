@@ -20,6 +20,19 @@ def _split_backward_ratios(per_round_stats: list, name: str, key: str = "compute
     preemption does not inflate (ranks outnumbering cores time-share them: at pp 4 on 2 cores an
     action's wall time is partly other ranks' turns, unevenly between the schedules, whose actions
     interleave differently); ``"compute"``: wall time, as before 2026-12-06."""
+    return _kind_ratios(per_round_stats, name, ("B", "W"), "B", key)
+
+
+def _forward_ratios(per_round_stats: list, name: str, key: str = "compute_cpu") -> dict | None:
+    """The control for ``_split_backward_ratios``: the schedule's F over 1f1b's F, the same work on the
+    same layers, so what it shows beyond 1.0 is the run's conditions (the schedule's own working set
+    in the cache, other load), not the split. None for a schedule without W."""
+    return _kind_ratios(per_round_stats, name, ("F",), "F", key)
+
+
+def _kind_ratios(per_round_stats: list, name: str, kinds: tuple[str, ...], base_kind: str, key: str) -> dict | None:
+    """Per stage (ZB-V: ``"all"``), median over rounds: the schedule's mean seconds per action of ``kinds``,
+    summed over them and the stage's chunks, over 1f1b's of ``base_kind``."""
     per_stage: dict = {}
     for rank_stats in per_round_stats:
         split, base = {}, {}
@@ -27,8 +40,8 @@ def _split_backward_ratios(per_round_stats: list, name: str, key: str = "compute
             own = ours[name][key]
             if not any(kind == "W" for kind, _ in own):
                 return None
-            split[stage] = sum(t for (kind, _), t in own.items() if kind in ("B", "W"))
-            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"][key].items() if kind == "B")
+            split[stage] = sum(t for (kind, _), t in own.items() if kind in kinds)
+            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"][key].items() if kind == base_kind)
         if ours[name]["schedule"] == "zbv":
             per_stage.setdefault("all", []).append(sum(split.values()) / sum(base.values()))
         else:
@@ -100,8 +113,10 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
         ratio = f"{r['backward_ratio']:>8.3f}" if r.get("backward_ratio") is not None else f"{'-':>8}"
         stages = r.get("backward_ratio_per_stage") or {}
         wall = r.get("backward_ratio_wall")
+        control = r.get("forward_ratio_per_stage") or {}
         per_stage = (" ".join(f"{s}:{v:.3f}" for s, v in stages.items())
-                     + (f" (wall {wall:.3f})" if wall is not None else ""))
+                     + (f" (wall {wall:.3f})" if wall is not None else "")
+                     + (" F/F " + " ".join(f"{s}:{v:.3f}" for s, v in control.items()) if control else ""))
         live = f"{r['peak_live_bytes_measured'] / 2**20:>13.2f}" if r["peak_live_bytes_measured"] else f"{'-':>13}"
         print(f"{r['stages']:>2} {r['system']:<28} {r['executor_us_per_action']:>14.1f} "
               f"{r['executor_cpu_us_per_action']:>13.1f} {ratio} "
@@ -110,7 +125,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "collectives) per action of the stage's schedule, median over ranks and steps; cpu us/action: the same in "
           "the executor thread's CPU time (no preemption, no blocking waits); (B+W)/B: a split backward's B + W over our 1f1b's B on "
           "the same layers, in the executor thread's CPU time (worst stage; per stage: each, and the worst in wall "
-          "time, which preemption inflates; zbv: whole pipeline); act peak: the engine's count of activation bytes "
+          "time, which preemption inflates; F/F: the schedule's F over 1f1b's, the same work, the run's conditions' share; zbv: whole pipeline); act peak: the engine's count of activation bytes "
           "(max over ranks); live peak (--memory): peak bytes tensor ops hold during one step, metered outside the engine "
           "(max over ranks; includes gradients)")
     for p, b in unit.items():

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from bench_pipeline_report import _split_backward_ratio, _split_backward_ratios  # noqa: E402
+from bench_pipeline_report import _forward_ratios, _split_backward_ratio, _split_backward_ratios  # noqa: E402
 
 
 def _stage(stage: int, split: dict, base: dict, schedule: str = "zb_h1", stretch: float = 1.0) -> tuple:
@@ -43,3 +43,10 @@ def test_zbv_is_a_whole_pipeline_ratio_and_1f1b_has_none():
                _stage(1, {("B", 0): 0.2, ("W", 0): 0.2, ("B", 1): 0.1, ("W", 1): 0.1}, {("B", 0): 1.0}, "zbv")]]
     assert _split_backward_ratios(rounds, "ours zb_h1") == pytest.approx({"all": 1.1})
     assert _split_backward_ratio(rounds, "ours 1f1b") is None
+
+
+def test_forward_control_compares_the_schedules_forwards():
+    rounds = [[_stage(0, {("F", 0): 1.03, ("B", 0): 0.0, ("W", 0): 1.0}, {("F", 0): 1.0, ("B", 0): 1.0}),
+               _stage(1, {("F", 0): 1.10, ("B", 0): 0.6, ("W", 0): 0.5}, {("F", 0): 1.0, ("B", 0): 1.0})]]
+    assert _forward_ratios(rounds, "ours zb_h1") == pytest.approx({0: 1.03, 1: 1.10})
+    assert _split_backward_ratios(rounds, "ours zb_h1") == pytest.approx({0: 1.0, 1: 1.1})  # F not counted
