@@ -15,7 +15,8 @@ stage, after the first step: ~100 minor faults per ``B`` against none for 1F1B's
 heap and a freed heap top stays mapped: each step's allocations, which recur step after step,
 reuse memory already faulted in. The price: the process keeps its high-water mark of host memory
 mapped (what a caching allocator keeps on a GPU). On another C library (musl, macOS) nothing
-changes.
+changes, nor where ``P3D_HOST_HEAP=leave`` is set in the environment: a process that tunes malloc
+itself (``tests/peak_rss.py`` makes resident memory follow the live tensors) keeps its settings.
 
 Invariant: changes only where memory comes from, never a value; idempotent.
 """
@@ -34,11 +35,15 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_MAX = 32 << 20
 # free heap top that glibc may keep mapped: beyond any step's transient peak on a host
 TRIM_THRESHOLD = 1 << 30
+# set to "leave": malloc's settings are the process's own (module doc)
+LEAVE_ENV = "P3D_HOST_HEAP"
 
 
 def retain_freed_memory() -> bool:
     """Set glibc's mmap and trim thresholds (module doc); True when they took effect, False on a C
-    library without glibc's ``mallopt`` (then nothing changed)."""
+    library without glibc's ``mallopt`` or with ``P3D_HOST_HEAP=leave`` (then nothing changed)."""
+    if os.environ.get(LEAVE_ENV) == "leave":
+        return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):  # set by glibc only
             return False

@@ -33,10 +33,12 @@ print(retained, faults, blocks * numel * 4 // 4096)
 """
 
 
-def _faults(mode: str) -> tuple[str, int, int]:
+def _faults(mode: str, leave: bool = False) -> tuple[str, int, int]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for var in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD"):
+    for var in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD", "P3D_HOST_HEAP"):
         env.pop(var, None)
+    if leave:
+        env["P3D_HOST_HEAP"] = "leave"
     out = subprocess.run([sys.executable, "-c", _CYCLE, mode], capture_output=True, text=True, env=env, timeout=300,
                          check=True).stdout.split()
     return out[0], int(out[1]), int(out[2])
@@ -52,3 +54,14 @@ def test_freed_memory_is_reused_without_faults():
     retained, faults, pages = _faults("retain")
     assert retained == "True"
     assert faults < pages // 4, (faults, pages)  # a few pages at the heap's new edge; the rest reused
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_a_process_that_tunes_malloc_itself_keeps_its_settings():
+    """``P3D_HOST_HEAP=leave`` (set by ``tests/peak_rss.py``, whose resident-memory peaks need every
+    tensor in its own mapping): nothing changes, the freed memory faults back in as by default."""
+    if not os.confstr("CS_GNU_LIBC_VERSION"):
+        pytest.skip("not glibc")
+    retained, faults, pages = _faults("retain", leave=True)
+    assert retained == "False"
+    assert faults > pages // 2, (faults, pages)
