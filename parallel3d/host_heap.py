@@ -14,7 +14,10 @@ stage, after the first step: ~100 minor faults per ``B`` against none for 1F1B's
 ``retain_freed_memory`` fixes glibc's two thresholds, so that blocks up to 32 MiB come from the
 heap and a freed heap top stays mapped: each step's allocations, which recur step after step,
 reuse memory already faulted in. The price: the process keeps its high-water mark of host memory
-mapped (what a caching allocator keeps on a GPU). On another C library (musl, macOS) nothing
+mapped (what a caching allocator keeps on a GPU), and blocks of 128 KiB - 32 MiB share one heap,
+whose holes can grow the peak (2026-12-06, a tiny pp 2 zbv job through the Trainer: peak RSS +19
+MiB from 4 to 12 microbatches per step against +4 MiB without; ``tests/test_pipeline_engine.py``'s
+peak-RSS test). On another C library (musl, macOS) nothing
 changes, nor where ``P3D_HOST_HEAP=leave`` is set in the environment: a process that tunes malloc
 itself (``tests/peak_rss.py`` makes resident memory follow the live tensors) keeps its settings.
 
