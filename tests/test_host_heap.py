@@ -3,7 +3,9 @@
 Each case runs in a fresh interpreter (glibc's thresholds are per process and cannot be
 unset): many mid-sized tensors are allocated, written and freed together (a zero-bubble
 stage's ``W`` freeing what its microbatches held), then allocated and written again; the
-second round's minor page faults are counted.
+second round's minor page faults are counted. 96 MiB of 1 MiB blocks: by default glibc either maps
+each block (its mmap threshold below 1 MiB) or trims the heap top (its trim threshold, twice that one,
+at most 64 MiB), whatever it adjusted them to while the interpreter started.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _CYCLE = """
 import resource, sys, torch
 from parallel3d.host_heap import retain_freed_memory
 retained = retain_freed_memory() if sys.argv[1] == "retain" else None
-blocks, numel = 64, 64 * 1024  # 256 KiB each, 16 MiB together: above glibc's default trim threshold
+blocks, numel = 96, 256 * 1024  # 1 MiB each, 96 MiB together: above any trim threshold glibc picks itself (<= 64 MiB)
 def cycle():
     held = [torch.empty(numel).fill_(1.0) for _ in range(blocks)]
     del held
