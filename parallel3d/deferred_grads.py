@@ -58,6 +58,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from parallel3d.host_heap import retain_freed_memory
 from parallel3d.leaf_grads import accumulate, all_accepted
 from parallel3d.param_meta import is_wgrad_deferrable
 
@@ -207,6 +208,7 @@ class WeightGradDeferral:
         self.direct = direct
         # W's graphs, reused per chunk within a step (``_Anchors``): enough for every chunk of a stage.
         self._anchors = _Anchors(kept_graphs)
+        self._heap_retained = False  # host_heap.retain_freed_memory done (once per process suffices)
 
     @property
     def active(self) -> bool:
@@ -215,9 +217,16 @@ class WeightGradDeferral:
     @contextmanager
     def reusing_graphs(self) -> Iterator[None]:
         """Within (one pipeline step): each ``W``'s one-node graph is kept per parameter list and
-        rerun (``_Anchors``); forgotten on exit. Outside, every ``W`` builds its own."""
+        rerun (``_Anchors``); forgotten on exit. Outside, every ``W`` builds its own.
+
+        The first time, the process's C heap is told to keep what it frees (``host_heap``): a split
+        backward holds ``W``'s tensors across actions, and glibc returning the freed heap top to the
+        kernel made the next ``B`` fault its pages back in."""
         if self._anchors.keep:
             raise RuntimeError("WeightGradDeferral.reusing_graphs() is already open")
+        if not self._heap_retained:
+            retain_freed_memory()
+            self._heap_retained = True
         self._anchors.keep = True
         try:
             yield

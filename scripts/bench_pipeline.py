@@ -61,7 +61,7 @@ import torch  # noqa: E402
 from bench_pipeline_group import run_group  # noqa: E402
 from bench_pipeline_bubble import simulated_bubbles  # noqa: E402
 from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit_bubbles,  # noqa: E402
-                                   _split_backward_ratio, _stats)
+                                   _forward_ratios, _split_backward_ratio, _split_backward_ratios, _stats)
 from peer_env import deepspeed_python, run_peer  # noqa: E402
 
 
@@ -153,7 +153,11 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                            o[name]["executor_cpu_us_per_action"] for rs in per_round_stats for _, o, *_ in rs),
                        peak_activation_bytes=max(o[name]["peak_activation_bytes"] for _, o, *_ in stats),
                        peak_live_bytes_measured=max((o[name]["peak_live_bytes_measured"] or 0) for _, o, *_ in stats),
-                       backward_ratio=_split_backward_ratio(per_round_stats, name))
+                       # (B+W)/B in thread CPU time (the work), worst stage and per stage; the former wall-time one
+                       backward_ratio=_split_backward_ratio(per_round_stats, name),
+                       backward_ratio_per_stage=_split_backward_ratios(per_round_stats, name),
+                       backward_ratio_wall=_split_backward_ratio(per_round_stats, name, key="compute"),
+                       forward_ratio_per_stage=_forward_ratios(per_round_stats, name))
         rows.append(row)
     return rows
 

@@ -10,25 +10,50 @@ from __future__ import annotations
 import statistics
 
 
-def _split_backward_ratio(per_round_stats: list, name: str) -> float | None:
-    """For a split-backward schedule: a microbatch's B + W (mean times, summed over a stage's chunks)
-    over our 1f1b's B on the same layers; 1.0: the split costs exactly one backward. Per stage (the
-    largest) where the schedule places the layers as 1f1b does; over the whole pipeline for ZB-V,
-    whose stages hold other layers. Median over rounds."""
-    ratios = []
+def _split_backward_ratios(per_round_stats: list, name: str, key: str = "compute_cpu") -> dict | None:
+    """For a split-backward schedule: per stage, a microbatch's B + W (mean per action, summed over the
+    stage's chunks) over our 1f1b's B on the same layers, median over rounds; 1.0: the split costs
+    exactly one backward. ZB-V, whose stages hold other layers than 1f1b's, only as a whole pipeline
+    (key ``"all"``). None for a schedule without W.
+
+    ``key``: ``"compute_cpu"`` (the default), each action's executor-thread CPU time: the work, which
+    preemption does not inflate (ranks outnumbering cores time-share them: at pp 4 on 2 cores an
+    action's wall time is partly other ranks' turns, unevenly between the schedules, whose actions
+    interleave differently); ``"compute"``: wall time, as before 2026-12-06."""
+    return _kind_ratios(per_round_stats, name, ("B", "W"), "B", key)
+
+
+def _forward_ratios(per_round_stats: list, name: str, key: str = "compute_cpu") -> dict | None:
+    """The control for ``_split_backward_ratios``: the schedule's F over 1f1b's F, the same work on the
+    same layers, so what it shows beyond 1.0 is the run's conditions (the schedule's own working set
+    in the cache, other load), not the split. None for a schedule without W."""
+    return _kind_ratios(per_round_stats, name, ("F",), "F", key)
+
+
+def _kind_ratios(per_round_stats: list, name: str, kinds: tuple[str, ...], base_kind: str, key: str) -> dict | None:
+    """Per stage (ZB-V: ``"all"``), median over rounds: the schedule's mean seconds per action of ``kinds``,
+    summed over them and the stage's chunks, over 1f1b's of ``base_kind``."""
+    per_stage: dict = {}
     for rank_stats in per_round_stats:
         split, base = {}, {}
         for stage, ours, *_ in rank_stats:
-            own = ours[name]["compute"]
+            own = ours[name][key]
             if not any(kind == "W" for kind, _ in own):
                 return None
-            split[stage] = sum(t for (kind, _), t in own.items() if kind in ("B", "W"))
-            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"]["compute"].items() if kind == "B")
+            split[stage] = sum(t for (kind, _), t in own.items() if kind in kinds)
+            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"][key].items() if kind == base_kind)
         if ours[name]["schedule"] == "zbv":
-            ratios.append(sum(split.values()) / sum(base.values()))
+            per_stage.setdefault("all", []).append(sum(split.values()) / sum(base.values()))
         else:
-            ratios.append(max(split[s] / base[s] for s in split))
-    return statistics.median(ratios)
+            for s in sorted(split):
+                per_stage.setdefault(s, []).append(split[s] / base[s])
+    return {s: statistics.median(r) for s, r in per_stage.items()}
+
+
+def _split_backward_ratio(per_round_stats: list, name: str, key: str = "compute_cpu") -> float | None:
+    """The worst stage's ``_split_backward_ratios`` (issue 27's target holds per stage)."""
+    ratios = _split_backward_ratios(per_round_stats, name, key)
+    return max(ratios.values()) if ratios is not None else None
 
 
 def _stats(values: list[float]) -> dict:
@@ -79,21 +104,28 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
             print(f"pp{r['stages']} message latency {1e6 * r['p2p_message_s']:.0f} us (post {1e6 * r['p2p_post_s']:.0f} us, "
                   f"the executor's), exchange loop {1e6 * r['p2p_exchange_s']:.0f} us (not fed)")
     print()
-    head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13}")
+    head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13} {'(B+W)/B per stage'}")
     print(head2)
     print("-" * len(head2))
     for r in rows:
         if "executor_us_per_action" not in r:
             continue
-        ratio = f"{r['backward_ratio']:>8.3f}" if r["backward_ratio"] is not None else f"{'-':>8}"
+        ratio = f"{r['backward_ratio']:>8.3f}" if r.get("backward_ratio") is not None else f"{'-':>8}"
+        stages = r.get("backward_ratio_per_stage") or {}
+        wall = r.get("backward_ratio_wall")
+        control = r.get("forward_ratio_per_stage") or {}
+        per_stage = (" ".join(f"{s}:{v:.3f}" for s, v in stages.items())
+                     + (f" (wall {wall:.3f})" if wall is not None else "")
+                     + (" F/F " + " ".join(f"{s}:{v:.3f}" for s, v in control.items()) if control else ""))
         live = f"{r['peak_live_bytes_measured'] / 2**20:>13.2f}" if r["peak_live_bytes_measured"] else f"{'-':>13}"
         print(f"{r['stages']:>2} {r['system']:<28} {r['executor_us_per_action']:>14.1f} "
               f"{r['executor_cpu_us_per_action']:>13.1f} {ratio} "
-              f"{r['peak_activation_bytes'] / 2**20:>12.2f} {live}")
+              f"{r['peak_activation_bytes'] / 2**20:>12.2f} {live} {per_stage}")
     print("exec us/action: the executor's own time (step - computing - blocked in p2p waits - the closing "
           "collectives) per action of the stage's schedule, median over ranks and steps; cpu us/action: the same in "
           "the executor thread's CPU time (no preemption, no blocking waits); (B+W)/B: a split backward's B + W over our 1f1b's B on "
-          "the same layers (worst stage; zbv: whole pipeline); act peak: the engine's count of activation bytes "
+          "the same layers, in the executor thread's CPU time (worst stage; per stage: each, and the worst in wall "
+          "time, which preemption inflates; F/F: the schedule's F over 1f1b's, the same work, the run's conditions' share; zbv: whole pipeline); act peak: the engine's count of activation bytes "
           "(max over ranks); live peak (--memory): peak bytes tensor ops hold during one step, metered outside the engine "
           "(max over ranks; includes gradients)")
     for p, b in unit.items():

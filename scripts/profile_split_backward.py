@@ -46,11 +46,26 @@ def _setup(args):
                      vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
     pstate = ParallelState(Topology())
     a, b = args.layer_range
-    chunk = build_model(cfg, pstate, seed=0, layer_range=(a, b), pre_process=False, post_process=False)
+    chunk = build_model(cfg, pstate, seed=0, layer_range=(a, b), pre_process=False, post_process=args.last)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.mbs, args.seq, args.hidden, generator=gen)
     grad = torch.randn(args.mbs, args.seq, args.hidden, generator=gen)
+    if args.last:
+        labels = torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen)
+        chunk, grad = _LastChunk(chunk, labels), None
     return chunk, pstate, x, grad, backward_inputs(chunk.parameters())
+
+
+class _LastChunk(torch.nn.Module):
+    """The last pipeline stage as the engine runs it (``--last``): final norm, tied head and the mean
+    token loss, scaled as the engine scales it; its backward starts from the scalar (no output gradient)."""
+
+    def __init__(self, chunk: torch.nn.Module, labels: torch.Tensor, microbatches: int = 8) -> None:
+        super().__init__()
+        self.chunk, self.labels, self.factor = chunk, labels, 1.0 / microbatches
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x, self.labels) * self.factor
 
 
 def _clock() -> tuple[float, float]:
@@ -224,6 +239,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--layer-range", type=int, nargs=2, default=[2, 4], help="the chunk's layers [a, b)")
+    ap.add_argument("--last", action="store_true",
+                    help="the chunk is a last stage: final norm, tied LM head and loss (pass --layer-range a L)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)

@@ -54,6 +54,7 @@ VOCAB = 512
 
 
 def _track_live_memory() -> None:
+    os.environ["P3D_HOST_HEAP"] = "leave"  # a split backward must not reset these (parallel3d.host_heap)
     libc = ctypes.CDLL("libc.so.6")
     for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD),
                          (_M_ARENA_MAX, 1)):
