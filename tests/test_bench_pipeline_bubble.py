@@ -128,3 +128,29 @@ def test_message_latency_is_never_negative() -> None:
 
     lat, _ = one_way_latency(_stamps(2, 3, {0: -POST, 1: -POST}), 2)  # woke as the post began
     assert lat == 0.0
+
+
+def test_in_run_latency_pairs_messages_first_in_first_out_and_splits_delivery() -> None:
+    """Rank a's k-th send to b is b's k-th receive from a (gloo's order, whatever the actions are
+    called at each end). A message sent while its receiver was blocked on it gives a latency (woke -
+    post began - the least post); one sent before its receiver waited gives a delivery wait instead."""
+    from bench_pipeline_bubble import in_run_latencies
+
+    from parallel3d.pipeline.actions import Action
+
+    lat, late, dlv = 40e-6, 70e-6, 300e-6
+    s0, s1 = Action("SEND_ACT", 0, 0), Action("SEND_ACT", 1, 0)
+    r0, r1 = Action("RECV_ACT", 0, 1), Action("RECV_ACT", 1, 1)  # rank 1's names for the same messages
+    g0, h0 = Action("SEND_GRAD", 0, 1), Action("RECV_GRAD", 0, 0)  # the other direction
+    traces = {
+        0: [("SEND_ACT", s0, 1, 10.0, 10.0 + POST, 1), ("SEND_ACT", s1, 1, 20.0, 20.0 + 3 * POST, 2),
+            ("RECV_GRAD", h0, 1, 21.0, 21.0 + 1e-6, 3), ("wait", h0, -1, 29.0, 30.0 + POST + late, 3)],
+        1: [("RECV_ACT", r0, 0, 1.0, 1.0 + 1e-6, 1), ("RECV_ACT", r1, 0, 2.0, 2.0 + 1e-6, 2),
+            ("wait", r0, -1, 9.0, 10.0 + POST + lat, 1),  # blocked before the send: a latency
+            ("wait", r1, -1, 25.0, 25.0 + dlv, 2),  # sent before the wait: a delivery wait
+            ("SEND_GRAD", g0, 0, 30.0, 30.0 + 2 * POST, 4)],
+    }
+    latencies, posting, delivery = in_run_latencies(traces)
+    assert posting == pytest.approx(POST)
+    assert sorted(latencies) == pytest.approx([lat, late])
+    assert delivery == pytest.approx({0: 0.0, 1: dlv})
