@@ -145,6 +145,10 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                        bubble_simulated_isolated_latency=bub["sim_isolated"],
                        p2p_message_in_run_s=bub["msg_in_run_s"], p2p_messages_in_run=bub["msg_in_run_n"],
                        bubble_delivery_share=bub["delivery_share"],
+                       # what is left of the gap once the waits for messages already sent are taken out
+                       bubble_measured_less_delivery=bub["measured_less_delivery"],
+                       bubble_rel_diff_less_delivery=None if bub["measured_less_delivery"] is None
+                       else abs(bub["measured_less_delivery"] - sim) / max(sim, 1e-12),
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
                        bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,

@@ -171,6 +171,9 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         "sim_isolated": simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt).bubble_fraction,
         "msg_in_run_s": msg_run, "msg_in_run_n": len(in_run),
         "delivery_share": statistics.median(delivered) if delivered else None,
+        # per step, the measured bubble less its delivery waits, median (None where not reported)
+        "measured_less_delivery": None if not delivered or oversubscribed or core_share < CORE_SHARE_MIN
+        else statistics.median(window_bubble(st) - d for st, d in zip(steps, delivered)),
         "sim0": simulate(schedule, fwd, bwd, wgrad_time=wgt).bubble_fraction,
         "sim_cpu": simulate(schedule, cfwd, cbwd, wgrad_time=cwgt).bubble_fraction,
         "replay": statistics.median(replays),

@@ -72,7 +72,9 @@ def split_waits(per_rank: dict[int, list[Stamp]]) -> list[dict[str, float]]:
             rows.append({"blocked": ret - enter, "sender": min(ret, own_ready) - enter,
                          "batchmate": max(0.0, min(ret, mate_ready) - own_ready),
                          "delivery": max(0.0, ret - mate_ready), "recv_late": float(recv[3] > send[3]),
-                         "sent_before_wait": float(send[3] < enter)})
+                         "sent_before_wait": float(send[3] < enter), "rank": rank, "action": action,
+                         "enter": enter, "ret": ret, "send_began": send[3], "send_end": send[4],
+                         "recv_posted": recv[3]})
     late = sum(1 for (s, r) in by_recv.values() if r[3] > s[3])
     for row in rows:
         row["early"], row["late"] = len(by_recv) - late, late
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prefetch", type=int, nargs="+", default=[None],
                     help="receives posted ahead of need; several: each is a system of its own, steps alternating")
+    ap.add_argument("--tails", type=int, default=0, help="print the N longest delivery waits with context")
     ap.add_argument("--pin", action="store_true", help="each rank's threads on one core (rank mod cores)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -196,6 +199,24 @@ def main() -> None:
                       f"{'after' if late else 'before'} the send: n {len(d)} "
                       f"mean {statistics.fmean(d):6.0f} med {statistics.median(d):6.0f} "
                       f"p90 {sorted(d)[int(0.9 * (len(d) - 1))]:6.0f} max {max(d):6.0f} us")
+        if args.tails:
+            comp = {}  # rank -> its computations on the common clock, this schedule, every step
+            for i in range(args.steps):
+                for rank, got in gathered:
+                    comp.setdefault(rank, []).extend(got[schedule][i][3])
+
+            def doing(rank: int, t: float) -> str:
+                for a, b, e in comp[rank]:
+                    if b <= t <= e:
+                        return f"{a.kind}{a.microbatch}c{a.chunk}@{1e6 * (t - b):.0f}us"
+                return "-"
+            for r in sorted(rows, key=lambda r: -r["delivery"])[:args.tails]:
+                peer = 1 - r["rank"] if args.stages == 2 else -1
+                print(f"    tail {1e6 * r['delivery']:7.0f} us rank {r['rank']} {r['action'].label(True)} "
+                      f"sent {'before' if r['sent_before_wait'] else 'after'}: post {1e6 * (r['send_began'] - r['enter']):+.0f}"
+                      f"..{1e6 * (r['send_end'] - r['enter']):+.0f} us, recv posted {1e6 * (r['recv_posted'] - r['enter']):+.0f}"
+                      f", woke {1e6 * (r['ret'] - r['enter']):+.0f} us from wait; sender at wake: "
+                      f"{doing(peer, r['ret']) if peer >= 0 else '?'}, sender at enter: {doing(peer, r['enter']) if peer >= 0 else '?'}")
         base = (schedule[0], args.prefetch[0])
         if schedule != base:
             ratios = [max(got[schedule][i][1] for _, got in gathered) / max(got[base][i][1] for _, got in gathered)

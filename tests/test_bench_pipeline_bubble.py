@@ -154,3 +154,31 @@ def test_in_run_latency_pairs_messages_first_in_first_out_and_splits_delivery() 
     assert posting == pytest.approx(POST)
     assert sorted(latencies) == pytest.approx([lat, late])
     assert delivery == pytest.approx({0: 0.0, 1: dlv})
+
+
+def test_the_simulator_is_fed_the_in_run_latency_and_delivery_waits_are_reported() -> None:
+    """With each rank's p2p stamps, ``sim`` uses the mean in-run latency (``sim_isolated`` the message
+    timed alone) and the waits for messages already sent are a share of the window, taken out of
+    ``measured_less_delivery``."""
+    from parallel3d.pipeline.actions import Action
+
+    stats, truth = _measured_from_simulation("1f1b", 2, 8, 1, starts=[100.0, 100.0])
+    (_, o0, _), (_, o1, _) = stats
+    window = o0["1f1b"]["step_times"][0][1]  # both stages start together; stage 0's own end is the last
+    act, grad = Action("SEND_ACT", 0), Action("RECV_ACT", 0)
+    sg, rg = Action("SEND_GRAD", 0), Action("RECV_GRAD", 0)
+    lat, dlv = 0.02, 0.05  # a latency of 0.02, and 0.05 blocked on a gradient already sent
+    trace0 = [("SEND_ACT", act, 1, 100.0, 100.0 + POST, 1), ("RECV_GRAD", rg, 1, 100.1, 100.1, 2),
+              ("wait", rg, -1, 103.0, 103.0 + dlv, 2)]
+    trace1 = [("RECV_ACT", grad, 0, 99.0, 99.0, 1), ("wait", grad, -1, 99.5, 100.0 + POST + lat, 1),
+              ("SEND_GRAD", sg, 0, 102.0, 102.0 + POST, 2)]
+    for st, (o, trace) in enumerate(((o0, trace0), (o1, trace1))):
+        o["1f1b"].update(rank=st, p2p_traces=[trace, trace])
+    got = simulated_bubbles(stats, "1f1b", 2, 8, msg_s=0.0, oversubscribed=False)
+    assert got["msg_in_run_s"] == pytest.approx(lat) and got["msg_in_run_n"] == 2
+    assert got["sim_isolated"] == pytest.approx(truth, rel=1e-9)
+    schedule = build_schedule("1f1b", 2, 8, 1)
+    assert got["sim"] == pytest.approx(simulate(schedule, F + OVERHEAD, B + W + OVERHEAD, p2p_time=lat).bubble_fraction)
+    assert got["sim"] > got["sim_isolated"]
+    assert got["delivery_share"] == pytest.approx(dlv / window / 2)  # mean over the two ranks
+    assert got["measured_less_delivery"] == pytest.approx(got["measured"] - dlv / window / 2)
