@@ -48,11 +48,15 @@ def _share(x: float | None) -> str:
     return f"{x:>6.3f}" if x is not None else f"{'-':>6}"
 
 
+def _pct(x: float | None) -> str:
+    return f"{x:>7.1%}" if x is not None else f"{'-':>7}"
+
+
 def _print_main(rows: list[dict], args, unit: dict) -> None:
     """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} {'cpu/1f1b':>8} "
-              f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'rel diff':>8} {'deliv':>6} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
+              f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'rel diff':>8} {'deliv':>6} {'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -63,6 +67,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
             bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_isolated_latency']:>7.3f} "
                    f"{r['bubble_simulated_zero_latency']:>6.3f} {diff} {_share(r.get('bubble_delivery_share'))} "
+                   f"{_pct(r.get('bubble_rel_diff_less_delivery'))} "
                    f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
                    f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
@@ -78,7 +83,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "F/B/W plus the stage's executor time per computation, and the message latency measured in the run (post to its "
           "blocked receiver waking, mean over the round); sim iso: the same with a message timed alone after the steps; "
           "sim0: zero message latency; deliv: the part of bubble meas spent blocked on messages already sent when the "
-          "wait began (gloo's threads delivering them; in sim they arrived long before); "
+          "wait began (gloo's threads delivering them; in sim they arrived long before); -deliv: rel diff of bubble meas "
+          "less deliv to sim; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
           "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
           "(SGD) optimizer step")
