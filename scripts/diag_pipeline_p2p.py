@@ -212,11 +212,12 @@ def main() -> None:
                 return "-"
             for r in sorted(rows, key=lambda r: -r["delivery"])[:args.tails]:
                 peer = 1 - r["rank"] if args.stages == 2 else -1
+                us = {k: 1e6 * (r[k] - r["enter"]) for k in ("send_began", "send_end", "recv_posted", "ret")}
                 print(f"    tail {1e6 * r['delivery']:7.0f} us rank {r['rank']} {r['action'].label(True)} "
-                      f"sent {'before' if r['sent_before_wait'] else 'after'}: post {1e6 * (r['send_began'] - r['enter']):+.0f}"
-                      f"..{1e6 * (r['send_end'] - r['enter']):+.0f} us, recv posted {1e6 * (r['recv_posted'] - r['enter']):+.0f}"
-                      f", woke {1e6 * (r['ret'] - r['enter']):+.0f} us from wait; sender at wake: "
-                      f"{doing(peer, r['ret']) if peer >= 0 else '?'}, sender at enter: {doing(peer, r['enter']) if peer >= 0 else '?'}")
+                      f"sent {'before' if r['sent_before_wait'] else 'after'}: post {us['send_began']:+.0f}.."
+                      f"{us['send_end']:+.0f} us, recv posted {us['recv_posted']:+.0f}, woke {us['ret']:+.0f} us from "
+                      f"wait; sender at wake: {doing(peer, r['ret']) if peer >= 0 else '?'}, "
+                      f"sender at enter: {doing(peer, r['enter']) if peer >= 0 else '?'}")
         base = (schedule[0], args.prefetch[0])
         if schedule != base:
             ratios = [max(got[schedule][i][1] for _, got in gathered) / max(got[base][i][1] for _, got in gathered)

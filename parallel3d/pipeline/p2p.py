@@ -317,29 +317,17 @@ class PipelineP2P:
     def take(self, action: Action) -> torch.Tensor:
         """The tensor received for ``action`` (posted earlier), once its whole batch is complete."""
         batch = self._posted.pop(action)
-        if self.trace is not None and action in self._traced_batch_of:
-            self._trace_wait(action, batch)
-        if not batch.complete:
-            start = time.perf_counter()
-            try:
-                batch.wait()
-            except RuntimeError as exc:
-                raise self._failed([action], exc) from exc
-            self.wait_time += time.perf_counter() - start
-        return self.buffers.hand_out(batch.recvs.pop(action))
-
-    def _trace_wait(self, action: Action, batch: P2PBatch) -> None:
-        """Stamp the wait for ``action``'s batch (entered, returned) with the batch's number."""
-        number = self._traced_batch_of.pop(action)
         start = end = time.perf_counter()
-        if not batch.complete:  # as take: only a wait for an incomplete batch counts as waiting
+        if not batch.complete:
             try:
                 batch.wait()
             except RuntimeError as exc:
                 raise self._failed([action], exc) from exc
             end = time.perf_counter()
             self.wait_time += end - start
-        self.trace.append(("wait", action, -1, start, end, number))
+        if self.trace is not None and action in self._traced_batch_of:
+            self.trace.append(("wait", action, -1, start, end, self._traced_batch_of.pop(action)))
+        return self.buffers.hand_out(batch.recvs.pop(action))
 
     def posted(self, action: Action) -> bool:
         return action in self._posted
