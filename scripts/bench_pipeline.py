@@ -19,9 +19,10 @@ time, gloo threads included) with its paired ratio to our 1f1b: on a machine wit
 cores than ranks that, not wall time, compares the systems' work; for ours also
 the measured bubble and ``simulate``'s fed with our measured costs, defined alike
 (``bench_pipeline_bubble``: idle share of the schedule's window on the ranks' common clock,
-executor time per computation in the feed; ``sim``: plus the measured time of one
-activation-sized message's latency, from its post to a blocked receiver waking, the post's own
-cost left to the executor time (``bench_pipeline_group.one_way_latency``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
+executor time per computation in the feed; ``sim``: plus the message latency measured in the run,
+from a send's post to its blocked receiver waking, the post's own cost left to the executor time
+(``bench_pipeline_bubble.in_run_latencies``, the mean over the round; a message timed alone,
+``bench_pipeline_group.one_way_latency``, is printed and fed to ``sim_isolated``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
 rank; where ranks outnumber cores, or the computations' CPU / wall time shows they waited for a
 core, the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
@@ -141,6 +142,13 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             meas, sim = bub["measured"], bub["sim"]
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
+                       bubble_simulated_isolated_latency=bub["sim_isolated"],
+                       p2p_message_in_run_s=bub["msg_in_run_s"], p2p_messages_in_run=bub["msg_in_run_n"],
+                       bubble_delivery_share=bub["delivery_share"],
+                       # what is left of the gap once the waits for messages already sent are taken out
+                       bubble_measured_less_delivery=bub["measured_less_delivery"],
+                       bubble_rel_diff_less_delivery=None if bub["measured_less_delivery"] is None
+                       else abs(bub["measured_less_delivery"] - sim) / max(sim, 1e-12),
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
                        bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,

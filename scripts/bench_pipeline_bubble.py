@@ -14,10 +14,13 @@ timelines, and the simulator is fed what the ranks really spend:
   work: its computations and the executor's own time (posting, bookkeeping).
 * simulator feed, per stage and chunk: the mean measured F, B, W, each plus that stage's
   executor time per computation (serial with its computations on the rank's timeline); messages
-  at the measured message latency (``sim``: from a send's post to a blocked receiver waking, less
-  the post's own cost, which the executor time already holds; not an exchange's wall time, which
-  counts both ends' posting and waiting a second time) or free (``sim0``). Mean, not median, so that a stage's
-  simulated work equals its measured work: the two bubbles then differ only by waiting.
+  at the message latency measured in the run (``sim``: ``in_run_latencies``, from a send's post to
+  its blocked receiver waking, less the post's own cost, which the executor time already holds;
+  the mean over the round's messages that found their receiver waiting), at the latency of a
+  message timed alone after the steps (``sim_isolated``: an idle machine's, which the run's busy
+  cores and gloo's background threads do not see), or free (``sim0``). Not an exchange's wall
+  time, which counts both ends' posting and waiting a second time. Mean, not median, so that a
+  stage's simulated work equals its measured work: the two bubbles then differ only by waiting.
 
 The mean-fed simulator assumes every microbatch costs the mean; ``replay`` feeds it each
 computation's own measured duration (plus the stage's executor time per computation), step by
@@ -45,6 +48,41 @@ from typing import Callable
 StepTimes = tuple[float, float, float, int, float, float]
 
 CORE_SHARE_MIN = 0.9  # below: the ranks' computations waited for a core (module doc)
+
+
+def in_run_latencies(traces: dict[int, list[tuple]]) -> tuple[list[float], float, dict[int, float]]:
+    """(latencies, posting, delivery waits) of one step's messages from every rank's
+    ``PipelineP2P.trace`` (``traces``: rank -> its stamps, on one clock).
+
+    gloo matches a pair's messages first in, first out: rank a's k-th send to b is b's k-th receive
+    from a. A message's latency is counted where its receiver was already blocked on it when the
+    send's post began (the receiver waking is then the message's arrival): woke - post began -
+    posting, at least 0; posting is the least time a send's post took (its cost when not
+    preempted: the executor's time, no part of the message's). Delivery waits, per receiving rank:
+    the seconds blocked on messages whose send was posted before the wait began (gloo's threads
+    delivering a message already sent, which ``simulate`` has arrive after the latency, long past)."""
+    sends: dict[tuple[int, int], list[tuple]] = {}
+    recvs: dict[tuple[int, int], list[tuple]] = {}
+    waits: dict[tuple[int, object], tuple[float, float]] = {}
+    for rank, trace in traces.items():
+        for kind, action, peer, began, end, _ in trace:
+            if kind.startswith("SEND"):
+                sends.setdefault((rank, peer), []).append((action, began, end))
+            elif kind.startswith("RECV"):
+                recvs.setdefault((peer, rank), []).append(action)
+            else:
+                waits[(rank, action)] = (began, end)
+    posting = min((end - began for sent in sends.values() for _, began, end in sent), default=0.0)
+    latencies: list[float] = []
+    delivery = {rank: 0.0 for rank in traces}
+    for (src, dst), sent in sends.items():
+        for (_, began, _), action in zip(sent, recvs.get((src, dst), [])):
+            entered, woke = waits.get((dst, action), (began, began))
+            if entered < began:  # the receiver was waiting when the send was posted
+                latencies.append(max(0.0, woke - began - posting))
+            else:
+                delivery[dst] += woke - entered
+    return latencies, posting, delivery
 
 
 def window_bubble(step: list[StepTimes]) -> float:
@@ -90,8 +128,10 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
                       oversubscribed: bool) -> dict[str, float | None]:
     """For our system ``name`` in one round: the measured bubble (window definition; None when
     time-shared: ``oversubscribed`` (ranks > cores) or ``core_share`` low), the former whole-step
-    one, and ``simulate``'s fed with the measured costs (wall: with and without message time; CPU:
-    a core per rank; ``replay``: each computation's own duration, with message time)."""
+    one, and ``simulate``'s fed with the measured costs (wall: with the in-run message latency,
+    with ``msg_s`` (a message timed alone) and without; CPU: a core per rank; ``replay``: each
+    computation's own duration, with the in-run message latency). Without traces (``p2p_traces``
+    per step) the in-run latency is ``msg_s``."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
 
     per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
@@ -106,11 +146,21 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
     fwd, bwd, wgt = fed_costs(wall, overhead)
     cfwd, cbwd, cwgt = fed_costs(cpu, overhead_cpu)
     measured = statistics.median(window_bubble(s) for s in steps)
+    in_run: list[float] = []
+    delivered: list[float] = []  # per step: delivery waits' share of the window, mean over ranks
+    if all(o.get("p2p_traces") for o in per_stage.values()):
+        for i, step in enumerate(steps):
+            lats, _, delivery = in_run_latencies({o["rank"]: o["p2p_traces"][i] for o in per_stage.values()})
+            in_run += lats
+            end = max(start + own_end for start, own_end, *_ in step)
+            delivered.append(statistics.fmean(delivery[o["rank"]] / (end - x[0])
+                                              for o, x in zip(per_stage.values(), step)))
+    msg_run = statistics.fmean(in_run) if in_run else msg_s
     replays = []
     for i in range(len(steps)):
         def own(st: int, a, i: int = i) -> float:
             return per_stage[st]["action_s"][i][(a.kind, a.microbatch, a.chunk)] + overhead[st]
-        replays.append(simulate(schedule, 0.0, 0.0, p2p_time=msg_s, action_time=own).bubble_fraction)
+        replays.append(simulate(schedule, 0.0, 0.0, p2p_time=msg_run, action_time=own).bubble_fraction)
     core_share = min(sum(t for (st, _, _), t in cpu.items() if st == stage) /
                      sum(t for (st, _, _), t in wall.items() if st == stage) for stage in per_stage)
     return {
@@ -118,7 +168,13 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         "core_share": core_share,
         "measured_time_shared": measured,
         "measured_whole_step": statistics.median(whole_step_bubble(s) for s in steps),
-        "sim": simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt).bubble_fraction,
+        "sim": simulate(schedule, fwd, bwd, p2p_time=msg_run, wgrad_time=wgt).bubble_fraction,
+        "sim_isolated": simulate(schedule, fwd, bwd, p2p_time=msg_s, wgrad_time=wgt).bubble_fraction,
+        "msg_in_run_s": msg_run, "msg_in_run_n": len(in_run),
+        "delivery_share": statistics.median(delivered) if delivered else None,
+        # per step, the measured bubble less its delivery waits, median (None where not reported)
+        "measured_less_delivery": None if not delivered or oversubscribed or core_share < CORE_SHARE_MIN
+        else statistics.median(window_bubble(st) - d for st, d in zip(steps, delivered)),
         "sim0": simulate(schedule, fwd, bwd, wgrad_time=wgt).bubble_fraction,
         "sim_cpu": simulate(schedule, cfwd, cbwd, wgrad_time=cwgt).bubble_fraction,
         "replay": statistics.median(replays),

@@ -277,11 +277,18 @@ def _group_round(args, pstate, v: int) -> dict:
                                 seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch,
                                 w_lags=_w_lags(args, p, m, schedule))
         results: list = []
-        systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (
+        traces: list = []  # per step: this rank's p2p stamps (PipelineP2P.trace), for the in-run latency
+
+        def run_ours(e=engine, r=results, t=traces) -> None:
             # The first step (a warmup one) measures the activation bytes; the timed ones run as the
-            # trainer's unlogged steps do, without the accounting's saved-tensor hooks.
-            (lambda e=engine, r=results: r.append(e.run_step(microbatches, account_activations=not r))),
-            chunks, results, engine)
+            # trainer's unlogged steps do, without the accounting's saved-tensor hooks. Every step is
+            # stamped (about 1 us per message, inside the executor time the simulator is fed).
+            e.p2p.trace = []
+            r.append(e.run_step(microbatches, account_activations=not r))
+            t.append(e.p2p.trace)
+            e.p2p.trace = None
+
+        systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (run_ours, chunks, results, engine, traces)
     if "torch" in args.peers:
         for vs in sorted({1, v}):
             chunks = _build_chunks(args, pstate, vs)
@@ -299,14 +306,14 @@ def _group_round(args, pstate, v: int) -> dict:
                 sync_tied_embedding_grads(chunks, pstate)
 
             name = "torch.pipelining 1f1b" if vs == 1 else f"torch.pipelining interleaved_1f1b v{vs}"
-            systems[name] = (run_theirs, chunks, None, None)
+            systems[name] = (run_theirs, chunks, None, None, None)
     names = list(systems)
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu_times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.warmup + args.steps):
         order = names[i % len(names):] + names[:i % len(names)]  # rotate: background load hits all alike
         for name in order:
-            run, chunks, _, _ = systems[name]
+            run, chunks, *_ = systems[name]
             for c in chunks:
                 c.zero_grad(set_to_none=True)
             t, cpu = _timed(run)
@@ -315,10 +322,11 @@ def _group_round(args, pstate, v: int) -> dict:
                 cpu_times[name].append(cpu)
     out: dict = {"times": times, "cpu_times": cpu_times, "ours": {},
                  "grad_diff_vs_ours_1f1b": _grad_diff(systems, "ours 1f1b", "torch.pipelining 1f1b")}
-    for name, (run, chunks, results, engine) in systems.items():
+    for name, (run, chunks, results, engine, traces) in systems.items():
         if results is None:
             continue
         measured = results[args.warmup:]
+        measured_traces = traces[args.warmup:len(results)]
         for c in chunks:
             c.zero_grad(set_to_none=True)
         dist.barrier()
@@ -347,11 +355,13 @@ def _group_round(args, pstate, v: int) -> dict:
             "executor_cpu_us_per_action": statistics.median(1e6 * r.executor_cpu_time / r.num_actions
                                                             for r in measured),
             "finalize_s": statistics.median(r.finalize_time for r in measured),
+            # per measured step: this rank's p2p stamps (bench_pipeline_bubble.in_run_latencies)
+            "rank": pstate.rank, "p2p_traces": measured_traces,
             "peak_activation_bytes": max(r.peak_activation_bytes for r in results
                                          if r.peak_activation_bytes is not None),
             "peak_live_bytes_measured": peak_measured,
         }
-    shape = next(e for *_, e in systems.values() if e is not None).spec.shape
+    shape = next(e for _, _, _, e, _ in systems.values() if e is not None).spec.shape
     out["msg_s"], out["msg_post_s"] = _message_latency(pstate, shape, args.p2p_reps)
     out["msg_exchange_s"] = _message_time(pstate, shape, args.p2p_reps)
     return out

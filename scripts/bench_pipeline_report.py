@@ -69,11 +69,19 @@ def _simulated_unit_bubbles(p: int, m: int) -> dict:
     return {name: simulate(build_schedule(name, p, m, v), 1.0, 2.0).bubble_fraction for name, v in layouts}
 
 
+def _share(x: float | None) -> str:
+    return f"{x:>6.3f}" if x is not None else f"{'-':>6}"
+
+
+def _pct(x: float | None) -> str:
+    return f"{x:>7.1%}" if x is not None else f"{'-':>7}"
+
+
 def _print_main(rows: list[dict], args, unit: dict) -> None:
     """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} {'cpu/1f1b':>8} "
-              f"{'bubble meas':>11} {'sim':>6} {'sim0':>6} {'rel diff':>8} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
+              f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'rel diff':>8} {'deliv':>6} {'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -82,7 +90,9 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
         else:
             meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'time-shared':>11}"
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
-            bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_zero_latency']:>6.3f} {diff} "
+            bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_isolated_latency']:>7.3f} "
+                   f"{r['bubble_simulated_zero_latency']:>6.3f} {diff} {_share(r.get('bubble_delivery_share'))} "
+                   f"{_pct(r.get('bubble_rel_diff_less_delivery'))} "
                    f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
                    f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
@@ -95,14 +105,22 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "our 1f1b's; bubble meas: idle share (p2p waits, and after the rank's last computation) of "
           "the schedule's window (step start to the last computation on any rank), mean over ranks; time-shared (not "
           "reported) where ranks outnumber cores or core < 0.9 (idle is then another rank's compute); sim: simulate() fed with our measured per-chunk "
-          "F/B/W plus the stage's executor time per computation, and message latency (post to blocked receiver waking); sim0: zero message latency; "
+          "F/B/W plus the stage's executor time per computation, and the message latency measured in the run (post to its "
+          "blocked receiver waking, mean over the round); sim iso: the same with a message timed alone after the steps; "
+          "sim0: zero message latency; deliv: the part of bubble meas spent blocked on messages already sent when the "
+          "wait began (gloo's threads delivering them; in sim they arrived long before); -deliv: rel diff of bubble meas "
+          "less deliv to sim; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
           "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
           "(SGD) optimizer step")
     for r in rows:  # what sim's messages cost, beside what an exchange loop takes (module doc)
         if r["system"] == "ours 1f1b" and "p2p_exchange_s" in r:
-            print(f"pp{r['stages']} message latency {1e6 * r['p2p_message_s']:.0f} us (post {1e6 * r['p2p_post_s']:.0f} us, "
-                  f"the executor's), exchange loop {1e6 * r['p2p_exchange_s']:.0f} us (not fed)")
+            print(f"pp{r['stages']} message latency alone {1e6 * r['p2p_message_s']:.0f} us (post "
+                  f"{1e6 * r['p2p_post_s']:.0f} us, the executor's), exchange loop {1e6 * r['p2p_exchange_s']:.0f} us "
+                  "(not fed); in the run (fed to sim): " + ", ".join(
+                      f"{x['system'].removeprefix('ours ')} {1e6 * x['p2p_message_in_run_s']:.0f} us "
+                      f"({x['p2p_messages_in_run']:.0f} msgs)" for x in rows
+                      if x["stages"] == r["stages"] and "p2p_message_in_run_s" in x))
     print()
     head2 = (f"{'p':>2} {'ours':<28} {'exec us/action':>14} {'cpu us/action':>13} {'(B+W)/B':>8} {'act peak MiB':>12} {'live peak MiB':>13} {'(B+W)/B per stage'}")
     print(head2)

@@ -128,3 +128,57 @@ def test_message_latency_is_never_negative() -> None:
 
     lat, _ = one_way_latency(_stamps(2, 3, {0: -POST, 1: -POST}), 2)  # woke as the post began
     assert lat == 0.0
+
+
+def test_in_run_latency_pairs_messages_first_in_first_out_and_splits_delivery() -> None:
+    """Rank a's k-th send to b is b's k-th receive from a (gloo's order, whatever the actions are
+    called at each end). A message sent while its receiver was blocked on it gives a latency (woke -
+    post began - the least post); one sent before its receiver waited gives a delivery wait instead."""
+    from bench_pipeline_bubble import in_run_latencies
+
+    from parallel3d.pipeline.actions import Action
+
+    lat, late, dlv = 40e-6, 70e-6, 300e-6
+    s0, s1 = Action("SEND_ACT", 0, 0), Action("SEND_ACT", 1, 0)
+    r0, r1 = Action("RECV_ACT", 0, 1), Action("RECV_ACT", 1, 1)  # rank 1's names for the same messages
+    g0, h0 = Action("SEND_GRAD", 0, 1), Action("RECV_GRAD", 0, 0)  # the other direction
+    traces = {
+        0: [("SEND_ACT", s0, 1, 10.0, 10.0 + POST, 1), ("SEND_ACT", s1, 1, 20.0, 20.0 + 3 * POST, 2),
+            ("RECV_GRAD", h0, 1, 21.0, 21.0 + 1e-6, 3), ("wait", h0, -1, 29.0, 30.0 + POST + late, 3)],
+        1: [("RECV_ACT", r0, 0, 1.0, 1.0 + 1e-6, 1), ("RECV_ACT", r1, 0, 2.0, 2.0 + 1e-6, 2),
+            ("wait", r0, -1, 9.0, 10.0 + POST + lat, 1),  # blocked before the send: a latency
+            ("wait", r1, -1, 25.0, 25.0 + dlv, 2),  # sent before the wait: a delivery wait
+            ("SEND_GRAD", g0, 0, 30.0, 30.0 + 2 * POST, 4)],
+    }
+    latencies, posting, delivery = in_run_latencies(traces)
+    assert posting == pytest.approx(POST)
+    assert sorted(latencies) == pytest.approx([lat, late])
+    assert delivery == pytest.approx({0: 0.0, 1: dlv})
+
+
+def test_the_simulator_is_fed_the_in_run_latency_and_delivery_waits_are_reported() -> None:
+    """With each rank's p2p stamps, ``sim`` uses the mean in-run latency (``sim_isolated`` the message
+    timed alone) and the waits for messages already sent are a share of the window, taken out of
+    ``measured_less_delivery``."""
+    from parallel3d.pipeline.actions import Action
+
+    stats, truth = _measured_from_simulation("1f1b", 2, 8, 1, starts=[100.0, 100.0])
+    (_, o0, _), (_, o1, _) = stats
+    window = o0["1f1b"]["step_times"][0][1]  # both stages start together; stage 0's own end is the last
+    act, grad = Action("SEND_ACT", 0), Action("RECV_ACT", 0)
+    sg, rg = Action("SEND_GRAD", 0), Action("RECV_GRAD", 0)
+    lat, dlv = 0.02, 0.05  # a latency of 0.02, and 0.05 blocked on a gradient already sent
+    trace0 = [("SEND_ACT", act, 1, 100.0, 100.0 + POST, 1), ("RECV_GRAD", rg, 1, 100.1, 100.1, 2),
+              ("wait", rg, -1, 103.0, 103.0 + dlv, 2)]
+    trace1 = [("RECV_ACT", grad, 0, 99.0, 99.0, 1), ("wait", grad, -1, 99.5, 100.0 + POST + lat, 1),
+              ("SEND_GRAD", sg, 0, 102.0, 102.0 + POST, 2)]
+    for st, (o, trace) in enumerate(((o0, trace0), (o1, trace1))):
+        o["1f1b"].update(rank=st, p2p_traces=[trace, trace])
+    got = simulated_bubbles(stats, "1f1b", 2, 8, msg_s=0.0, oversubscribed=False)
+    assert got["msg_in_run_s"] == pytest.approx(lat) and got["msg_in_run_n"] == 2
+    assert got["sim_isolated"] == pytest.approx(truth, rel=1e-9)
+    schedule = build_schedule("1f1b", 2, 8, 1)
+    assert got["sim"] == pytest.approx(simulate(schedule, F + OVERHEAD, B + W + OVERHEAD, p2p_time=lat).bubble_fraction)
+    assert got["sim"] > got["sim_isolated"]
+    assert got["delivery_share"] == pytest.approx(dlv / window / 2)  # mean over the two ranks
+    assert got["measured_less_delivery"] == pytest.approx(got["measured"] - dlv / window / 2)

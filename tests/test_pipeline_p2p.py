@@ -244,3 +244,52 @@ def test_receive_buffers_reused_only_once_nothing_uses_them():
     assert pool.acquire() is not first  # a view keeps the storage busy
     del view
     assert pool.acquire() is first and pool.allocated == 4
+
+
+def _traced(rank, world, direct):
+    """``_many_batches``' traffic on pp=2 with ``PipelineP2P.trace`` on: what arrived and the stamps."""
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=1))
+    p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
+    p2p.trace = []
+    send, recv = ("SEND_ACT", "RECV_GRAD") if pstate.coord("pp") == 0 else ("SEND_GRAD", "RECV_ACT")
+    got = {}
+    for r in range(3):
+        mbs = (2 * r, 2 * r + 1)
+        got.update(p2p.exchange([(Action(send, mb), _payload(rank, mb)) for mb in mbs],
+                                [Action(recv, mb) for mb in mbs], ahead=[Action(recv, 2 * r + 2)]))
+    got.update(p2p.exchange([(Action(send, 6), _payload(rank, 6))], [Action(recv, 6)]))
+    p2p.wait_sends()
+    return {a.microbatch: t.clone() for a, t in got.items()}, p2p.trace, 1 - rank
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["op-by-op", "batched"])
+def test_trace_stamps_every_post_and_wait_without_changing_what_arrives(direct):
+    """Every op's post and every receive's wait is stamped once, with its batch's number (ops posted
+    together share one), on one clock across ranks; the messages arrive as untraced; and the
+    benchmark's pairing of the stamps finds every message."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from bench_pipeline_bubble import in_run_latencies
+
+    results = run_on_ranks(_traced, 2, direct)
+    for rank, (received, trace, peer) in enumerate(results):
+        assert sorted(received) == list(range(7))
+        for mb in range(7):
+            assert torch.equal(received[mb], _payload(peer, mb))
+        posts = {a: (n, began, end) for kind, a, _, began, end, n in trace if kind != "wait"}
+        waits = {a: (n, began, end) for kind, a, _, began, end, n in trace if kind == "wait"}
+        recv = "RECV_GRAD" if rank == 0 else "RECV_ACT"
+        assert sorted(a.microbatch for a in waits) == list(range(7)) and all(a.kind == recv for a in waits)
+        assert len(posts) == len([x for x in trace if x[0] != "wait"]) == 14  # each op stamped once
+        for a, (n, entered, woke) in waits.items():
+            assert n == posts[a][0] and posts[a][1] <= posts[a][2] <= entered <= woke
+        # the first exchange's two sends and two receives went out as one batch, its receive ahead alone
+        send = "SEND_ACT" if rank == 0 else "SEND_GRAD"
+        first = {posts[Action(k, mb)][0] for k in (send, recv) for mb in (0, 1)}
+        assert len(first) == 1 and posts[Action(recv, 2)][0] not in first
+    latencies, posting, delivery = in_run_latencies({rank: trace for rank, (_, trace, _) in enumerate(results)})
+    assert posting > 0 and all(x >= 0 for x in latencies) and all(x >= 0 for x in delivery.values())
+    waited = sum(1 for _, trace, _ in results for x in trace if x[0] == "wait")
+    assert waited == 14

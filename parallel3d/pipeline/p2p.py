@@ -196,6 +196,13 @@ class PipelineP2P:
         # Plain gloo: the backend that posts ops one by one (None: comm.batch_isend_irecv).
         self._direct = _gloo_backend(pstate, self._group) if direct_gloo else None
         self._group_ranks: dict[int, int] = {}  # global rank -> rank in the pp group, asked once
+        # Diagnostics (None: off, nothing stamped): per op posted, (kind, action, peer, post began,
+        # post returned, batch number); per receive taken, ("wait", action, -1, wait entered, wait
+        # returned, its batch's number), on the system-wide ``time.perf_counter`` clock, so ranks'
+        # stamps share one axis.
+        self.trace: list[tuple[str, Action, int, float, float, int]] | None = None
+        self._traced_batches = 0
+        self._traced_batch_of: dict[Action, int] = {}  # traced receives not yet taken -> their batch's number
 
     @property
     def posts_directly(self) -> bool:
@@ -243,7 +250,9 @@ class PipelineP2P:
         if kept:
             self.pstate.comm_stats.add("pp", "send", nbytes)
         try:
-            if self._direct is not None:
+            if self.trace is not None:
+                works = self._post_traced(sends, kept, recvs, buffers)
+            elif self._direct is not None:
                 works = self._post_direct(sends, kept, recvs, buffers)
             else:
                 works = self._post_batched(sends, kept, recvs, buffers)
@@ -274,6 +283,33 @@ class PipelineP2P:
             works.append(backend.recv([buffers[action]], ranks[peer] if peer in ranks else self._group_rank(peer), 0))
         return works
 
+    def _post_traced(self, sends: Sequence[tuple[Action, torch.Tensor, int]],
+                     kept: list[tuple[Action, torch.Tensor]], recvs: Sequence[tuple[Action, int]],
+                     buffers: dict[Action, torch.Tensor]) -> list[Any]:
+        """The untraced path, stamping each op's post (one op at a time where that path posts op by op)."""
+        trace, clock = self.trace, time.perf_counter
+        self._traced_batches += 1
+        n = self._traced_batches
+        if self._direct is None:
+            began = clock()
+            works = self._post_batched(sends, kept, recvs, buffers)
+            end = clock()
+            trace += [(a.kind, a, peer, began, end, n) for a, _, peer in sends]
+            trace += [(a.kind, a, peer, began, end, n) for a, peer in recvs]
+            self._traced_batch_of.update((a, n) for a, _ in recvs)
+            return works
+        works = []
+        for one, (action, _, peer) in zip(kept, sends):
+            began = clock()
+            works += self._post_direct([(action, one[1], peer)], [one], (), {})
+            trace.append((action.kind, action, peer, began, clock(), n))
+        for action, peer in recvs:
+            began = clock()
+            works += self._post_direct((), [], [(action, peer)], buffers)
+            trace.append((action.kind, action, peer, began, clock(), n))
+        self._traced_batch_of.update((action, n) for action, _ in recvs)
+        return works
+
     def _group_rank(self, peer: int) -> int:
         rank = self._group_ranks[peer] = dist.get_group_rank(self._group, peer)
         return rank
@@ -281,13 +317,16 @@ class PipelineP2P:
     def take(self, action: Action) -> torch.Tensor:
         """The tensor received for ``action`` (posted earlier), once its whole batch is complete."""
         batch = self._posted.pop(action)
+        start = end = time.perf_counter()
         if not batch.complete:
-            start = time.perf_counter()
             try:
                 batch.wait()
             except RuntimeError as exc:
                 raise self._failed([action], exc) from exc
-            self.wait_time += time.perf_counter() - start
+            end = time.perf_counter()
+            self.wait_time += end - start
+        if self.trace is not None and action in self._traced_batch_of:
+            self.trace.append(("wait", action, -1, start, end, self._traced_batch_of.pop(action)))
         return self.buffers.hand_out(batch.recvs.pop(action))
 
     def posted(self, action: Action) -> bool:
