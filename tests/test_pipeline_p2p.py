@@ -57,20 +57,28 @@ def test_batched_exchange_delivers_in_order_and_counts_bytes(world, emulate_nccl
             assert r["bytes"] == 24 * 4
 
 
-def _many_batches(rank, world, direct):
-    """Interleaved-like traffic on pp=2 (x dp): per round a batch of two sends and two receives each way
-    plus a receive posted ahead; returns every receive, by action, and whether batches went op by op."""
-    pstate = ParallelState(Topology(tp=1, pp=2, dp=world // 2))
-    p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
+def _batch_traffic(p2p, pstate, rank, release: bool) -> dict:
+    """Three rounds of a batch of two sends and two receives each way plus a receive posted ahead, then
+    one last exchange; ``release``: free the sent buffers after each round. Returns what arrived, by action."""
     send, recv = ("SEND_ACT", "RECV_GRAD") if pstate.coord("pp") == 0 else ("SEND_GRAD", "RECV_ACT")
     got = {}
     for r in range(3):
         mbs = (2 * r, 2 * r + 1)
         got.update(p2p.exchange([(Action(send, mb), _payload(rank, mb)) for mb in mbs],
                                 [Action(recv, mb) for mb in mbs], ahead=[Action(recv, 2 * r + 2)]))
-        p2p.release_sent(wait_for_activations=True)
+        if release:
+            p2p.release_sent(wait_for_activations=True)
     got.update(p2p.exchange([(Action(send, 6), _payload(rank, 6))], [Action(recv, 6)]))
     p2p.wait_sends()
+    return got
+
+
+def _many_batches(rank, world, direct):
+    """Interleaved-like traffic on pp=2 (x dp): per round a batch of two sends and two receives each way
+    plus a receive posted ahead; returns every receive, by action, and whether batches went op by op."""
+    pstate = ParallelState(Topology(tp=1, pp=2, dp=world // 2))
+    p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
+    got = _batch_traffic(p2p, pstate, rank, release=True)
     peer = pstate.next_stage_rank if pstate.coord("pp") == 0 else pstate.prev_stage_rank
     return {f"{a.kind}{a.microbatch}": t.clone() for a, t in got.items()}, p2p.posts_directly, peer
 
@@ -251,14 +259,7 @@ def _traced(rank, world, direct):
     pstate = ParallelState(Topology(tp=1, pp=2, dp=1))
     p2p = PipelineP2P(pstate, SPEC, direct_gloo=direct)
     p2p.trace = []
-    send, recv = ("SEND_ACT", "RECV_GRAD") if pstate.coord("pp") == 0 else ("SEND_GRAD", "RECV_ACT")
-    got = {}
-    for r in range(3):
-        mbs = (2 * r, 2 * r + 1)
-        got.update(p2p.exchange([(Action(send, mb), _payload(rank, mb)) for mb in mbs],
-                                [Action(recv, mb) for mb in mbs], ahead=[Action(recv, 2 * r + 2)]))
-    got.update(p2p.exchange([(Action(send, 6), _payload(rank, 6))], [Action(recv, 6)]))
-    p2p.wait_sends()
+    got = _batch_traffic(p2p, pstate, rank, release=False)
     return {a.microbatch: t.clone() for a, t in got.items()}, p2p.trace, 1 - rank
 
 
