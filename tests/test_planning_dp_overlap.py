@@ -95,16 +95,4 @@ def test_chained_gather_exposes_more_with_interleaving_and_nothing_changes_at_on
 
 def test_megatron_core_overlaps_per_chunk_with_a_chained_gather():
     options = CostOptions.megatron_core()
-    assert options.chunk_grad_sync and options.chained_param_gather and options.delayed_grad_sync
-
-
-def test_delayed_grad_sync_exposes_more_on_later_stages_and_nothing_at_one_chunk():
-    # ZeRO-2 on slow NICs: launched whole and pipeline-rank steps late, the reductions hide behind less
-    config = get_config("llama2_7b")
-    streamed, delayed = CostOptions(), CostOptions(delayed_grad_sync=True)
-    layout, cluster = _interleaved(config, 4)
-    assert estimate_step(config, layout, cluster, delayed).dp_exposed_s > \
-        estimate_step(config, layout, cluster, streamed).dp_exposed_s + 1e-3
-    layout, cluster = _interleaved(config, 1)
-    assert estimate_step(config, layout, cluster, delayed).step_time_s == pytest.approx(
-        estimate_step(config, layout, cluster, streamed).step_time_s, rel=1e-12)
+    assert options.chunk_grad_sync and options.chained_param_gather

@@ -273,11 +273,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             end_counts = [((stage, c) == first) + ((stage, c) == last) for c in range(v)]
             held = sum(params for params, _, _ in stage_grad_groups(config, layout, stage, stage_layers[stage]))
             share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
-            done, passes = list(pipe.chunk_grads_done[stage]), [bwd(stage, c) for c in range(v)]
-            if options.delayed_grad_sync and v > 1:  # launched whole, ``stage`` backward steps after the last one
-                done = [min(t + stage * b, pipe.stage_end[stage]) for t, b in zip(done, passes)]
-                passes = [0.0] * v
-            reduce_t += exposed_reduction([hideable_r * w for w in share], done, passes, pipe.stage_end[stage], last_r)
+            reduce_t += exposed_reduction([hideable_r * w for w in share], pipe.chunk_grads_done[stage],
+                                          [bwd(stage, c) for c in range(v)], pipe.stage_end[stage], last_r)
             gathers, first_fwd = [hideable_g * w for w in share], [fwd(stage, c) for c in range(v)]
             gather_t += (exposed_chained_gather(gathers, first_fwd, first_g) if options.chained_param_gather
                          else exposed_gather(gathers, pipe.chunk_first_forward[stage], first_fwd, first_g))

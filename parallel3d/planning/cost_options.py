@@ -45,10 +45,6 @@ class CostOptions:
     # first forward (one bucket in flight), so a chunk's gather overlaps only its own first forward
     # (``dp_overlap.exposed_chained_gather``); False: it may start at the previous chunk's first forward.
     chained_param_gather: bool = False
-    # With interleaving, a chunk's reduce-scatter is launched whole after its last backward, delayed by the
-    # stage's pipeline rank in backward steps (Megatron-Core's grad_sync_func), so none of it streams during
-    # that backward; False: its buckets start as their gradients are ready.
-    delayed_grad_sync: bool = False
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -56,16 +52,14 @@ class CostOptions:
         reduce-scatter overlapped with the last backward and the parameter all-gather with the first
         forward (overlap_grad_reduce / overlap_param_gather), bf16 gradient reduction."""
         # Each chunk's gradient reduce-scatter starts after its own last backward (core_r0.8.0
-        # pipeline_parallel/schedules.py: grad_sync_func per model chunk, called pipeline-rank microbatches
-        # late "to reduce idling from mismatched microbatch times"; --no-delay-grad-reduce unset), so
-        # chunk_grad_sync and delayed_grad_sync hold. Its parameter all-gather does not run ahead:
-        # optimizer/distrib_optimizer.py _finish_param_sync_helper
+        # pipeline_parallel/schedules.py: grad_sync_func per model chunk), so chunk_grad_sync holds. Its
+        # parameter all-gather does not run ahead: optimizer/distrib_optimizer.py _finish_param_sync_helper
         # dispatches bucket i+1's all-gather only when bucket i is waited on in the forward pre-hook ("we
         # can't pre-launch all-gathers for all buckets at once ... CUDA_DEVICE_MAX_CONNECTIONS=1"), in
         # forward order across the model chunks (_get_model_param_buffer_dp_views).
         return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
                    grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
-                   chunk_grad_sync=True, chained_param_gather=True, delayed_grad_sync=True)
+                   chunk_grad_sync=True, chained_param_gather=True)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
