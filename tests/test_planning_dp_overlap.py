@@ -9,7 +9,7 @@ import pytest
 from models import get_config
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, estimate_step
-from parallel3d.planning.dp_overlap import chunk_shares, exposed_chained_gather, exposed_gather, exposed_reduction
+from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.pipeline_price import simulate_pipeline
 
@@ -20,7 +20,6 @@ def test_one_chunk_is_the_single_pass_rule(traffic, last_pass, floor):
     assert exposed_reduction([traffic], [10.0], [last_pass], 10.0, floor) == pytest.approx(
         max(floor, traffic - last_pass))
     assert exposed_gather([traffic], [0.0], [last_pass], floor) == pytest.approx(max(floor, traffic - last_pass))
-    assert exposed_chained_gather([traffic], [last_pass], floor) == pytest.approx(max(floor, traffic - last_pass))
 
 
 def test_early_chunks_reduce_during_later_backwards_one_after_another():
@@ -34,14 +33,6 @@ def test_gathers_are_late_only_past_each_chunks_first_forward():
     # chunk 0 needed at 0 (+1 s of its forward), chunk 1 at 4: 3 + 3 s on the link from t = 0
     assert exposed_gather([3.0, 3.0], [0.0, 4.0], [1.0, 1.0], 0.0) == pytest.approx(2.0)
     assert exposed_gather([1.0, 3.0], [0.0, 4.0], [1.0, 1.0], 0.0) == pytest.approx(0.0)
-
-
-def test_chained_gathers_hide_only_behind_their_own_first_forward():
-    # as above, but chunk 1's gather cannot use the 4 s before its first forward: each short by 2 s
-    assert exposed_chained_gather([3.0, 3.0], [1.0, 1.0], 0.0) == pytest.approx(4.0)
-    # a chunk whose forward outlasts its gather lends nothing to the other one
-    assert exposed_chained_gather([1.0, 3.0], [2.0, 1.0], 0.0) == pytest.approx(2.0)
-    assert exposed_chained_gather([1.0, 1.0], [2.0, 2.0], 0.5) == pytest.approx(0.5)
 
 
 def test_chunk_shares_put_the_ends_on_their_chunks():
@@ -76,23 +67,3 @@ def test_chunk_times_come_from_the_simulated_timeline():
         assert times.chunk_grads_done[stage][0] == pytest.approx(times.stage_end[stage])
         assert times.chunk_grads_done[stage][1] < times.chunk_grads_done[stage][0]
         assert times.chunk_first_forward[stage][0] == 0.0 < times.chunk_first_forward[stage][1]
-
-
-def test_chained_gather_exposes_more_with_interleaving_and_nothing_changes_at_one_chunk():
-    # ZeRO-1 with the overlapped all-gather (Megatron-Core's distributed optimizer) on slow NICs
-    config = get_config("llama2_7b")
-    ahead = CostOptions(overlapped_zero_stages=(1, 2), overlap_param_gather=True)
-    chained = CostOptions(overlapped_zero_stages=(1, 2), overlap_param_gather=True, chained_param_gather=True)
-    layout, cluster = _interleaved(config, 4)
-    layout = layout.replace(zero_stage=1)
-    assert estimate_step(config, layout, cluster, chained).dp_exposed_s > \
-        estimate_step(config, layout, cluster, ahead).dp_exposed_s + 1e-3
-    layout, cluster = _interleaved(config, 1)
-    layout = layout.replace(zero_stage=1)
-    assert estimate_step(config, layout, cluster, chained).step_time_s == pytest.approx(
-        estimate_step(config, layout, cluster, ahead).step_time_s, rel=1e-12)
-
-
-def test_megatron_core_overlaps_per_chunk_with_a_chained_gather():
-    options = CostOptions.megatron_core()
-    assert options.chunk_grad_sync and options.chained_param_gather

@@ -49,7 +49,7 @@ from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost_options import CostOptions
-from parallel3d.planning.dp_overlap import chunk_shares, exposed_chained_gather, exposed_gather, exposed_reduction
+from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
 from parallel3d.planning.gemm import GemmCurve, head_seconds
 from parallel3d.planning.layer_time import COST_ATTENTION, LayerTimes, layer_forward_flops, layer_times
 from parallel3d.planning.layout import Layout
@@ -275,9 +275,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
             reduce_t += exposed_reduction([hideable_r * w for w in share], pipe.chunk_grads_done[stage],
                                           [bwd(stage, c) for c in range(v)], pipe.stage_end[stage], last_r)
-            gathers, first_fwd = [hideable_g * w for w in share], [fwd(stage, c) for c in range(v)]
-            gather_t += (exposed_chained_gather(gathers, first_fwd, first_g) if options.chained_param_gather
-                         else exposed_gather(gathers, pipe.chunk_first_forward[stage], first_fwd, first_g))
+            gather_t += exposed_gather([hideable_g * w for w in share], pipe.chunk_first_forward[stage],
+                                       [fwd(stage, c) for c in range(v)], first_g)
         else:  # one pass of one chunk hides it (also for a stand-in without chunk times: the pre-ranking)
             reduce_t += max(last_r, hideable_r - bwd(stage, 0))
             gather_t += max(first_g, hideable_g - fwd(stage, 0))

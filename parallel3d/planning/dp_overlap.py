@@ -47,16 +47,6 @@ def exposed_gather(traffic: Sequence[float], first_forward: Sequence[float], fir
     return max(floor, late)
 
 
-def exposed_chained_gather(traffic: Sequence[float], first_pass: Sequence[float], floor: float) -> float:
-    """Seconds the parameter all-gathers delay the forwards when each bucket's gather is launched only once
-    the previous bucket is waited on (one bucket in flight, in forward order across the chunks).
-
-    Then chunk c's gather can overlap nothing but its own first forward (``first_pass[c]``), whatever
-    runs between the chunks' first forwards, and each chunk's shortfall stalls the forwards after it,
-    so the shortfalls add. ``floor``: the first bucket, which nothing hides."""
-    return max(floor, sum(max(0.0, t - f) for t, f in zip(traffic, first_pass)))
-
-
 def chunk_shares(layers: Sequence[float], ends: Sequence[int], stage_params: float, end_params: float) -> list[float]:
     """Each chunk's fraction of a stage's parameters: its layers' share of what the ends (the embedding on
     the first model chunk, the head on the last; ``ends[c]`` of them on chunk c, ``end_params`` each)
