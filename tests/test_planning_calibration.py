@@ -85,7 +85,8 @@ def test_layer_overhead_is_a_fixed_time_per_forward_and_twice_per_backward(recom
 
 def test_device_files_validate_the_new_knobs():
     entry = {"name": "x", "vendor": "v", "memory": "80GiB", "peak_tflops": 900, "hbm_gbps": 3000,
-             "intra_node_gbps": 400, "inter_node_gbps": 50, "gpus_per_node": 8, "sources": ["test"]}
+             "intra_node_gbps": 400, "inter_node_gbps": 50, "gpus_per_node": 8, "compute_units": 132,
+             "sources": ["test"]}
     assert device_from_dict({**entry, "layer_overhead_us": 40}).layer_overhead_s == pytest.approx(40e-6)
     assert device_from_dict(entry).attention_efficiency is None
     with pytest.raises(ValueError, match="attention_efficiency"):

@@ -75,6 +75,8 @@ def _valid_entry() -> dict:
     (lambda d: d.update(peak_tflops=-1), ["peak_tflops", "> 0"]),
     (lambda d: d.update(memory="80 gigs"), ["memory"]),
     (lambda d: d.update(gpus_per_node=0), ["gpus_per_node"]),
+    (lambda d: d.pop("compute_units"), ["compute_units", "missing"]),
+    (lambda d: d.update(compute_units=13.5), ["compute_units", "integer"]),
     (lambda d: d.update(sources=[]), ["sources"]),
     (lambda d: d.update(link_efficiency=1.5), ["link_efficiency", "fraction"]),
     (lambda d: d.update(name=""), ["name"]),

@@ -1,13 +1,15 @@
 """TransformerEngine userbuffers TP overlap (``planning.tp_overlap``) against its mechanism (issue 26).
 
 TE's defaults (``initialize_ub`` without ``ub_cfgs``): ring-exchange all-gathers in ``tp`` splits on 1 SM,
-pipelined reduce-scatters in 4 splits on 16 SMs, bulk backward overlaps on 16 SMs, of an H100's 132. Each
+pipelined reduce-scatters in 4 splits on 16 SMs, bulk backward overlaps on 16 SMs, of the device's SMs
+(``DeviceSpec.compute_units``: an H100's 132, an A100's 108). Each
 test pins one consequence: a pipelined reduce-scatter's last slice is never hidden, fewer splits or more
 SMs taken expose more, and with nothing to overlap the price is the unoverlapped one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -65,7 +67,8 @@ def test_nothing_to_overlap_prices_the_unoverlapped_collectives():
         assert ring_exchange_exposed(comm, 0.0, 0.0, n, 1, 132) == pytest.approx(comm)
     # GEMMs of (next to) no time: each direction's 2 all-gathers + 2 reduce-scatters stay whole.
     instant = GemmCurve(peak_flops=1e30, max_efficiency=1.0, knee=0.0)
-    fwd, bwd = tp_overlap_exposed(1e-3, 2, _gpt32b(), instant, tp=8, cp=1, micro_batch_size=4, seq_len=4096)
+    fwd, bwd = tp_overlap_exposed(1e-3, 2, _gpt32b(), instant, tp=8, cp=1, micro_batch_size=4, seq_len=4096,
+                                  sms=132)
     assert (fwd, bwd) == (pytest.approx(4e-3), pytest.approx(4e-3))
 
 
@@ -83,7 +86,7 @@ def test_layer_tp_exposure_between_free_and_unoverlapped():
 
 def test_pricing_slices_on_the_gemm_curve_costs_more():
     config, curve = _gpt32b(), GemmCurve.of(ClusterSpec.build(8, 8, "h100_80gb").device)
-    kw = dict(tp=8, cp=1, micro_batch_size=1, seq_len=4096)
+    kw = dict(tp=8, cp=1, micro_batch_size=1, seq_len=4096, sms=132)
     plain = tp_overlap_exposed(0.3e-3, 2, config, curve, **kw)
     sliced = tp_overlap_exposed(0.3e-3, 2, config, curve, ub=UbConfig(price_slices=True), **kw)
     assert sliced[0] > plain[0] and sliced[1] > plain[1]
@@ -92,6 +95,19 @@ def test_pricing_slices_on_the_gemm_curve_costs_more():
 def test_a_collective_with_no_gemm_beside_it_stays_whole():
     # A GPT layer has two column -> row runs (attention, MLP); a third pair of collectives has nothing to hide behind.
     config, curve = _gpt32b(), GemmCurve.of(ClusterSpec.build(8, 8, "h100_80gb").device)
-    kw = dict(tp=8, cp=1, micro_batch_size=4, seq_len=4096)
+    kw = dict(tp=8, cp=1, micro_batch_size=4, seq_len=4096, sms=132)
     two, three = (tp_overlap_exposed(0.5e-3, pairs, config, curve, **kw) for pairs in (2, 3))
     assert three[0] - two[0] == pytest.approx(2 * 0.5e-3) and three[1] - two[1] == pytest.approx(2 * 0.5e-3)
+
+
+def test_the_sm_share_is_the_devices_own():
+    # The same layer and links on a device with fewer SMs: the 16-SM kernels take a larger share of it.
+    cluster = ClusterSpec.build(8, 8, "h100_80gb")
+    fewer = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, compute_units=66))
+    layout, config = _layout(), _gpt32b()
+    on = CostOptions(**{**MCORE.__dict__, "tp_comm_overlap": True})
+    tp = [dict(layer_times(config, layout, c, CommModel(c, layout.topology), on).comm)["tp"] for c in (cluster, fewer)]
+    assert tp[1] > tp[0]
+    unknown = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, compute_units=None))
+    with pytest.raises(ValueError, match="compute_units"):
+        layer_times(config, layout, unknown, CommModel(unknown, layout.topology), on)

@@ -1,7 +1,7 @@
 """The device catalogue: one YAML file per accelerator in ``conf/cluster/devices/``.
 
 Each file holds datasheet facts (dense bf16/fp16 and fp8 peak, HBM size and
-bandwidth, per-GPU NVLink/Infinity Fabric and NIC bandwidth, GPUs per node) and
+bandwidth, per-GPU NVLink/Infinity Fabric and NIC bandwidth, GPUs per node, SMs or CUs) and
 the sources they came from; a new device is a new file, named after its ``name``
 key. ``DeviceSpec`` also carries the cost model's achievable fractions
 (``matmul_efficiency`` with its shape knee ``gemm_knee``, ``attention_efficiency``,
@@ -63,6 +63,9 @@ class DeviceSpec:
     disk_bytes_per_s: float = 2e9
     peak_fp8_flops: float | None = None  # dense fp8 tensor-core FLOP/s; None: no fp8 units
     gpus_per_node: int = 8  # GPUs sharing the fast intra-node fabric (the NVLink domain)
+    # Streaming multiprocessors (NVIDIA) / compute units (AMD): what a communication kernel's share of
+    # the GPU is counted in (``planning.tp_overlap``); None only for a spec built in code without it.
+    compute_units: int | None = None
     vendor: str = ""
     sources: tuple[str, ...] = ()
 
@@ -85,7 +88,7 @@ _NUMBER_KEYS: dict[str, tuple[str, float | None]] = {
     "peak_fp8_tflops": ("peak_fp8_flops", 1e12),
 }
 _REQUIRED = ("name", "vendor", "memory", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps",
-             "gpus_per_node", "sources")
+             "gpus_per_node", "compute_units", "sources")
 _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "link_efficiency")
 _ALLOWED = set(_NUMBER_KEYS) | set(_REQUIRED)
 
@@ -115,8 +118,11 @@ def device_from_dict(data: Mapping[str, Any], where: str = "device") -> DeviceSp
     node = data["gpus_per_node"]
     if isinstance(node, bool) or not isinstance(node, int) or node < 1:
         raise ValueError(f"{where}: gpus_per_node={node!r} must be an integer >= 1")
+    units = data["compute_units"]
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise ValueError(f"{where}: compute_units={units!r} must be an integer >= 1 (SMs or CUs per GPU)")
     values: dict[str, Any] = {"name": name, "vendor": str(data["vendor"]), "gpus_per_node": node,
-                              "sources": tuple(sources)}
+                              "compute_units": units, "sources": tuple(sources)}
     for key, (field, scale) in _NUMBER_KEYS.items():
         if key not in data or (key == "peak_fp8_tflops" and data[key] is None):
             continue

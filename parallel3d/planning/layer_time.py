@@ -71,7 +71,10 @@ def layer_times(config: ModelConfig, layout: Layout, cluster: ClusterSpec, comm:
     act_bytes = e * layout.micro_batch_size * layout.seq_len * config.hidden_size / c
     tp_f = tp_b = 2 * comm.all_reduce(act_bytes, "tp")  # each direction: 2 all-gathers + 2 reduce-scatters
     if options.tp_comm_overlap:
-        tp_f, tp_b = tp_overlap_exposed(tp_f / 4, 2, config, curve, tp=t, cp=c,
+        if dev.compute_units is None:
+            raise ValueError(f"device {dev.name!r}: compute_units (SMs per GPU) unknown; the TP comm overlap's "
+                             f"price needs it (set it in the device's YAML)")
+        tp_f, tp_b = tp_overlap_exposed(tp_f / 4, 2, config, curve, tp=t, cp=c, sms=dev.compute_units,
                                         micro_batch_size=layout.micro_batch_size, seq_len=layout.seq_len)
     cp_f, cp_b = cp_times(config, layout, comm, att_t, e)
     ep_t = ep_time(config, layout, comm, act_bytes)

@@ -33,9 +33,9 @@ from parallel3d.planning.gemm import GemmCurve, tp_split_gemms
 
 @dataclass(frozen=True)
 class UbConfig:
-    """TE's default userbuffers settings (``get_default_config``) on an H100 SXM (132 SMs)."""
+    """TE's default userbuffers settings (``get_default_config``); SMs per GPU are the device's
+    (``DeviceSpec.compute_units``)."""
 
-    sms: int = 132
     ring_sm: int = 1  # ring_exchange: copy-engine P2P, one SM for the flags
     pipeline_sm: int = 16  # pipeline reduce-scatter kernels
     pipeline_splits: int = 4
@@ -84,7 +84,7 @@ def _groups(gemms: list[tuple[int, float]]) -> list[tuple[float, float]]:
 
 
 def tp_overlap_exposed(collective: float, pairs: int, config: ModelConfig, curve: GemmCurve, *, tp: int, cp: int,
-                       micro_batch_size: int, seq_len: int, ub: UbConfig = UbConfig()) -> tuple[float, float]:
+                       micro_batch_size: int, seq_len: int, sms: int, ub: UbConfig = UbConfig()) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one layer's ``pairs`` all-gather + reduce-scatter pairs per
     direction, each collective ``collective`` seconds, under the overlap (module docstring)."""
     if tp <= 1:
@@ -100,11 +100,11 @@ def tp_overlap_exposed(collective: float, pairs: int, config: ModelConfig, curve
         runs = list(zip(_groups(g), _groups(gf), _groups(gb)))
         f = b = 2 * collective * max(0, pairs - len(runs))  # collectives with no GEMM beside them
         for (col, row), (col_f, row_f), (_, row_b) in runs[:pairs]:
-            f += ring_exchange_exposed(collective, col, col_f, tp, ub.ring_sm, ub.sms)
-            f += pipelined_exposed(collective, row, row_f, ub.pipeline_splits, ub.pipeline_sm, ub.sms)
+            f += ring_exchange_exposed(collective, col, col_f, tp, ub.ring_sm, sms)
+            f += pipelined_exposed(collective, row, row_f, ub.pipeline_splits, ub.pipeline_sm, sms)
             # Backward: dgrad of a GEMM ~ its forward; the grad all-gather feeds the row GEMM's dgrad,
             # the dgrad's reduce-scatter runs in bulk beside the column GEMMs' wgrad.
-            b += ring_exchange_exposed(collective, row, row_b, tp, ub.ring_sm, ub.sms)
-            b += concurrent_exposed(collective, col, ub.bulk_sm, ub.sms)
+            b += ring_exchange_exposed(collective, row, row_b, tp, ub.ring_sm, sms)
+            b += concurrent_exposed(collective, col, ub.bulk_sm, sms)
         fwd, bwd = fwd + share * f, bwd + share * b
     return fwd, bwd
