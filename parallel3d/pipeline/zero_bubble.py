@@ -79,15 +79,15 @@ ratios only pick the order; every rank builds the same one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
-from parallel3d.pipeline.actions import Action, Schedule
+from parallel3d.pipeline.actions import Action, Schedule, splits_backward
 from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.simulate import simulate
 
 Compute = tuple[str, int, int]  # (kind, microbatch, chunk)
 
-__all__ = ["pending_at_forwards", "zb_h1_lags", "zb_h1_order", "zbv_order", "zbv_schedule"]
+__all__ = ["holding_after", "pending_at_forwards", "zb_h1_lags", "zb_h1_order", "zbv_order", "zbv_schedule"]
 
 
 def zb_h1_order(stage: int, p: int, m: int, lag: int | None = None) -> list[Compute]:
@@ -116,18 +116,23 @@ def zb_h1_order(stage: int, p: int, m: int, lag: int | None = None) -> list[Comp
     return order
 
 
-def _peak_bytes(order: list[Compute], held: float, waiting: float) -> float:
-    """Most bytes ``order`` holds after any of its ``F``s or ``B``s (where the engine records its peak):
-    ``held`` per microbatch whose ``B`` is pending, ``waiting`` per one whose ``W`` is."""
+def holding_after(kinds: Iterable[str]) -> Iterator[tuple[str, int, int]]:
+    """After each computation of one stage-chunk's order (``kinds``: its ``F``/``B``/``W`` in order):
+    ``(kind, microbatches whose B is pending, microbatches whose B ran and W is pending)``. Without
+    ``W``s (1F1B) the second count is meaningless: callers that mix both read it only for split orders."""
     forward = backward = weight = 0
-    peak = 0.0
-    for kind, _, _ in order:
+    for kind in kinds:
         forward += kind == "F"
         backward += kind == "B"
         weight += kind == "W"
-        if kind != "W":
-            peak = max(peak, (forward - backward) * held + (backward - weight) * waiting)
-    return peak
+        yield kind, forward - backward, backward - weight
+
+
+def _peak_bytes(order: list[Compute], held: float, waiting: float) -> float:
+    """Most bytes ``order`` holds after any of its ``F``s or ``B``s (where the engine records its peak):
+    ``held`` per microbatch whose ``B`` is pending, ``waiting`` per one whose ``W`` is."""
+    return max((b * held + w * waiting for kind, b, w in holding_after(k for k, _, _ in order) if kind != "W"),
+               default=0.0)
 
 
 def zb_h1_lags(p: int, m: int, held: Sequence[float], waiting: Sequence[float]) -> tuple[int, ...]:
@@ -155,20 +160,9 @@ def pending_at_forwards(actions: list[Action], chunk: int = 0) -> list[tuple[int
     Invariant (``split`` schedules): a microbatch counts in exactly one of the two from its
     ``F`` to its ``W``; for 1F1B (no ``W``) the second is always 0.
     """
-    forward = backward = weight = 0
-    moments: list[tuple[int, int]] = []
-    splits = any(a.kind == "W" for a in actions)
-    for a in actions:
-        if a.chunk != chunk:
-            continue
-        if a.kind == "F":
-            forward += 1
-            moments.append((forward - backward, backward - weight if splits else 0))
-        elif a.kind == "B":
-            backward += 1
-        elif a.kind == "W":
-            weight += 1
-    return moments
+    splits = splits_backward(actions)
+    kinds = (a.kind for a in actions if a.chunk == chunk and a.is_compute)
+    return [(b, w if splits else 0) for kind, b, w in holding_after(kinds) if kind == "F"]
 
 
 _KIND_RANK = {"B": 0, "F": 1, "W": 2}

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from models.config import ModelConfig
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
-from parallel3d.pipeline.zero_bubble import zb_h1_lags, zb_h1_order
+from parallel3d.pipeline.zero_bubble import holding_after, zb_h1_lags, zb_h1_order
 from parallel3d.planning.activations import (
     ActivationAssumptions,
     embedding_activation_bytes,
@@ -66,12 +66,5 @@ def zb_h1_w_lags(config: ModelConfig, layout: Layout) -> tuple[int, ...]:
 def zb_h1_peak_counts(layout: Layout, stage: int, lag: int) -> tuple[int, int]:
     """``(microbatches in flight, of which waiting for W)`` at ``stage``'s fullest forward under ``lag``
     (the moment the engine's peak is at, unless ``W_s`` tops ``A_s``)."""
-    forward = backward = weight = 0
-    best = (0, 0)
-    for kind, _, _ in zb_h1_order(stage, layout.pp, layout.num_microbatches, lag):
-        forward += kind == "F"
-        backward += kind == "B"
-        weight += kind == "W"
-        if kind == "F":
-            best = max(best, (forward - weight, backward - weight))
-    return best
+    order = zb_h1_order(stage, layout.pp, layout.num_microbatches, lag)
+    return max(((b + w, w) for kind, b, w in holding_after(k for k, _, _ in order) if kind == "F"), default=(0, 0))
