@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from peer_env import free_port  # noqa: E402
+from peer_env import free_port, spawn_results  # noqa: E402
 
 
 class _TorchStage(nn.Module):
@@ -392,20 +392,5 @@ def _worker(rank: int, world: int, port: int, args, out: "mp.Queue") -> None:
 
 
 def run_group(args, world: int) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    for _ in range(world):
-        rank, status, payload = out.get(timeout=1800)
-        if status == "err":
-            for proc in procs:
-                proc.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        got[rank] = payload
-    for proc in procs:
-        proc.join()
-    return got[0]
+    """Rank 0's results of one group (``spawn_results``; a failed rank raises ``RankFailed``)."""
+    return spawn_results(_worker, world, free_port(), args)[0]

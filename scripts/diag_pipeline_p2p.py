@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench_pipeline_group import _batch, _build_chunks  # noqa: E402
-from peer_env import free_port  # noqa: E402
+from peer_env import RankFailed, free_port, spawn_results  # noqa: E402
 
 Stamp = tuple[str, object, int, float, float, int]
 
@@ -158,22 +158,10 @@ def main() -> None:
     ap.add_argument("--tails", type=int, default=0, help="print the N longest delivery waits with context")
     ap.add_argument("--pin", action="store_true", help="each rank's threads on one core (rank mod cores)")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.stages, port, args, out)) for r in range(args.stages)]
-    for proc in procs:
-        proc.start()
-    gathered = None
-    for _ in procs:
-        rank, status, payload = out.get(timeout=1800)
-        if status == "err":
-            for proc in procs:
-                proc.kill()
-            raise SystemExit(f"rank {rank} failed:\n{payload}")
-        gathered = payload
-    for proc in procs:
-        proc.join()
+    try:  # every rank returns the same all-gathered stamps
+        gathered = spawn_results(_worker, args.stages, free_port(), args)[0]
+    except RankFailed as failed:
+        raise SystemExit(str(failed)) from None
     print(f"load {os.getloadavg()}, pinned {args.pin}, m {args.microbatches}, p {args.stages}")
     names = [(sc, pf) for sc in args.schedules for pf in args.prefetch]
     for schedule in names:

@@ -89,9 +89,18 @@ def run_peer(py: str, script: str, args: list[str], timeout: float = 1800) -> di
     return json.loads(lines[-1])
 
 
-def rank_zero_result(worker: Callable, world: int, port: int, args: Any) -> Any:
+class RankFailed(RuntimeError):
+    """A spawned rank reported an error (``spawn_results``): which rank, and its traceback."""
+
+    def __init__(self, rank: int, payload: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{payload}")
+        self.rank, self.payload = rank, payload
+
+
+def spawn_results(worker: Callable, world: int, port: int, args: Any) -> dict[int, Any]:
     """Spawn ``worker(rank, world, port, args, out)`` on ``world`` ranks; each puts ``(rank, "ok"|"err",
-    payload)``. Returns rank 0's payload; on any rank's error prints ``{"error": ...}`` and exits 1."""
+    payload)``. Returns every rank's payload by rank; on any rank's error kills the others and raises
+    ``RankFailed``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, args, out)) for r in range(world)]
@@ -103,12 +112,21 @@ def rank_zero_result(worker: Callable, world: int, port: int, args: Any) -> Any:
         if status == "err":
             for proc in procs:
                 proc.kill()
-            print(json.dumps({"error": f"rank {rank}: {payload}"}))
-            sys.exit(1)
+            raise RankFailed(rank, payload)
         got[rank] = payload
     for proc in procs:
         proc.join()
-    return got[0]
+    return got
+
+
+def rank_zero_result(worker: Callable, world: int, port: int, args: Any) -> Any:
+    """``spawn_results``' rank 0 payload; on any rank's error prints ``{"error": ...}`` and exits 1 (the
+    peer scripts' protocol with ``run_peer``)."""
+    try:
+        return spawn_results(worker, world, port, args)[0]
+    except RankFailed as failed:
+        print(json.dumps({"error": f"rank {failed.rank}: {failed.payload}"}))
+        sys.exit(1)
 
 
 # ---- peak memory of rank processes, read by their parent from /proc -----------------------------
