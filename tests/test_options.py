@@ -338,3 +338,38 @@ def test_every_key_an_error_message_names_is_a_config_key():
                     unknown += [f"{path.relative_to(root)}:{node.lineno}: {m.group(1)}"
                                 for m in KEY_IN_MESSAGE.finditer(node.value) if m.group(1) not in keys]
     assert unknown == []
+
+
+# (conf file, key, the one tuple of allowed values) for every yaml comment that lists a key's choices
+COMMENTED_CHOICES = [
+    ("parallel/default.yaml", "schedule", config.SCHEDULES),
+    ("parallel/default.yaml", "offload", config.OFFLOAD_MODES),
+    ("parallel/default.yaml", "cp_comm", CP_COMM_VARIANTS),
+    ("train/default.yaml", "precision", config.PRECISIONS),
+    ("train/default.yaml", "recompute", config.RECOMPUTE),
+    ("train/default.yaml", "device", config.DEVICES),
+    ("kernels/auto.yaml", "backend", config.KERNEL_BACKENDS),
+    ("logging/default.yaml", "mode", config.WANDB_MODES),
+    ("data/default.yaml", "source", SOURCES),
+    ("data/default.yaml", "corpus", CORPORA),
+    ("data/default.yaml", "tokenizer", TOKENIZER_KINDS),
+]
+
+
+def _commented_choices(path: str, key: str) -> list[str]:
+    """The values a ``key: value  # [what:] a (why) | b | c`` line's comment lists, in order."""
+    for line in open(path):
+        if line.strip().startswith(f"{key}:") and "#" in line:
+            comment = line.split("#", 1)[1]
+            pieces = comment.split("|")
+            pieces[0] = pieces[0].rsplit(":", 1)[-1]
+            return [piece.split()[0] for piece in pieces]
+    raise AssertionError(f"{path}: no commented '{key}:' line")
+
+
+@pytest.mark.parametrize("path, key, allowed", COMMENTED_CHOICES, ids=[f"{p}:{k}" for p, k, _ in COMMENTED_CHOICES])
+def test_yaml_comments_list_exactly_the_allowed_values(path, key, allowed):
+    """A comment naming a key's choices may not drift from the options' tuple (a new schedule, say)."""
+    from parallel3d.train import CONF_DIR
+
+    assert _commented_choices(os.path.join(CONF_DIR, path), key) == list(allowed)
