@@ -24,9 +24,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests import layout_matrix as lm  # noqa: E402
+from tests import layout_run as lr  # noqa: E402
 
 
-def _row(r: lm.CaseResult) -> str:
+def _row(r: lr.CaseResult) -> str:
     p = r.case.parallel
     status = "ok" if r.ok else "FAIL"
     return (f"{r.case.case_id:>6} {r.case.world_size:>5} {p['tp']:>2} {p['pp']:>2} {p['dp']:>2} {p['zero_stage']:>4} "
@@ -64,7 +65,7 @@ def main() -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="p3d-layouts-") as work:
         for case in cases:
-            result = lm.run_case(case, work, args.cache_dir, references, timeout=args.timeout, quiet=True)
+            result = lr.run_case(case, work, args.cache_dir, references, timeout=args.timeout, quiet=True)
             results.append(result)
             print(_row(result), flush=True)
             if not result.ok:

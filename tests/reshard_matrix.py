@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 
 STEPS = 4
 SAVE_STEP = 2
@@ -247,13 +248,13 @@ def resume_on_rank(rank: int, world: int, values: dict, checkpoint: str, copy_di
     from parallel3d.trainer import Trainer
 
     rj = resolve(job_from_dict(values), world)
-    with lm._silenced(True):
+    with lr.silenced(True):
         trainer = Trainer(rj, ParallelState(rj.topology))
         trainer.load_checkpoint(checkpoint)
         differing = params_differing_from(trainer, os.path.join(checkpoint, STATE_DIR))
         write_state(copy_dir, pieces_to_write(trainer.optimizer, trainer.pstate), {}, trainer.checkpoints.group)
         result = trainer.train()  # train.resume = checkpoint: loads it again, then steps SAVE_STEP+1..STEPS
-    return lm.curve_of(result.records), differing
+    return lr.curve_of(result.records), differing
 
 
 def run(fn, world: int, *args: Any, timeout: float = 300.0) -> list:

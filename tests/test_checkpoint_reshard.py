@@ -18,6 +18,7 @@ import torch
 from parallel3d.checkpoint_io.compat import STATE_DIR
 from parallel3d.checkpoint_io.state import read_metadata, read_tensors
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 from tests import reshard_matrix as rm
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
@@ -47,7 +48,7 @@ def sources(tmp_path_factory, cache_dir) -> dict:
         if key not in runs:
             out = str(tmp_path_factory.mktemp("source") / "run")
             values = rm.job_values(pair, pair.source, out, cache_dir)
-            curve = next(c for c in rm.run(lm.train_case_on_rank, pair.source.world_size, values, True) if c)
+            curve = next(c for c in rm.run(lr.train_case_on_rank, pair.source.world_size, values, True) if c)
             runs[key] = (out, curve)
         return runs[key]
 

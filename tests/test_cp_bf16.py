@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 from tests.harness import run_on_ranks
 
 GLOBAL_BATCH = 8
@@ -32,7 +33,7 @@ def _parallel(extra: dict) -> dict:
 
 
 def _curve(values: dict) -> list[tuple[int, float, float, float | None]]:
-    return lm.train_reference(values, quiet=True)
+    return lr.train_reference(values, quiet=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_cp_bf16_follows_the_one_process_bf16_curve(name, references, tmp_path):
     values = lm.job_values("llama", p, {**BF16_TRAIN, "micro_batch_size": mbs}, str(tmp_path / name),
                            references["cache"])
     world = p["tp"] * p["pp"] * p["dp"] * p["cp"]
-    per_rank = run_on_ranks(lm.train_case_on_rank, world, values, True, timeout=300)
+    per_rank = run_on_ranks(lr.train_case_on_rank, world, values, True, timeout=300)
     curve = next(c for c in per_rank if c)
     ref = references["one_microbatch"]
     # the rounding a micro-batch split alone makes in one process (measured ~1e-5); the floor 5e-4 is

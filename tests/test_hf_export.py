@@ -31,6 +31,7 @@ from parallel3d.config import ConfigError, job_from_dict, resolve
 from parallel3d.export import main as export_main
 from parallel3d.parallel_state import ParallelState
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 from tests import reshard_matrix as rm
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
@@ -58,7 +59,7 @@ def trained(request, tmp_path_factory, cache_dir) -> tuple[str, str]:
     model = request.param
     out = str(tmp_path_factory.mktemp(model) / "run")
     lm_values = _values(model, SAVED_AT[model], out, cache_dir)
-    rm.run(lm.train_case_on_rank, 4, lm_values, True)
+    rm.run(lr.train_case_on_rank, 4, lm_values, True)
     return model, out
 
 
@@ -109,12 +110,12 @@ def _init_on_rank(rank: int, world: int, values: dict, checkpoint_state: str) ->
     from parallel3d.trainer import Trainer
 
     rj = resolve(job_from_dict(values), world)
-    with lm._silenced(True):
+    with lr.silenced(True):
         trainer = Trainer(rj, ParallelState(rj.topology))
         assert trainer.restore() is None
         differing = rm.params_differing_from(trainer, checkpoint_state)
         records = trainer.train().records
-    return lm.curve_of(records), differing
+    return lr.curve_of(records), differing
 
 
 def test_init_from_hf_starts_any_layout_at_the_exported_weights(trained, tmp_path, cache_dir):

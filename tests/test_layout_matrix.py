@@ -16,6 +16,7 @@ import pytest
 
 from parallel3d import config as cfg
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 
@@ -74,19 +75,19 @@ def test_reference_noise_floor_is_far_below_the_tolerance(tmp_path, cache_dir, r
     largest = {model: max(g for m, g, _ in first_case_of if m == model) for model, *_ in first_case_of}
     for key, case in sorted(first_case_of.items()):
         if key not in references:
-            references[key] = lm.train_reference(lm.reference_values(case, str(tmp_path / f"ref-{key}"), cache_dir), True)
+            references[key] = lr.train_reference(lm.reference_values(case, str(tmp_path / f"ref-{key}"), cache_dir), True)
         model, global_batch, document_mask = key
         if global_batch != largest[model]:
             continue
         values = lm.job_values(model, {}, {"global_batch_size": global_batch, "micro_batch_size": 1},
                                str(tmp_path / f"{model}-{global_batch}-{document_mask}-1"), cache_dir, document_mask)
-        for (step, *got), (_, *ref) in zip(lm.train_reference(values, quiet=True), references[key]):
+        for (step, *got), (_, *ref) in zip(lr.train_reference(values, quiet=True), references[key]):
             for what, a, b in zip(("loss", "grad_norm", "eval_loss"), got, ref):
                 if b is not None:
                     assert abs(a - b) <= lm.RTOL / 10 * abs(b), (model, global_batch, step, what, a, b)
 
 
 def test_layout_matches_single_process(case, tmp_path, cache_dir, references):
-    result = lm.run_case(case, str(tmp_path), cache_dir, references)
+    result = lr.run_case(case, str(tmp_path), cache_dir, references)
     assert result.ok, f"{case.name}: " + "; ".join(result.problems())
     assert len(result.curve) == lm.STEPS

@@ -16,6 +16,7 @@ import random
 import pytest
 
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 
@@ -44,8 +45,8 @@ def _check(seed: int, tmp_path) -> None:
     model, parallel, capacity = draw(seed)
     cache = str(tmp_path / "cache")
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
-    lm.train_reference(lm.job_values(model, {}, TRAIN, ref, cache, capacity=capacity), quiet=True)
-    run_on_ranks(lm.train_case_on_rank, 4, lm.job_values(model, parallel, TRAIN, ours, cache, capacity=capacity),
+    lr.train_reference(lm.job_values(model, {}, TRAIN, ref, cache, capacity=capacity), quiet=True)
+    run_on_ranks(lr.train_case_on_rank, 4, lm.job_values(model, parallel, TRAIN, ours, cache, capacity=capacity),
                  True, timeout=300)
     got, want = _moe_records(ours), _moe_records(ref)
     case = (seed, model, parallel, capacity)

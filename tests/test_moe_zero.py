@@ -20,6 +20,7 @@ from parallel3d.topology import Topology
 from parallel3d.zero.optimizer import ZeroOptimizer
 from parallel3d.zero.options import ZeroOptions
 from tests import layout_matrix as lm
+from tests import layout_run as lr
 from tests.harness import run_on_ranks
 
 STAGE_PAIRS = [(d, e) for d in range(4) for e in range(4) if d != e]
@@ -99,6 +100,6 @@ def test_expert_zero3_under_zbv_equals_one_process(reshard: str, tmp_path, cache
     case = lm.LayoutCase(case_id=-30005, model="mixtral", parallel=parallel,
                          train={"global_batch_size": 2, "micro_batch_size": 1, "recompute": "full"})
     assert lm.is_valid(case)
-    result = lm.run_case(case, str(tmp_path), cache_dir, {}, timeout=300, quiet=True)
+    result = lr.run_case(case, str(tmp_path), cache_dir, {}, timeout=300, quiet=True)
     assert result.ok, f"{case.name}: " + "; ".join(result.problems())
     assert len(result.curve) == lm.STEPS
