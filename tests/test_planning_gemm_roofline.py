@@ -4,8 +4,8 @@
 is exactly ``time = FLOPs / (matmul_efficiency * peak) + bytes / HBM bandwidth`` for a GEMM that moves its
 three operands once (``2 (mk + kn + mn)`` bf16 bytes): the compute at the large-GEMM rate and the operand
 traffic at the datasheet bandwidth, not overlapped. The knees that ``planning.fit`` found on the calibration
-rows alone (A100 and H100 families) sit at that value, from the datasheet peak and bandwidth, which the fit
-never reads. References: the two-term time written out here, and each family's datasheet numbers in its
+rows alone (A100 and H100 families) sit at that value, from the datasheet peak and bandwidth, which the GEMM
+curve itself never reads (the fit prices whole rows, whose elementwise terms do). References: the two-term time written out here, and each family's datasheet numbers in its
 device YAML.
 """
 
