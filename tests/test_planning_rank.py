@@ -80,7 +80,7 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
         "completes every v down to one layer per chunk)",
     "folding_qwen2_57b_mcore_64gpus":
         "rank 17, +15.1%; published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=2; best tp=2 ep=8 etp=1 pp=2 dp=16 v=2 "
-        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.59 s, ep +0.24 s, pp +0.07 s (the row is the "
+        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.58 s, ep +0.24 s, pp +0.07 s (the row is the "
         "source's unfolded baseline: its own folded layout runs 39.0% vs 35.3% MFU, 10% faster, so no honest "
         "model ranks it within 3%; ETP=2's token gather/scatter is what Megatron-Core's alltoall dispatcher runs. "
         "The model prices that folded layout only 4.6% faster (4.19 -> 4.01 s) and its own best, pp2 ep8, 10% "
@@ -88,7 +88,7 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
         "completion's chunks hold 1-2 of the 28 layers and the last the head alone, bubble fraction 11.6% vs "
         "(p - 1) / (v m) = 4.7%)",
     "folding_qwen2_57b_folding_1024gpus":
-        "rank 8, +5.1%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
+        "rank 8, +4.9%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
         "dp=512 mbs=1 zero=1 rc=none sp: published loses in dp +0.17 s, bubble +0.16 s, pp +0.02 s (cost model: "
         "expert ZeRO-1 reduce/gather over 32 nodes, exposed beyond one chunk; Table 4 reuses the 64-GPU mapping "
         "of Table 3 at 1,024 GPUs, so the layout was not chosen for this size)",

@@ -186,7 +186,9 @@ def rank_reason(published: StepEstimate, best: StepEstimate) -> str:
 def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step: StepEstimate,
                 options: CostOptions, fixed: tuple[tuple[str, int], ...] = (),
                 uneven: bool = True) -> tuple[int, bool, float, str]:
-    """``rank_check`` plus ``rank_reason`` against the best layout found ('' when it is the best);
+    """(position of the published step among the searched layouts, whether it passes the issue's rank
+    rule, how much slower than the best found it is predicted: 0.05 = 5%; ``_rank_rule``) plus
+    ``rank_reason`` against the best layout found ('' when it is the best);
     ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
     searches even layer splits only (``EVEN_SPLIT_SOURCES``)."""
     request = _rank_request(layout, config.num_layers, fixed, uneven)
@@ -304,14 +306,6 @@ def _rank_rule(step_time: float, faster: list) -> tuple[int, bool, float]:
     ok = position <= RANK_TOP or step_time <= faster[0].step.step_time_s * (1 + RANK_SLACK)
     gap = step_time / faster[0].step.step_time_s - 1 if faster else 0.0
     return position, ok, gap
-
-
-def rank_check(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step_time: float,
-               options: CostOptions) -> tuple[int, bool, float]:
-    """(position of ``layout`` among the searched ones, whether it passes the issue's rank rule,
-    how much slower than the best found it is predicted: 0.05 = 5%)."""
-    ranked = plan(config, cluster, _rank_request(layout, config.num_layers), options).ranked
-    return _rank_rule(step_time, [c for c in ranked if c.step.step_time_s < step_time])
 
 
 def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False) -> RowResult:
