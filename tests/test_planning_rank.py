@@ -14,12 +14,17 @@ run with ``--extended`` only.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.validation import (
+    _rank_request,
     completed_layout,
+    interleaved_min_pp,
+    priced_candidate,
     rank_run,
     run_cluster,
     run_config,
@@ -184,3 +189,20 @@ def test_even_split_sources_are_searched_with_even_splits_only():
     cluster = run_cluster(run)
     assert all(divides(x) for x in enumerate_layouts(config, cluster, even))
     assert not all(divides(x) for x in enumerate_layouts(config, cluster, uneven))
+
+
+def test_megatron_lm_2021_sources_interleave_only_above_two_stages():
+    # Megatron-LM's arguments.py asserted pp > 2 with --num-layers-per-virtual-pipeline-stage from commit
+    # 182841f7d (2021-03-20) on; Megatron-Core r0.8 overlaps P2P and interleaves at pp 2. Reference: the
+    # unrestricted enumeration, filtered by hand.
+    run = _run("narayanan21_gpt_39.1b")
+    assert interleaved_min_pp(run) == 3 and interleaved_min_pp(_run("mcore08_gpt_177b_2304gpus")) == 2
+    config, cluster, layout = run_config(run), run_cluster(run), run_layout(run)
+    held = _rank_request(layout, config.num_layers, uneven=False, min_interleaved_pp=3)
+    free = enumerate_layouts(config, cluster, replace(held, min_interleaved_pp=2))
+    assert any(x.schedule == "interleaved_1f1b" and x.pp == 2 for x in free)
+    assert enumerate_layouts(config, cluster, held) == [
+        x for x in free if not (x.schedule == "interleaved_1f1b" and x.pp == 2)]
+    assert priced_candidate(run).layout.schedule == "1f1b"  # its pp 2: the completion cannot interleave
+    with pytest.raises(ValueError, match="min_interleaved_pp"):
+        PlanRequest(global_batch_size=8, seq_len=8, min_interleaved_pp=0)
