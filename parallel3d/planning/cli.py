@@ -198,7 +198,8 @@ def format_plan(result: Plan, top_k: int) -> str:
         f"({c.gpus_per_node}/node, {c.device.memory_bytes / GiB:.0f} GiB, {c.device.peak_flops / 1e12:.0f} TFLOP/s peak); "
         f"global batch {r.global_batch_size} x {r.seq_len} tokens, {r.precision}",
         f"{result.considered} layouts enumerated, {result.fitting} fit in {100 * r.memory_fraction:.0f}% of device "
-        f"memory; top {min(top_k, len(result.ranked))} by simulated step time "
+        f"memory, {result.simulated} settings simulated (the rest bounded out); "
+        f"top {min(top_k, len(result.ranked))} by simulated step time "
         f"(TFLOP/s counts recomputation, MFU does not):",
         "",
         PLAN_HEADER,

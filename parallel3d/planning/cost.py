@@ -197,7 +197,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     """Predicted time of one optimizer step of ``layout`` (see the module docstring).
 
     ``pipeline`` times the schedule: ``simulate_pipeline`` (default) or a cheaper
-    stand-in with the same signature (the planner's analytic pre-ranking). Each chunk is priced by
+    stand-in with the same signature (the planner's pre-ranking: ``pipeline_lower_bound``). Each chunk is priced by
     its own layers (``chunk_layers``, default ``chunk_layer_counts``) plus the embedding on the
     first model chunk and the head on the last.
     """
@@ -269,7 +269,12 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             opt_t += _optimizer_time(layout, cluster.device, pb, shard, grad_bytes)
         # The dense and expert reductions share the NICs, so they add; the overlapped ones hide behind
         # the last microbatch's backward, the parameter all-gathers behind the next step's first forward.
-        if options.chunk_grad_sync and pipe.chunk_grads_done:  # each chunk overlaps from its own pass (dp_overlap)
+        if options.chunk_grad_sync and pipe.bound:
+            # A lower bound of the rule below (the planner's pre-ranking): a rank's link carries the whole
+            # traffic from the step's start at the earliest, and only the floors are always exposed.
+            reduce_t += max(last_r, hideable_r - pipe.stage_end[stage])
+            gather_t += first_g
+        elif options.chunk_grad_sync and pipe.chunk_grads_done:  # each chunk overlaps from its own pass (dp_overlap)
             end_counts = [((stage, c) == first) + ((stage, c) == last) for c in range(v)]
             held = sum(params for params, _, _ in stage_grad_groups(config, layout, stage, stage_layers[stage]))
             share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
@@ -277,7 +282,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                                           [bwd(stage, c) for c in range(v)], pipe.stage_end[stage], last_r)
             gather_t += exposed_gather([hideable_g * w for w in share], pipe.chunk_first_forward[stage],
                                        [fwd(stage, c) for c in range(v)], first_g)
-        else:  # one pass of one chunk hides it (also for a stand-in without chunk times: the pre-ranking)
+        else:  # one pass of one chunk hides it (a bound's stage ends bound this too: it only grows with them)
             reduce_t += max(last_r, hideable_r - bwd(stage, 0))
             gather_t += max(first_g, hideable_g - fwd(stage, 0))
         end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t

@@ -4,13 +4,16 @@ Invariant: ``simulate_pipeline(name, p, m, v, fwd, bwd, p2p)`` equals ``simulate
 ``build_schedule(name, p, m, v)`` (exactly for m <= 3p, by linear extension in m beyond it, which
 is exact once every stage is in its steady state); ``fwd``/``bwd`` are per-(stage, chunk) times
 in seconds and ``p2p`` one message's time. Schedules added to the runtime are priced without new
-formulas.
+formulas. ``pipeline_lower_bound`` never exceeds the simulation, stage by stage (the planner's
+pre-ranking relies on it to simulate only what can reach its top).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel3d.pipeline.actions import splits_backward
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, simulate
 
 
@@ -24,6 +27,9 @@ class PipelineTimes:
     # from the stage's first computation, before which its parameters must be gathered. Empty: not known.
     chunk_grads_done: list[list[float]] = field(default_factory=list)
     chunk_first_forward: list[list[float]] = field(default_factory=list)
+    # True: a lower bound (``pipeline_lower_bound``), each time at most what a simulation gives; the chunk
+    # timings are not known, so what overlaps the DP traffic can only be bounded (``cost.estimate_step``).
+    bound: bool = False
 
     @property
     def bubble_fraction(self) -> float:
@@ -51,23 +57,46 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None
 
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
                       w_lags: tuple[int, ...] | None = None) -> PipelineTimes:
-    """Simulated step of schedule ``name``; long runs are extrapolated from two short ones.
+    """Simulated step of schedule ``name``; long runs are extrapolated from short ones.
     ``w_lags``: zb_h1's (``build_schedule``; the same at every m >= p, ``planning.zb_lags``).
 
-    Once every stage is in its steady state (m >= 2p covers every schedule, ZB-V's V included),
-    each further group of p microbatches (interleaved 1F1B's count must stay a multiple of p)
-    adds the same time to every stage, so finish times are linear in m: simulate m = 2p and
-    3p and extend the line
-    (exact for these schedules; tests compare it with a full simulation). Keeps
+    Once every stage is in its steady state, each further group of p microbatches (interleaved 1F1B's
+    count must stay a multiple of p) adds the same time to every stage, so finish times are linear in
+    m: simulate m = 2p, 3p, 4p, check that the two steps add the same (``_same_steps``), and extend the line
+    (exact for these schedules; tests compare it with a full simulation). Unequal chunks can keep a
+    stage's queue settling past 2p (interleaved 1F1B at p = 2 with a light last chunk still sped up at
+    4 -> 6 microbatches, and a line through m = 2p and 3p put the stage's end below its own busy time),
+    so while the steps differ the window moves up by p, up to a full simulation at m. Keeps
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
-    step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p
+    step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p or so
     base = 2 * p
-    if m <= base + step:
-        return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags)
-    a = _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags)
-    b = _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags)
-    k = (m - base) / step
+    a = b = None
+    while 3 * (base + step) < m:  # while three short runs cost less than the whole one
+        a = a or _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags)
+        b = b or _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags)
+        c = _simulate_once(name, p, base + 2 * step, v, fwd, bwd, p2p, w_lags)
+        if _same_steps(a, b, c):
+            return _extend(a, b, (m - base) / step, m / base)
+        a, b, base = b, c, base + step
+    return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags)
+
+
+def _ends(t: PipelineTimes) -> list[float]:
+    return [t.makespan, *t.stage_end, *(x for row in t.chunk_grads_done for x in row)]
+
+
+def _same_steps(a: PipelineTimes, b: PipelineTimes, c: PipelineTimes) -> bool:
+    """Whether a -> b -> c is the steady state: both steps add the same time to every finish time, and
+    that time covers the work a step adds to the busiest stage (a step that adds less is still filling
+    idle time left by the warm-up, and a later step will add more)."""
+    tol = 1e-9 * c.makespan
+    same = all(abs((z - y) - (y - x)) <= tol for x, y, z in zip(_ends(a), _ends(b), _ends(c)))
+    return same and c.makespan - b.makespan >= max(z - y for y, z in zip(b.busy, c.busy)) - tol
+
+
+def _extend(a: PipelineTimes, b: PipelineTimes, k: float, busy_scale: float) -> PipelineTimes:
+    """The line through ``a`` and ``b`` (one step of p microbatches apart), ``k`` steps from ``a``."""
 
     def line(x: float, y: float) -> float:
         return x + (y - x) * k
@@ -77,7 +106,50 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     return PipelineTimes(
         line(a.makespan, b.makespan),
         [line(x, y) for x, y in zip(a.stage_end, b.stage_end)],
-        [x * m / base for x in a.busy],
+        [x * busy_scale for x in a.busy],
         [[line(x, y) for x, y in zip(ra, rb)] for ra, rb in zip(a.chunk_grads_done, b.chunk_grads_done)],
         a.chunk_first_forward,
     )
+
+
+def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+    """What no run of schedule ``name`` can beat, per stage, with ``simulate_pipeline``'s arguments:
+    ``stage_end[s]`` and ``makespan`` are at most the simulated ones, ``busy`` is exact.
+
+    Why it holds for every schedule the runtime builds (each stage runs a chunk's forwards, and its
+    backwards, in microbatch order; a message takes ``p2p``, between two stages only):
+    - stage s starts computing after microbatch 0 has run forward through every model chunk before
+      its first one (``head``), and then computes ``busy[s]``;
+    - its backward of the last microbatch on its first chunk (its last ``B``) comes after all of its
+      forwards and ``B``s (``W``s, where the schedule splits them off, may come later), and that
+      ``B`` on stage s follows the one on stage s + 1 by a message and its own ``B``; a stage whose
+      schedule splits backwards still runs that last ``B``'s ``W`` after it.
+    For uniform chunks and 1F1B or interleaved 1F1B this is the closed form
+    ``(v m + p - 1)(f + b) / v + 2 (p - 1) p2p``. No chunk timings: ``bound`` tells the step price to
+    bound the exposed DP traffic instead of deriving it from them.
+    """
+    lat = float(p2p) if isinstance(p2p, (int, float)) else 0.0
+    split = p > 1 and splits_backward(build_schedule(name, 2, 2, v)[0])
+    place = placement_for(name, p, p * v)
+    order = [place.stage_and_chunk(k) for k in range(p * v)]  # model chunks in forward order
+
+    def b_in(s: int, c: int) -> float:  # the part of a backward the previous stage waits on
+        return bwd(s, c) / 2 if split else bwd(s, c)
+
+    busy = [m * sum(fwd(s, c) + bwd(s, c) for c in range(v)) for s in range(p)]
+    head, t = [0.0] * p, 0.0
+    seen: set[int] = set()
+    for k, (s, c) in enumerate(order):
+        if s not in seen:
+            seen.add(s)
+            head[s] = t
+        t += fwd(s, c) + (lat if k + 1 < len(order) and order[k + 1][0] != s else 0.0)
+    # last_b[s]: the earliest end of stage s's last B (the first model chunk it holds, last microbatch)
+    first_chunk = {s: c for s, c in reversed(order)}
+    last_b = [head[s] + m * sum(fwd(s, c) + b_in(s, c) for c in range(v)) for s in range(p)]
+    by_first = sorted(range(p), key=lambda s: place.model_chunk(s, first_chunk[s]))
+    for i in range(len(by_first) - 2, -1, -1):  # the backward runs the chunks in reverse model order
+        s, nxt = by_first[i], by_first[i + 1]
+        last_b[s] = max(last_b[s], last_b[nxt] + lat + b_in(s, first_chunk[s]))
+    end = [max(head[s] + busy[s], last_b[s] + (bwd(s, first_chunk[s]) / 2 if split else 0.0)) for s in range(p)]
+    return PipelineTimes(max(end), end, busy, bound=True)

@@ -22,9 +22,13 @@ mode is given up for a more expensive one only if nothing fits without offload
 searched: it needs a directory, and the planner does not model host or disk
 capacity.
 
-Ranking is two-pass so large searches stay fast: an analytic pipeline estimate
-(bubble = (p - 1) / (v * m)) orders every fitting candidate, then the best
-``simulate_top`` are re-timed with the simulated schedule (``cost.estimate_step``).
+Ranking is two-pass so large searches stay fast, and one rule decides it: every fitting setting gets
+a lower bound of its step time (``cost.estimate_step`` with ``pipeline_price.pipeline_lower_bound``:
+for uniform 1F1B / interleaved stages the closed form (v m + p - 1) chunk slots; DP traffic hidden as
+far as any chunk order could hide it), then settings are re-timed by the full price (the simulated
+schedule, zb_h1's W lags, each chunk's own DP overlap) in the order of their bounds until the next
+bound exceeds the ``simulate_top``-th best full price. So the ranked top is exactly the full price's:
+no layout is dropped by a pre-ranking that disagrees with it.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ from models.config import ModelConfig
 from models.transformer import RECOMPUTE_MODES
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate, chunk_layer_counts, estimate_step
-from parallel3d.planning.pipeline_price import PipelineTimes
+from parallel3d.planning.pipeline_price import pipeline_lower_bound
 from parallel3d.context_parallel.attention import CP_COMM_VARIANTS
 from parallel3d.option_checks import ConfigError
-from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
+from parallel3d.pipeline.options import INTERLEAVED, SCHEDULES, PipelineOptions
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.topology import LayoutError, fewest_layers
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
@@ -63,7 +67,7 @@ class PlanRequest:
     # buffers, allocator fragmentation and temporaries the estimator does not model.
     memory_fraction: float = 0.9
     top_k: int = 10
-    simulate_top: int = 24
+    simulate_top: int = 24  # layouts ranked: exactly the fastest by the full price (``plan``)
     # Also try pipeline depths that do not divide num_layers (the engine's balanced split,
     # stages at most ~10% apart), e.g. pp=16 for Llama 3.1 405B's 126 layers.
     uneven_stages: bool = True
@@ -82,9 +86,13 @@ class PlanRequest:
     # Parallel degrees held at given values, e.g. (("dp", 4),): the rank check holds what a published
     # experiment held fixed (``validation.rank_run``); empty for a user's search.
     fixed_degrees: tuple[tuple[str, int], ...] = ()
+    # Fewest stages interleaved 1F1B is searched at: 2 for parallel3d; 3 prices Megatron-LM without P2P
+    # overlap, whose arguments.py asserts pp > 2 with interleaving (the published-run rank check).
+    min_interleaved_pp: int = 2
 
     def __post_init__(self) -> None:
-        for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp"):
+        for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp",
+                    "min_interleaved_pp"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"plan.{key}={value!r} must be an integer >= 1")
@@ -135,6 +143,7 @@ class Plan:
     ranked: list[Candidate] = field(default_factory=list)  # best first, simulated ones
     considered: int = 0  # layouts enumerated
     fitting: int = 0  # of those, layouts with some recompute/ZeRO setting that fits
+    simulated: int = 0  # settings timed by the full price (the rest were bounded out)
 
     @property
     def best(self) -> Candidate:
@@ -240,7 +249,8 @@ def schedule_choices(config: ModelConfig, pp: int, m: int, request: PlanRequest)
     counts (uneven stages)."""
     out = []
     for name in SCHEDULES:
-        if name not in request.schedules or (pp == 1 and name != "1f1b"):
+        if name not in request.schedules or (pp == 1 and name != "1f1b") or \
+                (name == INTERLEAVED and pp < request.min_interleaved_pp):
             continue
         for v in virtual_stage_counts(config, pp, request):
             # Uneven stages include Llama 3 405B's split: the first and the last chunk may hold no layer
@@ -304,19 +314,14 @@ def memory_layout(layout: Layout) -> Layout:
     return layout.replace(global_batch_size=layout.dp * layout.micro_batch_size * cap)
 
 
-def analytic_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
-    """Closed-form pipeline time for uniform stages: (v*m + p - 1) chunk slots (GPipe the same)
-    plus one P2P hop per slot boundary. Used only to pre-rank candidates."""
-    per_chunk = max(fwd(s, c) + bwd(s, c) for s in range(p) for c in range(v))
-    hop = p2p if isinstance(p2p, (int, float)) else 0.0
-    makespan = (v * m + p - 1) * per_chunk + 2 * (p - 1) * hop
-    busy = [m * sum(fwd(s, c) + bwd(s, c) for c in range(v)) for s in range(p)]
-    return PipelineTimes(makespan, [makespan] * p, busy)
-
-
 def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
          options: CostOptions | None = None) -> Plan:
-    """Rank the layouts of ``config`` on ``cluster`` by predicted step time (best first)."""
+    """Rank the layouts of ``config`` on ``cluster`` by predicted step time (best first).
+
+    ``ranked`` holds exactly the ``simulate_top`` fastest layouts by the full price (``estimate_step``,
+    simulated schedule), fewer if fewer fit: every fitting setting is first bounded from below
+    (``pipeline_lower_bound``), then simulated in the order of its bound until the next bound is above
+    the ``simulate_top``-th best full price found, so a layout left unsimulated could not have entered."""
     options = options or CostOptions()
     if request.seq_len > config.max_seq_len:
         raise ValueError(f"train.seq_len={request.seq_len} exceeds model.max_seq_len={config.max_seq_len}")
@@ -324,8 +329,8 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     result = Plan(config=config, cluster=cluster, request=request)
     splits: dict[tuple[int, int], list[int]] = {}
     chunks: dict[tuple[int, int, str], list[list[int]]] = {}  # per (stage, chunk), by schedule placement
-    rough: list[tuple[float, Layout, MemoryEstimate]] = []
-    for base in enumerate_layouts(config, cluster, request):
+    bounded: list[tuple[float, int, Layout, MemoryEstimate]] = []  # (lower bound, base index, setting, memory)
+    for index, base in enumerate(enumerate_layouts(config, cluster, request)):
         result.considered += 1
         key = (base.pp, base.virtual_stages)
         if key not in splits:
@@ -333,7 +338,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
         ckey = (*key, base.schedule)
         if ckey not in chunks:
             chunks[ckey] = chunk_layer_counts(config, base, splits[key])
-        best_for_base: tuple[float, Layout, MemoryEstimate] | None = None
+        fits_any = False
         for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
             fits_on_device = False
             for zero in request.zero_stages:
@@ -347,25 +352,32 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                     if memory.peak_bytes > budget:
                         continue
                     fits_on_device |= offload == "none"
-                    est = estimate_step(config, layout, cluster, options, splits[key], pipeline=analytic_pipeline,
-                                        chunk_layers=chunks[ckey])
-                    if best_for_base is None or est.step_time_s < best_for_base[0]:
-                        best_for_base = (est.step_time_s, layout, memory)
+                    fits_any = True
+                    # Every fitting setting is kept with its bound: the one the bound prefers for this
+                    # base need not be the one the full price prefers.
+                    bound = estimate_step(config, layout, cluster, options, splits[key],
+                                          pipeline=pipeline_lower_bound, chunk_layers=chunks[ckey])
+                    bounded.append((bound.step_time_s, index, layout, memory))
             if fits_on_device:
                 break  # a cheaper recompute mode already fits: more recompute only costs time
-        if best_for_base is not None:
-            result.fitting += 1
-            rough.append(best_for_base)
-    rough.sort(key=lambda item: item[0])
-    simulated = []
-    for _, layout, memory in rough[: request.simulate_top]:
+        result.fitting += fits_any
+    bounded.sort(key=lambda item: item[0])
+    best: dict[int, Candidate] = {}  # per base layout, its fastest simulated setting
+    for bound, index, layout, memory in bounded:
+        if len(best) >= request.simulate_top and bound > _nth_fastest(best.values(), request.simulate_top):
+            break  # this bound, and every later one, is above the top's last full price
         key = (layout.pp, layout.virtual_stages)
         step = estimate_step(config, layout, cluster, options, splits[key],
                              chunk_layers=chunks[(*key, layout.schedule)])
-        simulated.append(Candidate(layout, memory, step, simulated=True))
-    simulated.sort(key=lambda c: c.step.step_time_s)
-    result.ranked = simulated
+        result.simulated += 1
+        if index not in best or step.step_time_s < best[index].step.step_time_s:
+            best[index] = Candidate(layout, memory, step, simulated=True)
+    result.ranked = sorted(best.values(), key=lambda c: c.step.step_time_s)[: request.simulate_top]
     return result
+
+
+def _nth_fastest(candidates, n: int) -> float:
+    return sorted(c.step.step_time_s for c in candidates)[n - 1]
 
 
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
@@ -377,6 +389,6 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     return Candidate(layout, memory, step, simulated=True)
 
 
-__all__ = ["Candidate", "Plan", "PlanRequest", "analytic_pipeline", "enumerate_layouts",
+__all__ = ["Candidate", "Plan", "PlanRequest", "enumerate_layouts",
            "evaluate", "finest_virtual_stages", "pipeline_sizes", "plan", "tensor_parallel_sizes",
            "virtual_stage_counts"]

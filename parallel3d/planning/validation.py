@@ -121,6 +121,11 @@ TORCHTITAN_SOURCES: tuple[str, ...] = ("torchtitan",)
 # and BLOOM state uneven stages; 2025 Megatron-Core has them) is searched with uneven stages too.
 EVEN_SPLIT_SOURCES: tuple[str, ...] = MEGATRON_2021_SOURCES + ("NVIDIA Megatron-LM README", "NVIDIA, Nemotron-4")
 
+# Sources whose framework interleaved only at pp > 2: Megatron-LM's arguments.py asserted it with
+# --num-layers-per-virtual-pipeline-stage from commit 182841f7d (2021-03-20, before SC21) until
+# overlap_p2p_comm (2023) kept the assertion for runs without P2P overlap only (Megatron-Core r0.8 overlaps).
+INTERLEAVE_ABOVE_PP2_SOURCES: tuple[str, ...] = MEGATRON_2021_SOURCES
+
 
 def run_options(run: PublishedRun) -> CostOptions:
     """The ``CostOptions`` of the framework the source measured."""
@@ -185,13 +190,14 @@ def rank_reason(published: StepEstimate, best: StepEstimate) -> str:
 
 def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step: StepEstimate,
                 options: CostOptions, fixed: tuple[tuple[str, int], ...] = (),
-                uneven: bool = True) -> tuple[int, bool, float, str]:
+                uneven: bool = True, min_interleaved_pp: int = 2) -> tuple[int, bool, float, str]:
     """(position of the published step among the searched layouts, whether it passes the issue's rank
     rule, how much slower than the best found it is predicted: 0.05 = 5%; ``_rank_rule``) plus
     ``rank_reason`` against the best layout found ('' when it is the best);
     ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
-    searches even layer splits only (``EVEN_SPLIT_SOURCES``)."""
-    request = _rank_request(layout, config.num_layers, fixed, uneven)
+    searches even layer splits only (``EVEN_SPLIT_SOURCES``), ``min_interleaved_pp`` interleaves from
+    that depth (``interleaved_min_pp``)."""
+    request = _rank_request(layout, config.num_layers, fixed, uneven, min_interleaved_pp)
     ranked = plan(config, cluster, request, options).ranked
     faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
     position, ok, gap = _rank_rule(step.step_time_s, faster)
@@ -199,7 +205,7 @@ def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step:
 
 
 def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int], ...] = (),
-                  uneven: bool = True) -> PlanRequest:
+                  uneven: bool = True, min_interleaved_pp: int = 2) -> PlanRequest:
     # The source's framework settings (recompute mode, ZeRO stage, sequence parallelism) are held at
     # the published ones, and only the schedules those frameworks had (1F1B, interleaved) are searched:
     # the check ranks the *layout* (tp, cp, ep, pp, vp, dp, micro-batch) among what the source could have
@@ -215,6 +221,7 @@ def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int],
                        recompute_modes=(layout.recompute,), zero_stages=(layout.zero_stage,),
                        max_cp=max(1, layout.cp), schedules=RANK_SCHEDULES,
                        sequence_parallel=layout.sequence_parallel, fixed_degrees=fixed, uneven_stages=uneven,
+                       min_interleaved_pp=min_interleaved_pp,
                        max_virtual_stages=max(PlanRequest.max_virtual_stages, layout.virtual_stages, finest))
 
 
@@ -227,6 +234,11 @@ def uneven_splits_allowed(run: PublishedRun, config: ModelConfig) -> bool:
     return not any(run.source.citation.startswith(s) for s in EVEN_SPLIT_SOURCES)
 
 
+def interleaved_min_pp(run: PublishedRun) -> int:
+    """The fewest pipeline stages the run's framework could interleave at (``INTERLEAVE_ABOVE_PP2_SOURCES``)."""
+    return 3 if any(run.source.citation.startswith(s) for s in INTERLEAVE_ABOVE_PP2_SOURCES) else 2
+
+
 def rank_fixed_degrees(run: PublishedRun) -> tuple[tuple[str, int], ...]:
     """The degrees the source states its experiment held fixed (``rank_fixed``), at their published values."""
     return tuple((path.split(".", 1)[1], getattr(run.layout, path.split(".", 1)[1]))
@@ -234,7 +246,7 @@ def rank_fixed_degrees(run: PublishedRun) -> tuple[tuple[str, int], ...]:
 
 
 def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, cluster: ClusterSpec,
-                     options: CostOptions, uneven: bool = True) -> Candidate:
+                     options: CostOptions, uneven: bool = True, min_interleaved_pp: int = 2) -> Candidate:
     """The published layout as the rank check prices it: each field the source leaves unstated
     (``run.unstated``: virtual stages, schedule, micro-batch) at the planner's best allowed choice
     (the choices ``_rank_request``'s search would try for these degrees, fitting memory), every stated
@@ -248,7 +260,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     free = set(run.unstated)
     if not free:
         return best
-    request = _rank_request(layout, config.num_layers, uneven=uneven)
+    request = _rank_request(layout, config.num_layers, uneven=uneven, min_interleaved_pp=min_interleaved_pp)
     budget = cluster.device.memory_bytes * request.memory_fraction
     mbs_choices = request.micro_batch_sizes if "layout.micro_batch" in free else (layout.micro_batch_size,)
     for mbs in mbs_choices:
@@ -279,7 +291,8 @@ def priced_candidate(run: PublishedRun, options: CostOptions | None = None,
     options = options or run_options(run)
     config, layout = run_config(run), run_layout(run)
     cluster = cluster or run_cluster(run)
-    return completed_layout(run, config, layout, cluster, options, uneven_splits_allowed(run, config))
+    return completed_layout(run, config, layout, cluster, options, uneven_splits_allowed(run, config),
+                            interleaved_min_pp(run))
 
 
 def rank_run(run: PublishedRun, options: CostOptions | None = None,
@@ -293,7 +306,7 @@ def rank_run(run: PublishedRun, options: CostOptions | None = None,
     uneven = uneven_splits_allowed(run, config)
     published = published or priced_candidate(run, options, cluster)
     position, ok, gap, why = rank_search(config, layout, cluster, published.step, options,
-                                         rank_fixed_degrees(run), uneven)
+                                         rank_fixed_degrees(run), uneven, interleaved_min_pp(run))
     if published.layout != layout:
         why = f"published completed as {published.layout.short()}" + (f"; {why}" if why else "")
     return position, ok, gap, why
