@@ -10,6 +10,7 @@ is predicted faster, each with its step time, its breakdown columns and its peak
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,9 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallel3d.planning.planner import Candidate, plan  # noqa: E402
 from parallel3d.planning.published import load_published_runs  # noqa: E402
-from parallel3d.planning.validation import (_rank_request, interleaved_min_pp, priced_candidate,  # noqa: E402
-                                            rank_fixed_degrees, run_cluster, run_config, run_layout,
-                                            run_options, uneven_splits_allowed)
+from parallel3d.planning.published_schema import PublishedRun  # noqa: E402
+from parallel3d.planning.source_frameworks import (interleaved_min_pp, rank_fixed_degrees,  # noqa: E402
+                                                   run_options, uneven_splits_allowed)
+from parallel3d.planning.validation import (_rank_request, priced_candidate, run_cluster, run_config,  # noqa: E402
+                                            run_layout)
 
 GIB = 2**30
 
@@ -30,8 +33,8 @@ def _row(tag: str, cand: Candidate, columns: list[str]) -> str:
             + " ".join(f"{parts[k]:8.3f}" for k in columns) + f" {cand.peak_bytes / GIB:6.1f}")
 
 
-def breakdown(run_id: str) -> str:
-    run = next(r for r in load_published_runs() if r.id == run_id)
+def breakdown(run: PublishedRun) -> str:
+    run_id = run.id
     config, layout, cluster, options = run_config(run), run_layout(run), run_cluster(run), run_options(run)
     published = priced_candidate(run, options, cluster)
     request = _rank_request(layout, config.num_layers, rank_fixed_degrees(run), uneven_splits_allowed(run, config),
@@ -47,11 +50,15 @@ def breakdown(run_id: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
-    for run_id in argv:
-        print(breakdown(run_id), flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_ids", nargs="+", metavar="RUN_ID", help="ids from parallel3d/planning/published_runs.yaml")
+    args = parser.parse_args(argv)
+    runs = {r.id: r for r in load_published_runs()}
+    unknown = [i for i in args.run_ids if i not in runs]
+    if unknown:
+        parser.error(f"unknown run id(s) {', '.join(unknown)}; `python -m parallel3d.planning.published` lists them")
+    for run_id in args.run_ids:
+        print(breakdown(runs[run_id]), flush=True)
     return 0
 
 

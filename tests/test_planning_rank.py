@@ -20,17 +20,15 @@ import pytest
 
 from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate
 from parallel3d.planning.published import load_published_runs
+from parallel3d.planning.source_frameworks import interleaved_min_pp, run_options, uneven_splits_allowed
 from parallel3d.planning.validation import (
     _rank_request,
     completed_layout,
-    interleaved_min_pp,
     priced_candidate,
     rank_run,
     run_cluster,
     run_config,
     run_layout,
-    run_options,
-    uneven_splits_allowed,
     validate_run,
 )
 
@@ -62,7 +60,7 @@ CI_MAX_GPUS = 128
 # simulated in the order of a lower bound, pipeline_price.pipeline_lower_bound, until no bound can enter the
 # top; before, a closed-form pre-ranking with one-chunk DP overlap picked which 16 to simulate and dropped
 # layouts the full price puts first, e.g. 39.1B's tp2 pp8 v6). Megatron-LM 2021-22 sources interleave only at
-# pp > 2 (validation.interleaved_min_pp: arguments.py, 182841f7d). Re-measured with `--rank`: 29 of 36 pass;
+# pp > 2 (source_frameworks.interleaved_min_pp: arguments.py, 182841f7d). Re-measured with `--rank`: 29 of 36 pass;
 # narayanan21_gpt_3.6b passes (rank 5, +4.8%: pp 2 interleaving gone from its search), nemotron4_340b_dp32
 # is a new miss (it passed only because the old pre-ranking never simulated its faster layouts).
 # Also tried, not adopted (README "Rank misses, diagnosed"): Megatron-LM 2021's blocking P2P (sender busy

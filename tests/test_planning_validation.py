@@ -17,9 +17,9 @@ from parallel3d.option_checks import ConfigError
 from parallel3d.planning.planner import PlanRequest, evaluate, finest_virtual_stages, virtual_stage_counts
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.source_frameworks import run_options, source_flops_per_token
 from parallel3d.planning.validation import (MFU_TOLERANCE, _rank_request, format_rows, run_cluster, run_config,
-                                            run_layout, run_options, source_flops_per_token, summary, validate,
-                                            validate_run)
+                                            run_layout, summary, validate, validate_run)
 from parallel3d.topology import LayoutError
 
 # Held-out rows outside the 10% bar with today's model (measured by

@@ -31,8 +31,8 @@ from parallel3d.planning.cost import CostOptions, estimate_step
 from parallel3d.planning.devices import DEVICES, DeviceSpec
 from parallel3d.planning.planner import stage_layer_counts
 from parallel3d.planning.published import load_published_runs
-from parallel3d.planning.validation import (Unpriceable, priced_candidate, run_cluster, run_config, run_options,
-                                            source_flops_per_token, source_peak_flops)
+from parallel3d.planning.source_frameworks import run_options, source_flops_per_token, source_peak_flops
+from parallel3d.planning.validation import Unpriceable, priced_candidate, run_cluster, run_config
 
 # Devices sharing one compute curve (same SMs and tensor cores), keyed by the calibration device.
 FAMILIES: dict[str, tuple[str, ...]] = {
