@@ -14,7 +14,7 @@ output gradient out of the core's cache; 1F1B's weight GEMMs read an output grad
     .venv/bin/python scripts/profile_w_lag.py --last    # the last stage (final norm, head, loss)
 
 Prints per lag the median over rounds of (B+W)/full (each round: the median of 2 steps per mode)
-and its quartiles. Gradients are the engine's (the split's are bitwise the full backward's: tests).
+and its quartiles, and the step's ``B``s and ``W``s apart (medians over steps: which one the lag slows). Gradients are the engine's (the split's are bitwise the full backward's: tests).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ import torch  # noqa: E402
 from profile_split_backward import _setup  # noqa: E402
 
 
-def _step(chunk, xs: list[torch.Tensor], grad, deferral, undeferred, lag: int | None) -> float:
-    """One step over ``xs``; the summed backward CPU seconds. ``lag`` None: 1F1B's full backward."""
+def _step(chunk, xs: list[torch.Tensor], grad, deferral, undeferred, lag: int | None) -> tuple[float, float]:
+    """One step over ``xs``; the CPU seconds summed over its ``B``s (1F1B: its full backwards) and its ``W``s.
+    ``lag`` None: 1F1B's full backward."""
     from parallel3d.pipeline.backward_split import split_backward
 
     clock = time.thread_time
     chunk.zero_grad(set_to_none=True)
-    spent, pending = 0.0, []
+    spent, in_w, pending = 0.0, 0.0, []
     for x in xs:
         inp = x.detach().clone().requires_grad_(True)
         out = chunk(inp)
@@ -56,12 +57,12 @@ def _step(chunk, xs: list[torch.Tensor], grad, deferral, undeferred, lag: int | 
         if len(pending) > lag:
             t0 = clock()
             pending.pop(0).run()
-            spent += clock() - t0
+            in_w += clock() - t0
     while pending:  # the cool-down's W
         t0 = clock()
         pending.pop(0).run()
-        spent += clock() - t0
-    return spent
+        in_w += clock() - t0
+    return spent, in_w
 
 
 def main() -> None:
@@ -86,21 +87,27 @@ def main() -> None:
     xs = [x + 0.01 * torch.randn(x.shape, generator=gen) for _ in range(args.microbatches)]
     modes: list[int | None] = [None, *args.lags]
     ratios: dict[int, list[float]] = {lag: [] for lag in args.lags}
+    parts: dict[int | None, list[tuple[float, float]]] = {m: [] for m in modes}  # per step: B (or full), W
     with pstate.weight_grads.reusing_graphs():  # as the engine's step (W's routes and graphs reused)
         for r in range(args.warmup + args.rounds):
             got: dict[int | None, list[float]] = {m: [] for m in modes}
             for k in range(2 * len(modes)):
                 mode = modes[(k + r) % len(modes)]
-                got[mode].append(_step(chunk, xs, grad, pstate.weight_grads, undeferred, mode))
+                b, w = _step(chunk, xs, grad, pstate.weight_grads, undeferred, mode)
+                got[mode].append(b + w)
+                if r >= args.warmup:
+                    parts[mode].append((b, w))
             if r >= args.warmup:
                 full = statistics.median(got[None])
                 for lag in args.lags:
                     ratios[lag].append(statistics.median(got[lag]) / full)
     print(f"hidden {args.hidden}, layers {args.layer_range} of {args.layers}{' (last stage)' if args.last else ''}, "
           f"m {args.microbatches}: (B+W)/full backward, thread CPU, {args.rounds} rounds")
+    print(f"  full backward: {1e6 * statistics.median(b for b, _ in parts[None]):.0f} us per step")
     for lag in args.lags:
         q = statistics.quantiles(ratios[lag], n=4)
-        print(f"  lag {lag}: {statistics.median(ratios[lag]):.3f}  [q1 {q[0]:.3f} q3 {q[2]:.3f}]")
+        b, w = (1e6 * statistics.median(x[i] for x in parts[lag]) for i in (0, 1))
+        print(f"  lag {lag}: {statistics.median(ratios[lag]):.3f}  [q1 {q[0]:.3f} q3 {q[2]:.3f}]  B {b:.0f} us, W {w:.0f} us per step")
 
 
 if __name__ == "__main__":
