@@ -34,7 +34,8 @@ grouped-GEMM experts):
   non-contiguous one, one listed twice) or with ``direct=False``: one small
   backward whose single node returns every gradient to its parameter's ``AccumulateGrad``
   (inside ``deferral.reusing_graphs()``, which the engine opens around a step, that graph is
-  built once per list of parameters, i.e. per chunk, and rerun; ``_Anchors``).
+  built once per list of parameters, i.e. per chunk, and rerun; ``_Anchors``). Which of the two
+  a list takes is likewise worked out once per step (``_Route``).
 
 Unmarked parameters (norms, embeddings, a row-parallel bias added after its
 reduction) get their gradients in ``B``, as cheap non-GEMM work. A closure may
@@ -53,6 +54,7 @@ collectives in the same order).
 
 from __future__ import annotations
 
+import enum
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -93,13 +95,35 @@ class DeferredWeightGrads:
         """Compute every queued gradient and accumulate each into its parameter as autograd would
         (hooks fire now): directly where ``leaf_grads`` takes every parameter, else through autograd."""
         queue, self._queue, self.held = self._queue, [], []
-        params = [p for ps, _ in reversed(queue) for p in ps]  # last in, first out: see the module doc
-        if not any(p is not None and p.requires_grad for p in params):
+        anchors = self._anchors
+        key = _key(queue)
+        route = anchors.route(key, queue)
+        if route is _Route.NONE:
             return
-        if self.direct and all_accepted(params):
+        if self.direct and route is _Route.ACCEPTED:
             _run_direct(queue)
         else:
-            self._anchors.run(queue, params)
+            anchors.run(queue, key)
+
+
+def _params(queue: list[tuple[Params, GradCompute]]) -> list["torch.Tensor | None"]:
+    """The queue's parameters in W's order (last in, first out: see the module doc)."""
+    return [p for ps, _ in reversed(queue) for p in ps]
+
+
+def _key(queue: list[tuple[Params, GradCompute]]) -> tuple[int, ...]:
+    """``_params``' identities and whether each requires grad (0: no parameter; negative: no grad
+    needed): what ``_Anchors`` keys a W's graph and its route on."""
+    return tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for ps, _ in reversed(queue) for p in ps])
+
+
+class _Route(enum.Enum):
+    """How W hands a queue's gradients over: nothing needs one; ``leaf_grads`` takes every parameter
+    (``all_accepted``: W may go direct); or only autograd can (W's one-node graph)."""
+
+    NONE = 0
+    ACCEPTED = 1
+    AUTOGRAD = 2
 
 
 def _take(params: Params, compute: GradCompute) -> list["torch.Tensor | None"]:
@@ -154,34 +178,52 @@ class _RunQueue(torch.autograd.Function):
 
 
 class _Anchors:
-    """``_RunQueue`` graphs kept (``retain_graph``) and rerun, one per parameter list, the most recent ``size``,
-    while ``keep`` is set (``WeightGradDeferral.reusing_graphs``: one pipeline step).
+    """What W works out per parameter list and reuses while ``keep`` is set
+    (``WeightGradDeferral.reusing_graphs``: one pipeline step): its ``_Route``, and its ``_RunQueue``
+    graph (kept with ``retain_graph`` and rerun; the most recent ``size`` of them).
 
-    Why: building the one-node graph (a Python ``Function.apply`` over every parameter) was a
-    fixed cost of each ``W`` as large as a small layer's GEMM; within a step a chunk queues the
-    same parameters in the same order every microbatch, so its graph is built once per step. The
-    key is the parameters' identities and whether each requires grad (the edges the graph was
-    built with); a kept graph holds its parameters, so an identity cannot be reused while cached.
-    Forgotten at the step's end: a parameter's ``.data`` set to another dtype or device between
-    steps gets a new ``AccumulateGrad`` node, which a graph kept from before would not reach.
+    Why: both were a fixed cost of each ``W``. Building the one-node graph (a Python
+    ``Function.apply`` over every parameter) cost as much as a small layer's GEMM; the route
+    (``leaf_grads.all_accepted`` over every parameter: five attribute reads each) 10-20 us of thread
+    CPU time per ``W`` at hidden 128 (2026-12-06, ``scripts/profile_split_backward.py``). Within a step
+    a chunk queues the same parameters in the same order every microbatch, so each is worked out once
+    per step. The key (``_key``) is the parameters' identities and whether each requires grad (the
+    edges a graph was built with); a kept graph or route holds its parameters, so an identity cannot
+    be reused while cached. Forgotten at the step's end: a
+    parameter's ``.data`` set to another dtype, device or layout between steps gets a new
+    ``AccumulateGrad`` node, which a graph kept from before would not reach, and may change its route.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.keep = False
         self._kept: dict[tuple[int, ...], tuple[torch.Tensor, list]] = {}
+        self._routes: dict[tuple[int, ...], tuple[_Route, list]] = {}
 
     def forget(self) -> None:
         self._kept.clear()
+        self._routes.clear()
 
-    def run(self, queue: list[tuple[Params, GradCompute]], params: list["torch.Tensor | None"]) -> None:
+    def route(self, key: tuple[int, ...], queue: list[tuple[Params, GradCompute]]) -> _Route:
+        """``key``'s route (``key`` is ``_key(queue)``), worked out once per step while ``keep``."""
+        known = self._routes.get(key) if self.keep else None
+        if known is not None:
+            return known[0]
+        params = _params(queue)
+        route = (_Route.NONE if not any(k > 0 for k in key)
+                 else _Route.ACCEPTED if all_accepted(params) else _Route.AUTOGRAD)
+        if self.keep:
+            self._routes[key] = (route, params)  # holding the parameters keeps their identities unique
+        return route
+
+    def run(self, queue: list[tuple[Params, GradCompute]], key: tuple[int, ...]) -> None:
+        """W through autograd: the queue's graph (``key`` is ``_key(queue)``), kept per step or built now."""
         keep = self.keep and self.size > 0
-        key = tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params]) if keep else ()
         kept = self._kept.pop(key, None) if keep else None
         if kept is None:
             slot: list = [None]
             with torch.enable_grad():
-                kept = (_RunQueue.apply(slot, *params), slot)
+                kept = (_RunQueue.apply(slot, *_params(queue)), slot)
         root, slot = kept
         if keep:
             self._kept[key] = kept  # most recently used last

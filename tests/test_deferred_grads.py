@@ -246,6 +246,7 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
             assert fired[id(q)] == 3, name
     assert ops.ops["aten.zeros"] == (0 if direct else 2)  # one W graph per chunk, rerun for the later microbatches
     assert not pstate.weight_grads._anchors._kept  # forgotten at the step's end
+    assert not pstate.weight_grads._anchors._routes
     small = WeightGradDeferral(kept_graphs=1, direct=False)
     ps = [set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True) for _ in range(3)]
     x = torch.randn(2, 4, requires_grad=True)
@@ -256,6 +257,38 @@ def test_w_graphs_kept_per_chunk_accumulate_like_plain_backwards_over_microbatch
             work.run()
         assert len(small._anchors._kept) == 1
     assert not small._anchors._kept
+
+
+def test_w_route_worked_out_once_per_step_and_again_after_a_parameter_changes():
+    """Within ``reusing_graphs`` (one step) W works out once per parameter list whether ``leaf_grads``
+    takes every parameter (its route) and reuses it; forgotten at the step's end, so a parameter whose
+    ``.data`` became non-contiguous between steps sends the next step's W through autograd (its graph
+    anchor runs). Gradients bitwise a plain backward's throughout."""
+    gen = torch.Generator().manual_seed(11)
+    w = set_meta(torch.nn.Parameter(torch.randn(3, 4, generator=gen)), wgrad_deferrable=True)
+    xs = [torch.randn(2, 4, generator=gen) for _ in range(2)]
+    deferral = WeightGradDeferral()
+
+    def plain_grad() -> torch.Tensor:
+        ref = torch.nn.Parameter(w.detach().clone())
+        for x in xs:
+            deferrable_linear(x, ref, None, None).tanh().sum().backward()
+        return ref.grad
+
+    for step in range(2):
+        if step:  # same values and shape, now a transposed view: leaf_grads no longer stands in for it
+            w.data = w.detach().t().contiguous().t()
+            assert not w.is_contiguous()
+        want, w.grad = plain_grad(), None
+        with _OpCount() as ops, deferral.reusing_graphs():
+            for x in xs:
+                with deferral.collecting() as work:
+                    deferrable_linear(x, w, None, deferral).tanh().sum().backward()
+                work.run()
+            assert len(deferral._anchors._routes) == 1  # one parameter list, one route, reused
+        assert not deferral._anchors._routes  # forgotten at the step's end
+        assert ops.ops["aten.zeros"] == step  # step 1: W's one-node graph (built once, rerun)
+        assert torch.equal(w.grad, want), step
 
 
 def test_w_frees_each_layers_tensors_before_the_next_layers_gemms():
