@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench_pipeline_group import run_group  # noqa: E402
-from bench_pipeline_bubble import reference, simulated_bubbles  # noqa: E402
+from bench_pipeline_bubble import rel_diffs, simulated_bubbles  # noqa: E402
 from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit_bubbles,  # noqa: E402
                                    _forward_ratios, _split_backward_ratio, _split_backward_ratios, _stats)
 from peer_env import deepspeed_python, run_peer  # noqa: E402
@@ -142,21 +142,20 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             bub = {k: statistics.median(vals) if (vals := [x[k] for x in rounds if x[k] is not None]) else None
                    for k in rounds[0]}
             # the measured bubble's yardstick: sim, or sim_shared where our ranks outnumber the cores
-            meas, sim, ref = bub["measured"], bub["sim"], bub[reference(p, cores)]
+            meas, sim, judged = bub["measured"], bub["sim"], rel_diffs(bub, p, cores)
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
-                       bubble_simulated_shared=bub["sim_shared"], bubble_reference=reference(p, cores),
+                       bubble_simulated_shared=bub["sim_shared"], bubble_reference=judged["reference"],
                        core_share_simulated=bub["sim_core_share"],
                        bubble_simulated_isolated_latency=bub["sim_isolated"],
                        p2p_message_in_run_s=bub["msg_in_run_s"], p2p_messages_in_run=bub["msg_in_run_n"],
                        bubble_delivery_share=bub["delivery_share"],
                        # what is left of the gap once the waits for messages already sent are taken out
                        bubble_measured_less_delivery=bub["measured_less_delivery"],
-                       bubble_rel_diff_less_delivery=None if bub["measured_less_delivery"] is None
-                       else abs(bub["measured_less_delivery"] - ref) / max(ref, 1e-12),
+                       bubble_rel_diff_less_delivery=judged["rel_diff_less_delivery"],
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
-                       bubble_rel_diff=None if meas is None else abs(meas - ref) / max(ref, 1e-12), p2p_message_s=msg_s,
+                       bubble_rel_diff=judged["rel_diff"], p2p_message_s=msg_s,
                        p2p_exchange_s=statistics.mean(x[3] for x in stats),
                        p2p_post_s=statistics.mean(x[4] for x in stats),
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, *_ in stats),

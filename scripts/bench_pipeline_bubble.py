@@ -140,6 +140,18 @@ def reference(p: int, cores: int) -> str:
     return "sim_shared" if p > cores else "sim"
 
 
+def rel_diffs(bub: dict, p: int, cores: int) -> dict:
+    """The measured bubble's (and that less its delivery waits') relative difference to ``reference``'s
+    simulated one, in ``bub`` (``simulated_bubbles``' keys); None where the measured one is withheld."""
+    ref = bub[reference(p, cores)]
+
+    def rel(x: float | None) -> float | None:
+        return None if x is None else abs(x - ref) / max(ref, 1e-12)
+
+    return {"reference": reference(p, cores), "rel_diff": rel(bub["measured"]),
+            "rel_diff_less_delivery": rel(bub["measured_less_delivery"])}
+
+
 def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
                       cores: int) -> dict[str, float | None]:
     """For our system ``name`` in one round: the measured bubble (window definition; None where
