@@ -147,6 +147,9 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
                        bubble_simulated_shared=bub["sim_shared"], bubble_reference=judged["reference"],
                        core_share_simulated=bub["sim_core_share"],
+                       # the process CPU per step (all ranks) no simulator is fed: gloo's threads, the closing
+                       # collectives, the interpreter outside the executor thread
+                       cpu_unmodelled_share=1.0 - bub["sim_work_s"] / statistics.median(cpu[name]),
                        bubble_simulated_isolated_latency=bub["sim_isolated"],
                        p2p_message_in_run_s=bub["msg_in_run_s"], p2p_messages_in_run=bub["msg_in_run_n"],
                        bubble_delivery_share=bub["delivery_share"],

@@ -203,6 +203,7 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         "sim_shared": shared.bubble_fraction,
         # the simulated computations' work over their runnable spans, least over stages
         "sim_core_share": min(w / b if b > 0 else 1.0 for w, b in zip(own_core.busy, shared.busy)),
+        "sim_work_s": sum(own_core.busy),  # the CPU seconds per step the simulators know of, all stages
         "measured_time_shared": measured,
         "measured_whole_step": statistics.median(whole_step_bubble(s) for s in steps),
         "sim": simulate(schedule, fwd, bwd, p2p_time=msg_run, wgrad_time=wgt).bubble_fraction,

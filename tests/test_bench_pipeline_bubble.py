@@ -104,6 +104,11 @@ def test_time_shared_measured_bubble_equals_sim_shared_on_a_shared_execution(nam
     assert got["sim_shared"] == pytest.approx(truth, rel=1e-9)
     assert abs(got["sim_cpu"] - truth) > 0.1 * truth
     assert got["sim_core_share"] == pytest.approx(got["core_share"], rel=0.05)  # both count work over wall
+    schedule = build_schedule(name, p, m, v)
+    split = any(a.kind == "W" for st in range(p) for a in schedule[st])
+    work = {"F": F, "B": B if split else B + W, "W": W}
+    assert got["sim_work_s"] == pytest.approx(sum(work[a.kind] + OVERHEAD for st in range(p)
+                                                  for a in schedule[st] if a.is_compute), rel=1e-12)
     judged = rel_diffs(got, p, cores)  # what the table prints: judged against sim C, not sim
     assert judged["reference"] == "sim_shared" and judged["rel_diff"] == pytest.approx(0.0, abs=1e-9)
     assert abs(got["sim"] - truth) > 1e-3  # (sim, a core per rank on wall-time costs, would not do)
