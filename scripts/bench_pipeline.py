@@ -146,6 +146,7 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
                        bubble_simulated_shared=bub["sim_shared"], bubble_reference=judged["reference"],
+                       bubble_other_load=judged["other_load"],
                        core_share_simulated=bub["sim_core_share"],
                        # the process CPU per step (all ranks) no simulator is fed: gloo's threads, the closing
                        # collectives, the interpreter outside the executor thread

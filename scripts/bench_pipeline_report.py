@@ -91,7 +91,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
         else:
             meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'other load':>11}"
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
-            vs = "sim" if r["bubble_reference"] == "sim" else f"C={r['cores']}"
+            vs = ("sim" if r["bubble_reference"] == "sim" else f"C={r['cores']}") + ("!" if r["bubble_other_load"] else "")
             bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_isolated_latency']:>7.3f} "
                    f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_simulated_shared']:>6.3f} {diff} {vs:>5} "
                    f"{_share(r.get('bubble_delivery_share'))} {_pct(r.get('bubble_rel_diff_less_delivery'))} "
@@ -114,7 +114,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "sim0: zero message latency; sim C: the not-runnable share on C = this machine's cores (vs) shared by the "
           "ranks (simulate_shared: each runnable rank at min(1, C / runnable)), fed the thread CPU times of the "
           "computations and the executor and the in-run latency; rel diff: |bubble meas - sim| / sim, or to sim C where "
-          "ranks outnumber cores (vs: which); deliv: the part of bubble meas spent blocked on messages already sent when the "
+          "ranks outnumber cores (vs: which; '!': other load, core < 0.9 x core C: the ranks got less of the cores than sim C "
+          "gives them, so the rel diff tests the machine's other users, not the model); deliv: the part of bubble meas spent blocked on messages already sent when the "
           "wait began (gloo's threads delivering them; in sim they arrived long before); -deliv: rel diff of bubble meas "
           "less deliv to the same; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "

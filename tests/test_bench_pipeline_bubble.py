@@ -111,6 +111,13 @@ def test_time_shared_measured_bubble_equals_sim_shared_on_a_shared_execution(nam
                                                   for a in schedule[st] if a.is_compute), rel=1e-12)
     judged = rel_diffs(got, p, cores)  # what the table prints: judged against sim C, not sim
     assert judged["reference"] == "sim_shared" and judged["rel_diff"] == pytest.approx(0.0, abs=1e-9)
+    assert not judged["other_load"]  # the computations got the share of a core the model gives them
+    # Computations that took twice the wall time for their work: others took the cores. Still reported
+    # (the ranks outnumber the cores), flagged.
+    for _, ours, _ in stats:
+        ours[name]["compute"] = {k: 2 * t for k, t in ours[name]["compute"].items()}
+    loaded = simulated_bubbles(stats, name, p, m, msg_s=msg, cores=cores)
+    assert loaded["measured"] == pytest.approx(truth, rel=1e-9) and rel_diffs(loaded, p, cores)["other_load"]
     assert abs(got["sim"] - truth) > 1e-3  # (sim, a core per rank on wall-time costs, would not do)
 
 
