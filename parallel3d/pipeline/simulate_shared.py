@@ -60,11 +60,10 @@ def simulate_shared(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_
     run = ScheduleReplay(schedule, fwd_time, bwd_time, p2p_time, wgrad_time, action_time)
     p = run.p
     busy = [0.0] * p
-    ends = [0.0] * p
+    ends = [0.0] * p  # when each stage's last completed action ended: when it reached its current one
     timed: list[TimedAction] = []
     running: dict[int, _Running] = {}
     arriving: dict[int, tuple[float, Action, float]] = {}  # stage -> (arrival, its receive, wait began)
-    # ends[s]: when stage s's last completed action ended, i.e. when it reached its current one
     ready = deque(range(p))
     now = 0.0
     while True:
