@@ -91,7 +91,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
         else:
             meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'other load':>11}"
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
-            vs = ("sim" if r["bubble_reference"] == "sim" else f"C={r['cores']}") + ("!" if r["bubble_other_load"] else "")
+            vs = ("sim" if r["bubble_reference"] == "sim" else f"C={r['cores']}") + (
+                "!" if r["bubble_other_load"] else "")
             bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_isolated_latency']:>7.3f} "
                    f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_simulated_shared']:>6.3f} {diff} {vs:>5} "
                    f"{_share(r.get('bubble_delivery_share'))} {_pct(r.get('bubble_rel_diff_less_delivery'))} "
