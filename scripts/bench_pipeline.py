@@ -23,8 +23,10 @@ executor time per computation in the feed; ``sim``: plus the message latency mea
 from a send's post to its blocked receiver waking, the post's own cost left to the executor time
 (``bench_pipeline_bubble.in_run_latencies``, the mean over the round; a message timed alone,
 ``bench_pipeline_group.one_way_latency``, is printed and fed to ``sim_isolated``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
-rank; where ranks outnumber cores, or the computations' CPU / wall time shows they waited for a
-core, the measured bubble is not reported), and the issue's schedule
+rank; ``sim C``: CPU-time costs on this machine's C cores shared by the ranks, what the measured
+bubble (the share of the window a rank is not runnable) is held against where ranks outnumber
+cores; where they do not but the computations' CPU / wall time shows they waited for a core
+(other load), the measured bubble is not reported), and the issue's schedule
 target: the simulated bubble of 1f1b vs zb_h1 at F = B = W. Then (``--small-mb-case``, on by
 default) the overhead-bound case of issue 27: m = 16 microbatches of one sample each, our 1f1b
 against torch.pipelining's Schedule1F1B only, same shapes, same alternation, its own table
@@ -60,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench_pipeline_group import run_group  # noqa: E402
-from bench_pipeline_bubble import simulated_bubbles  # noqa: E402
+from bench_pipeline_bubble import rel_diffs, simulated_bubbles  # noqa: E402
 from bench_pipeline_report import (_print_main, _print_small_mb, _simulated_unit_bubbles,  # noqa: E402
                                    _forward_ratios, _split_backward_ratio, _split_backward_ratios, _stats)
 from peer_env import deepspeed_python, run_peer  # noqa: E402
@@ -134,24 +136,30 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
             msg_s = statistics.mean(x[2] for x in stats)
             cores = len(os.sched_getaffinity(0))
             rounds = [simulated_bubbles(rs, name, p, args.microbatches, statistics.mean(x[2] for x in rs),
-                                        oversubscribed=p > cores) for rs in per_round_stats]
+                                        cores=cores) for rs in per_round_stats]
             # A round on a busy machine may report no measured bubble (core share too low): the
             # median of the rounds that do (None if none does), not of round 0's choice.
             bub = {k: statistics.median(vals) if (vals := [x[k] for x in rounds if x[k] is not None]) else None
                    for k in rounds[0]}
-            meas, sim = bub["measured"], bub["sim"]
+            # the measured bubble's yardstick: sim, or sim_shared where our ranks outnumber the cores
+            meas, sim, judged = bub["measured"], bub["sim"], rel_diffs(bub, p, cores)
             row.update(bubble_measured=meas, bubble_simulated=sim, bubble_simulated_zero_latency=bub["sim0"],
                        bubble_simulated_cpu=bub["sim_cpu"], bubble_measured_time_shared=bub["measured_time_shared"],
+                       bubble_simulated_shared=bub["sim_shared"], bubble_reference=judged["reference"],
+                       bubble_other_load=judged["other_load"],
+                       core_share_simulated=bub["sim_core_share"],
+                       # the process CPU per step (all ranks) no simulator is fed: gloo's threads, the closing
+                       # collectives, the interpreter outside the executor thread
+                       cpu_unmodelled_share=1.0 - bub["sim_work_s"] / statistics.median(cpu[name]),
                        bubble_simulated_isolated_latency=bub["sim_isolated"],
                        p2p_message_in_run_s=bub["msg_in_run_s"], p2p_messages_in_run=bub["msg_in_run_n"],
                        bubble_delivery_share=bub["delivery_share"],
                        # what is left of the gap once the waits for messages already sent are taken out
                        bubble_measured_less_delivery=bub["measured_less_delivery"],
-                       bubble_rel_diff_less_delivery=None if bub["measured_less_delivery"] is None
-                       else abs(bub["measured_less_delivery"] - sim) / max(sim, 1e-12),
+                       bubble_rel_diff_less_delivery=judged["rel_diff_less_delivery"],
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
-                       bubble_rel_diff=None if meas is None else abs(meas - sim) / max(sim, 1e-12), p2p_message_s=msg_s,
+                       bubble_rel_diff=judged["rel_diff"], p2p_message_s=msg_s,
                        p2p_exchange_s=statistics.mean(x[3] for x in stats),
                        p2p_post_s=statistics.mean(x[4] for x in stats),
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, *_ in stats),

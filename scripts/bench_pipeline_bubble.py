@@ -28,14 +28,26 @@ step: where replay and measured agree but the mean-fed ``sim`` does not, the gap
 variation of the costs (a schedule with little slack passes it on as waiting), not a
 difference of definitions.
 
-Time-sharing: with more ranks than cores (pp 4 on 2 cores, or other users' load) a rank blocked
-in a wait is not idle hardware (another rank computes on that core) and a computation's wall
-span includes waiting for a core, so the wall-clock bubble is no measure of the schedule. The
-ranks' own clocks tell: ``core_share``, the computations' thread CPU time over their wall time
-(the least over stages), is about 1 on a core of one's own. Where ranks outnumber cores or
-``core_share < CORE_SHARE_MIN`` the measured bubble is not reported (None; the time-shared value
-stays in the JSON, labelled), and ``sim_cpu`` feeds the simulator the computations' and the
-executor's thread CPU times: the bubble the schedule would have with a core per rank.
+Time-sharing: with more ranks than cores (pp 4 on 2 cores) a rank blocked in a wait is not idle
+hardware (another rank computes on that core) and a computation's wall span includes waiting for
+a core. The bubble is then defined, for both sides alike, as each rank's wall time *not runnable*:
+blocked in a p2p wait inside the schedule or finished (after its own last computation), as a
+share of the window, averaged over ranks; time a rank is ready but waits for a core counts as
+work (runnable). The measured one is ``window_bubble`` unchanged (a rank's waits are its blocked
+receives; its computations' and executor's spans include waiting for a core). The simulated one
+is ``sim_shared``: ``simulate_shared`` with the ranks sharing ``cores`` cores (processor sharing),
+fed the computations' and the executor's thread CPU times (the work, which waiting for a core
+does not inflate) and the in-run message latency; ``reference`` names it as what the measured
+bubble is judged against. Not modelled: gloo's own threads (one per process, delivering
+messages) take core time from the ranks, and a woken receiver waits for a core before its wait
+returns (measured as waiting, runnable in the model). Other users' load is told to no simulator: it
+shows as ``core_share`` (the computations' thread CPU over their wall time, least over stages)
+below ``CORE_SHARE_MIN`` times ``sim_core_share`` (the simulated one: work over runnable time,
+least over stages; 1 with a core per rank) (``other_load``). Where ranks do not outnumber cores
+the measured bubble is then not reported (None; the value stays in the JSON as
+``measured_time_shared``); where they do, it is reported and ``rel_diffs`` flags the comparison
+(``other_load``): not a test of the model. ``sim_cpu``: the CPU-time feed, a core per rank, free
+messages.
 """
 
 from __future__ import annotations
@@ -47,7 +59,13 @@ from typing import Callable
 # schedule_wait_time, number of computations, busy seconds, step seconds).
 StepTimes = tuple[float, float, float, int, float, float]
 
-CORE_SHARE_MIN = 0.9  # below: the ranks' computations waited for a core (module doc)
+CORE_SHARE_MIN = 0.9  # below (times the model's own share): the computations waited for others' work (module doc)
+
+
+def other_load(core_share: float, sim_core_share: float) -> bool:
+    """Whether the ranks' computations got clearly less of a core (``core_share``) than the simulator
+    on this machine's cores gives them (``sim_core_share``; 1 with a core per rank): others took it."""
+    return core_share < CORE_SHARE_MIN * sim_core_share
 
 
 def in_run_latencies(traces: dict[int, list[tuple]]) -> tuple[list[float], float, dict[int, float]]:
@@ -124,15 +142,36 @@ def fed_costs(compute: dict[tuple[int, str, int], float], overhead: dict[int, fl
     return fwd, bwd, wgt
 
 
+def reference(p: int, cores: int) -> str:
+    """Which simulated bubble the measured one is judged against (module doc): ``sim_shared`` where
+    the ``p`` ranks outnumber the ``cores`` and take turns on them, else ``sim``."""
+    return "sim_shared" if p > cores else "sim"
+
+
+def rel_diffs(bub: dict, p: int, cores: int) -> dict:
+    """The measured bubble's (and that less its delivery waits') relative difference to ``reference``'s
+    simulated one, in ``bub`` (``simulated_bubbles``' keys); None where the measured one is withheld."""
+    ref = bub[reference(p, cores)]
+
+    def rel(x: float | None) -> float | None:
+        return None if x is None else abs(x - ref) / max(ref, 1e-12)
+
+    return {"reference": reference(p, cores), "rel_diff": rel(bub["measured"]),
+            "rel_diff_less_delivery": rel(bub["measured_less_delivery"]),
+            "other_load": other_load(bub["core_share"], bub["sim_core_share"])}
+
+
 def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
-                      oversubscribed: bool) -> dict[str, float | None]:
-    """For our system ``name`` in one round: the measured bubble (window definition; None when
-    time-shared: ``oversubscribed`` (ranks > cores) or ``core_share`` low), the former whole-step
+                      cores: int) -> dict[str, float | None]:
+    """For our system ``name`` in one round: the measured bubble (window definition; None where
+    ranks do not outnumber ``cores`` but ``core_share`` is low: other load), the former whole-step
     one, and ``simulate``'s fed with the measured costs (wall: with the in-run message latency,
-    with ``msg_s`` (a message timed alone) and without; CPU: a core per rank; ``replay``: each
-    computation's own duration, with the in-run message latency). Without traces (``p2p_traces``
-    per step) the in-run latency is ``msg_s``."""
+    with ``msg_s`` (a message timed alone) and without; CPU: a core per rank; ``sim_shared``: CPU,
+    on ``cores`` shared cores, in-run latency; ``replay``: each computation's own duration, with
+    the in-run message latency). Without traces (``p2p_traces`` per step) the in-run latency is
+    ``msg_s``."""
     from parallel3d.pipeline.schedules import build_schedule, simulate
+    from parallel3d.pipeline.simulate_shared import simulate_shared
 
     per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
     schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"],
@@ -163,9 +202,19 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         replays.append(simulate(schedule, 0.0, 0.0, p2p_time=msg_run, action_time=own).bubble_fraction)
     core_share = min(sum(t for (st, _, _), t in cpu.items() if st == stage) /
                      sum(t for (st, _, _), t in wall.items() if st == stage) for stage in per_stage)
+    shared = simulate_shared(schedule, cfwd, cbwd, p2p_time=msg_run, wgrad_time=cwgt, cores=cores)
+    own_core = simulate(schedule, cfwd, cbwd, wgrad_time=cwgt)  # busy: each stage's work, its CPU time
+    sim_core_share = min(w / b if b > 0 else 1.0 for w, b in zip(own_core.busy, shared.busy))
+    # Ranks outnumbering cores are modelled (sim_shared), so reported even under other load (flagged
+    # by ``rel_diffs``); with a core per rank, other users' load is all there is to see: withheld.
+    withheld = reference(p, cores) == "sim" and other_load(core_share, sim_core_share)
     return {
-        "measured": None if oversubscribed or core_share < CORE_SHARE_MIN else measured,
+        "measured": None if withheld else measured,
         "core_share": core_share,
+        "sim_shared": shared.bubble_fraction,
+        # the simulated computations' work over their runnable spans, least over stages
+        "sim_core_share": sim_core_share,
+        "sim_work_s": sum(own_core.busy),  # the CPU seconds per step the simulators know of, all stages
         "measured_time_shared": measured,
         "measured_whole_step": statistics.median(whole_step_bubble(s) for s in steps),
         "sim": simulate(schedule, fwd, bwd, p2p_time=msg_run, wgrad_time=wgt).bubble_fraction,
@@ -173,9 +222,9 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
         "msg_in_run_s": msg_run, "msg_in_run_n": len(in_run),
         "delivery_share": statistics.median(delivered) if delivered else None,
         # per step, the measured bubble less its delivery waits, median (None where not reported)
-        "measured_less_delivery": None if not delivered or oversubscribed or core_share < CORE_SHARE_MIN
+        "measured_less_delivery": None if not delivered or withheld
         else statistics.median(window_bubble(st) - d for st, d in zip(steps, delivered)),
         "sim0": simulate(schedule, fwd, bwd, wgrad_time=wgt).bubble_fraction,
-        "sim_cpu": simulate(schedule, cfwd, cbwd, wgrad_time=cwgt).bubble_fraction,
+        "sim_cpu": own_core.bubble_fraction,
         "replay": statistics.median(replays),
     }

@@ -81,20 +81,24 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
     """The main case's two tables and the unit-cost bubbles."""
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} {'cpu/1f1b':>8} "
-              f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'rel diff':>8} {'deliv':>6} {'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5}")
+              f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'sim C':>6} {'rel diff':>8} {'vs':>5} {'deliv':>6} "
+              f"{'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5} {'core C':>6} {'unmod':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
         if "bubble_measured" not in r:
             bub = ""
         else:
-            meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'time-shared':>11}"
+            meas = f"{r['bubble_measured']:>11.3f}" if r["bubble_measured"] is not None else f"{'other load':>11}"
             diff = f"{r['bubble_rel_diff']:>8.1%}" if r["bubble_rel_diff"] is not None else f"{'-':>8}"
+            vs = ("sim" if r["bubble_reference"] == "sim" else f"C={r['cores']}") + (
+                "!" if r["bubble_other_load"] else "")
             bub = (f"{meas} {r['bubble_simulated']:>6.3f} {r['bubble_simulated_isolated_latency']:>7.3f} "
-                   f"{r['bubble_simulated_zero_latency']:>6.3f} {diff} {_share(r.get('bubble_delivery_share'))} "
-                   f"{_pct(r.get('bubble_rel_diff_less_delivery'))} "
+                   f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_simulated_shared']:>6.3f} {diff} {vs:>5} "
+                   f"{_share(r.get('bubble_delivery_share'))} {_pct(r.get('bubble_rel_diff_less_delivery'))} "
                    f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
-                   f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f}")
+                   f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f} {r['core_share_simulated']:>6.2f} "
+                   f"{r['cpu_unmodelled_share']:>5.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
         cpu = f"{r['paired_cpu_vs_ours_1f1b']:>8.3f}" if "paired_cpu_vs_ours_1f1b" in r else f"{'-':>8}"
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
@@ -102,16 +106,23 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
     print(f"m={args.microbatches}; {args.rounds} rounds x {args.steps} measured steps per system, alternating; "
           "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; paired: median over rounds of "
           "the same ratio within one round; cpu/1f1b: paired ratio of CPU seconds per step (all ranks, process time) to "
-          "our 1f1b's; bubble meas: idle share (p2p waits, and after the rank's last computation) of "
-          "the schedule's window (step start to the last computation on any rank), mean over ranks; time-shared (not "
-          "reported) where ranks outnumber cores or core < 0.9 (idle is then another rank's compute); sim: simulate() fed with our measured per-chunk "
+          "our 1f1b's; bubble meas: the share of the schedule's window (step start to the last computation on any "
+          "rank) a rank is not runnable: blocked in p2p waits, or after its own last computation (waiting for a core "
+          "counts as runnable), mean over ranks; other load (not reported) where ranks do not outnumber cores but "
+          "core < 0.9 (other users took the cores; nothing simulates them); sim: simulate() fed with our measured per-chunk "
           "F/B/W plus the stage's executor time per computation, and the message latency measured in the run (post to its "
           "blocked receiver waking, mean over the round); sim iso: the same with a message timed alone after the steps; "
-          "sim0: zero message latency; deliv: the part of bubble meas spent blocked on messages already sent when the "
+          "sim0: zero message latency; sim C: the not-runnable share on C = this machine's cores (vs) shared by the "
+          "ranks (simulate_shared: each runnable rank at min(1, C / runnable)), fed the thread CPU times of the "
+          "computations and the executor and the in-run latency; rel diff: |bubble meas - sim| / sim, or to sim C where "
+          "ranks outnumber cores (vs: which; '!': other load, core < 0.9 x core C: the ranks got less of the cores than sim C "
+          "gives them, so the rel diff tests the machine's other users, not the model); deliv: the part of bubble meas spent blocked on messages already sent when the "
           "wait began (gloo's threads delivering them; in sim they arrived long before); -deliv: rel diff of bubble meas "
-          "less deliv to sim; "
+          "less deliv to the same; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
-          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; deepspeed's step includes its "
+          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; core C: sim C's work / runnable time, least over stages; unmod: share of the ranks' process CPU per step (median) "
+          "that no simulator is fed (gloo's threads, the closing collectives; what competes with the fed work "
+          "for the C cores unmodelled); deepspeed's step includes its "
           "(SGD) optimizer step")
     for r in rows:  # what sim's messages cost, beside what an exchange loop takes (module doc)
         if r["system"] == "ours 1f1b" and "p2p_exchange_s" in r:

@@ -4,7 +4,8 @@
 computation takes its given time, a send costs the sender nothing and arrives
 ``p2p_time`` later, a receive waits for its message. It raises ``ScheduleError``
 on a deadlock or on a receive that does not match the oldest message pending
-between two stages, which is how ``validate_schedule`` proves a schedule safe.
+between two stages, which is how ``validate_schedule`` proves a schedule safe. Those rules live
+in ``ScheduleReplay`` alone; ``simulate_shared`` drives the same rules on fewer cores than stages.
 
 ``check_coalesced_progress`` replays the batches the engine posts
 (``actions.comm_plan``) under a stricter model, NCCL's: a batch completes as a
@@ -73,6 +74,87 @@ def _message(kind: str, microbatch: int, from_virtual: int) -> tuple[str, int, i
     return ("act" if kind.endswith("ACT") else "grad", microbatch, from_virtual)
 
 
+class ScheduleReplay:
+    """The dependency rules of a schedule, shared by every simulator (``simulate``, ``simulate_shared``).
+
+    Holds each stage's position in its action list, each channel's messages in flight (FIFO per
+    (from, to) pair) and who is blocked on which channel; the driver owns the clock. A computation's
+    duration is ``cost``; a send enqueues its message (``send``); a receive takes the oldest pending
+    message if it matches (``receive``); ``finish`` raises on what is left undone.
+    """
+
+    def __init__(self, schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0,
+                 wgrad_time: CostFn | None = None,
+                 action_time: Callable[[int, Action], float] | None = None) -> None:
+        self.fwd, self.bwd = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time")
+        self.lat = _as_cost(p2p_time, "p2p_time")
+        self.wgt = (lambda st, c: self.bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
+        self.action_time = action_time
+        self.schedule = schedule
+        self.p, _, _ = schedule_shape(schedule)
+        self.place = placement_of(schedule)
+        self.split = {s: splits_backward(acts) for s, acts in schedule.items()}
+        self.pos = [0] * self.p
+        self.channels: dict[tuple[int, int], deque] = {}
+        self.waiting: dict[tuple[int, int], int] = {}  # channel (from, to) -> the stage blocked on it
+
+    def next_action(self, s: int) -> Action | None:
+        """Stage ``s``'s next action (``pos[s]`` moves on only when the driver says it is done)."""
+        return self.schedule[s][self.pos[s]] if self.pos[s] < len(self.schedule[s]) else None
+
+    def cost(self, s: int, a: Action) -> float:
+        """A computation's duration: a split stage's ``B`` is the whole backward less its ``W``."""
+        if self.action_time is not None:
+            return self.action_time(s, a)
+        if a.kind == "F":
+            return self.fwd(s, a.chunk)
+        if a.kind == "W":
+            return self.wgt(s, a.chunk)
+        return self.bwd(s, a.chunk) - (self.wgt(s, a.chunk) if self.split[s] else 0.0)
+
+    def send(self, s: int, a: Action, now: float) -> int | None:
+        """Post ``a``'s message at ``now`` (it arrives one latency later); the stage it wakes, if any."""
+        vs = self.place.model_chunk(s, a.chunk)
+        peer = self.place.stage_of(vs + 1 if a.kind == "SEND_ACT" else vs - 1)
+        message = (_message(a.kind, a.microbatch, vs), now + self.lat(s, a.chunk))
+        self.channels.setdefault((s, peer), deque()).append(message)
+        return self.waiting.pop((s, peer), None)
+
+    def receive(self, s: int, a: Action) -> float | None:
+        """Take ``a``'s message: its arrival time, or None (``s`` now blocks on the channel) if unsent."""
+        src_vs = self.place.model_chunk(s, a.chunk) + (-1 if a.kind == "RECV_ACT" else 1)
+        peer = self.place.stage_of(src_vs)
+        queue = self.channels.get((peer, s))
+        if not queue:
+            self.waiting[(peer, s)] = s
+            return None
+        message, arrival = queue[0]
+        expected = _message(a.kind, a.microbatch, src_vs)
+        if message != expected:
+            raise ScheduleError(
+                f"stage {s} posts {a} expecting {expected} from stage {peer}, "
+                f"but the oldest pending message on that channel is {message}"
+            )
+        queue.popleft()
+        return arrival
+
+    def finish(self) -> None:
+        """Raise ``ScheduleError`` on a stage stuck before its end or a message never received."""
+        stuck = {s: str(self.schedule[s][self.pos[s]]) for s in range(self.p) if self.pos[s] < len(self.schedule[s])}
+        if stuck:
+            raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
+        leftover = {k: [m for m, _ in q] for k, q in self.channels.items() if q}
+        if leftover:
+            raise ScheduleError(f"sends never received (channel (from, to) -> messages): {leftover}")
+
+
+def make_timeline(p: int, timed: list[TimedAction], busy: list[float], ends: list[float]) -> Timeline:
+    """The ``Timeline`` of a finished run: ``ends``, each stage's last action's end."""
+    timeline = Timeline(p, timed, busy, max(ends) if ends else 0.0)
+    timeline.by_action = {(t.stage, t.action): t for t in timed}
+    return timeline
+
+
 def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0,
              wgrad_time: CostFn | None = None,
              action_time: Callable[[int, Action], float] | None = None) -> Timeline:
@@ -89,71 +171,33 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
     ``action_time(stage, action)``, where given, is each computation's own duration instead
     (a replay of measured durations, which differ from microbatch to microbatch).
     """
-    fwd, bwd, lat = _as_cost(fwd_time, "fwd_time"), _as_cost(bwd_time, "bwd_time"), _as_cost(p2p_time, "p2p_time")
-    wgt = (lambda st, c: bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
-    p, _, _ = schedule_shape(schedule)
-    place = placement_of(schedule)
-    split = {s: splits_backward(acts) for s, acts in schedule.items()}
+    run = ScheduleReplay(schedule, fwd_time, bwd_time, p2p_time, wgrad_time, action_time)
+    p = run.p
     clock = [0.0] * p
     busy = [0.0] * p
-    pos = [0] * p
-    channels: dict[tuple[int, int], deque] = {}
     timed: list[TimedAction] = []
     runnable = deque(range(p))
-    waiting: dict[tuple[int, int], int] = {}  # channel (from, to) -> the stage blocked on it
-    while runnable:
+    while runnable:  # each stage runs ahead on its own clock until it blocks on an unsent message
         s = runnable.popleft()
-        actions = schedule[s]
-        while pos[s] < len(actions):
-            a = actions[pos[s]]
-            vs = place.model_chunk(s, a.chunk)
+        while (a := run.next_action(s)) is not None:
             start = clock[s]
             if a.is_compute:
-                if action_time is not None:
-                    cost = action_time(s, a)
-                elif a.kind == "F":
-                    cost = fwd(s, a.chunk)
-                elif a.kind == "W":
-                    cost = wgt(s, a.chunk)
-                else:
-                    cost = bwd(s, a.chunk) - (wgt(s, a.chunk) if split[s] else 0.0)
+                cost = run.cost(s, a)
                 clock[s] += cost
                 busy[s] += cost
             elif a.kind.startswith("SEND"):
-                peer = place.stage_of(vs + 1 if a.kind == "SEND_ACT" else vs - 1)
-                channels.setdefault((s, peer), deque()).append(
-                    (_message(a.kind, a.microbatch, vs), clock[s] + lat(s, a.chunk))
-                )
-                if (s, peer) in waiting:
-                    runnable.append(waiting.pop((s, peer)))
+                woken = run.send(s, a, clock[s])
+                if woken is not None:
+                    runnable.append(woken)
             else:
-                src_vs = vs - 1 if a.kind == "RECV_ACT" else vs + 1
-                peer = place.stage_of(src_vs)
-                queue = channels.get((peer, s))
-                if not queue:
-                    waiting[(peer, s)] = s  # blocked until the peer sends
+                arrival = run.receive(s, a)
+                if arrival is None:
                     break
-                message, arrival = queue[0]
-                expected = _message(a.kind, a.microbatch, src_vs)
-                if message != expected:
-                    raise ScheduleError(
-                        f"stage {s} posts {a} expecting {expected} from stage {peer}, "
-                        f"but the oldest pending message on that channel is {message}"
-                    )
-                queue.popleft()
                 clock[s] = max(clock[s], arrival)
             timed.append(TimedAction(s, a, start, clock[s]))
-            pos[s] += 1
-    stuck = {s: str(schedule[s][pos[s]]) for s in range(p) if pos[s] < len(schedule[s])}
-    if stuck:
-        raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
-    leftover = {k: [m for m, _ in q] for k, q in channels.items() if q}
-    if leftover:
-        raise ScheduleError(f"sends never received (channel (from, to) -> messages): {leftover}")
-    makespan = max(clock) if clock else 0.0
-    timeline = Timeline(p, timed, busy, makespan)
-    timeline.by_action = {(t.stage, t.action): t for t in timed}
-    return timeline
+            run.pos[s] += 1
+    run.finish()
+    return make_timeline(p, timed, busy, clock)
 
 
 def format_timeline(timeline: Timeline, *, columns: int = 80) -> str:
