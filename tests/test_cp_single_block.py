@@ -12,31 +12,17 @@ repeat for the kernel, no ``rowsum(dout * out)``.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel3d.context_parallel import AttentionStats, context_parallel_attention, split_for_cp
 from tests.cp_cases import AttnCase, Groups, case_tensors, reference, rel_err
 from tests.harness import run_on_ranks
+from tests.op_count import OpCount
 
 # The general blockwise path's extra passes around the one kernel call (see single_block's doc).
 EXTRA_PASSES = ("aten.zero_", "aten.zeros", "aten.fill_", "aten.full", "aten.add_", "aten.mul",
                 "aten.repeat_interleave", "aten.index_select", "aten.logaddexp")
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts every aten op (by overload packet name) and runs it unchanged."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket).replace("aten::", "aten.")] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _a2a(rank: int, world: int, cases: list[AttnCase]) -> list[dict]:
@@ -47,7 +33,7 @@ def _a2a(rank: int, world: int, cases: list[AttnCase]) -> list[dict]:
         out_ref, grads_ref = reference(t)
         local = [split_for_cp(t[n], world, rank).float().requires_grad_() for n in ("q", "k", "v")]
         stats = AttentionStats()
-        counter = _OpCounter()
+        counter = OpCount()
         with counter:
             out = context_parallel_attention(*local, cp_comm="a2a", cp_group=groups.cp, backend="torch", stats=stats)
             grads = torch.autograd.grad(out, local, split_for_cp(t["dout"], world, rank).float())
