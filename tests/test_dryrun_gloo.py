@@ -21,6 +21,7 @@ from parallel3d.train import compose_job
 from parallel3d.rank_build import make_parallel_state
 from parallel3d.trainer import Trainer
 from tests.harness import run_on_ranks
+from tests.optimizer_bytes import held_state_bytes
 
 WORLD = 4
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1)]
@@ -45,25 +46,16 @@ def _overrides(case: dict, out_dir: str) -> list[str]:
             "train.device=cpu", "train.async_save=false", "train.resume=none", f"train.out_dir={out_dir}"]
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
     """Rank ``rank``'s bytes, read from the tensors of the real trainer's optimizer."""
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=world)
     trainer = Trainer(rj, make_parallel_state(rj))
     opt = trainer.optimizer
-    # Experts at another ZeRO stage than the dense parameters: one part per stage (zero.mixed).
-    parts = getattr(opt.params, "parts", [opt.params])
-    weights = [w for part in parts for w in ([b.data for b in part.bufs] if hasattr(part, "bufs") else part.shards)]
-    syncs = getattr(opt.grad_sync, "parts", [opt.grad_sync])
-    grads = [g for sync in syncs
-             for g in ([b.data for b in sync.grad_bufs] if hasattr(sync, "grad_bufs") else sync.grad_shards)]
+    state = held_state_bytes(opt)  # experts at another ZeRO stage: summed over its parts (zero.mixed)
     held = {"params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
-            "param_bytes": _nbytes(weights), "grad_bytes": _nbytes(grads),
-            "optimizer_state_bytes": _nbytes(list(opt.masters) + list(opt.exp_avgs) + list(opt.exp_avg_sqs))}
+            "param_bytes": state["weights"], "grad_bytes": state["gradients"],
+            "optimizer_state_bytes": state["masters"] + state["moments"]}
     stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
     stats.reset()
     opt.zero_grad()

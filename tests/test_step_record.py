@@ -21,6 +21,7 @@ from parallel3d.rank_build import make_parallel_state
 from parallel3d.train import compose_job
 from parallel3d.trainer import Trainer
 from tests.harness import run_on_ranks
+from tests.optimizer_bytes import held_state_bytes
 
 
 def _cases(seed: int = 37) -> list[dict]:
@@ -39,24 +40,14 @@ def _overrides(case: dict, out_dir: str) -> list[str]:
             "logging.wandb.mode=disabled", "optimizer.warmup_steps=0", f"train.out_dir={out_dir}"]
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def _held_bytes(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     """Train one logged step, then count this rank's model-state bytes from the optimizer's tensors."""
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=world)
     trainer = Trainer(rj, make_parallel_state(rj))
     trainer.train()
-    opt = trainer.optimizer
-    parts = getattr(opt.params, "parts", [opt.params])
-    weights = [w for part in parts for w in ([b.data for b in part.bufs] if hasattr(part, "bufs") else part.shards)]
-    syncs = getattr(opt.grad_sync, "parts", [opt.grad_sync])
-    grads = [g for sync in syncs
-             for g in ([b.data for b in sync.grad_bufs] if hasattr(sync, "grad_bufs") else sync.grad_shards)]
-    return {"model_weights": _nbytes(weights), "gradients": _nbytes(grads),
-            "optimizer_moments": _nbytes(list(opt.exp_avgs) + list(opt.exp_avg_sqs))}
+    state = held_state_bytes(trainer.optimizer)
+    return {"model_weights": state["weights"], "gradients": state["gradients"], "optimizer_moments": state["moments"]}
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: "w{world}-tp{tp}pp{pp}-z{zero_stage}-{model}".format(**c))

@@ -1,0 +1,28 @@
+"""Bytes a rank's ``ZeroOptimizer`` holds, counted from its own tensors (not from its memory tracker).
+
+``held_state_bytes(opt)``: weights (stage 0-2 weight buffers, or stage 3 shards), gradients (buffers, or
+shards at stage 2-3), fp32 master weights and Adam moments, each summed over storages as
+``numel * element_size``; an optimizer with experts at another ZeRO stage (``zero.mixed``) is counted
+over its parts. Tests compare these with what the code under test reports (the dry run, the logged keys).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def held_state_bytes(opt) -> dict[str, int]:
+    """{"weights", "gradients", "masters", "moments"}: bytes this rank holds now."""
+    parts = getattr(opt.params, "parts", [opt.params])
+    weights = [w for part in parts for w in ([b.data for b in part.bufs] if hasattr(part, "bufs") else part.shards)]
+    syncs = getattr(opt.grad_sync, "parts", [opt.grad_sync])
+    grads = [g for sync in syncs
+             for g in ([b.data for b in sync.grad_bufs] if hasattr(sync, "grad_bufs") else sync.grad_shards)]
+    return {"weights": nbytes(weights), "gradients": nbytes(grads), "masters": nbytes(opt.masters),
+            "moments": nbytes(list(opt.exp_avgs) + list(opt.exp_avg_sqs))}
