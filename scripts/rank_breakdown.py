@@ -3,7 +3,7 @@
     python scripts/rank_breakdown.py narayanan21_gpt_39.1b nemotron4_340b_dp32
 
 For each published run id: the layout as both checks price it (``validation.priced_candidate``: unstated
-fields completed) and every layout of the rank search (``validation.rank_search``'s request: the source's
+fields completed) and every layout of the rank search (``validation.run_rank_request``: the source's
 recompute, ZeRO stage, sequence parallelism, schedules, held degrees, even splits, interleaving depth) that
 is predicted faster, each with its step time, its breakdown columns and its peak memory. Reads only.
 """
@@ -19,10 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from parallel3d.planning.planner import Candidate, plan  # noqa: E402
 from parallel3d.planning.published import load_published_runs  # noqa: E402
 from parallel3d.planning.published_schema import PublishedRun  # noqa: E402
-from parallel3d.planning.source_frameworks import (interleaved_min_pp, rank_fixed_degrees,  # noqa: E402
-                                                   run_options, uneven_splits_allowed)
-from parallel3d.planning.validation import (_rank_request, priced_candidate, run_cluster, run_config,  # noqa: E402
-                                            run_layout)
+from parallel3d.planning.source_frameworks import run_options  # noqa: E402
+from parallel3d.planning.validation import priced_candidate, run_cluster, run_config, run_rank_request  # noqa: E402
 
 GIB = 2**30
 
@@ -35,11 +33,9 @@ def _row(tag: str, cand: Candidate, columns: list[str]) -> str:
 
 def breakdown(run: PublishedRun) -> str:
     run_id = run.id
-    config, layout, cluster, options = run_config(run), run_layout(run), run_cluster(run), run_options(run)
+    config, cluster, options = run_config(run), run_cluster(run), run_options(run)
     published = priced_candidate(run, options, cluster)
-    request = _rank_request(layout, config.num_layers, rank_fixed_degrees(run), uneven_splits_allowed(run, config),
-                            interleaved_min_pp(run))
-    result = plan(config, cluster, request, options)
+    result = plan(config, cluster, run_rank_request(run, config), options)
     columns = [k for k, _ in published.step.breakdown]
     lines = [f"== {run_id}: {result.considered} layouts, {result.fitting} fit, {result.simulated} simulated",
              f"{'':4s} {'layout':62s} {'step s':>8s} " + " ".join(f"{k[:8]:>8s}" for k in columns) + "    GiB",

@@ -29,6 +29,7 @@ from parallel3d.planning.validation import (
     run_cluster,
     run_config,
     run_layout,
+    run_rank_request,
     validate_run,
 )
 
@@ -186,6 +187,16 @@ def test_fixed_degrees_hold_the_search_to_the_published_value():
     assert enumerate_layouts(config, cluster, held) == expected
     with pytest.raises(ValueError, match="fixed_degrees"):
         PlanRequest(global_batch_size=1536, seq_len=2048, fixed_degrees=(("vp", 2),))
+
+
+def test_the_rank_request_holds_each_source_rule():
+    # The wiring from a run to its search (``run_rank_request``, shared by ``rank_run`` and
+    # scripts/rank_breakdown.py): Narayanan Table 2 held dp at GPUs / 96 = 4 on 384 GPUs, ran 2021 Megatron-LM
+    # (even splits, interleaving only above pp 2); the MoE Folding source held nothing and had uneven stages.
+    table2 = run_rank_request(_run("narayanan21_gpt3_175b_384gpus"))
+    assert (table2.fixed_degrees, table2.uneven_stages, table2.min_interleaved_pp) == ((("dp", 4),), False, 3)
+    folding = run_rank_request(_run("folding_mixtral_8x22b_folding_128gpus"))
+    assert (folding.fixed_degrees, folding.uneven_stages, folding.min_interleaved_pp) == ((), True, 2)
 
 
 def test_even_split_sources_are_searched_with_even_splits_only():

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from models.config import ModelConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost import CostOptions
+from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.published_schema import PublishedRun
 
 # Sources that measured 2021-22 Megatron-LM (no distributed optimizer, unfused attention, gradients

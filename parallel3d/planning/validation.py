@@ -135,20 +135,25 @@ def rank_reason(published: StepEstimate, best: StepEstimate) -> str:
     return f"best {best.layout.short()}: published loses in {terms or 'nothing'}"
 
 
-def rank_search(config: ModelConfig, layout: Layout, cluster: ClusterSpec, step: StepEstimate,
-                options: CostOptions, fixed: tuple[tuple[str, int], ...] = (),
-                uneven: bool = True, min_interleaved_pp: int = 2) -> tuple[int, bool, float, str]:
-    """(position of the published step among the searched layouts, whether it passes the issue's rank
-    rule, how much slower than the best found it is predicted: 0.05 = 5%; ``_rank_rule``) plus
-    ``rank_reason`` against the best layout found ('' when it is the best);
-    ``fixed`` holds degrees at the published values in the search (``rank_fixed``), ``uneven=False``
-    searches even layer splits only (``EVEN_SPLIT_SOURCES``), ``min_interleaved_pp`` interleaves from
-    that depth (``interleaved_min_pp``)."""
-    request = _rank_request(layout, config.num_layers, fixed, uneven, min_interleaved_pp)
+def rank_search(config: ModelConfig, cluster: ClusterSpec, step: StepEstimate, options: CostOptions,
+                request: PlanRequest) -> tuple[int, bool, float, str]:
+    """(position of the published step among the layouts ``request`` searches, whether it passes the
+    issue's rank rule, how much slower than the best found it is predicted: 0.05 = 5%; ``_rank_rule``)
+    plus ``rank_reason`` against the best layout found ('' when it is the best)."""
     ranked = plan(config, cluster, request, options).ranked
     faster = [c for c in ranked if c.step.step_time_s < step.step_time_s]
     position, ok, gap = _rank_rule(step.step_time_s, faster)
     return position, ok, gap, rank_reason(step, faster[0].step) if faster else ""
+
+
+def run_rank_request(run: PublishedRun, config: ModelConfig | None = None) -> PlanRequest:
+    """The search the rank rule holds ``run`` against, like with like: ``_rank_request`` at the run's
+    published layout, with the degrees its source held fixed (``rank_fixed_degrees``), even splits only
+    where its framework had them (``uneven_splits_allowed``) and interleaving from the depth its framework
+    allowed (``interleaved_min_pp``)."""
+    config = config or run_config(run)
+    return _rank_request(run_layout(run), config.num_layers, rank_fixed_degrees(run),
+                         uneven_splits_allowed(run, config), interleaved_min_pp(run))
 
 
 def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int], ...] = (),
@@ -226,14 +231,12 @@ def rank_run(run: PublishedRun, options: CostOptions | None = None,
              published: Candidate | None = None) -> tuple[int, bool, float, str]:
     """The issue's rank rule for one run: its layout, completed where the source is silent
     (``priced_candidate``; pass it as ``published`` if already priced), against the search held where
-    the source says its experiment was (``rank_fixed_degrees``). Returns ``rank_search``'s
+    the source says its experiment was (``run_rank_request``). Returns ``rank_search``'s
     (position, ok, gap, why)."""
     options = options or run_options(run)
     config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
-    uneven = uneven_splits_allowed(run, config)
     published = published or priced_candidate(run, options, cluster)
-    position, ok, gap, why = rank_search(config, layout, cluster, published.step, options,
-                                         rank_fixed_degrees(run), uneven, interleaved_min_pp(run))
+    position, ok, gap, why = rank_search(config, cluster, published.step, options, run_rank_request(run, config))
     if published.layout != layout:
         why = f"published completed as {published.layout.short()}" + (f"; {why}" if why else "")
     return position, ok, gap, why
