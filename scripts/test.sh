@@ -4,7 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
-.venv/bin/python -m pytest -q "$@"
+# Two pytest workers (pytest-xdist): multi-rank tests spend much of their time in start-up and
+# gloo round trips, so a second worker fills the idle core. P3D_TEST_WORKERS=0 runs in one process;
+# a later `-n K` in "$@" overrides this one.
+.venv/bin/python -m pytest -q -n "${P3D_TEST_WORKERS:-2}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when no test was collected: that is a failure, not a pass.
