@@ -102,6 +102,10 @@ class ScheduleReplay:
         """Stage ``s``'s next action (``pos[s]`` moves on only when the driver says it is done)."""
         return self.schedule[s][self.pos[s]] if self.pos[s] < len(self.schedule[s]) else None
 
+    def advance(self, s: int) -> None:
+        """The driver's word that stage ``s``'s current action is done: its next one becomes current."""
+        self.pos[s] += 1
+
     def cost(self, s: int, a: Action) -> float:
         """A computation's duration: a split stage's ``B`` is the whole backward less its ``W``."""
         if self.action_time is not None:
@@ -195,7 +199,7 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
                     break
                 clock[s] = max(clock[s], arrival)
             timed.append(TimedAction(s, a, start, clock[s]))
-            run.pos[s] += 1
+            run.advance(s)
     run.finish()
     return make_timeline(p, timed, busy, clock)
 

@@ -86,7 +86,7 @@ def simulate_shared(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_
                         break
                 timed.append(TimedAction(s, a, ends[s], now))  # a receive began where the stage reached it
                 ends[s] = now
-                run.pos[s] += 1
+                run.advance(s)
         if not running and not arriving:
             break
         rate = 1.0 if len(running) <= cores else cores / len(running)
@@ -102,13 +102,13 @@ def simulate_shared(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_
             busy[s] += job.left / job.rate  # the last segment's span, by construction
             timed.append(TimedAction(s, job.action, job.start, now))
             ends[s] = now
-            run.pos[s] += 1
+            run.advance(s)
             ready.append(s)
         for s in [s for s, (t, _, _) in arriving.items() if t == now]:
             _, a, began = arriving.pop(s)
             timed.append(TimedAction(s, a, began, now))
             ends[s] = now
-            run.pos[s] += 1
+            run.advance(s)
             ready.append(s)
     run.finish()
     return make_timeline(p, timed, busy, ends)
