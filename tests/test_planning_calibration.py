@@ -99,10 +99,17 @@ def test_golden_section_finds_a_parabola_minimum():
     assert golden_section(lambda x: (x - 0.37) ** 2, 0.0, 1.0, 30) == pytest.approx(0.37, abs=1e-4)
 
 
-def test_fit_reads_only_calibration_rows_of_each_family_device():
+@pytest.fixture(scope="module")
+def rows_by_device():
+    """``calibration_rows`` of each family's device, computed once for the tests below (each row's
+    completion is a planner search)."""
+    return {device: calibration_rows(device) for device in FAMILIES}
+
+
+def test_fit_reads_only_calibration_rows_of_each_family_device(rows_by_device):
     split = {r.id: r.split for r in load_published_runs()}
     for device in FAMILIES:
-        rows = calibration_rows(device)
+        rows = rows_by_device[device]
         assert rows, device
         assert all(split[r.run_id] == "calibration" for r in rows)
 
@@ -117,13 +124,13 @@ def test_every_family_member_carries_its_calibration_device_curve():
             assert [getattr(dev, k) for k in knobs] == [getattr(ref, k) for k in knobs], name
 
 
-def test_fit_prices_each_calibration_row_as_the_mfu_check_does():
+def test_fit_prices_each_calibration_row_as_the_mfu_check_does(rows_by_device):
     """One rule: the fit's rows carry the layout ``validation`` prices (unstated fields completed at the
     planner's best fitting choice), and its MFU on the YAML device is the validation table's."""
     by_id = {r.id: r for r in load_published_runs()}
     completed = 0
     for device in FAMILIES:
-        for row in calibration_rows(device):
+        for row in rows_by_device[device]:
             ref = validate_run(by_id[row.run_id])
             assert row.layout == ref.priced, row.run_id
             assert row.predicted_mfu(DEVICES[device]) == pytest.approx(ref.predicted_mfu, rel=1e-9), row.run_id

@@ -30,7 +30,7 @@ from parallel3d.planning.validation import (
     run_config,
     run_layout,
     run_rank_request,
-    validate_run,
+    unscored_reason,
 )
 
 CI_MAX_GPUS = 128
@@ -118,7 +118,8 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
 def _rows():
     out = []
     for run in load_published_runs():
-        if run.split != "held_out" or validate_run(run).error is None:
+        # unscored_reason, not validate_run: collection (on every xdist worker) must not price 36 rows
+        if run.split != "held_out" or unscored_reason(run) is not None:
             continue
         marks = [pytest.mark.extended] if run.hardware.gpus > CI_MAX_GPUS else []
         out.append(pytest.param(run, id=run.id, marks=marks))

@@ -251,15 +251,22 @@ def _rank_rule(step_time: float, faster: list) -> tuple[int, bool, float]:
     return position, ok, gap
 
 
+def unscored_reason(run: PublishedRun) -> str | None:
+    """Why ``validate_run`` cannot score ``run`` without pricing it (no model, layout or cluster the
+    planner can build; no published MFU), else None. Cheap: no search runs."""
+    try:
+        run_config(run), run_layout(run), run_cluster(run)
+    except Unpriceable as exc:
+        return str(exc)
+    return None if run.mfu is not None else "no published MFU or TFLOP/s"
+
+
 def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False) -> RowResult:
     options = options or run_options(run)
-    try:
-        config, layout, cluster = run_config(run), run_layout(run), run_cluster(run)
-    except Unpriceable as exc:
-        return RowResult(run, run.mfu, None, skipped=str(exc))
-    published = run.mfu
-    if published is None:
-        return RowResult(run, None, None, skipped="no published MFU or TFLOP/s")
+    reason = unscored_reason(run)
+    if reason is not None:
+        return RowResult(run, run.mfu, None, skipped=reason)
+    published, config, cluster = run.mfu, run_config(run), run_cluster(run)
     try:
         cand = priced_candidate(run, options, cluster)
     except (LayoutError, ValueError) as exc:  # e.g. more chunks than layers: a split the runtime lacks
