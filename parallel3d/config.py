@@ -200,8 +200,7 @@ def _check_model_fits(model: ModelConfig, topo: Topology, virtual_stages: int) -
     if model.ffn_size % topo.tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_size}: must be divisible by parallel.tp={topo.tp}")
     try:
-        topo.check_model(num_layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                         hidden_size=model.hidden_size, virtual_stages=virtual_stages)
+        topo.check_model(**model.layout_sizes(), virtual_stages=virtual_stages)
     except LayoutError as exc:
         raise ConfigError(f"model does not fit the layout: {exc}") from None
 
