@@ -166,24 +166,38 @@ CI_MUST_COVER: dict[str, Callable[[ShapeCase], bool]] = {
     "dp3_zero2": lambda c: c.parallel["dp"] == 3 and c.parallel["zero_stage"] == 2,
     "cp3_or_ep3": lambda c: c.parallel["cp"] == 3 or c.parallel.get("ep", 1) == 3,
 }
-COVER_BASE, CI_CANDIDATES = 10_000, 6
+# The whole fuzz adds one case per property here (chance alone rarely draws a world of 5).
+EXTENDED_COVER: dict[str, Callable[[ShapeCase], bool]] = {
+    "dp5": lambda c: c.parallel["dp"] == 5,
+    "pp5": lambda c: c.parallel["pp"] == 5,
+}
+PROPERTIES = {**CI_MUST_COVER, **EXTENDED_COVER}
+COVER_BASE, EXTENDED_BASE, CI_CANDIDATES = 10_000, 20_000, 6  # ids: base + the property's index
 
 
-def _cover(k: int, uncovered: list[str]) -> ShapeCase:
-    """Property ``k``'s case: of the first ``CI_CANDIDATES`` valid draws meeting it, the least
-    ``layout_matrix.ci_cost`` per property in ``uncovered`` it meets (greedy set cover), then the first."""
-    label, where = list(CI_MUST_COVER.items())[k]
-    rng = random.Random(f"{FUZZ_SEED}:{COVER_BASE + k}")
+def _label(case_id: int) -> str | None:
+    """The property a coverage id is drawn under (None: a plain id)."""
+    for base, cover in ((COVER_BASE, CI_MUST_COVER), (EXTENDED_BASE, EXTENDED_COVER)):
+        if 0 <= case_id - base < len(cover):
+            return list(cover)[case_id - base]
+    return None
+
+
+def _cover(case_id: int, uncovered: list[str]) -> ShapeCase:
+    """Coverage id ``case_id``'s case: of the first ``CI_CANDIDATES`` valid draws meeting its property, the
+    least ``layout_matrix.ci_cost`` per property in ``uncovered`` it meets (greedy set cover), then the first."""
+    label = _label(case_id)
+    rng = random.Random(f"{FUZZ_SEED}:{case_id}")
     ranked = []
     for i in range(MAX_DRAWS):
-        case = _draw(rng, COVER_BASE + k)
-        if MIN_WORLD <= case.world_size <= MAX_WORLD and where(case) and lm.affordable_for_ci(case, label) \
-                and judge(case).error is None:
-            ranked.append((lm.ci_cost(case) / sum(CI_MUST_COVER[u](case) for u in uncovered), i, case))
+        case = _draw(rng, case_id)
+        if MIN_WORLD <= case.world_size <= MAX_WORLD and PROPERTIES[label](case) \
+                and lm.affordable_for_ci(case, label) and judge(case).error is None:
+            ranked.append((lm.ci_cost(case) / sum(PROPERTIES[u](case) for u in uncovered), i, case))
             if len(ranked) == CI_CANDIDATES:
                 break
     if not ranked:
-        raise RuntimeError(f"shape-fuzz case {COVER_BASE + k}: no valid draw for {label} in {MAX_DRAWS}")
+        raise RuntimeError(f"shape-fuzz case {case_id}: no valid draw for {label} in {MAX_DRAWS}")
     return min(ranked, key=lambda r: r[:2])[2]
 
 
@@ -193,7 +207,7 @@ def ci_sample() -> tuple[ShapeCase, ...]:
     labels, cases = list(CI_MUST_COVER), []
     uncovered = list(labels)
     while uncovered:
-        case = _cover(labels.index(uncovered[0]), uncovered)
+        case = _cover(COVER_BASE + labels.index(uncovered[0]), uncovered)
         cases.append(case)
         uncovered = [label for label in uncovered if not CI_MUST_COVER[label](case)]
     return tuple(sorted(cases, key=lambda c: (c.world_size, c.case_id)))
@@ -203,12 +217,14 @@ def case_by_id(case_id: int) -> ShapeCase:
     for case in ci_sample():
         if case.case_id == case_id:
             return case
-    return generate(case_id)
+    label = _label(case_id)
+    return generate(case_id) if label is None else _cover(case_id, [label])
 
 
 def all_cases() -> list[ShapeCase]:
-    """``0 .. ALL_CASES - 1`` and the CI sample."""
-    cases = {c.case_id: c for c in [*(generate(i) for i in range(ALL_CASES)), *ci_sample()]}
+    """``0 .. ALL_CASES - 1``, one case per ``EXTENDED_COVER`` property, and the CI sample."""
+    extended = [_cover(EXTENDED_BASE + k, [label]) for k, label in enumerate(EXTENDED_COVER)]
+    cases = {c.case_id: c for c in [*(generate(i) for i in range(ALL_CASES)), *extended, *ci_sample()]}
     return [cases[i] for i in sorted(cases)]
 
 
