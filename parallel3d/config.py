@@ -29,7 +29,7 @@ from typing import Any
 from kernels.runtime import BACKENDS as KERNEL_BACKENDS
 from models.config import ModelConfig
 from models.mla import check_latent_layout
-from models.moe_block import check_moe_layout
+from models.moe_block import check_moe_layout, check_moe_split
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
 from parallel3d import preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -234,6 +234,8 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     _check_model_fits(model, topo, pipeline.virtual_stages)
     try:
         check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel)
+        if model.moe.enabled:  # else every rank would refuse the split in build_model, after the spawn
+            check_moe_split(model.moe.options(model.ffn_size), topo.tp, topo.ep, topo.etp)
         if model.mla.enabled:  # else every rank would refuse it in build_model, after the spawn
             check_latent_layout(dims.tp, dims.cp)
     except ValueError as exc:

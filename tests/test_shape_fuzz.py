@@ -74,6 +74,33 @@ def test_head_width_apart_from_hidden_is_a_valid_layout():
         resolve(job_from_dict(dict(values, model=dict(model, kv_channels=None))), 3)
 
 
+MOE_PROBE = dict(arch="llama", num_layers=3, hidden_size=48, num_heads=6, num_kv_heads=6, ffn_hidden_size=90,
+                 vocab_size=259, max_seq_len=24, tie_embeddings=False, use_bias=False)
+
+
+SP2 = {"tp": 2, "sequence_parallel": True}
+
+
+@pytest.mark.parametrize("moe, parallel, world, refusal, valid", [  # valid: the (moe, parallel) next to it that fits
+    (dict(num_experts=6, ffn_hidden_size=30), {"dp": 4, "ep": 4}, 4, "num_experts=6: .* parallel.ep=4",
+     (dict(num_experts=6, ffn_hidden_size=30), {"dp": 4, "ep": 2})),
+    (dict(num_experts=6, ffn_hidden_size=35), SP2, 2, r"ffn_hidden_size=35: .* parallel.etp=2",
+     (dict(num_experts=6, ffn_hidden_size=35), dict(SP2, etp=1))),
+    (dict(num_experts=6, ffn_hidden_size=30, num_shared_experts=1, shared_ffn_hidden_size=35), SP2, 2,
+     "shared experts' width 35 .* parallel.tp=2",
+     (dict(num_experts=6, ffn_hidden_size=30, num_shared_experts=1, shared_ffn_hidden_size=36), SP2)),
+])
+def test_moe_split_the_ranks_would_refuse_is_refused_before_they_start(moe, parallel, world, refusal, valid):
+    """Once accepted by the validator, these failed in every rank's build_model (ExpertLayout, GroupedExperts,
+    SharedExpertFFN) after the spawn."""
+    def values(moe: dict, parallel: dict) -> dict:
+        return lm.model_job_values(dict(MOE_PROBE, moe=dict(moe, top_k=2)), parallel,
+                                   {"global_batch_size": 12, "micro_batch_size": 1}, "unused", "unused", seq_len=24)
+    with pytest.raises(ConfigError, match=refusal):
+        resolve(job_from_dict(values(moe, parallel)), world)
+    resolve(job_from_dict(values(*valid)), world)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_cp3_refuses_a_sequence_it_cannot_split_and_says_by_what(sequence_parallel):
     """Sequences that are not powers of two at cp=3 (tp=2): the layouts the validator accepts are those
