@@ -27,6 +27,8 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 - Context parallel: cp from ``DEGREES["cp"]``, every ``parallel.cp_comm`` (and an a2a size dividing cp),
   and ``data.document_mask`` on or off (the reference masks documents too).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
+- ``LayoutCase.job`` builds a case's job and its reference's from ``model_values()`` and ``seq_len``:
+  ``tests/shape_fuzz.py`` overrides those two with drawn model shapes (odd degrees and sizes).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ HEADS = (3, 6, 12)
 HEAD_WIDTHS = {"gpt": (None, None, 5, 9, 10), "llama": (None, None, 6, 10, 14)}  # kv_channels: rotary needs even
 FFN = (None, 72, 90, 150, 198, 132)  # None: 4 * hidden (gpt) or the llama default below
 EXPERT_FFN = (30, 42, 54)
+ODD_EXPERT_FFN = (35, 45, 40)  # 35, 45: only etp = 1 (or 5) splits them; 40: not 3
 LAYERS = (3, 5, 7)
 VOCABS = (259, 301, 385, 511)  # 7 * 37, 7 * 43, 5 * 7 * 11, 7 * 73: no tp here divides them
 SEQS = (18, 24, 30, 36, 42)
@@ -74,6 +75,8 @@ def _shape_name(s: dict[str, Any], seq: int) -> str:
     kv = f"k{s['num_kv_heads']}" if s["num_kv_heads"] else ""
     width = f"d{s['kv_channels']}" if s["kv_channels"] else ""
     moe = f"-e{s['moe']['num_experts']}f{s['moe']['ffn_hidden_size']}" if s.get("moe") else ""
+    if s.get("moe", {}).get("num_shared_experts"):
+        moe += f"sh{s['moe']['shared_ffn_hidden_size']}"
     return (f"{s['arch']}-h{s['hidden_size']}a{s['num_heads']}{kv}{width}-f{s['ffn_hidden_size']}"
             f"-L{s['num_layers']}-V{s['vocab_size']}-s{seq}{moe}")
 
@@ -90,6 +93,12 @@ def _draw_shape(rng: random.Random, moe: bool) -> tuple[dict[str, Any], int]:
     if moe:
         shape["moe"] = dict(num_experts=NUM_EXPERTS, top_k=2, ffn_hidden_size=rng.choice(EXPERT_FFN),
                             aux_loss_coeff=0.01, aux_loss_scope="sequence", z_loss_coeff=0.001)
+        # Odd expert widths and a shared expert, from a salted fork of the RNG: the draws after keep their values.
+        fork = random.Random(repr(rng.getstate()) + "moe")
+        if fork.random() < 0.4:
+            shape["moe"]["ffn_hidden_size"] = fork.choice(ODD_EXPERT_FFN)
+        if fork.random() < 0.4:
+            shape["moe"].update(num_shared_experts=1, shared_ffn_hidden_size=fork.choice(ODD_EXPERT_FFN))
     shape["name"] = _shape_name(shape, seq)
     return shape, seq
 
