@@ -82,6 +82,12 @@ class ModelConfig:
         """The width rotary positions turn: the head (or MLA's rotary part of it)."""
         return self.mla.qk_rope_head_dim if self.mla.enabled else self.head_dim
 
+    def layout_sizes(self) -> dict[str, Any]:
+        """The sizes ``Topology.check_model`` splits: the hidden size only where heads split it (with
+        ``kv_channels`` the heads have their own width and ``hidden_size`` need not divide by them)."""
+        return dict(num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
+                    hidden_size=self.hidden_size if self.kv_channels is None else None)
+
     @property
     def ffn_size(self) -> int:
         return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size

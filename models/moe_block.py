@@ -30,7 +30,10 @@ from models.blocks import BuildContext
 from models.spec import BlockSpec
 from parallel3d.context_parallel.load_balance import local_positions
 from parallel3d.moe import MoELayer
-from parallel3d.moe.shared_experts import SharedExpertFFN
+from parallel3d.moe.expert_layout import check_expert_count
+from parallel3d.moe.experts import check_expert_width
+from parallel3d.moe.options import MoEOptions
+from parallel3d.moe.shared_experts import SharedExpertFFN, check_shared_width
 from parallel3d.tensor_parallel import copy_to_tp_region
 from parallel3d.tensor_parallel.mappings import tp_chunk_start
 
@@ -47,6 +50,15 @@ def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool) -> Non
         # Without it every tp rank holds the same tokens: the expert-parallel exchange would count them tp times.
         raise ValueError(f"model.moe with parallel.tp={tp}: needs parallel.sequence_parallel=true "
                          "(the expert-parallel ranks must hold different tokens)")
+
+
+def check_moe_split(moe: MoEOptions, tp: int, ep: int, etp: int) -> None:
+    """The experts split over ep, their widths over etp and the shared experts' over tp (ValueError, one
+    line): the layers' own checks, asked before any rank starts."""
+    check_expert_count(moe.num_experts, ep)
+    check_expert_width(moe.ffn_hidden, etp)
+    if moe.num_shared_experts:
+        check_shared_width(moe.num_shared_experts * moe.shared_width, tp)
 
 
 def sequence_positions(pstate: "ParallelState", sequence_parallel: bool, s_local: int,

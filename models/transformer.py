@@ -250,9 +250,7 @@ def build_model(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     tp = pstate.size("tp")
-    pstate.topology.check_model(num_layers=config.num_layers, num_heads=config.num_heads,
-                                num_kv_heads=config.kv_heads,
-                                hidden_size=config.hidden_size if config.kv_channels is None else None)
+    pstate.topology.check_model(**config.layout_sizes())
     if config.ffn_size % tp:
         raise ValueError(f"model.ffn_hidden_size={config.ffn_size} is not divisible by tp={tp}")
     a, b = _resolve_layer_range(config, layer_range)

@@ -29,7 +29,7 @@ from typing import Any
 from kernels.runtime import BACKENDS as KERNEL_BACKENDS
 from models.config import ModelConfig
 from models.mla import check_latent_layout
-from models.moe_block import check_moe_layout
+from models.moe_block import check_moe_layout, check_moe_split
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
 from parallel3d import preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -200,8 +200,7 @@ def _check_model_fits(model: ModelConfig, topo: Topology, virtual_stages: int) -
     if model.ffn_size % topo.tp:
         raise ConfigError(f"model.ffn_hidden_size={model.ffn_size}: must be divisible by parallel.tp={topo.tp}")
     try:
-        topo.check_model(num_layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                         hidden_size=model.hidden_size, virtual_stages=virtual_stages)
+        topo.check_model(**model.layout_sizes(), virtual_stages=virtual_stages)
     except LayoutError as exc:
         raise ConfigError(f"model does not fit the layout: {exc}") from None
 
@@ -235,6 +234,8 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     _check_model_fits(model, topo, pipeline.virtual_stages)
     try:
         check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel)
+        if model.moe.enabled:  # else every rank would refuse the split in build_model, after the spawn
+            check_moe_split(model.moe.options(model.ffn_size), topo.tp, topo.ep, topo.etp)
         if model.mla.enabled:  # else every rank would refuse it in build_model, after the spawn
             check_latent_layout(dims.tp, dims.cp)
     except ValueError as exc:

@@ -4,6 +4,8 @@
     python scripts/check_layouts.py --all      # the whole matrix (tests/layout_matrix.py: ALL_CASES + CI sample)
     python scripts/check_layouts.py --case 17 10001   # single cases, by id
     python scripts/check_layouts.py --list     # print the cases without running them
+    python scripts/check_layouts.py --shapes --all    # odd degrees and model shapes (tests/shape_fuzz.py)
+    python scripts/check_layouts.py --shapes --rejected   # what the validator refused on the way, and why
 
 Each case trains through the real Trainer on gloo ranks of this machine and is compared
 with the single-process run of the same model, data and global batch: per-step loss and
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests import layout_matrix as lm  # noqa: E402
 from tests import layout_run as lr  # noqa: E402
+from tests import shape_fuzz as sf  # noqa: E402
 
 
 def _row(r: lr.CaseResult) -> str:
@@ -42,15 +45,27 @@ def main() -> int:
     which.add_argument("--all", action="store_true", help="the whole generated matrix")
     which.add_argument("--case", type=int, nargs="+", help="case ids to run")
     parser.add_argument("--list", action="store_true", help="list the cases, run nothing")
+    parser.add_argument("--shapes", action="store_true",
+                        help="the odd-shape fuzz (tests/shape_fuzz.py: degrees of 3 and 5, drawn model shapes)")
+    parser.add_argument("--rejected", action="store_true",
+                        help="with --shapes: list the draws the config validator refused (and its message)")
     parser.add_argument("--json", default="bench_results/layouts.json", help="where to write the results")
     parser.add_argument("--cache-dir", default=".cache/parallel3d", help="corpus cache (built once)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case (rank start-up excluded)")
     args = parser.parse_args()
 
+    gen = sf if args.shapes else lm
+    if args.rejected:
+        refused = sf.rejections()
+        for d in refused:
+            print(f"{'CRASH' if d.crashed else 'refused':>7} {d.case.name}\n        {d.error}")
+        print(f"{len(refused)} draws refused ({sum(d.crashed for d in refused)} crashed) on the way to "
+              f"{sf.ALL_CASES} accepted cases")
+        return 1 if any(d.crashed for d in refused) else 0
     if args.case:
-        cases = [lm.case_by_id(i) for i in args.case]
+        cases = [gen.case_by_id(i) for i in args.case]
     else:
-        cases = lm.all_cases() if args.all else lm.ci_sample()
+        cases = gen.all_cases() if args.all else gen.ci_sample()
     if args.list:
         for c in cases:
             print(f"{c.case_id:>6} world={c.world_size}  {c.name}")

@@ -27,6 +27,8 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
 - Context parallel: cp from ``DEGREES["cp"]``, every ``parallel.cp_comm`` (and an a2a size dividing cp),
   and ``data.document_mask`` on or off (the reference masks documents too).
 - ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
+- ``LayoutCase.job`` builds a case's job and its reference's from ``model_values()`` and ``seq_len``:
+  ``tests/shape_fuzz.py`` overrides those two with drawn model shapes (odd degrees and sizes).
 """
 
 from __future__ import annotations
@@ -144,9 +146,21 @@ class LayoutCase:
             bits.append(f"cap{self.capacity[0]}-{self.capacity[1]}")
         return "-".join(bits)
 
+    @property
+    def seq_len(self) -> int:
+        return SEQ_LEN
+
+    def model_values(self) -> dict[str, Any]:
+        """The ``model`` section (``tests/shape_fuzz.py`` draws its own instead of naming one of these)."""
+        return {**MODELS, **MOE_MODELS}[self.model]
+
+    def job(self, parallel: dict, train: dict, out_dir: str, cache_dir: str) -> dict[str, Any]:
+        """The job of this case's model, data and mask with ``parallel`` and ``train`` (the reference's too)."""
+        return model_job_values(self.model_values(), parallel, train, out_dir, cache_dir, self.document_mask,
+                                self.capacity, self.seq_len)
+
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
-        return job_values(self.model, self.parallel, self.train, out_dir, cache_dir, self.document_mask,
-                          self.capacity)
+        return self.job(self.parallel, self.train, out_dir, cache_dir)
 
     def reference_key(self) -> tuple:
         """Cases with the same key share one single-process reference run (model, global batch, document
@@ -157,8 +171,14 @@ class LayoutCase:
 
 def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir: str,
                document_mask: bool = False, capacity: tuple[float, str] | None = None) -> dict[str, Any]:
-    parallel = dict(parallel)
-    model_values = dict({**MODELS, **MOE_MODELS}[model])
+    return model_job_values({**MODELS, **MOE_MODELS}[model], parallel, train, out_dir, cache_dir, document_mask,
+                            capacity)
+
+
+def model_job_values(model_values: dict, parallel: dict, train: dict, out_dir: str, cache_dir: str,
+                     document_mask: bool = False, capacity: tuple[float, str] | None = None,
+                     seq_len: int = SEQ_LEN) -> dict[str, Any]:
+    parallel, model_values = dict(parallel), dict(model_values)
     if capacity is not None:
         model_values["moe"] = dict(model_values["moe"], capacity_factor=capacity[0], drop_policy=capacity[1])
     if parallel.get("offload") == "disk":  # the state files go with the run; small chunks: several per piece
@@ -166,7 +186,7 @@ def job_values(model: str, parallel: dict, train: dict, out_dir: str, cache_dir:
     return {
         "model": model_values,
         "parallel": parallel,
-        "train": {"steps": STEPS, "seq_len": SEQ_LEN, "seed": 11, "out_dir": out_dir, "save_every": 0,
+        "train": {"steps": STEPS, "seq_len": seq_len, "seed": 11, "out_dir": out_dir, "save_every": 0,
                   "device": "cpu", "resume": "none", "precision": "fp32", "eval_every": EVAL_EVERY,
                   "eval_iters": EVAL_ITERS, **train},
         "optimizer": {"lr": LR, "min_lr": LR / 10, "warmup_steps": 1},
@@ -180,8 +200,7 @@ def reference_values(case: LayoutCase, out_dir: str, cache_dir: str) -> dict[str
     the case's microbatches, over which drops are defined)."""
     g = case.train["global_batch_size"]
     mbs = g if case.capacity is None else case.train["micro_batch_size"]
-    return job_values(case.model, {}, {"global_batch_size": g, "micro_batch_size": mbs}, out_dir, cache_dir,
-                      case.document_mask, case.capacity)
+    return case.job({}, {"global_batch_size": g, "micro_batch_size": mbs}, out_dir, cache_dir)
 
 
 def _orders() -> list[str]:

@@ -46,9 +46,9 @@ class ContextParallelOptions:
             raise ConfigError(f"parallel.cp_a2a_size={self.cp_a2a_size}: must divide parallel.cp={cp}")
         split = 2 * cp * (tp if sequence_parallel else 1)
         if seq_len % split:
-            also = f" * parallel.tp={tp} (sequence parallel)" if sequence_parallel else ""
-            raise ConfigError(f"train.seq_len={seq_len}: context parallelism needs it divisible by 2 * parallel.cp = "
-                              f"{2 * cp}{also}, i.e. by {split}")
+            also = f", each split over parallel.tp={tp} (sequence parallel)" if sequence_parallel else ""
+            raise ConfigError(f"train.seq_len={seq_len}: context parallelism splits the sequence into 2 * parallel.cp "
+                              f"= {2 * cp} load-balanced chunks{also}: it must be divisible by {split}")
         a2a = self.a2a_size(cp)
         if a2a > 1:
             try:

@@ -14,6 +14,13 @@ import torch.distributed as dist
 from parallel3d.moe.collectives import group_rank, group_size
 
 
+def check_expert_count(num_experts: int, ep: int) -> None:
+    """The routed experts split evenly over the expert-parallel ranks (ValueError otherwise)."""
+    if num_experts % ep:
+        raise ValueError(f"model.moe.num_experts={num_experts}: must be divisible by the expert-parallel size "
+                         f"parallel.ep={ep}")
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """``num_experts`` routed experts over ``ep_group`` x ``etp_group`` (None: a group of one)."""
@@ -23,9 +30,7 @@ class ExpertLayout:
     etp_group: "dist.ProcessGroup | None" = None
 
     def __post_init__(self) -> None:
-        if self.num_experts % self.ep:
-            raise ValueError(f"moe.num_experts={self.num_experts}: must be divisible by the expert-parallel size "
-                             f"{self.ep}")
+        check_expert_count(self.num_experts, self.ep)
 
     @property
     def ep(self) -> int:

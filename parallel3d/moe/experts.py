@@ -52,6 +52,13 @@ class ExpertFFN(nn.Module):
         self.w2 = _expert_weight(blocks["w2"][slot], name=f"{name}.w2", split_dim=1, std=output_std, **common)
 
 
+def check_expert_width(ffn_hidden: int, etp: int) -> None:
+    """Each expert's FFN splits over the expert tensor-parallel ranks (ValueError otherwise)."""
+    if ffn_hidden % etp:
+        raise ValueError(f"model.moe.ffn_hidden_size={ffn_hidden}: each expert's width must be divisible by the "
+                         f"expert tensor-parallel size parallel.etp={etp} (default parallel.tp)")
+
+
 class GroupedExperts(nn.ModuleDict):
     """Local experts keyed by global index; ``forward(rows [N, h], sizes [num_local]) -> [N, h]`` (partial over etp).
 
@@ -62,9 +69,7 @@ class GroupedExperts(nn.ModuleDict):
                  seed: int = 0, init_std: float = 0.02, output_std: float | None = None, etp_rank: int = 0,
                  etp_size: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  gemm_backend: str = "auto", kernel_backend: str = "auto") -> None:
-        if ffn_hidden % etp_size:
-            raise ValueError(f"moe.ffn_hidden={ffn_hidden}: must be divisible by the expert tensor-parallel size "
-                             f"{etp_size}")
+        check_expert_width(ffn_hidden, etp_size)
         if first < 0 or first + num_local > num_experts:
             raise ValueError(f"experts [{first}, {first + num_local}) outside the {num_experts} experts")
         std_out = init_std if output_std is None else output_std

@@ -57,6 +57,13 @@ def _weight(shape: tuple[int, int], name: str, seed: int, std: float, dtype: tor
     return set_meta(param, global_name=name, tp_split_dim=split_dim, wgrad_deferrable=True)
 
 
+def check_shared_width(width: int, tp: int) -> None:
+    """The shared experts' FFN (``num_shared_experts x`` its width) splits over tp (ValueError otherwise)."""
+    if width % tp:
+        raise ValueError(f"model.moe.shared_ffn_hidden_size: the shared experts' width {width} "
+                         f"(num_shared_experts x width) is not divisible by parallel.tp={tp}")
+
+
 class SharedExpertFFN(nn.Module):
     """``w2 @ (silu(w1 @ x) * (w3 @ x))`` of width ``width``; split over ``pstate``'s tp (module docstring)."""
 
@@ -67,9 +74,7 @@ class SharedExpertFFN(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         tp = 1 if pstate is None else pstate.size("tp")
-        if width % tp:
-            raise ValueError(f"model.moe.shared_ffn_hidden_size: the shared experts' width {width} "
-                             f"(num_shared_experts x width) is not divisible by parallel.tp={tp}")
+        check_shared_width(width, tp)
         if pstate is not None and weight_fn is not None:
             raise ValueError("SharedExpertFFN: weight_fn is for the whole FFN; a tensor-parallel one completes "
                              "its gradients itself")

@@ -177,13 +177,7 @@ def layout_keys() -> tuple[str, ...]:
 
 def check_fits_model(config: ModelConfig, layout: Layout) -> None:
     """Raise ``LayoutError`` if ``config`` cannot be split by ``layout`` (heads, layers, sequence)."""
-    layout.topology.check_model(
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.kv_heads,
-        hidden_size=config.hidden_size,
-        virtual_stages=layout.virtual_stages,
-    )
+    layout.topology.check_model(**config.layout_sizes(), virtual_stages=layout.virtual_stages)
     if layout.sequence_parallel and layout.seq_len % layout.tp:
         raise LayoutError(
             f"train.seq_len={layout.seq_len} is not divisible by parallel.tp={layout.tp} "
