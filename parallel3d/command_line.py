@@ -162,6 +162,15 @@ def to_job(cfg: Any) -> tuple[Any, dict[str, Any]]:
     return job, plain
 
 
+def _check_group_choices(cmd: CommandLine, job_overrides: list[str]) -> None:
+    """``model=null`` (a group set to null) names the group and its options (Hydra's error names neither)."""
+    for override, raw in zip(_parse_overrides(job_overrides), job_overrides):
+        group = override.get_key_element().lstrip("+")
+        options = _group_options(cmd, group)
+        if options and not override.is_delete() and override.value() is None:
+            raise ConfigError(f"{raw}: {group} is a config group; must be one of {', '.join(options)}")
+
+
 def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
     """The composed DictConfig of one job (raises ConfigError with one line).
 
@@ -175,6 +184,7 @@ def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
+    _check_group_choices(cmd, job_overrides)
     overrides = list(job_overrides)
     user_search = [p for p in cmd.search_path if p != cmd.extra_config_dir]
     if user_search:

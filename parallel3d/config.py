@@ -36,6 +36,7 @@ from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.data.options import DataOptions
 from parallel3d.logging_options import WANDB_MODES, LoggingOptions
+from parallel3d.moe.expert_layout import check_expert_split
 from parallel3d.option_checks import ConfigError, check_choice, check_int
 from parallel3d.parallel_dims import ParallelDims
 from parallel3d.pipeline.options import SCHEDULES, PipelineOptions
@@ -235,6 +236,9 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     _check_model_fits(model, topo, pipeline.virtual_stages)
     try:
         check_moe_layout(model.moe.enabled, dims.tp, dims.sequence_parallel)
+        if model.moe.enabled:  # else every rank would refuse it while building its experts, after the spawn
+            check_expert_split(model.moe.num_experts, dims.ep, model.moe.options(model.ffn_size).ffn_hidden,
+                               dims.expert_tp)
         if model.mla.enabled:  # else every rank would refuse it in build_model, after the spawn
             check_latent_layout(dims.tp, dims.cp)
     except ValueError as exc:
@@ -298,7 +302,7 @@ def one_line_omegaconf_error(exc: BaseException) -> str:
 
     full_key = getattr(exc, "full_key", None)
     if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and full_key:
-        return f"{full_key}: unknown key; {_allowed_keys(str(full_key))}"
+        return f"{full_key}: unknown key; {_allowed_keys(str(full_key), getattr(exc, 'object_type', None))}"
     msg = getattr(exc, "msg", None) or str(exc)
     lines = []
     for line in str(msg).splitlines():
@@ -314,15 +318,17 @@ def one_line_omegaconf_error(exc: BaseException) -> str:
     return text
 
 
-def _allowed_keys(full_key: str) -> str:
-    """``'<section> accepts: a, b, c'`` for the schema node holding ``full_key``."""
-    node: Any = JobConfig
+def _allowed_keys(full_key: str, node: Any = None) -> str:
+    """``'<section> accepts: a, b, c'`` for the schema node holding ``full_key``: ``node`` where the
+    caller knows it (a schema extending ``JobConfig``, the planners'), else found from ``JobConfig``."""
     path = full_key.split(".")[:-1]
-    for part in path:
-        hints = typing.get_type_hints(node)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
-            break
-        node = hints[part]
+    if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+        node = JobConfig
+        for part in path:
+            hints = typing.get_type_hints(node)
+            if part not in hints or not dataclasses.is_dataclass(hints[part]):
+                break
+            node = hints[part]
     where = ".".join(path) or "the config root"
     return f"{where} accepts: {', '.join(f.name for f in dataclasses.fields(node))}"
 
@@ -333,6 +339,6 @@ def check_no_extra_keys(cfg: Any, schema: type = JobConfig, prefix: str = "") ->
     for key in cfg.keys():
         full = f"{prefix}{key}"
         if key not in hints:
-            raise ConfigError(f"{full}: unknown key; {_allowed_keys(full)}")
+            raise ConfigError(f"{full}: unknown key; {_allowed_keys(full, schema)}")
         if dataclasses.is_dataclass(hints[key]) and hasattr(cfg[key], "keys"):
             check_no_extra_keys(cfg[key], hints[key], f"{full}.")

@@ -14,6 +14,18 @@ import torch.distributed as dist
 from parallel3d.moe.collectives import group_rank, group_size
 
 
+def check_expert_split(num_experts: int, ep: int, ffn_hidden: int | None = None, etp: int = 1) -> None:
+    """Raise ValueError (one line, naming the config keys) unless ``ep`` ranks hold whole experts and
+    ``etp`` ranks equal slices of each one's width: the rule the layers below apply, and which
+    ``config.resolve`` applies to a job before any rank is started."""
+    if num_experts % ep:
+        raise ValueError(f"model.moe.num_experts={num_experts}: must be divisible by the expert-parallel size "
+                         f"parallel.ep={ep}")
+    if ffn_hidden is not None and ffn_hidden % etp:
+        raise ValueError(f"model.moe.ffn_hidden_size={ffn_hidden} (the experts' width; null = model.ffn_hidden_size):"
+                         f" must be divisible by the expert tensor-parallel size parallel.etp={etp} (null = tp)")
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """``num_experts`` routed experts over ``ep_group`` x ``etp_group`` (None: a group of one)."""
@@ -23,9 +35,7 @@ class ExpertLayout:
     etp_group: "dist.ProcessGroup | None" = None
 
     def __post_init__(self) -> None:
-        if self.num_experts % self.ep:
-            raise ValueError(f"moe.num_experts={self.num_experts}: must be divisible by the expert-parallel size "
-                             f"{self.ep}")
+        check_expert_split(self.num_experts, self.ep)
 
     @property
     def ep(self) -> int:

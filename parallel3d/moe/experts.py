@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kernels import dispatch
+from parallel3d.moe.expert_layout import check_expert_split
 from parallel3d.moe.grouped_gemm import grouped_linear
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel.init import normal_shard
@@ -62,9 +63,7 @@ class GroupedExperts(nn.ModuleDict):
                  seed: int = 0, init_std: float = 0.02, output_std: float | None = None, etp_rank: int = 0,
                  etp_size: int = 1, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  gemm_backend: str = "auto", kernel_backend: str = "auto") -> None:
-        if ffn_hidden % etp_size:
-            raise ValueError(f"moe.ffn_hidden={ffn_hidden}: must be divisible by the expert tensor-parallel size "
-                             f"{etp_size}")
+        check_expert_split(num_experts, 1, ffn_hidden, etp_size)
         if first < 0 or first + num_local > num_experts:
             raise ValueError(f"experts [{first}, {first + num_local}) outside the {num_experts} experts")
         std_out = init_std if output_std is None else output_std
