@@ -83,6 +83,7 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("cache_dir:a-file", [f"data.cache_dir={tmp}/a_file"], "data.cache_dir=", 1),
         ("kernels:triton-on-cpu", ["train.device=cpu", "kernels.backend=triton"], "kernels.backend='triton'", 1),
         ("kernels:apex-on-cpu", ["train.device=cpu", "kernels.backend=apex"], "kernels.backend='apex'", 1),
+        ("hydra:run-dir-under-a-file", [f"hydra.run.dir={tmp}/a_file/run"], "hydra.run.dir=", 1),
         ("group:null", ["model=null"], "model=null: model is a config group; must be one of", 1),
         ("rope:odd-kv-channels", ["model=llama_tiny", "model.kv_channels=15"], "model.kv_channels=15", 1),
     ]
@@ -105,8 +106,9 @@ def test_cross_key_and_environment_inputs(index, monkeypatch, capsys, tmp_path):
 def cli_cases(tmp: str) -> list[tuple[list[str], str]]:
     """``(argv after python, text the one line must hold)`` for the non-training CLIs."""
     return [
-        (["scripts/plan.py", "parallel.tp=two"], "parallel.tp"),
-        (["scripts/estimate_memory.py", "parallel.tensor_parallel=2"], "parallel.tensor_parallel: unknown key"),
+        (["scripts/plan.py", "parallel.tp=two"], "parallel.tp"),  # estimate_memory.py: the same run_app
+        (["scripts/plan.py", "model=gpt_tiny", "cluster.gpus=8", "train.seq_len=64", f"plan.json={tmp}/no_dir/x.json"],
+         "plan.json="),
         (["-m", "parallel3d.dryrun", "dryrun.world_size=2", f"dryrun.json={tmp}/no_dir/x.json",
           f"train.out_dir={tmp}/run"], "dryrun.json="),
     ]

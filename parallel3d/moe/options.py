@@ -104,8 +104,9 @@ class MoEOptions:
         if self.pad_to_capacity and self.capacity_factor is None:
             raise MoEOptionError("moe.pad_to_capacity=True: needs a capacity_factor (dropless has no capacity)")
         for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):  # nan would pass a bare "< 0"
-            if not (is_finite_number(getattr(self, name)) and getattr(self, name) >= 0):
-                raise MoEOptionError(f"moe.{name}={getattr(self, name)}: allowed >= 0{_finite_note(getattr(self, name))}")
+            value = getattr(self, name)
+            if not (is_finite_number(value) and value >= 0):
+                raise MoEOptionError(f"moe.{name}={value}: allowed >= 0{_finite_note(value)}")
         if self.shared_ffn_hidden is not None:
             _at_least("shared_ffn_hidden", self.shared_ffn_hidden, 1)
         if self.shared_expert_gate and self.num_shared_experts == 0:
