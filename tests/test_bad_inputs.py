@@ -51,7 +51,7 @@ def test_every_float_key_refuses_nan_and_infinity(case, tmp_path):
     assert key.split(".")[-1] in message and "\n" not in message, message
 
 
-CHECKPOINTS = ("empty", "bad_json", "other_model", "lost_file")  # train.resume directories no rank can resume from
+CHECKPOINTS = ("empty", "bad_json", "json_list", "other_model", "lost_file")  # train.resume directories no rank can resume from
 
 
 def _make_bad_paths(tmp: str) -> None:
@@ -62,6 +62,8 @@ def _make_bad_paths(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, name))
     with open(os.path.join(tmp, "bad_json", "meta.json"), "w") as fh:
         fh.write("{not json")
+    with open(os.path.join(tmp, "json_list", "meta.json"), "w") as fh:  # JSON, but not a checkpoint's
+        fh.write("[]")
     with open(os.path.join(tmp, "lost_file", "meta.json"), "w") as fh:  # lists a file it does not hold
         json.dump({"format": FORMAT, "step": 1, "files": ["state/__0_0.distcp"]}, fh)
     with open(os.path.join(tmp, "other_model", "meta.json"), "w") as fh:  # complete: it lists no files
@@ -78,6 +80,7 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
          "parallel.etp=3", 3),
         ("resume:empty-dir", [f"train.resume={tmp}/empty"], "train.resume=", 1),
         ("resume:corrupt-meta", [f"train.resume={tmp}/bad_json"], "train.resume=", 1),
+        ("resume:meta-not-an-object", [f"train.resume={tmp}/json_list"], "not a complete checkpoint directory", 1),
         ("resume:lost-file", [f"train.resume={tmp}/lost_file"], "not a complete checkpoint directory", 1),
         ("resume:another-model", [f"train.resume={tmp}/other_model"], "holds another model", 1),
         ("cache_dir:a-file", [f"data.cache_dir={tmp}/a_file"], "data.cache_dir=", 1),
@@ -90,6 +93,20 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
 
 
 HAND_IDS = [c[0] for c in hand_cases("/tmp")]
+
+
+def test_resume_auto_skips_a_meta_json_of_another_shape(tmp_path):
+    """On the ranks (``resume=auto`` picks among checkpoints there): damaged, refused in one line, no crash."""
+    from parallel3d.checkpoint import CheckpointError, CheckpointManager, step_dir
+    from parallel3d.parallel_state import ParallelState
+
+    root = str(tmp_path / "checkpoints")
+    os.makedirs(step_dir(root, 1))
+    with open(os.path.join(step_dir(root, 1), "meta.json"), "w") as fh:
+        fh.write("[]")
+    with pytest.raises(CheckpointError, match="no intact checkpoint .*not a checkpoint's meta.json") as caught:
+        CheckpointManager(root, ParallelState.single_process()).find("auto")
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("index", range(len(HAND_IDS)), ids=HAND_IDS)
