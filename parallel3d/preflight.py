@@ -58,6 +58,11 @@ def check_writable_dir(key: str, path: str) -> None:
     where = "" if probe == os.path.abspath(path) else f" in {probe}"
     if not os.path.isdir(probe):
         raise ConfigError(f"{key}={path!r}: must be a writable directory ({probe} is not a directory)")
+    name_max = os.pathconf(probe, "PC_NAME_MAX")
+    for name in os.path.relpath(os.path.abspath(path), probe).split(os.sep):  # the directories to be made
+        if len(os.fsencode(name)) > name_max:
+            raise ConfigError(f"{key}={path!r}: must be a writable directory (a name of {len(os.fsencode(name))} "
+                              f"bytes; the filesystem allows {name_max})")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass

@@ -86,6 +86,7 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("cache_dir:a-file", [f"data.cache_dir={tmp}/a_file"], "data.cache_dir=", 1),
         ("kernels:triton-on-cpu", ["train.device=cpu", "kernels.backend=triton"], "kernels.backend='triton'", 1),
         ("kernels:apex-on-cpu", ["train.device=cpu", "kernels.backend=apex"], "kernels.backend='apex'", 1),
+        ("out_dir:name-too-long", [f"train.out_dir={tmp}/{'x' * 300}"], "the filesystem allows", 1),
         ("hydra:run-dir-under-a-file", [f"hydra.run.dir={tmp}/a_file/run"], "hydra.run.dir=", 1),
         ("group:null", ["model=null"], "model=null: model is a config group; must be one of", 1),
         ("rope:odd-kv-channels", ["model=llama_tiny", "model.kv_channels=15"], "model.kv_channels=15", 1),
@@ -113,7 +114,9 @@ def test_resume_auto_skips_a_meta_json_of_another_shape(tmp_path):
 def test_cross_key_and_environment_inputs(index, monkeypatch, capsys, tmp_path):
     _make_bad_paths(str(tmp_path))
     _, overrides, expect, world = hand_cases(str(tmp_path))[index]
-    code, out, err = _run_in_process([*overrides, f"train.out_dir={tmp_path}/run"], world, monkeypatch, capsys)
+    if not any(o.startswith("train.out_dir=") for o in overrides):
+        overrides = [*overrides, f"train.out_dir={tmp_path}/run"]
+    code, out, err = _run_in_process(overrides, world, monkeypatch, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: "), err[-2000:]
     assert expect in lines[0], (expect, lines[0])
