@@ -188,12 +188,24 @@ class ResolvedJob:
 
 
 def world_size_from_env() -> int:
-    """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run."""
-    raw = os.environ.get("WORLD_SIZE", "1")
+    """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run. The launcher's other
+    integers are checked with it (``RANK`` < ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): a
+    hand-set one must fail here, not in ``int()`` on a rank."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if rank >= world:
+        raise ConfigError(f"environment RANK={rank}: must be < WORLD_SIZE={world}")
+    _env_int("LOCAL_RANK", 0)
+    _env_int("LOCAL_WORLD_SIZE", 1)
+    return world
+
+
+def _env_int(name: str, minimum: int) -> int:
+    raw = os.environ.get(name, str(minimum))
     try:
-        return check_int("WORLD_SIZE", int(raw), 1)
+        return check_int(name, int(raw), minimum)
     except ValueError:
-        raise ConfigError(f"environment WORLD_SIZE={raw!r}: must be an integer >= 1") from None
+        raise ConfigError(f"environment {name}={raw!r}: must be an integer >= {minimum}") from None
 
 
 def _check_model_fits(model: ModelConfig, topo: Topology, virtual_stages: int) -> None:

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from parallel3d import train as train_cli
 from parallel3d.checkpoint_io.compat import FORMAT
 from parallel3d.config import ConfigError
 from tests.fault_runs import REPO, cli_env
@@ -108,6 +109,23 @@ def test_resume_auto_skips_a_meta_json_of_another_shape(tmp_path):
     with pytest.raises(CheckpointError, match="no intact checkpoint .*not a checkpoint's meta.json") as caught:
         CheckpointManager(root, ParallelState.single_process()).find("auto")
     assert "\n" not in str(caught.value)
+
+
+ENV_CASES = [({"RANK": "abc"}, "environment RANK='abc'"), ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5"),
+             ({"LOCAL_WORLD_SIZE": "two"}, "environment LOCAL_WORLD_SIZE='two'")]
+
+
+@pytest.mark.parametrize("case", ENV_CASES, ids=[" ".join(f"{k}={v}" for k, v in c[0].items()) for c in ENV_CASES])
+def test_a_launcher_variable_set_by_hand(case, monkeypatch, capsys, tmp_path):
+    env, expect = case
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train_cli, "hydra_app", lambda *a, **k: pytest.fail(f"{env} was accepted"))
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main([f"train.out_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("config error: ") and expect in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("index", range(len(HAND_IDS)), ids=HAND_IDS)
