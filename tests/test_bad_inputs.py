@@ -13,10 +13,12 @@ Three kinds of case:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -50,6 +52,28 @@ def test_every_float_key_refuses_nan_and_infinity(case, tmp_path):
         _resolve_fast([f"train.out_dir={tmp_path}/run", f"{key}={value}"])
     message = str(caught.value)
     assert key.split(".")[-1] in message and "\n" not in message, message
+
+
+def cluster_cases() -> list[tuple[str, typing.Any]]:
+    """``(key, value)``: the planners' ``cluster.*`` float keys (their schema, ``ClusterConfig``) with every
+    non-finite value, and ``cluster.device_mem`` as a size that reads as infinite."""
+    from parallel3d.planning.cli import ClusterConfig
+
+    hints = typing.get_type_hints(ClusterConfig)
+    floats = [f.name for f in dataclasses.fields(ClusterConfig) if _base(hints[f.name]) is float]
+    return [(k, float(v)) for k in floats for v in NON_FINITE] + [("device_mem", "1e400GB")]
+
+
+CLUSTER_CASES = cluster_cases()
+
+
+@pytest.mark.parametrize("case", CLUSTER_CASES, ids=[f"cluster.{k}={v}" for k, v in CLUSTER_CASES])
+def test_planner_cluster_keys_refuse_nan_and_infinity(case):
+    from parallel3d.planning.cli import ClusterConfig, cluster_from
+
+    key, value = case
+    with pytest.raises(ValueError, match=f"cluster.{key}="):
+        cluster_from(ClusterConfig(gpus=8, **{key: value}))
 
 
 CHECKPOINTS = ("empty", "bad_json", "json_list", "other_model", "lost_file")  # train.resume directories no rank can resume from
