@@ -25,6 +25,7 @@ from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 from models.shape import ModelShape
 from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
+from parallel3d.option_checks import is_finite_number, number_word
 
 ARCHS = tuple(ARCH_PRESETS)
 
@@ -154,14 +155,16 @@ class ModelConfig:
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads={self.kv_heads}"
             )
         if ARCH_PRESETS[self.arch].positions == "rope" and self.rope_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {self.rope_dim}")
+            source = (f"model.kv_channels={self.kv_channels}" if self.kv_channels is not None else
+                      f"model.hidden_size/num_heads={self.hidden_size}/{self.num_heads}")
+            raise ValueError(f"{source}: rotary embeddings need an even head_dim, got {self.rope_dim}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of {', '.join(BACKENDS)}")
-        for key in ("norm_eps", "init_std", "rope_base"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a number > 0")
+        for key in ("norm_eps", "init_std", "rope_base"):  # inf passes "> 0" and makes every loss nan
+            if not (is_finite_number(getattr(self, key)) and getattr(self, key) > 0):
+                raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a {number_word(getattr(self, key))} > 0")
         self.moe.validate(self.num_layers, self.ffn_size)
 
     def replace(self, **changes: Any) -> "ModelConfig":

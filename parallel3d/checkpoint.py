@@ -95,8 +95,13 @@ def _relative_files(directory: str) -> list[str]:
 
 
 def read_meta(directory: str) -> dict[str, Any]:
+    """``meta.json`` as a dict (ValueError when it is JSON of another shape: callers treat it as damaged)."""
     with open(os.path.join(directory, META)) as fh:
-        return json.load(fh)
+        meta = json.load(fh)
+    if not isinstance(meta, dict) or not isinstance(meta.get("files", []), list):
+        raise ValueError(f"{os.path.join(directory, META)}: not a checkpoint's meta.json (a JSON object with a "
+                         f"list of files)")
+    return meta
 
 
 def is_loadable(directory: str) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel3d.config import ConfigError, check_no_extra_keys, one_line_omegaconf_error, resolve
+from parallel3d.preflight import check_writable_dir
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 MAX_CHECKED_JOBS = 256  # a bigger sweep is checked on its first jobs only (each compose costs ~0.1 s)
@@ -162,6 +163,15 @@ def to_job(cfg: Any) -> tuple[Any, dict[str, Any]]:
     return job, plain
 
 
+def _check_group_choices(cmd: CommandLine, job_overrides: list[str]) -> None:
+    """``model=null`` (a group set to null) names the group and its options (Hydra's error names neither)."""
+    for override, raw in zip(_parse_overrides(job_overrides), job_overrides):
+        group = override.get_key_element().lstrip("+")
+        options = _group_options(cmd, group)
+        if options and not override.is_delete() and override.value() is None:
+            raise ConfigError(f"{raw}: {group} is a config group; must be one of {', '.join(options)}")
+
+
 def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
     """The composed DictConfig of one job (raises ConfigError with one line).
 
@@ -175,6 +185,7 @@ def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
+    _check_group_choices(cmd, job_overrides)
     overrides = list(job_overrides)
     user_search = [p for p in cmd.search_path if p != cmd.extra_config_dir]
     if user_search:
@@ -205,6 +216,19 @@ def one_line(exc: BaseException) -> str:
     return one_line_omegaconf_error(keyed[0] if keyed else exc) or type(exc).__name__
 
 
+def _check_hydra_dirs(cmd: CommandLine, out_dir: str) -> None:
+    """``hydra.run.dir`` / ``hydra.output_subdir`` given on the command line can be created (Hydra's own
+    mkdir fails with a traceback); values with an interpolation are Hydra's to resolve, not checked."""
+    given = {o.get_key_element(): o.value() for o in _parse_overrides(cmd.overrides)
+             if o.get_key_element() in ("hydra.run.dir", "hydra.output_subdir")}
+    run_dir = given.get("hydra.run.dir", out_dir)
+    if isinstance(run_dir, str) and "${" not in run_dir:
+        check_writable_dir("hydra.run.dir", run_dir)
+        subdir = given.get("hydra.output_subdir")
+        if isinstance(subdir, str) and "${" not in subdir:
+            check_writable_dir("hydra.output_subdir", os.path.join(run_dir, subdir))
+
+
 def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan | None:
     """Compose and resolve every job of ``args`` (raises ConfigError); the multirun plan, or None."""
     cmd = parse(args, default_config_dir)
@@ -218,6 +242,8 @@ def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan
             plan.out_dirs.append(job.train.out_dir)
         try:
             resolve(job)
+            if not cmd.multirun:
+                _check_hydra_dirs(cmd, job.train.out_dir)
         except ConfigError as exc:
             where = f"multirun job {num} ({' '.join(job_overrides)}): " if cmd.multirun and len(plan.jobs) > 1 else ""
             raise ConfigError(f"{where}{exc}") from None

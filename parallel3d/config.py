@@ -187,12 +187,24 @@ class ResolvedJob:
 
 
 def world_size_from_env() -> int:
-    """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run."""
-    raw = os.environ.get("WORLD_SIZE", "1")
+    """The launcher's world size (torchrun/SLURM set WORLD_SIZE); 1 for a plain run. The launcher's other
+    integers are checked with it (``RANK`` < ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``): a
+    hand-set one must fail here, not in ``int()`` on a rank."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if rank >= world:
+        raise ConfigError(f"environment RANK={rank}: must be < WORLD_SIZE={world}")
+    _env_int("LOCAL_RANK", 0)
+    _env_int("LOCAL_WORLD_SIZE", 1)
+    return world
+
+
+def _env_int(name: str, minimum: int) -> int:
+    raw = os.environ.get(name, str(minimum))
     try:
-        return check_int("WORLD_SIZE", int(raw), 1)
+        return check_int(name, int(raw), minimum)
     except ValueError:
-        raise ConfigError(f"environment WORLD_SIZE={raw!r}: must be an integer >= 1") from None
+        raise ConfigError(f"environment {name}={raw!r}: must be an integer >= {minimum}") from None
 
 
 def _check_model_fits(model: ModelConfig, topo: Topology, virtual_stages: int) -> None:
@@ -299,7 +311,7 @@ def one_line_omegaconf_error(exc: BaseException) -> str:
 
     full_key = getattr(exc, "full_key", None)
     if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and full_key:
-        return f"{full_key}: unknown key; {_allowed_keys(str(full_key))}"
+        return f"{full_key}: unknown key; {_allowed_keys(str(full_key), getattr(exc, 'object_type', None))}"
     msg = getattr(exc, "msg", None) or str(exc)
     lines = []
     for line in str(msg).splitlines():
@@ -315,15 +327,17 @@ def one_line_omegaconf_error(exc: BaseException) -> str:
     return text
 
 
-def _allowed_keys(full_key: str) -> str:
-    """``'<section> accepts: a, b, c'`` for the schema node holding ``full_key``."""
-    node: Any = JobConfig
+def _allowed_keys(full_key: str, node: Any = None) -> str:
+    """``'<section> accepts: a, b, c'`` for the schema node holding ``full_key``: ``node`` where the
+    caller knows it (a schema extending ``JobConfig``, the planners'), else found from ``JobConfig``."""
     path = full_key.split(".")[:-1]
-    for part in path:
-        hints = typing.get_type_hints(node)
-        if part not in hints or not dataclasses.is_dataclass(hints[part]):
-            break
-        node = hints[part]
+    if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+        node = JobConfig
+        for part in path:
+            hints = typing.get_type_hints(node)
+            if part not in hints or not dataclasses.is_dataclass(hints[part]):
+                break
+            node = hints[part]
     where = ".".join(path) or "the config root"
     return f"{where} accepts: {', '.join(f.name for f in dataclasses.fields(node))}"
 
@@ -334,6 +348,6 @@ def check_no_extra_keys(cfg: Any, schema: type = JobConfig, prefix: str = "") ->
     for key in cfg.keys():
         full = f"{prefix}{key}"
         if key not in hints:
-            raise ConfigError(f"{full}: unknown key; {_allowed_keys(full)}")
+            raise ConfigError(f"{full}: unknown key; {_allowed_keys(full, schema)}")
         if dataclasses.is_dataclass(hints[key]) and hasattr(cfg[key], "keys"):
             check_no_extra_keys(cfg[key], hints[key], f"{full}.")

@@ -9,6 +9,7 @@ allowed>``, on one line. This module imports nothing of parallel3d: any package 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
@@ -28,15 +29,26 @@ def check_choice(key: str, value: Any, allowed: tuple) -> Any:
     return value
 
 
+def is_finite_number(value: Any) -> bool:
+    """A real number a run can compute with: not a bool, not nan, not +-inf (``1e400`` reads as inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def number_word(value: Any) -> str:
+    """``"number"``, or ``"finite number"`` where the value given was nan or infinite (says why it is refused)."""
+    return "finite number" if isinstance(value, float) and not math.isfinite(value) else "number"
+
+
 def check_range(key: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
-    """A number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; no upper bound when ``hi`` is None)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; no upper bound when ``hi`` is None).
+    Infinity is refused too: no key means "unbounded" by it (null does), and it overflows deep in a run."""
+    ok = is_finite_number(value)
     if ok:
         ok = value > lo if lo_open else value >= lo
         ok = ok and (hi is None or value <= hi)
     if not ok:
         bound = f"{'>' if lo_open else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
-        raise ConfigError(f"{key}={value!r}: must be a number {bound}")
+        raise ConfigError(f"{key}={value!r}: must be a {number_word(value)} {bound}")
     return float(value)
 
 

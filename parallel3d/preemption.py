@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import comm
-from parallel3d.option_checks import ConfigError, as_tuples
+from parallel3d.option_checks import ConfigError, as_tuples, is_finite_number, number_word
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -60,9 +60,9 @@ class StopOptions:
                               f"{', '.join(n for n in names if n in ('SIGTERM', 'SIGUSR1', 'SIGUSR2', 'SIGINT', 'SIGHUP'))} "
                               f"... (not SIGKILL/SIGSTOP), or [] for none")
         minutes = self.max_minutes
-        if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float))
-                                    or not minutes > 0):
-            raise ConfigError(f"train.max_minutes={minutes!r}: must be a number > 0 (minutes), or null for no budget")
+        if minutes is not None and not (is_finite_number(minutes) and minutes > 0):
+            raise ConfigError(f"train.max_minutes={minutes!r}: must be a {number_word(minutes)} > 0 (minutes), "
+                              f"or null for no budget")
 
 
 def _as_given(value: Any) -> Any:

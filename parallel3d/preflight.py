@@ -1,8 +1,9 @@
 """Preflight: what the machine must provide for a validated job, probed before any process group.
 
 The options classes check values; this module checks the environment those values point at:
-directories that must be writable (``train.out_dir``, ``parallel.offload_dir``), checkpoints
-(a ``train.resume`` directory; none left over under ``train.resume=none``), the
+directories that must be writable (``train.out_dir``, ``parallel.offload_dir``, ``data.cache_dir``),
+checkpoints (a ``train.resume`` directory complete and of this model; none left over under
+``train.resume=none``), an explicit kernel backend on a CPU run, the
 ``train.init_from`` transformers directory, the data files, and the device (CUDA present,
 bf16 supported). ``config.resolve`` runs it last, so the entry point (``parallel3d.train``,
 ``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
@@ -16,8 +17,10 @@ import tempfile
 
 import torch
 
+from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import complete_checkpoints
+from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, read_meta
+from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.data.options import DataOptions
@@ -32,13 +35,16 @@ def check_environment(train: TrainOptions, checkpoint: CheckpointOptions, zero: 
     if zero.offload == "disk":
         check_writable_dir("parallel.offload_dir", str(zero.offload_dir))
     check_writable_dir("train.out_dir", train.out_dir)
-    check_checkpoints(checkpoint, train.out_dir)
+    if data.source == "default":  # the built-in corpus is tokenized into it on first use
+        check_writable_dir("data.cache_dir", data.cache_dir)
+    check_checkpoints(checkpoint, train.out_dir, model)
     if checkpoint.init_from is not None:
         try:
             check_init_from(checkpoint.init_from, model)
         except ValueError as exc:
             raise ConfigError(f"train.init_from={checkpoint.init_from!r}: {exc}") from None
     device = resolve_device(train)
+    check_kernels(model, device)
     check_data_files(data)
     return device
 
@@ -52,6 +58,11 @@ def check_writable_dir(key: str, path: str) -> None:
     where = "" if probe == os.path.abspath(path) else f" in {probe}"
     if not os.path.isdir(probe):
         raise ConfigError(f"{key}={path!r}: must be a writable directory ({probe} is not a directory)")
+    name_max = os.pathconf(probe, "PC_NAME_MAX")
+    for name in os.path.relpath(os.path.abspath(path), probe).split(os.sep):  # the directories to be made
+        if len(os.fsencode(name)) > name_max:
+            raise ConfigError(f"{key}={path!r}: must be a writable directory (a name of {len(os.fsencode(name))} "
+                              f"bytes; the filesystem allows {name_max})")
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
@@ -60,10 +71,29 @@ def check_writable_dir(key: str, path: str) -> None:
                           f"{exc.strerror or exc})") from None
 
 
-def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str) -> None:
-    """A ``resume`` directory exists; ``resume=none`` does not silently mix with old checkpoints."""
-    if checkpoint.resume_dir is not None and not os.path.isdir(checkpoint.resume_dir):
-        raise ConfigError(f"train.resume={checkpoint.resume!r}: must be auto, none or an existing checkpoint directory")
+def check_writable_file(key: str, path: str) -> None:
+    """``path`` can be written as a file: not a directory, in an existing writable directory (a report
+    written at the end of a long run must not fail then)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r}: must be a file path (it is a directory)")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{key}={path!r}: must be a file in an existing directory ({parent} is not a directory)")
+    check_writable_dir(key, parent)
+
+
+def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelConfig) -> None:
+    """A ``resume`` directory is a complete checkpoint of this model (its files' CRCs are verified by the
+    ranks, spread over them; ``resume=auto`` picks among checkpoints there, skipping damaged ones, so its
+    checks stay the ranks'); ``resume=none`` does not silently mix with old checkpoints."""
+    if checkpoint.resume_dir is not None:
+        if not os.path.isdir(checkpoint.resume_dir):
+            raise ConfigError(f"train.resume={checkpoint.resume!r}: must be auto, none or an existing checkpoint "
+                              f"directory")
+        if not is_loadable(checkpoint.resume_dir):
+            raise ConfigError(f"train.resume={checkpoint.resume!r}: not a complete checkpoint directory (needs a "
+                              f"readable meta.json and every file it lists, at its size)")
+        _check_resumable(f"train.resume={checkpoint.resume!r}", checkpoint.resume_dir, model)
     if checkpoint.resume == "none":
         old = [step for step, _ in complete_checkpoints(os.path.join(out_dir, "checkpoints"))]
         if old:
@@ -71,6 +101,28 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str) -> None:
                 f"train.resume=none but train.out_dir={out_dir!r} holds checkpoints of steps {old}; "
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
+
+
+def _check_resumable(key: str, directory: str, model: ModelConfig) -> None:
+    """The checkpoint's format is readable and its model has this job's parameter shapes."""
+    try:
+        meta = read_meta(directory)
+        compat.check_format(directory, meta)
+        compat.check_same_model(directory, meta, model)
+    except (CheckpointError, OSError, ValueError, TypeError) as exc:  # TypeError: a model section of other keys
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def check_kernels(model: ModelConfig, device: str) -> None:
+    """An explicit ``kernels.backend`` (triton, apex) can run on a CPU run's tensors; probed with the
+    kernels' own rule on an empty CPU tensor (a CUDA run is not probed here: that would create a CUDA
+    context on the default GPU in every rank's process before it picks its own)."""
+    if device != "cpu":
+        return
+    try:
+        resolve_backend(model.backend, "the model's kernels", torch.empty(0), apex_has_op=True)
+    except BackendUnavailableError as exc:
+        raise ConfigError(f"{exc} (use kernels.backend=auto or torch)") from None
 
 
 def resolve_device(train: TrainOptions) -> str:

@@ -46,7 +46,10 @@ register_schema()
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank; 0 for a RANK that is not a rank of WORLD_SIZE (``config.world_size_from_env``
+    reports it, and rank 0 prints the report)."""
+    rank, world = os.environ.get("RANK", "0").strip(), os.environ.get("WORLD_SIZE", "1").strip()
+    return int(rank) if rank.isdigit() and world.isdigit() and int(rank) < int(world) else 0
 
 
 def _config_exit(exc: ConfigError) -> None:

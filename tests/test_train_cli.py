@@ -100,13 +100,16 @@ def test_torchrun_two_processes_trains_logs_and_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_prints_its_cause_and_exits_nonzero(tmp_path):
-    blocker = tmp_path / "not_a_directory"
-    blocker.write_text("the corpus cache cannot live under a file")
-    cmd = [sys.executable, "-m", "parallel3d.train", f"train.out_dir={tmp_path / 'run'}", f"data.cache_dir={blocker}"]
+    # A fault only the rank can find (it reads the index; preflight checks that the files exist). A
+    # data.cache_dir under a file, used here before, is now refused up front (tests/test_bad_inputs.py).
+    (tmp_path / "not_an_index.bin").write_bytes(b"tokens")
+    (tmp_path / "not_an_index.idx").write_bytes(b"not an index")
+    cmd = [sys.executable, "-m", "parallel3d.train", f"train.out_dir={tmp_path / 'run'}", "data=indexed",
+           f"data.paths=[{tmp_path / 'not_an_index'}]"]
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     failed = [line for line in proc.stderr.splitlines() if line.startswith("[rank 0] failed:")]
-    assert len(failed) == 1 and "not_a_directory" in failed[0], proc.stderr[-2000:]
+    assert len(failed) == 1 and "not_an_index.idx" in failed[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

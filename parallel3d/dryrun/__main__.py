@@ -13,6 +13,7 @@ from parallel3d.config import ConfigError, resolve
 from parallel3d.dryrun.options import parse_ranks, split_args
 from parallel3d.dryrun.rank_report import dry_run_rank
 from parallel3d.dryrun.table import format_reports, reports_json
+from parallel3d.preflight import check_writable_file
 from parallel3d.topology import LayoutError
 from parallel3d.train import compose_job
 from parallel3d.user_warnings import one_line_warnings
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         job, _ = compose_job(overrides)
         rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
         ranks = parse_ranks(options.ranks, options.world_size)
+        if options.json:  # written after every rank is built: a bad path must not cost that work
+            check_writable_file("dryrun.json", options.json)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from models.config import ModelConfig
-from parallel3d.config import ConfigError, JobConfig, build_model_config, options_of, register_schema, resolve
+from parallel3d.config import (ConfigError, JobConfig, build_model_config, check_no_extra_keys, options_of,
+                               register_schema, resolve)
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
@@ -24,6 +25,7 @@ from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.planner import evaluate, Plan, PlanRequest, plan
 from parallel3d.planning.zb_lags import zb_h1_w_lags
+from parallel3d.preflight import check_writable_file
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.topology import LayoutError
 from parallel3d.train_options import TrainOptions
@@ -79,6 +81,11 @@ def run_app(config_name: str, run: Callable[["PlanningJob"], str]) -> None:
     from omegaconf import DictConfig, OmegaConf
 
     register_planning_schema()
+    try:
+        check_overrides(sys.argv[1:], config_name)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
     def main(cfg: DictConfig) -> None:
@@ -89,6 +96,25 @@ def run_app(config_name: str, run: Callable[["PlanningJob"], str]) -> None:
             sys.exit(2)
 
     main()
+
+
+def check_overrides(args: list[str], config_name: str) -> None:
+    """Compose ``args`` as ``hydra.main`` will (``parallel3d.command_line``), so an unknown key or a wrong
+    type is one ``ConfigError`` line, not Hydra's multi-line report with exit 1."""
+    from omegaconf import OmegaConf
+
+    from parallel3d import command_line
+
+    cmd = command_line.parse(list(args), str(CONF_DIR), config_name)
+    if cmd is None or not cmd.check:  # argparse rejected it (Hydra says why), or shell completion
+        return
+    for job_overrides in command_line.expand_jobs(cmd).jobs[:command_line.MAX_CHECKED_JOBS]:
+        cfg = command_line.compose(cmd, job_overrides)
+        check_no_extra_keys(cfg, PlanningJob)
+        try:
+            OmegaConf.to_object(cfg)
+        except Exception as exc:  # noqa: BLE001 - OmegaConf's many error types: all config problems here
+            raise ConfigError(command_line.one_line(exc)) from None
 
 
 def split_device_mem_flag(argv: list[str]) -> list[str]:
@@ -253,6 +279,8 @@ def run_plan(job: PlanningJob) -> str:
     cluster = cluster_from(job.cluster)
     model = resolve_model_only(job)
     o = job.plan
+    if o.json:  # written after the search: a bad path must not cost it
+        check_writable_file("plan.json", o.json)
     request = PlanRequest(
         global_batch_size=job.train.global_batch_size, seq_len=job.train.seq_len, precision=job.train.precision,
         micro_batch_sizes=tuple(o.micro_batch_sizes), max_virtual_stages=o.max_virtual_stages,
@@ -295,6 +323,6 @@ def resolve_model_only(job: JobConfig) -> ModelConfig:
     return model
 
 
-__all__ = ["ClusterConfig", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
+__all__ = ["ClusterConfig", "check_overrides", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
            "format_plan", "layout_from_job", "register_planning_schema", "run_estimate", "run_plan",
            "split_device_mem_flag"]

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from parallel3d.option_checks import is_finite_number, number_word
 from parallel3d.planning.sizes import GiB, parse_bytes
 
 DEVICE_DIR = Path(__file__).resolve().parents[2] / "conf" / "cluster" / "devices"
@@ -94,8 +95,8 @@ _ALLOWED = set(_NUMBER_KEYS) | set(_REQUIRED)
 
 
 def _positive(where: str, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{where}: {key}={value!r} must be a number > 0")
+    if not (is_finite_number(value) and value > 0):  # a device .yaml's .nan or .inf
+        raise ValueError(f"{where}: {key}={value!r} must be a {number_word(value)} > 0")
     return float(value)
 
 
