@@ -263,6 +263,9 @@ class PipelineEngine:
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
         self.split_backward = splits_backward(self.actions)
+        # A stage without the model's first chunk waits for the stages above it to drain at the end of
+        # its step: it frees its finished backward graphs then, not between its actions (step_run).
+        self.park_spent_graphs = not self.split_backward and 0 not in held
         self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, prefetch_recvs,
                                  self.p2p.peer)
 
@@ -343,6 +346,7 @@ class PipelineEngine:
                     # (full recompute saves only the chunk input)
                     record_peak()
         run.busy = busy
+        run.free_parked_graphs()  # after the last send was posted (the plan's last step)
         schedule_wait = self.p2p.wait_time - waited
         self.p2p.wait_sends()
         executor_cpu = cpu() - cpu_start - cpu_busy
