@@ -57,7 +57,7 @@ pipeline stage (ZB-V: stage 0), it is sent there at the end of the step, so
 ``StepResult.loss`` is on the last stage's ranks for every schedule.
 
 Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p waits),
-``finalize_time`` (the closing collectives: gradient finalisation and the loss, mostly a
+``finalize_time`` (the closing phase: freeing parked graphs, gradient finalisation and the loss, mostly a
 wait for the slowest stage) and what is left, ``executor_time``: the executor's own work
 (posting, bookkeeping), reported per action by ``scripts/bench_pipeline.py``, also as
 ``executor_cpu_time`` (the loop thread's CPU time outside computations), which a busy
@@ -136,8 +136,8 @@ class StepResult:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
     wait_time: float = 0.0  # seconds blocked waiting for p2p to complete
     num_actions: int = 0  # actions of this stage's schedule (computations and messages)
-    # Seconds in the step's closing collectives (grad_sync.finalize, the loss to the last stage):
-    # mostly waiting for the slowest stage, so neither the executor's work nor a p2p wait.
+    # Seconds in the step's closing phase (freeing parked backward graphs, grad_sync.finalize, the loss
+    # to the last stage): mostly waiting for the slowest stage, so neither the executor's work nor a p2p wait.
     finalize_time: float = 0.0
     # This thread's CPU seconds in the action loop outside computations: the executor's own work
     # measured so that a busy machine's preemption and blocking waits do not count.
@@ -346,13 +346,15 @@ class PipelineEngine:
                     # (full recompute saves only the chunk input)
                     record_peak()
         run.busy = busy
-        run.free_parked_graphs()  # after the last send was posted (the plan's last step)
         schedule_wait = self.p2p.wait_time - waited
         self.p2p.wait_sends()
         executor_cpu = cpu() - cpu_start - cpu_busy
         if run.leftovers():
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
         finalize_start = clock()
+        # Part of the closing phase, not of any action: the graphs this stage parked (step_run) go
+        # while the stages above it finish their last backwards, which finalize waits for anyway.
+        run.free_parked_graphs()
         self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         loss = send_loss_to_last_stage(loss, self.placement, self.pstate)

@@ -15,7 +15,8 @@ Spent graphs (``StepOwner.park_spent_graphs``): freeing a backward's finished gr
 custom Functions' contexts) costs CPU (about 0.1 ms for a 4-layer GPT chunk) that on a stage
 without the model's first chunk delays its next action, the critical path of a pipeline whose
 later stage is its busiest. There the graphs are parked and freed together after the action
-loop (``free_parked_graphs``), while the stage waits for the stages above it to drain. A parked
+loop (``free_parked_graphs``, in the engine's closing phase), while the stage waits for the
+stages above it to drain. A parked
 graph holds no activation: backward has freed its saved tensors, and the one tensor it still
 references, the stage's input (autograd's accumulator for it), is emptied first: its gradient
 handed on and its data swapped for the step's placeholder, so its receive buffer is reused as before.
