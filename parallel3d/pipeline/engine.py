@@ -10,10 +10,10 @@ to its ``B``), sends, and accumulates gradients over microbatches into ``.grad``
 The chunks sit where the schedule's ``placement`` says (``placement``: a loop, or
 ZB-V's V, whose turns hand activations and gradients over inside the stage).
 
-Loss scale invariant: each microbatch's loss is multiplied by
-``loss_scale / num_microbatches`` before backward, so after a step the grads are
-those of ``loss_scale`` times the mean loss over the step's microbatches,
-whatever pp and m are (DP averaging is the optimizer's job).
+Loss scale invariant: each microbatch's loss is backpropagated from the seed
+``loss_scale / num_microbatches`` (the gradients of the loss times that factor, bit for bit:
+``step_run``'s ``root_grad``), so after a step the grads are those of ``loss_scale`` times the
+mean loss over the step's microbatches, whatever pp and m are (DP averaging is the optimizer's job).
 
 Sent activations (Megatron's trick): once a chunk's output has been sent
 downstream, only its autograd graph is needed for the backward, not its values,
