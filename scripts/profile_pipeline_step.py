@@ -7,15 +7,18 @@ per rank), alternating the two systems step by step, and wraps each system's pha
 (forward, loss, backward, p2p post / wait, the tied-embedding sum, grad scaling, output merge, ...)
 with an exclusive thread-CPU clock (``time.thread_time``: this rank's main thread only, so other
 processes sharing the cores do not inflate it; a phase nested in another is taken out of its parent).
-Per rank and system it prints the median over the measured steps of each phase's CPU ms and calls
-per step, ``rest`` (the step's thread CPU outside every wrapped phase: the executor's own loop, the
-schedule's bookkeeping), ``threads`` (the process's CPU less the main thread's: gloo's threads)
-and the wall time, for confirmation only.
+The chunk's own forward (``module F``; ours with its loss) and autograd's backward (``autograd B``)
+are wrapped inside F and B on both sides, so ``F`` and ``B`` keep only what each executor does around
+them; the interpreter's cyclic collections are phases of their own (``gc gen N``).
+Per rank and system it prints the median over the measured steps of each phase's CPU ms, calls and
+minor page faults per step, ``rest`` (the step's thread CPU outside every wrapped phase: the
+executor's own loop, the schedule's bookkeeping), ``other threads`` (the process's CPU less the main
+thread's: gloo's threads) and the wall time, for confirmation only.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/profile_pipeline_step.py --stages 2 --hidden 128 --steps 8
+    PYTHONPATH=$PWD .venv/bin/python scripts/profile_pipeline_step.py --stages 2 --hidden 128 --steps 10
 
 Invariant: both systems run the same chunks' code on the same batch; the wrappers cost two clock
-reads per wrapped call (about 1 us), on both sides alike.
+and two ``getrusage`` reads per wrapped call (a few us), on both sides alike.
 """
 
 from __future__ import annotations
@@ -38,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from bench_pipeline_group import _TorchStage, _batch, _build_chunks  # noqa: E402
+from bench_pipeline_group import _TorchStage, _batch, _build_chunks, torch_loss_fn  # noqa: E402
 from peer_env import free_port, spawn_results  # noqa: E402
 
 
@@ -172,18 +174,14 @@ def _measure(args, world: int, clock: PhaseClock) -> dict:
     from parallel3d.topology import Topology
 
     pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
-    m, s, vocab = args.microbatches, pstate.coord("pp"), args.vocab
+    m, s = args.microbatches, pstate.coord("pp")
     microbatches, inputs, labels = _batch(args, m)
     ours_chunks = _build_chunks(args, pstate, 1)
     engine = PipelineEngine(ours_chunks, pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=args.mbs,
                             seq_len=args.seq, hidden_size=args.hidden)
     torch_chunks = _build_chunks(args, pstate, 1)
     stage = PipelineStage(_TorchStage(torch_chunks[0]), s, world, torch.device("cpu"), group=pstate.group("pp"))
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # bench_pipeline_group's
-        return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
-
-    schedule = Schedule1F1B(stage, m, loss_fn=loss_fn)
+    schedule = Schedule1F1B(stage, m, loss_fn=torch_loss_fn(args.vocab))
 
     def run_theirs() -> None:  # as bench_pipeline_group runs it
         schedule.step(*((inputs,) if stage.is_first else ()), **({"target": labels, "losses": []} if stage.is_last else {}))
