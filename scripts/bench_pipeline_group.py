@@ -50,6 +50,16 @@ def _model_config(args):
                       vocab_size=args.vocab, max_seq_len=args.seq, fused_kernels=False)
 
 
+def torch_loss_fn(vocab: int):
+    """torch.pipelining's ``loss_fn`` for the GPT's logits: the mean token cross entropy our chunks
+    compute inside their forward when given labels."""
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
+
+    return loss_fn
+
+
 def _w_lags(args, p: int, m: int, schedule: str) -> tuple[int, ...] | None:
     """zb_h1's W lags for the benchmark's model, as the trainer picks them (``planning.zb_lags``)."""
     if schedule != "zb_h1":
@@ -261,10 +271,7 @@ def _group_round(args, pstate, v: int) -> dict:
 
     p, m, s = pstate.size("pp"), args.microbatches, pstate.coord("pp")
     microbatches, inputs, labels = _batch(args, m)
-    vocab = args.vocab
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
+    loss_fn = torch_loss_fn(args.vocab)
 
     systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
     layouts = [("1f1b", 1), ("zb_h1", 1)] + ([("interleaved_1f1b", v)] if v > 1 else [])

@@ -10,10 +10,10 @@ to its ``B``), sends, and accumulates gradients over microbatches into ``.grad``
 The chunks sit where the schedule's ``placement`` says (``placement``: a loop, or
 ZB-V's V, whose turns hand activations and gradients over inside the stage).
 
-Loss scale invariant: each microbatch's loss is multiplied by
-``loss_scale / num_microbatches`` before backward, so after a step the grads are
-those of ``loss_scale`` times the mean loss over the step's microbatches,
-whatever pp and m are (DP averaging is the optimizer's job).
+Loss scale invariant: each microbatch's loss is backpropagated from the seed
+``loss_scale / num_microbatches`` (the gradients of the loss times that factor, bit for bit:
+``step_run``'s ``root_grad``), so after a step the grads are those of ``loss_scale`` times the
+mean loss over the step's microbatches, whatever pp and m are (DP averaging is the optimizer's job).
 
 Sent activations (Megatron's trick): once a chunk's output has been sent
 downstream, only its autograd graph is needed for the backward, not its values,
@@ -57,7 +57,7 @@ pipeline stage (ZB-V: stage 0), it is sent there at the end of the step, so
 ``StepResult.loss`` is on the last stage's ranks for every schedule.
 
 Measured per step: ``busy_time`` (computations), ``wait_time`` (blocked in p2p waits),
-``finalize_time`` (the closing collectives: gradient finalisation and the loss, mostly a
+``finalize_time`` (the closing phase: freeing parked graphs, gradient finalisation and the loss, mostly a
 wait for the slowest stage) and what is left, ``executor_time``: the executor's own work
 (posting, bookkeeping), reported per action by ``scripts/bench_pipeline.py``, also as
 ``executor_cpu_time`` (the loop thread's CPU time outside computations), which a busy
@@ -136,8 +136,8 @@ class StepResult:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list, repr=False)
     wait_time: float = 0.0  # seconds blocked waiting for p2p to complete
     num_actions: int = 0  # actions of this stage's schedule (computations and messages)
-    # Seconds in the step's closing collectives (grad_sync.finalize, the loss to the last stage):
-    # mostly waiting for the slowest stage, so neither the executor's work nor a p2p wait.
+    # Seconds in the step's closing phase (freeing parked backward graphs, grad_sync.finalize, the loss
+    # to the last stage): mostly waiting for the slowest stage, so neither the executor's work nor a p2p wait.
     finalize_time: float = 0.0
     # This thread's CPU seconds in the action loop outside computations: the executor's own work
     # measured so that a busy machine's preemption and blocking waits do not count.
@@ -263,6 +263,9 @@ class PipelineEngine:
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
         self.split_backward = splits_backward(self.actions)
+        # A stage without the model's first chunk waits for the stages above it to drain at the end of
+        # its step: it frees its finished backward graphs then, not between its actions (step_run).
+        self.park_spent_graphs = not self.split_backward and 0 not in held
         self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, prefetch_recvs,
                                  self.p2p.peer)
 
@@ -349,6 +352,9 @@ class PipelineEngine:
         if run.leftovers():
             raise RuntimeError(f"rank {self.pstate.rank}: activations left after the step (schedule bug)")
         finalize_start = clock()
+        # Part of the closing phase, not of any action: the graphs this stage parked (step_run) go
+        # while the stages above it finish their last backwards, which finalize waits for anyway.
+        run.free_parked_graphs()
         self.grad_sync.finalize()
         loss = torch.stack(run.losses).float().mean().item() if run.losses else None
         loss = send_loss_to_last_stage(loss, self.placement, self.pstate)
