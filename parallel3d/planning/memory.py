@@ -104,6 +104,10 @@ class StageMemory:
     workspace: float = 0.0  # transients of one layer / the loss (cp K/V in flight, logits' gradients)
     host: float = 0.0  # offloaded optimizer state in host memory (not device memory)
     disk: float = 0.0  # offloaded optimizer state on disk
+    # Of ``weights`` / ``gradients``, what is not the optimizer's flat buffers: ZeRO-3's gather window, and the
+    # one gradient a hook is moving into its main-grad buffer or shard (``model_state_bytes``).
+    gathered_weights: float = 0.0
+    gradient_in_flight: float = 0.0
 
     @property
     def total(self) -> float:
@@ -191,7 +195,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
     """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
     own split where the counts are its counts, else consecutive runs of the counts (the stage order
     of a single-chunk pipeline; with virtual stages, an approximation for custom counts)."""
-    engine = partition_layers(config, layout.pp, layout.virtual_stages)
+    engine = partition_layers(config, layout.pp, layout.virtual_stages, seq_len=layout.seq_len)
     by_stage = [[i for a, b in stage_layer_ranges(engine, layout.pp, s) for i in range(a, b)]
                 for s in range(layout.pp)]
     if [len(ids) for ids in by_stage] == list(stage_layers):
@@ -285,7 +289,7 @@ def estimate_memory(
     if assumptions is None:
         assumptions = ActivationAssumptions.for_model(config, layout.precision)
     if stage_layers is None:
-        stage_layers = stage_layer_counts(config, layout.pp, layout.virtual_stages)
+        stage_layers = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
     if len(stage_layers) != layout.pp or sum(stage_layers) != config.num_layers:
         raise ValueError(f"stage_layers={stage_layers} must give pp={layout.pp} counts summing to "
                          f"model.num_layers={config.num_layers}")
@@ -362,17 +366,19 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
     dense = held - expert_whole  # rank_params counts every expert whole on every rank
     largest = largest_tensor(config, layout.tp, layout.pp, stage, layers)
     dp_cp = layout.dp * layout.cp
-    states = model_state_bytes(dense, dp_cp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
-                               largest, offload=layout.offload,
-                               gathered_params=gather_window_params(config, layout, stage, layers))
-    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
     edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
+
+    def states_of(params: int, group: int, zero: int, largest_param: int = 0, gathered: int = 0) -> dict[str, float]:
+        return model_state_bytes(params, group, zero, layout.precision, layout.grad_reduce_dtype, largest_param,
+                                 offload=layout.offload, gathered_params=gathered)
+
+    buffers = states_of(dense, dp_cp, layout.zero_stage)  # the optimizer's flat buffers and shards alone
+    states = states_of(dense, dp_cp, layout.zero_stage, largest, gather_window_params(config, layout, stage, layers))
+    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
     if expert_held:
-        edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
         gathered = expert_held if layout.expert_zero == 3 else 0  # whole while their layer runs (upper bound)
-        states = _add(states, model_state_bytes(expert_held, edp, layout.expert_zero, layout.precision,
-                                                layout.grad_reduce_dtype, offload=layout.offload,
-                                                gathered_params=gathered))
+        buffers = _add(buffers, states_of(expert_held, edp, layout.expert_zero))
+        states = _add(states, states_of(expert_held, edp, layout.expert_zero, gathered=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
     activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
     workspace = workspace_bytes(config, layout, stage, assumptions, layers)
@@ -392,4 +398,5 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
     grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad
     workspace = max(workspace, reduce_scatter_staging_bytes(groups, grad_bytes, assumptions) - activations)
     return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
-                       workspace=workspace, **states, **offloaded)
+                       workspace=workspace, **states, **offloaded, gathered_weights=states["weights"] - buffers["weights"],
+                       gradient_in_flight=states["gradients"] - buffers["gradients"])
