@@ -135,3 +135,25 @@ def test_generated_searches_cover_the_issues_inputs():
     assert any(o.startswith("model.moe.num_experts=") and int(o.split("=")[1]) % 2 for o in flat)
     assert "model.num_kv_heads=1" in flat and any(o.startswith("cluster.device_mem=") for o in flat)
     assert {f"train.seq_len={s}" for s in (SEQ_LENS[0], SEQ_LENS[-1])} <= flat
+
+
+@pytest.mark.parametrize("overrides, expected", [  # in-process searches above cover the others in CI
+    pytest.param(["model=llama3_8b", "cluster.gpus=8", "cluster.device_mem=1GB"], "no layout fits: the closest, ",
+                 id="tight-memory"),
+    pytest.param(["model=gpt_tiny", "cluster.gpus=7", "train.global_batch_size=5", "train.seq_len=64"],
+                 "no layout can be formed: global_batch_size=5", id="prime-batch", marks=pytest.mark.extended),
+    pytest.param(["model=llama3_8b", "cluster.gpus=12"], "error: cluster.gpus=12 is not a multiple of "
+                 "cluster.gpus_per_node=8", id="partial-node", marks=pytest.mark.extended),
+])
+def test_plan_script_explains_an_empty_search(overrides, expected):
+    """Through the script itself: an empty search says why on stdout (exit 0), a cluster it cannot describe is
+    one ``error:`` line (exit 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "plan.py"), *overrides], capture_output=True,
+                         text=True, cwd=repo, timeout=300)
+    assert out.returncode == (2 if expected.startswith("error") else 0), out.stderr[-2000:]
+    assert expected in out.stdout + out.stderr

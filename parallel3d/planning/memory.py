@@ -206,7 +206,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
 
 def stage_activation_bytes(
     config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions,
-    chunk_layers: Sequence[Sequence[int]] | None = None,
+    chunk_layers: Sequence[Sequence[int]] | None = None, w_lags: Sequence[int] | None = None,
 ) -> tuple[float, int]:
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
@@ -222,7 +222,8 @@ def stage_activation_bytes(
     405B's embedding-only first and head-only last chunk; uneven stages): the peak is then the largest
     sum, over the schedule's most-loaded moments (``chunk_in_flight_moments``), of each chunk's
     microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
-    planner's search, which passes counts, keeps the mean.
+    planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
+    caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
     """
     loop = placement_for(layout.schedule, layout.pp, layout.virtual_stages).chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
@@ -242,7 +243,7 @@ def stage_activation_bytes(
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
     inflight, w_heads = inflight_chunks(layout, stage), 0
     if layout.schedule == "zb_h1":  # in flight at the fullest forward, and those waiting for W (zb_lags)
-        inflight, w_heads = zb_h1_peak_counts(layout, stage, zb_h1_w_lags(config, layout)[stage])
+        inflight, w_heads = zb_h1_peak_counts(layout, stage, (w_lags or zb_h1_w_lags(config, layout))[stage])
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
     total = inflight * _layers_bytes(config, layout, stage_layer_ids(config.shape, layers), assumptions) \
         / layout.virtual_stages
@@ -294,9 +295,8 @@ def estimate_memory(
         raise ValueError(f"stage_layers={stage_layers} must give pp={layout.pp} counts summing to "
                          f"model.num_layers={config.num_layers}")
     ids = stage_layer_indices(config, layout, stage_layers)
-    stages = []
-    for stage in range(layout.pp):
-        stages.append(_stage_memory(config, layout, stage, ids[stage], assumptions))
+    lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
+    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags) for stage in range(layout.pp)]
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 
 
@@ -357,7 +357,7 @@ def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes:
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],
-                  assumptions: ActivationAssumptions) -> StageMemory:
+                  assumptions: ActivationAssumptions, w_lags: Sequence[int] | None = None) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
     held = rank_params(config, layout.tp, layout.pp, stage, layers).total
@@ -380,7 +380,7 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
         buffers = _add(buffers, states_of(expert_held, edp, layout.expert_zero))
         states = _add(states, states_of(expert_held, edp, layout.expert_zero, gathered=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
-    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
+    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions, w_lags=w_lags)
     workspace = workspace_bytes(config, layout, stage, assumptions, layers)
     if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
         dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
