@@ -9,7 +9,7 @@ empty plan must say what is closest and by how much (``no_fit``); every layout i
 - pass the training config validator (``config.resolve`` on the layout's own overrides: the same options objects);
 - have a step-time breakdown whose columns add up to the step time;
 - have an MFU and tokens/s that follow from the step time and the model-shape FLOPs (``models.shape``), one
-  source for both, and an MFU below 1.
+  source for both, and do the causal work at less than the device's peak.
 
 The memory invariant is checked against an independent reference, the dry run's own construction of a rank
 (the trainer's ``build_chunks`` and ``ZeroOptimizer`` on meta tensors and the fake backend): for drawn small
@@ -111,7 +111,10 @@ def _check_search(seed: int) -> None:
         cluster = result.cluster
         mfu = per_token * tokens_per_s / (cluster.gpus * cluster.device.peak_flops)
         assert step.mfu == pytest.approx(mfu, rel=1e-9)
-        assert 0 < step.mfu < 1
+        # Physically possible: the work a causal kernel does (recompute included) at no more than peak. (MFU
+        # itself counts the full s x s attention, Megatron's convention, and passes 100% at 128k tokens.)
+        done = result.config.shape.flops_per_token(r.seq_len, attention="causal", recompute=lay.recompute).hardware
+        assert 0 < done * tokens_per_s / (cluster.gpus * cluster.device.peak_flops) < 1
 
 
 @pytest.mark.parametrize("seed", SEARCH_SEEDS, ids=lambda s: f"seed-{s}")

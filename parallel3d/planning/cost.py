@@ -294,8 +294,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     # ``StepEstimate.breakdown``): its per-layer communication x layers x microbatches, the rest of its busy
     # time is compute; what its pipeline end leaves over is idle: its P2P messages (which the simulator
     # charges to the receiver's wait, not to the busy time: ``fwd`` / ``bwd`` hold no P2P), up to that idle,
-    # and the rest is bubble. (Taking P2P off the busy time instead made the compute column shrink as the
-    # network slowed, and made the columns overrun the step where P2P outweighed a tiny stage's compute.)
+    # and the rest is bubble. (Taking P2P off the busy time instead made compute shrink as the network
+    # slowed, and the columns overrun the step where P2P outweighed a tiny stage's compute.)
     m = layout.num_microbatches
     parts = {k: t * stage_layers[crit] * m for k, t in lt.comm}
     busy = sum(fwd(crit, ch) + bwd(crit, ch) for ch in range(v)) * m
