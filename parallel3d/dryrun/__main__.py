@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         options, overrides = split_args(args)
         job, _ = compose_job(overrides)
         rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
+        if rj.zero.offload == "disk":  # its optimizer would create (sparse) state files of the real job's size
+            raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
+                              "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
         ranks = parse_ranks(options.ranks, options.world_size)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
