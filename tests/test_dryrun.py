@@ -99,6 +99,17 @@ def test_bad_keys_fail_in_one_line_before_any_rank(args, fragment, capsys):
     assert out == "" and len(err.strip().splitlines()) == 1 and fragment in err, err
 
 
+def test_disk_offload_is_refused_before_any_file_is_made(tmp_path, capsys):
+    """It once failed on every rank with a numpy TypeError, after creating a state directory per rank."""
+    state_dir = tmp_path / "offload"
+    args = ["dryrun.world_size=2", "parallel.dp=2", "parallel.zero_stage=1", "parallel.offload=disk",
+            f"parallel.offload_dir={state_dir}"]
+    assert cli.main(["model=gpt_tiny", "train.global_batch_size=8", "train.micro_batch_size=1", *args]) == cli.EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == "" and "parallel.offload=disk: the dry run creates no optimizer state files" in err, err
+    assert not state_dir.exists()
+
+
 def test_parse_ranks_names_and_order():
     assert parse_ranks("last, 0 ,first,3", 8) == [7, 0, 3]
     with pytest.raises(ConfigError):

@@ -93,7 +93,7 @@ def _settings(config, cluster, request):
     budget = cluster.device.memory_bytes * request.memory_fraction
     out = []
     for index, base in enumerate(enumerate_layouts(config, cluster, request)):
-        splits = stage_layer_counts(config, base.pp, base.virtual_stages)
+        splits = stage_layer_counts(config, base.pp, base.virtual_stages, base.seq_len)  # the engine splits at seq_len
         for recompute in (r for r in RECOMPUTE_ORDER if r in request.recompute_modes):
             fits = False
             for zero in request.zero_stages:

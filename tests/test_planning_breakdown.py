@@ -103,3 +103,19 @@ def test_rank_reason_names_the_columns_the_published_layout_loses_in():
     top = max(a, key=lambda k: a[k] - b[k])
     assert top == "bubble"
     assert line.startswith(f"best {base.short()}: published loses in {top} +{a[top] - b[top]:.2f} s")
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)])
+def test_compute_column_does_not_depend_on_the_network(schedule, v):
+    """The compute column is the stage's own work: a slower link can only move time into pp / bubble. (It
+    once took the P2P time off the busy time, which holds no P2P: compute fell to 0 on a slow link and the
+    columns overran the step where P2P outweighed a tiny stage's compute; found by test_planning_fuzz.)"""
+    layout = Layout(tp=1, pp=4, dp=1, micro_batch_size=1, seq_len=4096, global_batch_size=8, schedule=schedule,
+                    virtual_stages=v)
+    steps = [evaluate(MOE.replace(moe=MoEConfig()), layout, ClusterSpec.build(4, 1, "h100_80gb", inter_node_gbps=g,
+                                                                          intra_node_gbps=g)).step for g in (1, 1000)]
+    slow, fast = (dict(s.breakdown) for s in steps)
+    assert slow["compute"] == pytest.approx(fast["compute"], rel=1e-9) and fast["compute"] > 0
+    assert slow["pp"] > fast["pp"]
+    for s in steps:
+        assert sum(dict(s.breakdown).values()) == pytest.approx(s.step_time_s, rel=1e-9)

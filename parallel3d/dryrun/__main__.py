@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         options, overrides = split_args(args)
         job, _ = compose_job(overrides)
         rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
+        if rj.zero.offload == "disk":  # its optimizer would create (sparse) state files of the real job's size
+            raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
+                              "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
         ranks = parse_ranks(options.ranks, options.world_size)
         if options.json:  # written after every rank is built: a bad path must not cost that work
             check_writable_file("dryrun.json", options.json)

@@ -22,6 +22,7 @@ from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
+from parallel3d.planning.no_fit import nothing_fits
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.planner import evaluate, Plan, PlanRequest, plan
 from parallel3d.planning.zb_lags import zb_h1_w_lags
@@ -157,7 +158,7 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
         expert_zero_stage=zero.expert_zero_stage,
     )
     model = rj.model
-    ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers)
+    ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers, seq_len=t.seq_len)  # as rank_build
     stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, dims.pp, s)) for s in range(dims.pp)]
     return model, layout, stage_layers
 
@@ -242,7 +243,7 @@ def format_plan(result: Plan, top_k: int) -> str:
     if result.ranked:
         lines += ["", "best as overrides: " + result.ranked[0].layout.overrides()]
     else:
-        lines += ["", "no layout fits: try more GPUs, a larger device, or another global batch size"]
+        lines += ["", nothing_fits(result)]
     return "\n".join(lines)
 
 
@@ -256,7 +257,8 @@ def why_slower(worse, better) -> str:
 
 def plan_json(result: Plan, top_k: int) -> list[dict]:
     return [
-        {**c.layout.to_dict(), "stage_layers": stage_layer_counts(result.config, c.layout.pp, c.layout.virtual_stages),
+        {**c.layout.to_dict(), "stage_layers": stage_layer_counts(result.config, c.layout.pp, c.layout.virtual_stages,
+                                                               c.layout.seq_len),
          "memory_bytes": {k: getattr(c.memory.worst, k) for k in
                           ("weights", "gradients", "master_weights", "optimizer_moments", "activations")},
          "tokens_per_s": c.step.tokens_per_s(), "dp_exposed_s": c.step.dp_exposed_s,
@@ -275,7 +277,8 @@ def run_estimate(job: PlanningJob) -> str:
     return format_memory(estimate, cluster.device.memory_bytes)
 
 
-def run_plan(job: PlanningJob) -> str:
+def search(job: PlanningJob, progress: Optional[Callable[[str], None]] = None) -> Plan:
+    """The search ``scripts/plan.py`` runs for ``job`` (its cluster, model, train.* and plan.* keys)."""
     cluster = cluster_from(job.cluster)
     model = resolve_model_only(job)
     o = job.plan
@@ -289,7 +292,13 @@ def run_plan(job: PlanningJob) -> str:
         simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages, max_cp=o.max_cp,
         schedules=tuple(o.schedules),
     )
-    result = plan(model, cluster, request)
+    return plan(model, cluster, request, progress=progress)
+
+
+def run_plan(job: PlanningJob) -> str:
+    o = job.plan
+    result = search(job, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    model, cluster = result.config, result.cluster
     if o.json:
         with open(o.json, "w") as f:
             json.dump({"model": model.name, "gpus": cluster.gpus, "device": cluster.device.name,
@@ -324,5 +333,5 @@ def resolve_model_only(job: JobConfig) -> ModelConfig:
 
 
 __all__ = ["ClusterConfig", "check_overrides", "PlanOptions", "PlanningJob", "cluster_from", "format_memory",
-           "format_plan", "layout_from_job", "register_planning_schema", "run_estimate", "run_plan",
+           "format_plan", "layout_from_job", "register_planning_schema", "run_estimate", "run_plan", "search",
            "split_device_mem_flag"]

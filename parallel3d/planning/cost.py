@@ -145,8 +145,8 @@ def stage_grad_groups(config: ModelConfig, layout: Layout, stage: int, layers: i
     ``1 / etp`` of each) over ``edp`` at the expert ZeRO stage, as the runtime and the estimator
     shard them. (``rank_params`` counts every expert whole: reducing that over dp priced an ep=8
     layout's expert gradients 8x too large and over the wrong group.)"""
-    held = rank_params(config, layout.tp, layout.pp, stage, layers)
-    ids = stage_layer_indices(config, layout.pp, stage, layers)
+    ids = stage_layer_indices(config, layout.pp, stage, layers, layout.seq_len)
+    held = rank_params(config, layout.tp, layout.pp, stage, ids)
     whole, expert = stage_expert_params(config, layout.pp, stage, ids, layout.ep, layout.etp or layout.tp)
     groups = [(float(held.total - whole), "dp_cp", layout.zero_stage)]
     if expert:
@@ -183,7 +183,7 @@ def chunk_layer_counts(config: ModelConfig, layout: Layout,
     layers are spread evenly over its chunks."""
     p, v = layout.pp, layout.virtual_stages
     placement = placement_for(layout.schedule, p, v)  # v: chunks per stage
-    ranges = partition_layers(config, p, v)
+    ranges = partition_layers(config, p, v, seq_len=layout.seq_len)
     per = [[b - a for a, b in stage_layer_ranges(ranges, p, s, placement)] for s in range(p)]
     if stage_layers is not None and [sum(c) for c in per] != list(stage_layers):
         return [[n / v] * v for n in stage_layers]
@@ -291,14 +291,18 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             crit = stage
     model_flops, hardware_flops = step_flops(config, layout)
     # The finishing stage's time split into columns that add up to the step (module docstring of
-    # ``StepEstimate.breakdown``): its per-layer communication x layers x microbatches, its P2P sends,
-    # the rest of its busy time is compute, and what its pipeline end leaves over is bubble.
+    # ``StepEstimate.breakdown``): its per-layer communication x layers x microbatches, the rest of its busy
+    # time is compute; what its pipeline end leaves over is idle: its P2P messages (which the simulator
+    # charges to the receiver's wait, not to the busy time: ``fwd`` / ``bwd`` hold no P2P), up to that idle,
+    # and the rest is bubble. (Taking P2P off the busy time instead made compute shrink as the network
+    # slowed, and the columns overrun the step where P2P outweighed a tiny stage's compute.)
     m = layout.num_microbatches
     parts = {k: t * stage_layers[crit] * m for k, t in lt.comm}
-    parts["pp"] = 2 * m * v * p2p if p > 1 else 0.0
     busy = sum(fwd(crit, ch) + bwd(crit, ch) for ch in range(v)) * m
+    idle = max(0.0, pipe.stage_end[crit] - busy)
     parts = {"compute": max(0.0, busy - sum(parts.values())), **parts}
-    parts["bubble"] = max(0.0, pipe.stage_end[crit] - sum(parts.values()))
+    parts["pp"] = min(2 * m * v * p2p, idle) if p > 1 else 0.0
+    parts["bubble"] = idle - parts["pp"]
     parts["dp"], parts["optimizer"] = dp_worst, opt_worst
     return StepEstimate(
         layout=layout, step_time_s=finish, pipeline_s=pipe.makespan, dp_exposed_s=dp_worst,

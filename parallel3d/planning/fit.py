@@ -94,7 +94,7 @@ def calibration_rows(device: str, completed_on: DeviceSpec | None = None) -> lis
             continue
         peak = source_peak_flops(run, cluster)
         rows.append(CalibrationRow(run.id, config, layout, cluster.gpus, cluster.gpus_per_node, run_options(run),
-                                   tuple(stage_layer_counts(config, layout.pp, layout.virtual_stages)),
+                                   tuple(stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)),
                                    source_flops_per_token(run, config), peak, run.mfu))
     return rows
 

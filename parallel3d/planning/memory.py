@@ -104,6 +104,10 @@ class StageMemory:
     workspace: float = 0.0  # transients of one layer / the loss (cp K/V in flight, logits' gradients)
     host: float = 0.0  # offloaded optimizer state in host memory (not device memory)
     disk: float = 0.0  # offloaded optimizer state on disk
+    # Of ``weights`` / ``gradients``, what is not the optimizer's flat buffers: ZeRO-3's gather window, and the
+    # one gradient a hook is moving into its main-grad buffer or shard (``model_state_bytes``).
+    gathered_weights: float = 0.0
+    gradient_in_flight: float = 0.0
 
     @property
     def total(self) -> float:
@@ -191,7 +195,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
     """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
     own split where the counts are its counts, else consecutive runs of the counts (the stage order
     of a single-chunk pipeline; with virtual stages, an approximation for custom counts)."""
-    engine = partition_layers(config, layout.pp, layout.virtual_stages)
+    engine = partition_layers(config, layout.pp, layout.virtual_stages, seq_len=layout.seq_len)
     by_stage = [[i for a, b in stage_layer_ranges(engine, layout.pp, s) for i in range(a, b)]
                 for s in range(layout.pp)]
     if [len(ids) for ids in by_stage] == list(stage_layers):
@@ -202,7 +206,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
 
 def stage_activation_bytes(
     config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions,
-    chunk_layers: Sequence[Sequence[int]] | None = None,
+    chunk_layers: Sequence[Sequence[int]] | None = None, w_lags: Sequence[int] | None = None,
 ) -> tuple[float, int]:
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
@@ -218,7 +222,8 @@ def stage_activation_bytes(
     405B's embedding-only first and head-only last chunk; uneven stages): the peak is then the largest
     sum, over the schedule's most-loaded moments (``chunk_in_flight_moments``), of each chunk's
     microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
-    planner's search, which passes counts, keeps the mean.
+    planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
+    caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
     """
     loop = placement_for(layout.schedule, layout.pp, layout.virtual_stages).chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
@@ -238,7 +243,7 @@ def stage_activation_bytes(
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
     inflight, w_heads = inflight_chunks(layout, stage), 0
     if layout.schedule == "zb_h1":  # in flight at the fullest forward, and those waiting for W (zb_lags)
-        inflight, w_heads = zb_h1_peak_counts(layout, stage, zb_h1_w_lags(config, layout)[stage])
+        inflight, w_heads = zb_h1_peak_counts(layout, stage, (w_lags or zb_h1_w_lags(config, layout))[stage])
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
     total = inflight * _layers_bytes(config, layout, stage_layer_ids(config.shape, layers), assumptions) \
         / layout.virtual_stages
@@ -285,14 +290,13 @@ def estimate_memory(
     if assumptions is None:
         assumptions = ActivationAssumptions.for_model(config, layout.precision)
     if stage_layers is None:
-        stage_layers = stage_layer_counts(config, layout.pp, layout.virtual_stages)
+        stage_layers = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
     if len(stage_layers) != layout.pp or sum(stage_layers) != config.num_layers:
         raise ValueError(f"stage_layers={stage_layers} must give pp={layout.pp} counts summing to "
                          f"model.num_layers={config.num_layers}")
     ids = stage_layer_indices(config, layout, stage_layers)
-    stages = []
-    for stage in range(layout.pp):
-        stages.append(_stage_memory(config, layout, stage, ids[stage], assumptions))
+    lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
+    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags) for stage in range(layout.pp)]
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 
 
@@ -353,7 +357,7 @@ def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes:
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],
-                  assumptions: ActivationAssumptions) -> StageMemory:
+                  assumptions: ActivationAssumptions, w_lags: Sequence[int] | None = None) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
     held = rank_params(config, layout.tp, layout.pp, stage, layers).total
@@ -362,19 +366,21 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
     dense = held - expert_whole  # rank_params counts every expert whole on every rank
     largest = largest_tensor(config, layout.tp, layout.pp, stage, layers)
     dp_cp = layout.dp * layout.cp
-    states = model_state_bytes(dense, dp_cp, layout.zero_stage, layout.precision, layout.grad_reduce_dtype,
-                               largest, offload=layout.offload,
-                               gathered_params=gather_window_params(config, layout, stage, layers))
-    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
     edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
+
+    def states_of(params: int, group: int, zero: int, largest_param: int = 0, gathered: int = 0) -> dict[str, float]:
+        return model_state_bytes(params, group, zero, layout.precision, layout.grad_reduce_dtype, largest_param,
+                                 offload=layout.offload, gathered_params=gathered)
+
+    buffers = states_of(dense, dp_cp, layout.zero_stage)  # the optimizer's flat buffers and shards alone
+    states = states_of(dense, dp_cp, layout.zero_stage, largest, gather_window_params(config, layout, stage, layers))
+    offloaded = offloaded_state_bytes(dense, dp_cp, layout.zero_stage, layout.offload)
     if expert_held:
-        edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
         gathered = expert_held if layout.expert_zero == 3 else 0  # whole while their layer runs (upper bound)
-        states = _add(states, model_state_bytes(expert_held, edp, layout.expert_zero, layout.precision,
-                                                layout.grad_reduce_dtype, offload=layout.offload,
-                                                gathered_params=gathered))
+        buffers = _add(buffers, states_of(expert_held, edp, layout.expert_zero))
+        states = _add(states, states_of(expert_held, edp, layout.expert_zero, gathered=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
-    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions)
+    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions, w_lags=w_lags)
     workspace = workspace_bytes(config, layout, stage, assumptions, layers)
     if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
         dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
@@ -392,4 +398,5 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
     grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad
     workspace = max(workspace, reduce_scatter_staging_bytes(groups, grad_bytes, assumptions) - activations)
     return StageMemory(stage=stage, params=dense + expert_held, inflight=inflight, activations=activations,
-                       workspace=workspace, **states, **offloaded)
+                       workspace=workspace, **states, **offloaded, gathered_weights=states["weights"] - buffers["weights"],
+                       gradient_in_flight=states["gradients"] - buffers["gradients"])

@@ -17,9 +17,10 @@ from models.shape import HeldParams, ModelShape
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 
 
-def stage_layer_counts(config: ModelConfig, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Layers held by each pipeline stage, split exactly as the pipeline engine splits them."""
-    ranges = partition_layers(config, pp, virtual_stages)
+def stage_layer_counts(config: ModelConfig, pp: int, virtual_stages: int = 1, seq_len: int | None = None) -> list[int]:
+    """Layers held by each pipeline stage, split exactly as the pipeline engine splits them: balanced by
+    cost at the job's ``seq_len`` (``rank_build`` passes ``train.seq_len``; None: ``model.max_seq_len``)."""
+    ranges = partition_layers(config, pp, virtual_stages, seq_len=seq_len)
     return [sum(b - a for a, b in stage_layer_ranges(ranges, pp, stage)) for stage in range(pp)]
 
 
@@ -33,14 +34,15 @@ def stage_layer_ids(shape: ModelShape, layers: int | Sequence[int]) -> Sequence[
     return range(layers)
 
 
-def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int]) -> Sequence[int]:
+def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int],
+               seq_len: int | None = None) -> Sequence[int]:
     """``stage_layer_ids`` for callers that give a count on a model whose layers differ: the stage's
     own layers where the count is the engine's single-chunk split, else ``layers`` copies of the
     most common layer (an approximation for per-stage totals; pass indices to be exact)."""
     shape = config.shape
     if not isinstance(layers, int) or shape.uniform_layers:
         return stage_layer_ids(shape, layers)
-    start, end = partition_layers(config, pp, 1)[stage]
+    start, end = partition_layers(config, pp, 1, seq_len=seq_len)[stage]
     if end - start == layers:
         return range(start, end)
     blocks = config.spec.blocks
@@ -48,9 +50,10 @@ def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[
     return [common] * layers
 
 
-def stage_layer_indices(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int]) -> Sequence[int]:
-    """A stage's layer indices for per-stage totals (``_stage_ids``: exact for the engine's split)."""
-    return _stage_ids(config, pp, stage, layers)
+def stage_layer_indices(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int],
+                        seq_len: int | None = None) -> Sequence[int]:
+    """A stage's layer indices for per-stage totals (``_stage_ids``: exact for the engine's split at ``seq_len``)."""
+    return _stage_ids(config, pp, stage, layers, seq_len)
 
 
 def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> HeldParams:

@@ -47,6 +47,7 @@ from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.topology import LayoutError, fewest_layers
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
+from parallel3d.planning.search_progress import Report, SearchProgress
 from parallel3d.zero.options import ZERO_STAGES
 
 RECOMPUTE_ORDER: tuple[str, ...] = RECOMPUTE_MODES  # cheapest first
@@ -144,15 +145,15 @@ class Plan:
     considered: int = 0  # layouts enumerated
     fitting: int = 0  # of those, layouts with some recompute/ZeRO setting that fits
     simulated: int = 0  # settings timed by the full price (the rest were bounded out)
+    # Where nothing fits: the setting with the smallest worst-rank peak of those estimated (None: none was).
+    closest: tuple[Layout, MemoryEstimate] | None = None
 
     @property
     def best(self) -> Candidate:
         if not self.ranked:
-            raise ValueError(
-                f"no layout of {self.config.name or 'the model'} fits {self.cluster.gpus} x "
-                f"{self.cluster.device.name} at global_batch_size={self.request.global_batch_size}; "
-                f"try more GPUs, a larger device, or a global batch divisible by more dp sizes"
-            )
+            raise ValueError(f"no layout of {self.config.name or 'the model'} fits {self.cluster.gpus} x "
+                             f"{self.cluster.device.name} at global_batch_size={self.request.global_batch_size} "
+                             f"(planning.no_fit.nothing_fits says what is closest)")
         return self.ranked[0]
 
 
@@ -315,14 +316,16 @@ def memory_layout(layout: Layout) -> Layout:
 
 
 def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
-         options: CostOptions | None = None) -> Plan:
+         options: CostOptions | None = None, progress: Report | None = None) -> Plan:
     """Rank the layouts of ``config`` on ``cluster`` by predicted step time (best first).
 
     ``ranked`` holds exactly the ``simulate_top`` fastest layouts by the full price (``estimate_step``,
     simulated schedule), fewer if fewer fit: every fitting setting is first bounded from below
     (``pipeline_lower_bound``), then simulated in the order of its bound until the next bound is above
-    the ``simulate_top``-th best full price found, so a layout left unsimulated could not have entered."""
+    the ``simulate_top``-th best full price found, so a layout left unsimulated could not have entered.
+    ``progress`` receives a line now and then on a long search (``search_progress``)."""
     options = options or CostOptions()
+    ticker = SearchProgress(progress)
     if request.seq_len > config.max_seq_len:
         raise ValueError(f"train.seq_len={request.seq_len} exceeds model.max_seq_len={config.max_seq_len}")
     budget = cluster.device.memory_bytes * request.memory_fraction
@@ -330,11 +333,13 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     splits: dict[tuple[int, int], list[int]] = {}
     chunks: dict[tuple[int, int, str], list[list[int]]] = {}  # per (stage, chunk), by schedule placement
     bounded: list[tuple[float, int, Layout, MemoryEstimate]] = []  # (lower bound, base index, setting, memory)
-    for index, base in enumerate(enumerate_layouts(config, cluster, request)):
+    bases = enumerate_layouts(config, cluster, request)
+    for index, base in enumerate(bases):
+        ticker.layouts(index, len(bases), result.fitting)
         result.considered += 1
         key = (base.pp, base.virtual_stages)
         if key not in splits:
-            splits[key] = stage_layer_counts(config, base.pp, base.virtual_stages)
+            splits[key] = stage_layer_counts(config, base.pp, base.virtual_stages, base.seq_len)
         ckey = (*key, base.schedule)
         if ckey not in chunks:
             chunks[ckey] = chunk_layer_counts(config, base, splits[key])
@@ -350,6 +355,8 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                                           expert_zero_stage=ezero)
                     memory = estimate_memory(config, memory_layout(layout), stage_layers=splits[key])
                     if memory.peak_bytes > budget:
+                        if result.closest is None or memory.peak_bytes < result.closest[1].peak_bytes:
+                            result.closest = (layout, memory)
                         continue
                     fits_on_device |= offload == "none"
                     fits_any = True
@@ -362,9 +369,12 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                 break  # a cheaper recompute mode already fits: more recompute only costs time
         result.fitting += fits_any
     bounded.sort(key=lambda item: item[0])
+    ticker.bounded(result.considered, len(bounded))
     best: dict[int, Candidate] = {}  # per base layout, its fastest simulated setting
     for bound, index, layout, memory in bounded:
-        if len(best) >= request.simulate_top and bound > _nth_fastest(best.values(), request.simulate_top):
+        ticker.simulated(result.simulated, len(bounded))
+        if len(best) >= request.simulate_top and bound > sorted(c.step.step_time_s for c in best.values())[
+                request.simulate_top - 1]:
             break  # this bound, and every later one, is above the top's last full price
         key = (layout.pp, layout.virtual_stages)
         step = estimate_step(config, layout, cluster, options, splits[key],
@@ -373,17 +383,14 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
         if index not in best or step.step_time_s < best[index].step.step_time_s:
             best[index] = Candidate(layout, memory, step, simulated=True)
     result.ranked = sorted(best.values(), key=lambda c: c.step.step_time_s)[: request.simulate_top]
+    ticker.finished(result.simulated)
     return result
-
-
-def _nth_fastest(candidates, n: int) -> float:
-    return sorted(c.step.step_time_s for c in candidates)[n - 1]
 
 
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
              options: CostOptions | None = None) -> Candidate:
     """Memory and simulated step time of one given layout (e.g. a published one)."""
-    splits = stage_layer_counts(config, layout.pp, layout.virtual_stages)
+    splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
     memory = estimate_memory(config, memory_layout(layout), stage_layers=splits)
     step = estimate_step(config, layout, cluster, options or CostOptions(), splits)
     return Candidate(layout, memory, step, simulated=True)

@@ -48,7 +48,7 @@ def zb_h1_w_lags(config: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Per stage, how many microbatches zb_h1's ``W``s trail its ``B``s (``build_schedule(w_lags=...)``)."""
     p = layout.pp
     assumptions = ActivationAssumptions.for_model(config, layout.precision)
-    ranges = partition_layers(config, p, 1)
+    ranges = partition_layers(config, p, 1, seq_len=layout.seq_len)
     ids = [[i for a, b in stage_layer_ranges(ranges, p, s) for i in range(a, b)] for s in range(p)]
 
     def layers(lay: Layout) -> list[float]:

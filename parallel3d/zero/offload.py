@@ -54,11 +54,14 @@ class Transfers:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        # A meta training device (the dry run) keeps its "host" state on meta too: real host tensors
+        # could not be filled from meta parameters, and the dry run counts bytes, not values.
+        self.host = torch.device("meta") if device.type == "meta" else torch.device("cpu")
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer the copy engine can read/write asynchronously (pinned on CUDA)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.cuda)
+        return torch.empty(numel, dtype=dtype, device=self.host, pin_memory=self.cuda)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
         """``dst.copy_(src)`` (converting dtype), asynchronous on CUDA: returns the event to wait for."""
