@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel3d.config import ConfigError, check_no_extra_keys, one_line_omegaconf_error, resolve
+from parallel3d.option_checks import check_bool
 from parallel3d.preflight import check_writable_dir
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -198,11 +199,45 @@ def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
             search.prepend(provider="command-line", path=cmd.extra_config_dir,
                            anchor=SearchPathQuery(provider="schema"))
         Hydra.create_main_hydra2(task_name="parallel3d", config_search_path=search)
-        return hydra_compose(config_name=cmd.config_name, overrides=overrides)
+        cfg = hydra_compose(config_name=cmd.config_name, overrides=overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra raises many types; all are config problems here
         raise ConfigError(one_line(exc)) from None
     finally:
         gh.clear()
+    _check_bool_overrides(cfg, job_overrides)
+    return cfg
+
+
+def _check_bool_overrides(cfg: Any, job_overrides: list[str]) -> None:
+    """A number given for a bool-typed key is refused: OmegaConf reads any nonzero number as true
+    (``model.tie_embeddings=2``), so the override's value is checked as typed, against the composed
+    node's type (whatever the schema: the training job's or the planners'). true/false and the words
+    OmegaConf reads (yes/no, on/off) still pass."""
+    from omegaconf import DictConfig
+    from omegaconf.nodes import BooleanNode
+
+    for override in _parse_overrides(job_overrides):
+        key = override.key_or_group
+        if override.is_delete() or _is_hydra_key(key):
+            continue
+        value = override.value()
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            continue
+        if isinstance(value, str) and not _reads_as_number(value):
+            continue
+        node = cfg
+        for part in key.split("."):
+            node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        if isinstance(node, BooleanNode):
+            check_bool(key, value)
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def one_line(exc: BaseException) -> str:

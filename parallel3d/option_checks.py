@@ -52,6 +52,13 @@ def check_range(key: str, value: Any, lo: float, hi: float | None = None, *, lo_
     return float(value)
 
 
+def check_path(key: str, value: Any) -> str:
+    """A path that names something: an empty (or blank) one would resolve to the current directory."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}={value!r}: must be a non-empty path")
+    return value
+
+
 def check_bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: must be true or false")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.transformer import RECOMPUTE_MODES
-from parallel3d.option_checks import ConfigError, check_choice, check_int, check_range
+from parallel3d.option_checks import ConfigError, check_choice, check_int, check_path, check_range
 from parallel3d.zero.options import PRECISIONS
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -47,8 +47,7 @@ class TrainOptions:
         check_choice("train.recompute", self.recompute, RECOMPUTE_MODES)
         if self.stop_after is not None:
             check_int("train.stop_after", self.stop_after, 1)
-        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
-            raise ConfigError(f"train.out_dir={self.out_dir!r}: must be a non-empty path")
+        check_path("train.out_dir", self.out_dir)
         check_range("train.timeout_s", self.timeout_s, 0.0, lo_open=True)
         if self.peak_tflops is not None:
             check_range("train.peak_tflops", self.peak_tflops, 0.0, lo_open=True)

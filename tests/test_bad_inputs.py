@@ -5,6 +5,7 @@ Three kinds of case:
 - generated from the schema (``JobConfig``'s float keys, the same walk as ``test_config_errors``): nan,
   +inf and -inf for every one (inf compares as in range against "> 0" and overflowed deep in a run:
   ``int(inf)`` in the gradient buckets and the MoE capacity, a nan loss from ``init_std=inf``);
+  and, for every bool key, a number (OmegaConf had read ``model.tie_embeddings=2`` as true);
 - cross-key and environment cases through ``parallel3d.train.main`` in this process (the CLI's entry
   function, Hydra's app replaced by a failure: a case that got past the checks would start training);
 - the other CLIs (``scripts/plan.py``, ``scripts/estimate_memory.py``, ``python -m parallel3d.dryrun``)
@@ -76,6 +77,37 @@ def test_planner_cluster_keys_refuse_nan_and_infinity(case):
         cluster_from(ClusterConfig(gpus=8, **{key: value}))
 
 
+BOOL_KEYS = [key for key, hint in _leaves() if _base(hint) is bool]
+
+
+def test_bool_keys_cover_the_schema():
+    assert {"model.tie_embeddings", "parallel.sequence_parallel", "data.document_mask"} <= set(BOOL_KEYS), BOOL_KEYS
+
+
+@pytest.mark.parametrize("value", ["2", "'1'"])
+@pytest.mark.parametrize("key", BOOL_KEYS)
+def test_every_bool_key_refuses_a_number(key, value, monkeypatch, capsys, tmp_path):
+    """OmegaConf reads any nonzero number as true (``model.tie_embeddings=2``): refused as typed."""
+    code, out, err = _run_in_process([f"{key}={value}", f"train.out_dir={tmp_path}/run"], 1, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{key}=" in lines[0] and "must be true or false" in lines[0], err[-2000:]
+
+
+def test_every_bool_key_keeps_its_spellings():
+    """true/false and the words OmegaConf reads as bools still pass the check (composed once)."""
+    from omegaconf import OmegaConf
+
+    from parallel3d.command_line import _check_bool_overrides
+    from tests.test_config import _default_cfg
+
+    cfg = _default_cfg()
+    spellings = ("true", "false", "True", "yes", "no", "on", "off")
+    _check_bool_overrides(cfg, [f"{key}={word}" for key in BOOL_KEYS for word in spellings])
+    for key in BOOL_KEYS:  # and OmegaConf reads them as the bool they spell
+        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}=yes"]))
+        assert OmegaConf.select(merged, key) is True, key
+
+
 CHECKPOINTS = ("empty", "bad_json", "json_list", "other_model", "lost_file")  # train.resume directories no rank can resume from
 
 
@@ -97,6 +129,12 @@ def _make_bad_paths(tmp: str) -> None:
                              "max_seq_len": 64}}, fh)
 
 
+# Path keys an empty value would silently turn into the working directory, with what makes the key used.
+NON_EMPTY_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train.out_dir", ()), ("data.cache_dir", ()),
+    ("parallel.offload_dir", ("parallel.zero_stage=1", "parallel.offload=disk")))
+
+
 def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
     """``(id, overrides, text the one line must hold, world size)``; paths under ``tmp`` (``_make_bad_paths``)."""
     return [
@@ -115,6 +153,8 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("hydra:run-dir-under-a-file", [f"hydra.run.dir={tmp}/a_file/run"], "hydra.run.dir=", 1),
         ("group:null", ["model=null"], "model=null: model is a config group; must be one of", 1),
         ("rope:odd-kv-channels", ["model=llama_tiny", "model.kv_channels=15"], "model.kv_channels=15", 1),
+        *[(f"{key}:empty", [*setup, f"{key}="], f"{key}='': must be a non-empty path", 1)
+          for key, setup in NON_EMPTY_PATHS],
     ]
 
 
@@ -169,6 +209,7 @@ def cli_cases(tmp: str) -> list[tuple[list[str], str]]:
     """``(argv after python, text the one line must hold)`` for the non-training CLIs."""
     return [
         (["scripts/plan.py", "parallel.tp=two"], "parallel.tp"),  # estimate_memory.py: the same run_app
+        (["scripts/plan.py", "plan.uneven_stages=2"], "plan.uneven_stages=2: must be true or false"),  # its own schema
         (["scripts/plan.py", "model=gpt_tiny", "cluster.gpus=8", "train.seq_len=64", f"plan.json={tmp}/no_dir/x.json"],
          "plan.json="),
         (["-m", "parallel3d.dryrun", "dryrun.world_size=2", f"dryrun.json={tmp}/no_dir/x.json",

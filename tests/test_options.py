@@ -35,7 +35,8 @@ from parallel3d.pipeline.options import MULTI_CHUNK, SCHEDULES, PipelineOptions
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.planner import PlanRequest, RECOMPUTE_ORDER, enumerate_layouts
+from parallel3d.planning.planner import enumerate_layouts
+from parallel3d.planning.request import RECOMPUTE_ORDER, PlanRequest
 from parallel3d.preemption import StopOptions
 from parallel3d.topology import Topology
 from parallel3d.train_options import DEVICES, TrainOptions

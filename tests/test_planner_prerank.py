@@ -18,8 +18,8 @@ from parallel3d.planning.cost import CostOptions, chunk_layer_counts, estimate_s
 from parallel3d.planning.memory import estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.pipeline_price import _simulate_once, pipeline_lower_bound, simulate_pipeline
-from parallel3d.planning.planner import (RECOMPUTE_ORDER, PlanRequest, enumerate_layouts, expert_zero_choices,
-                                         memory_layout, plan)
+from parallel3d.planning.planner import enumerate_layouts, expert_zero_choices, memory_layout, plan
+from parallel3d.planning.request import RECOMPUTE_ORDER, PlanRequest
 
 REL = 1e-9  # float rounding only
 

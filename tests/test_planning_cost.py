@@ -9,7 +9,8 @@ from parallel3d.planning.cluster import ClusterSpec, parse_bytes
 from parallel3d.planning.cost import CommModel, estimate_step, step_flops
 from parallel3d.planning.pipeline_price import _simulate_once, simulate_pipeline
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate, plan
+from parallel3d.planning.planner import enumerate_layouts, evaluate, plan
+from parallel3d.planning.request import PlanRequest
 from parallel3d.topology import Topology
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from models import ModelConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate, plan
+from parallel3d.planning.planner import enumerate_layouts, evaluate, plan
+from parallel3d.planning.request import PlanRequest
 
 DENSE = ModelConfig(arch="llama", num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=8, ffn_hidden_size=2816,
                     vocab_size=32000, max_seq_len=8192)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from models import ModelConfig
 from models.moe_config import MoEConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts
+from parallel3d.planning.planner import enumerate_layouts
+from parallel3d.planning.request import PlanRequest
 
 MOE = ModelConfig(arch="llama", num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=8, ffn_hidden_size=2816,
                   vocab_size=32000, max_seq_len=4096, moe=MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=4096))

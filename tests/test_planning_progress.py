@@ -9,7 +9,8 @@ from __future__ import annotations
 from models import ModelConfig
 from parallel3d.planning import planner
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.planner import PlanRequest, plan
+from parallel3d.planning.planner import plan
+from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.search_progress import SearchProgress
 
 

@@ -27,7 +27,8 @@ from models import ModelConfig, get_config
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, estimate_step
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.planner import PlanRequest, evaluate, plan
+from parallel3d.planning.planner import evaluate, plan
+from parallel3d.planning.request import PlanRequest
 
 TOLERANCE = 0.15
 VOCAB, SEQ = 51200, 2048

@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import pytest
 
-from parallel3d.planning.planner import PlanRequest, enumerate_layouts, evaluate
+from parallel3d.planning.planner import enumerate_layouts, evaluate
+from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.source_frameworks import interleaved_min_pp, run_options, uneven_splits_allowed
 from parallel3d.planning.validation import (

@@ -12,8 +12,8 @@ from parallel3d.pipeline.options import SCHEDULES
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import estimate_memory
-from parallel3d.planning.planner import (PlanRequest, enumerate_layouts, memory_layout, pipeline_sizes,
-                                         virtual_stage_counts)
+from parallel3d.planning.planner import enumerate_layouts, memory_layout, pipeline_sizes, virtual_stage_counts
+from parallel3d.planning.request import PlanRequest
 
 
 def _dense(layers: int = 12) -> ModelConfig:

@@ -14,7 +14,8 @@ import pytest
 from models.config import ModelConfig
 
 from parallel3d.option_checks import ConfigError
-from parallel3d.planning.planner import PlanRequest, evaluate, finest_virtual_stages, virtual_stage_counts
+from parallel3d.planning.planner import evaluate, finest_virtual_stages, virtual_stage_counts
+from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.source_frameworks import run_options, source_flops_per_token

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from parallel3d.data.blend import BlendError, resolve_blend
 from parallel3d.data.corpus import CORPORA, TOKENIZER_KINDS
-from parallel3d.option_checks import ConfigError, as_tuples, check_bool, check_choice, check_range
+from parallel3d.option_checks import ConfigError, as_tuples, check_bool, check_choice, check_path, check_range
 
 SOURCES: tuple[str, ...] = ("default", "indexed")
 Blend = tuple[list[str], "list[float] | None"]  # (prefixes, weights or None: by dataset size)
@@ -64,6 +64,7 @@ class DataOptions:
         check_choice("data.corpus", self.corpus, CORPORA)
         check_choice("data.tokenizer", self.tokenizer, TOKENIZER_KINDS)
         check_bool("data.document_mask", self.document_mask)
+        check_path("data.cache_dir", self.cache_dir)  # '' would build the corpus cache in the working directory
 
     def blends(self) -> tuple[Blend, Blend]:
         """``((train prefixes, weights), (validation prefixes, weights))``, however the blend was spelled."""

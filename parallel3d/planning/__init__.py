@@ -10,7 +10,8 @@ from parallel3d.planning.cluster import DEVICES, ClusterSpec, DeviceSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate, estimate_step
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
-from parallel3d.planning.planner import Plan, PlanRequest, evaluate, plan
+from parallel3d.planning.planner import Plan, evaluate, plan
+from parallel3d.planning.request import PlanRequest
 
 __all__ = ["DEVICES", "ClusterSpec", "CostOptions", "DeviceSpec", "Layout", "MemoryEstimate", "Plan", "PlanRequest",
            "StepEstimate", "estimate_memory", "estimate_step", "evaluate", "plan"]

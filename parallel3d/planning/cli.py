@@ -24,7 +24,8 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.no_fit import nothing_fits
 from parallel3d.planning.params import stage_layer_counts
-from parallel3d.planning.planner import evaluate, Plan, PlanRequest, plan
+from parallel3d.planning.planner import evaluate, Plan, plan
+from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.preflight import check_writable_file
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges

@@ -39,6 +39,7 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
     mlp_half_activation_bytes,
 )
+from parallel3d.planning.grad_buckets import largest_grad_piece, reduce_scatter_staging_bytes
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.params import (
     largest_layer_params,
@@ -53,11 +54,6 @@ from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_peak_counts, zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
-
-# Gradient buckets as parallel3d.zero's optimizer cuts them (its defaults): about 1 MiB first, then
-# up to ``bucket_size_mb`` of parameter-dtype bytes each.
-FIRST_BUCKET_BYTES = 2**20
-BUCKET_SIZE_MB = 25.0
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
                                "workspace")
@@ -333,27 +329,6 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
                                      reference_kernels=assumptions.reference_attention_blocks,
                                      gather_staging_copies=assumptions.gather_staging_copies) - freed
     return max(loss, combine, attention, 0.0)
-
-
-def largest_grad_piece(params: int, owners: int, zero_stage: int, weight_bytes: int,
-                       bucket_size_mb: float = BUCKET_SIZE_MB) -> int:
-    """Elements of the largest gradient piece one rank owns of a group of ``params`` parameters: the
-    first bucket holds ~1 MiB, the rest fills buckets of ``bucket_size_mb``; stages >= 1 own
-    ``1 / owners`` of each bucket."""
-    first = FIRST_BUCKET_BYTES // weight_bytes
-    bucket = int(bucket_size_mb * 2**20) // weight_bytes
-    piece = params if params <= first else max(min(bucket, params - first), first)
-    return math.ceil(piece / owners) if zero_stage >= 1 else piece
-
-
-def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes: int,
-                                 assumptions: ActivationAssumptions) -> float:
-    """Bytes alive at the end of backward while stage-1 reduce-scatters run, for ``(params, owners,
-    zero_stage)`` gradient groups: the backend's copy of each whole buffer and the owned pieces
-    (``ActivationAssumptions.reduce_scatter_staging_copies``)."""
-    copies = assumptions.reduce_scatter_staging_copies
-    return sum(grad_bytes * params * (copies + 1 / owners) for params, owners, stage in groups
-               if copies and stage == 1 and owners > 1)
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],

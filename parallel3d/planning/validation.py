@@ -42,8 +42,8 @@ from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate
 from parallel3d.option_checks import ConfigError
 from parallel3d.planning.layout import Layout, check_fits_model
-from parallel3d.planning.planner import (Candidate, PlanRequest, evaluate, finest_virtual_stages, plan,
-                                         schedule_choices)
+from parallel3d.planning.planner import Candidate, evaluate, finest_virtual_stages, plan, schedule_choices
+from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.published_schema import PublishedRun
 from parallel3d.planning.source_frameworks import (interleaved_min_pp, rank_fixed_degrees, run_options,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.option_checks import ConfigError, check_bool, check_choice, check_int, check_range
+from parallel3d.option_checks import ConfigError, check_bool, check_choice, check_int, check_path, check_range
 
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 OFFLOAD_MODES: tuple[str, ...] = ("none", "cpu", "disk")
@@ -66,6 +66,8 @@ class ZeroOptions:
                 f"parallel.offload={offload}: needs parallel.zero_stage >= 1 (with stage 0 every rank would keep and "
                 f"update the whole optimizer state on its host; stage 1 shards it at the same communication volume)"
             )
+        if offload == "disk" and self.offload_dir is not None:
+            check_path("parallel.offload_dir", self.offload_dir)  # '' would write the state files here
         if offload == "disk" and not self.offload_dir:
             raise ConfigError("parallel.offload_dir=null: parallel.offload=disk needs a directory for the optimizer "
                               "state files (a fast local disk)")

@@ -1,0 +1,40 @@
+"""``planning.grad_buckets.largest_grad_piece`` against the runtime's own bucketing (``zero.buffers.BufferLayout``
+built the way ``zero.assembly.build_layouts`` builds it): the estimate's largest owned gradient piece is the
+runtime's, to within one parameter (the runtime closes a bucket at a parameter boundary)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from parallel3d.planning.grad_buckets import largest_grad_piece
+from parallel3d.zero.assembly import FIRST_BUCKET_BYTES
+from parallel3d.zero.buffers import BufferLayout
+
+PARAM_NUMEL = 4096  # small parameters: bucket edges land within one of them
+
+
+def runtime_largest_piece(params: int, owners: int, zero_stage: int, dtype: torch.dtype, bucket_size_mb: float) -> int:
+    """Largest ``piece_size`` of a ``BufferLayout`` of ``params`` elements in PARAM_NUMEL-sized parameters."""
+    count = math.ceil(params / PARAM_NUMEL)
+    named = [(f"p{i}", torch.nn.Parameter(torch.empty(PARAM_NUMEL, dtype=dtype, device="meta"))) for i in range(count)]
+    itemsize = dtype.itemsize
+    bucket_numel = int(bucket_size_mb * 2**20) // itemsize  # as build_layouts sizes them
+    sharded = zero_stage >= 1
+    layout = BufferLayout(named, bucket_numel=bucket_numel, reduce_kind="dp_cp", replicas=owners,
+                          owner_count=owners if sharded else 1, owner_index=0, count_in_norm=lambda p: True,
+                          first_bucket_numel=min(bucket_numel, FIRST_BUCKET_BYTES // itemsize))
+    return max(b.piece_size for b in layout.buckets)
+
+
+@pytest.mark.parametrize("params", [40 * PARAM_NUMEL, 100 * PARAM_NUMEL, 1000 * PARAM_NUMEL])
+@pytest.mark.parametrize("owners,zero_stage", [(1, 0), (4, 0), (4, 1), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_largest_piece_matches_the_runtime_buckets(params, owners, zero_stage, dtype):
+    bucket_size_mb = 2.0
+    estimate = largest_grad_piece(params, owners, zero_stage, dtype.itemsize, bucket_size_mb)
+    runtime = runtime_largest_piece(params, owners, zero_stage, dtype, bucket_size_mb)
+    slack = math.ceil(PARAM_NUMEL / (owners if zero_stage >= 1 else 1)) + 1
+    assert abs(estimate - runtime) <= slack, (estimate, runtime)
