@@ -9,8 +9,9 @@
 
 Each case trains through the real Trainer on gloo ranks of this machine and is compared
 with the single-process run of the same model, data and global batch: per-step loss and
-grad norm within tests/layout_matrix.py:RTOL (1e-5 relative, fp32, dropout on). Exits 1
-if any case fails.
+grad norm within tests/layout_matrix.py:RTOL (1e-5 relative, fp32, dropout on); with --shapes a
+case that misses RTOL is judged again, step by step, at max(RTOL, 10 x its own noise floor up to that
+step) (tests/noise_floor.py: one more single-process run; the floors are printed and written). Exits 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests import layout_matrix as lm  # noqa: E402
 from tests import layout_run as lr  # noqa: E402
+from tests import noise_floor as nf  # noqa: E402
 from tests import shape_fuzz as sf  # noqa: E402
 
 
@@ -77,12 +79,18 @@ def main() -> int:
           f"{'sec':>6} {'':>4}  layout", flush=True)
     references: dict = {}
     results = []
+    floors: dict[int, dict[int, float]] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="p3d-layouts-") as work:
         for case in cases:
             result = lr.run_case(case, work, args.cache_dir, references, timeout=args.timeout, quiet=True)
+            if args.shapes:  # a drawn shape's miss of RTOL: judged again at its own noise floor
+                result, floors[case.case_id] = nf.judge(result, os.path.join(work, case.name), args.cache_dir)
             results.append(result)
             print(_row(result), flush=True)
+            if floors.get(case.case_id):
+                print("        missed RTOL; noise floor by step (judged at 10 x it): "
+                      + " ".join(f"{s}:{f:.1e}" for s, f in floors[case.case_id].items()), flush=True)
             if not result.ok:
                 print("        " + "; ".join(result.problems())[:2000], flush=True)
     failed = [r for r in results if not r.ok]
@@ -94,7 +102,8 @@ def main() -> int:
                        "steps": lm.STEPS,
                        "cases": [{"id": r.case.case_id, "name": r.case.name, "world_size": r.case.world_size,
                                   "parallel": r.case.parallel, "train": r.case.train, "model": r.case.model,
-                                  "ok": r.ok, "worst_rel": r.worst, "seconds": r.seconds,
+                                  "ok": r.ok, "worst_rel": r.worst, "seconds": r.seconds, "rtol_by_step": r.rtol_by_step,
+                                  "noise_floor_by_step": floors.get(r.case.case_id) or None,
                                   "problems": r.problems()} for r in results]}, fh, indent=1)
     return 1 if failed else 0
 

@@ -2,7 +2,8 @@
 
 ``run_case`` trains a drawn ``LayoutCase`` on its gloo ranks through the real ``Trainer`` and its (cached)
 single-process reference, and returns a ``CaseResult``: the two curves of (step, loss, grad norm, eval loss),
-equal when every step's three numbers agree within ``layout_matrix.RTOL`` (relative).
+equal when every step's three numbers agree within ``layout_matrix.RTOL`` (relative;
+per step ``CaseResult.rtol_by_step`` where ``tests/noise_floor.py`` re-judged it at a drawn shape's noise floor).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class CaseResult:
     seconds: float = 0.0
     error: str | None = None
     worst: dict[str, float] = field(default_factory=dict)
+    # step -> relative tolerance where it is not RTOL (tests/noise_floor.py: a drawn shape's own noise floor)
+    rtol_by_step: dict[int, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -47,11 +50,12 @@ class CaseResult:
             pairs = [("loss", loss, rloss), ("grad_norm", gnorm, rgnorm)]
             if rev is not None:
                 pairs.append(("eval_loss", ev, rev))
+            rtol = self.rtol_by_step.get(step, RTOL)
             for what, got, ref in pairs:
                 rel = abs(got - ref) / abs(ref) if ref else abs(got)
                 self.worst[what] = max(self.worst.get(what, 0.0), rel)
-                if not math.isfinite(got) or rel > RTOL:
-                    out.append(f"step {step} {what} {got!r} vs reference {ref!r} (rel {rel:.2e} > {RTOL:.0e})")
+                if not math.isfinite(got) or rel > rtol:
+                    out.append(f"step {step} {what} {got!r} vs reference {ref!r} (rel {rel:.2e} > {rtol:.1e})")
         return out
 
 
