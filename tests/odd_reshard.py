@@ -44,7 +44,7 @@ PAIR_PROPERTIES: dict[str, tuple[Cond, Callable[[sf.ShapeCase, sf.ShapeCase], bo
     "any": (lambda s: True, lambda s, t: True),
 }
 CI_PROPERTIES = ("tp3 -> another tp", "pp3 uneven -> another pp")  # a degree-3 tp or pp source, world <= 3
-EXTENDED_PAIRS = {label: (2 if label == "any" else 1) for label in PAIR_PROPERTIES}  # plus CI's
+EXTENDED_PAIRS = {label: (6 if label == "any" else 2) for label in PAIR_PROPERTIES}  # plus CI's
 
 
 def _side(case: sf.ShapeCase) -> rm.Side:

@@ -204,6 +204,16 @@ def job_values(pair: Pair, side: Side, out_dir: str, cache_dir: str, **train: An
     return values
 
 
+def single_process_values(pair: Pair, out_dir: str, cache_dir: str) -> dict[str, Any]:
+    """The uninterrupted single-process job of a pair with a ``case`` (``layout_matrix.reference_values``),
+    dropout off and ``STEPS`` steps as both sides train."""
+    assert pair.case is not None
+    values = lm.reference_values(pair.case, out_dir, cache_dir)
+    values["model"]["dropout"] = 0.0
+    values["train"]["steps"] = STEPS
+    return values
+
+
 def checkpoint_of(out_dir: str, step: int) -> str:
     from parallel3d.checkpoint import step_dir
 
