@@ -88,6 +88,9 @@ class Pair:
     model: str
     source: Side
     target: Side
+    # The case whose model, data and mask both sides train (``LayoutCase.job``); None: the matrix model ``model``.
+    # ``tests/odd_reshard.py`` passes a drawn shape (``shape_fuzz.ShapeCase``) here.
+    case: lm.LayoutCase | None = None
 
     @property
     def name(self) -> str:
@@ -192,9 +195,22 @@ def moe_ci_pairs(generated: int = MOE_GENERATED) -> list[Pair]:
 
 
 def job_values(pair: Pair, side: Side, out_dir: str, cache_dir: str, **train: Any) -> dict[str, Any]:
-    values = lm.job_values(pair.model, side.parallel, side.train, out_dir, cache_dir)
+    if pair.case is None:
+        values = lm.job_values(pair.model, side.parallel, side.train, out_dir, cache_dir)
+    else:
+        values = pair.case.job(side.parallel, side.train, out_dir, cache_dir)
     values["model"]["dropout"] = 0.0
     values["train"].update(steps=STEPS, save_every=SAVE_STEP, keep_last=STEPS, **train)
+    return values
+
+
+def single_process_values(pair: Pair, out_dir: str, cache_dir: str) -> dict[str, Any]:
+    """The uninterrupted single-process job of a pair with a ``case`` (``layout_matrix.reference_values``),
+    dropout off and ``STEPS`` steps as both sides train."""
+    assert pair.case is not None
+    values = lm.reference_values(pair.case, out_dir, cache_dir)
+    values["model"]["dropout"] = 0.0
+    values["train"]["steps"] = STEPS
     return values
 
 

@@ -103,7 +103,8 @@ def _draw_shape(rng: random.Random, moe: bool) -> tuple[dict[str, Any], int]:
     return shape, seq
 
 
-def _draw(rng: random.Random, case_id: int) -> ShapeCase:
+def draw(rng: random.Random, case_id: int) -> ShapeCase:
+    """The next shape and layout from ``rng``, not judged yet (``tests/odd_reshard.py`` draws its layouts here)."""
     moe = rng.random() < 0.3
     shape, seq = _draw_shape(rng, moe)
     tp, pp, dp, cp = (rng.choice(DEGREES[d]) for d in ("tp", "pp", "dp", "cp"))
@@ -150,7 +151,7 @@ def draws(case_id: int) -> tuple[Draw, ...]:
     rng = random.Random(f"{FUZZ_SEED}:{case_id}")
     out = []
     for _ in range(MAX_DRAWS):
-        case = _draw(rng, case_id)
+        case = draw(rng, case_id)
         if MIN_WORLD <= case.world_size <= MAX_WORLD:
             out.append(judge(case))
             if out[-1].error is None:
@@ -162,7 +163,7 @@ def generate(case_id: int) -> ShapeCase:
     return draws(case_id)[-1].case
 
 
-def _uneven(c: ShapeCase) -> bool:
+def uneven(c: ShapeCase) -> bool:
     """Stages hold different layer counts (drawn, or the default split of a count pp does not divide)."""
     p = c.parallel
     return p["pp_layers"] is not None and len(set(p["pp_layers"])) > 1 or c.shape["num_layers"] % p["pp"] != 0
@@ -171,7 +172,7 @@ def _uneven(c: ShapeCase) -> bool:
 # What CI must always run (each property's case: the cheapest of CI_CANDIDATES valid draws meeting it).
 CI_MUST_COVER: dict[str, Callable[[ShapeCase], bool]] = {
     "tp3": lambda c: c.parallel["tp"] == 3,
-    "pp3_uneven": lambda c: c.parallel["pp"] == 3 and _uneven(c),
+    "pp3_uneven": lambda c: c.parallel["pp"] == 3 and uneven(c),
     "dp3_zero2": lambda c: c.parallel["dp"] == 3 and c.parallel["zero_stage"] == 2,
     "cp3_or_ep3": lambda c: c.parallel["cp"] == 3 or c.parallel.get("ep", 1) == 3,
 }
@@ -199,7 +200,7 @@ def _cover(case_id: int, uncovered: list[str]) -> ShapeCase:
     rng = random.Random(f"{FUZZ_SEED}:{case_id}")
     ranked = []
     for i in range(MAX_DRAWS):
-        case = _draw(rng, case_id)
+        case = draw(rng, case_id)
         if MIN_WORLD <= case.world_size <= MAX_WORLD and PROPERTIES[label](case) \
                 and lm.affordable_for_ci(case, label) and judge(case).error is None:
             ranked.append((lm.ci_cost(case) / sum(PROPERTIES[u](case) for u in uncovered), i, case))
