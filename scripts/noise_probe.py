@@ -5,6 +5,7 @@ the layout run and of the reference itself with one sample per micro-batch (its 
     python scripts/noise_probe.py 0 --steps 10                         # does the gap grow (a bug compounds)?
     python scripts/noise_probe.py 0 --set '{"cp": 1}'                  # one parallel dimension changed
     python scripts/noise_probe.py 0 --set '{"model": {"num_kv_heads": 3}}'   # the model (merged; "moe": null: dense)
+    python scripts/noise_probe.py --odd any:1 --set '{"model": {"dropout": 0.0}}'  # an odd reshard pair's source
 
 Each row: the largest relative deviation (loss, grad norm; eval loss where evaluated) at each step, not
 cumulative. A layout bug shows at step 1 (no update yet) or grows; rounding tracks the ``1p-mb1`` row.
@@ -45,13 +46,22 @@ def _per_step(curve: list, reference: list) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("case_id", type=int)
+    parser.add_argument("case_id", type=int, nargs="?", default=0)
+    parser.add_argument("--odd", default=None, metavar="LABEL:K",
+                        help="probe odd reshard pair K of property LABEL's source instead (tests/odd_reshard.py)")
     parser.add_argument("--steps", type=int, default=lm.STEPS)
     parser.add_argument("--set", default="{}", help="JSON: parallel values, and model values under 'model'")
     parser.add_argument("--cache-dir", default=".cache/parallel3d")
     args = parser.parse_args()
     lm.STEPS = args.steps  # the jobs below are built from it (the tests' fixed value otherwise)
-    case = _variant(sf.case_by_id(args.case_id), json.loads(args.set))
+    if args.odd is None:
+        base = sf.case_by_id(args.case_id)
+    else:
+        from tests import odd_reshard as odd
+
+        label, k = args.odd.rsplit(":", 1)
+        base = odd.odd_pair(label, int(k)).case
+    case = _variant(base, json.loads(args.set))
     print(case.name, f"world {case.world_size}, {args.steps} steps", flush=True)
     g = case.train["global_batch_size"]
     with tempfile.TemporaryDirectory(prefix="p3d-probe-") as work:
