@@ -25,7 +25,7 @@ from models.mla_config import MLAConfig
 from models.moe_config import MoEConfig
 from models.shape import ModelShape
 from models.spec import ARCH_PRESETS, NORM_TAKES_BIAS, AttentionSpec, BlockSpec, MLPSpec, ModelSpec, NormSpec
-from parallel3d.option_checks import is_finite_number, number_word
+from parallel3d.option_checks import check_range
 
 ARCHS = tuple(ARCH_PRESETS)
 
@@ -163,8 +163,7 @@ class ModelConfig:
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernels.backend={self.kernel_backend!r} is not one of {', '.join(BACKENDS)}")
         for key in ("norm_eps", "init_std", "rope_base"):  # inf passes "> 0" and makes every loss nan
-            if not (is_finite_number(getattr(self, key)) and getattr(self, key) > 0):
-                raise ValueError(f"model.{key}={getattr(self, key)!r}: must be a {number_word(getattr(self, key))} > 0")
+            check_range(f"model.{key}", getattr(self, key), 0, lo_open=True)
         self.moe.validate(self.num_layers, self.ffn_size)
 
     def replace(self, **changes: Any) -> "ModelConfig":
