@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parallel3d.moe.options import MoEOptionError, MoEOptions
-from parallel3d.option_checks import is_finite_number
+from parallel3d.option_checks import check_positive
 
 # MoEOptions fields whose config key under model.moe has another name.
 OPTION_KEYS = {"ffn_hidden": "ffn_hidden_size", "shared_ffn_hidden": "shared_ffn_hidden_size"}
@@ -83,8 +83,7 @@ class MoEConfig:
                 isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in layers):
             shown = list(layers) if isinstance(layers, tuple) else repr(layers)
             raise ValueError(f"model.moe.dense_layers={shown}: allowed a list of layer indices in [0, {num_layers})")
-        if not (is_finite_number(self.scaling_factor) and self.scaling_factor > 0):
-            raise ValueError(f"model.moe.scaling_factor={self.scaling_factor!r}: allowed a finite number > 0")
+        check_positive("model.moe.scaling_factor", self.scaling_factor, error=ValueError)
         # The other keys are checked on a dense model too (with a stand-in expert count): a typo is an error.
         checked = self if self.enabled else replace(self, num_experts=max(1, self.top_k, self.num_groups))
         try:

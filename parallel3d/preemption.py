@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import comm
-from parallel3d.option_checks import ConfigError, as_tuples, is_finite_number, number_word
+from parallel3d.option_checks import ConfigError, as_tuples, check_positive
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -59,10 +59,8 @@ class StopOptions:
             raise ConfigError(f"train.preempt_signal={_as_given(signals)!r}: must be a list of signal names from "
                               f"{', '.join(n for n in names if n in ('SIGTERM', 'SIGUSR1', 'SIGUSR2', 'SIGINT', 'SIGHUP'))} "
                               f"... (not SIGKILL/SIGSTOP), or [] for none")
-        minutes = self.max_minutes
-        if minutes is not None and not (is_finite_number(minutes) and minutes > 0):
-            raise ConfigError(f"train.max_minutes={minutes!r}: must be a {number_word(minutes)} > 0 (minutes), "
-                              f"or null for no budget")
+        if self.max_minutes is not None:
+            check_positive("train.max_minutes", self.max_minutes, also=" (minutes), or null for no budget")
 
 
 def _as_given(value: Any) -> Any:

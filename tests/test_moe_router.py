@@ -127,11 +127,11 @@ BAD_OPTIONS = [
     (dict(num_groups=3), "moe.num_groups=3: must divide num_experts=8"),
     (dict(num_groups=4, topk_groups=1, top_k=3),
      "moe.topk_groups=1: the chosen groups hold 2 experts, fewer than top_k=3"),
-    (dict(capacity_factor=0.0), "moe.capacity_factor=0.0: allowed None (dropless) or > 0"),
+    (dict(capacity_factor=0.0), "moe.capacity_factor=0.0: must be a number > 0, or None (dropless)"),
     (dict(pad_to_capacity=True), "moe.pad_to_capacity=True: needs a capacity_factor"),
     (dict(drop_policy="random"), "moe.drop_policy='random': allowed probs, position"),
     (dict(aux_loss_scope="batch"), "moe.aux_loss_scope='batch': allowed micro_batch, sequence, global"),
-    (dict(z_loss_coeff=-1.0), "moe.z_loss_coeff=-1.0: allowed >= 0"),
+    (dict(z_loss_coeff=-1.0), "moe.z_loss_coeff=-1.0: must be a number >= 0"),
     (dict(shared_expert_gate=True), "moe.shared_expert_gate=True: needs num_shared_experts >= 1"),
     (dict(dispatcher="flex"), "moe.dispatcher='flex': allowed alltoall, allgather"),
 ]

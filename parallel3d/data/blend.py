@@ -15,8 +15,9 @@ prefix. Errors are ``BlendError`` lines of the form ``<key>=<value>: <what is al
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
+
+from parallel3d.option_checks import check_weights
 
 
 class BlendError(ValueError):
@@ -34,6 +35,12 @@ def _number(text: object) -> float | None:
         return None
 
 
+def _weight(text: object) -> object:
+    """A weight as a number where it reads as one; else as given (``check_weights`` refuses and shows it)."""
+    number = _number(text)
+    return text if number is None else number
+
+
 def split_inline_weights(items: Sequence[object], key: str) -> tuple[list[str], list[float] | None]:
     """``[w0, p0, w1, p1, ...]`` -> prefixes and weights; ``[p0, p1, ...]`` -> prefixes and None."""
     items = list(items)
@@ -44,9 +51,7 @@ def split_inline_weights(items: Sequence[object], key: str) -> tuple[list[str], 
         raise BlendError(f"{key}={items}: Megatron blend syntax needs pairs [w0, prefix0, w1, prefix1, ...]")
     weights = [float(n) for n in numbers[0::2]]
     prefixes = [str(x) for x in items[1::2]]
-    if any(not math.isfinite(w) or w <= 0 for w in weights):
-        raise BlendError(f"{key}={items}: blend weights must be finite and > 0")
-    return prefixes, weights
+    return prefixes, check_weights(key, weights, error=BlendError, shown=str(items))
 
 
 def resolve_blend(
@@ -66,9 +71,9 @@ def resolve_blend(
                              f"(Megatron syntax); drop one of them")
         return prefixes, inline
     if weights is not None:
-        w = [float(x) for x in weights]
-        if len(w) != len(prefixes) or any(not math.isfinite(x) or x <= 0 for x in w):
+        if len(weights) != len(prefixes):
             raise BlendError(f"{prefix_key}.weights={list(weights)}: must give one positive weight per "
                              f"{prefix_key}.paths entry ({len(prefixes)})")
-        return prefixes, w
+        return prefixes, check_weights(f"{prefix_key}.weights", [_weight(x) for x in weights], error=BlendError,
+                                       shown=str(list(weights)))
     return prefixes, None

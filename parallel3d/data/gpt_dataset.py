@@ -40,6 +40,7 @@ import numpy as np
 
 from parallel3d.data.errors import DataError
 from parallel3d.data.indexed import IndexedDataset, bin_path
+from parallel3d.option_checks import check_weights
 
 DEFAULT_BLEND_PERIOD = 10_000
 SPLITS = ("all", "train", "valid")
@@ -176,11 +177,9 @@ class GPTDataset:
     def _normalise_weights(self, weights: Sequence[float] | None) -> np.ndarray:
         if weights is None:
             return self.chunks / self.chunks.sum()
-        w = np.asarray(list(weights), dtype=np.float64)
-        if w.ndim != 1 or len(w) != len(self.datasets):
+        w = np.asarray(check_weights("weights", list(weights), error=DataError), dtype=np.float64)
+        if len(w) != len(self.datasets):
             raise DataError(f"weights={list(weights)} must have one entry per dataset ({len(self.datasets)})")
-        if not np.all(np.isfinite(w)) or np.any(w <= 0):
-            raise DataError(f"weights={list(weights)} must all be finite and > 0")
         return w / w.sum()
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parallel3d.option_checks import is_finite_number, number_word
+from parallel3d.option_checks import check_positive, check_range
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -97,16 +97,13 @@ class MoEOptions:
                 f"moe.topk_groups={self.topk_groups}: the chosen groups hold "
                 f"{self.topk_groups * self.num_experts // self.num_groups} experts, fewer than top_k={self.top_k}")
         # Finite only: an infinite capacity overflows ceil() in the router (dropless is None).
-        if self.capacity_factor is not None and not (is_finite_number(self.capacity_factor)
-                                                     and self.capacity_factor > 0):
-            raise MoEOptionError(f"moe.capacity_factor={self.capacity_factor}: allowed None (dropless) or > 0"
-                                 f"{_finite_note(self.capacity_factor)}")
+        if self.capacity_factor is not None:
+            check_positive("moe.capacity_factor", self.capacity_factor, error=MoEOptionError,
+                           also=", or None (dropless)")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise MoEOptionError("moe.pad_to_capacity=True: needs a capacity_factor (dropless has no capacity)")
-        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):  # nan would pass a bare "< 0"
-            value = getattr(self, name)
-            if not (is_finite_number(value) and value >= 0):
-                raise MoEOptionError(f"moe.{name}={value}: allowed >= 0{_finite_note(value)}")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            check_range(f"moe.{name}", getattr(self, name), 0, error=MoEOptionError)
         if self.shared_ffn_hidden is not None:
             _at_least("shared_ffn_hidden", self.shared_ffn_hidden, 1)
         if self.shared_expert_gate and self.num_shared_experts == 0:
@@ -115,11 +112,6 @@ class MoEOptions:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
-
-
-def _finite_note(value: object) -> str:
-    """Why a nan or infinite value was refused (it compares as if in range)."""
-    return ", finite" if number_word(value) != "number" else ""
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

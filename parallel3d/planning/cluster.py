@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parallel3d.option_checks import is_finite_number, number_word
+from parallel3d.option_checks import check_positive
 from parallel3d.planning.devices import DEVICES, DeviceSpec, get_device
 from parallel3d.planning.sizes import GiB, parse_bytes
 
@@ -60,9 +60,7 @@ class ClusterSpec:
             ("inter_node_gbps", inter_node_gbps, "inter_node_bytes_per_s", 1e9),
         ):
             if value is not None:
-                if not (is_finite_number(value) and value > 0):  # nan passed "<= 0" and planned with nan
-                    raise ValueError(f"cluster.{key}={value!r} must be a {number_word(value)} > 0")
-                changes[field] = float(value) * scale
+                changes[field] = check_positive(f"cluster.{key}", value, error=ValueError) * scale
         return cls(gpus=gpus, gpus_per_node=gpus_per_node, device=replace(spec, **changes) if changes else spec)
 
     def node_of(self, rank: int) -> int:

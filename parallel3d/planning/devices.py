@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from parallel3d.option_checks import is_finite_number, number_word
+from parallel3d.option_checks import check_positive
 from parallel3d.planning.sizes import GiB, parse_bytes
 
 DEVICE_DIR = Path(__file__).resolve().parents[2] / "conf" / "cluster" / "devices"
@@ -94,12 +94,6 @@ _FRACTIONS = ("matmul_efficiency", "attention_efficiency", "link_efficiency")
 _ALLOWED = set(_NUMBER_KEYS) | set(_REQUIRED)
 
 
-def _positive(where: str, key: str, value: Any) -> float:
-    if not (is_finite_number(value) and value > 0):  # a device .yaml's .nan or .inf
-        raise ValueError(f"{where}: {key}={value!r} must be a {number_word(value)} > 0")
-    return float(value)
-
-
 def device_from_dict(data: Mapping[str, Any], where: str = "device") -> DeviceSpec:
     """A ``DeviceSpec`` from one catalogue entry (the YAML mapping), validated."""
     if not isinstance(data, Mapping):
@@ -130,7 +124,7 @@ def device_from_dict(data: Mapping[str, Any], where: str = "device") -> DeviceSp
         if scale is None:
             values[field] = parse_bytes(data[key], f"{where}: {key}")
         else:
-            values[field] = _positive(where, key, data[key]) * scale
+            values[field] = check_positive(f"{where}: {key}", data[key], error=ValueError) * scale  # .nan, .inf
         if key in _FRACTIONS and values[field] > 1:
             raise ValueError(f"{where}: {key}={data[key]!r} must be a fraction in (0, 1]")
     return DeviceSpec(**values)

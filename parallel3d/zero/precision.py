@@ -9,12 +9,11 @@ rank) and doubles it after ``growth_interval`` consecutive good steps.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from parallel3d.option_checks import check_choice
+from parallel3d.option_checks import check_choice, check_positive
 from parallel3d.zero.options import PRECISIONS
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,8 +40,8 @@ class LossScaler:
         if not self.enabled:
             self.scale = 1.0
             return
+        check_positive("fp16 loss scaling: loss_scale_init", self.scale, error=ValueError)
         checks = [
-            ("loss_scale_init", self.scale, math.isfinite(self.scale) and self.scale > 0, "a finite number > 0"),
             ("loss_scale_growth_factor", self.growth_factor, self.growth_factor > 1, "> 1"),
             ("loss_scale_backoff_factor", self.backoff_factor, 0 < self.backoff_factor < 1, "in (0, 1)"),
             ("loss_scale_growth_interval", self.growth_interval,
