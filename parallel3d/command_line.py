@@ -38,6 +38,7 @@ class CommandLine:
     """The parts of a command line that decide which configs are composed."""
 
     overrides: list[str]
+    parsed: list[Any]  # Hydra's Override of each of ``overrides``, in order: parsed once, here
     config_dir: str  # primary config directory
     config_name: str
     search_path: list[str]  # extra search path entries (``file://...``), in order
@@ -74,14 +75,15 @@ def parse(args: list[str], default_config_dir: str, default_config_name: str = "
         extra = f"file://{path}"
         search.append(extra)
     overrides = list(ns.overrides)
-    for parsed, raw in zip(_parse_overrides(overrides), overrides):
-        if parsed.get_key_element() == "hydra.searchpath":
-            value = parsed.value()
+    parsed = _parse_overrides(overrides)
+    for override, raw in zip(parsed, overrides):
+        if override.get_key_element() == "hydra.searchpath":
+            value = override.value()
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{raw}: hydra.searchpath must be a list of strings, e.g. [file:///my/confs]")
             search += value
     return CommandLine(
-        overrides=overrides, config_dir=config_dir, config_name=ns.config_name or default_config_name,
+        overrides=overrides, parsed=parsed, config_dir=config_dir, config_name=ns.config_name or default_config_name,
         search_path=search, multirun=bool(ns.multirun), extra_config_dir=extra,
         check=not (ns.shell_completion or ns.experimental_rerun is not None),
     )
@@ -116,11 +118,10 @@ def _group_options(cmd: CommandLine, group: str) -> list[str]:
 
 def expand_jobs(cmd: CommandLine) -> MultirunPlan:
     """Every job's job overrides (one job without ``-m``), as Hydra's basic sweeper orders them."""
-    parsed = _parse_overrides(cmd.overrides)
     axes: list[list[str]] = []
     out_dir_swept = False
     hydra_subdir = None
-    for override, raw in zip(parsed, cmd.overrides):
+    for override, raw in zip(cmd.parsed, cmd.overrides):
         key = override.get_key_element()
         if _is_hydra_key(key.lstrip("+~")):
             if key == "hydra.sweep.subdir":
@@ -164,9 +165,9 @@ def to_job(cfg: Any) -> tuple[Any, dict[str, Any]]:
     return job, plain
 
 
-def _check_group_choices(cmd: CommandLine, job_overrides: list[str]) -> None:
+def _check_group_choices(cmd: CommandLine, job_overrides: list[str], parsed: list[Any]) -> None:
     """``model=null`` (a group set to null) names the group and its options (Hydra's error names neither)."""
-    for override, raw in zip(_parse_overrides(job_overrides), job_overrides):
+    for override, raw in zip(parsed, job_overrides):
         group = override.get_key_element().lstrip("+")
         options = _group_options(cmd, group)
         if options and not override.is_delete() and override.value() is None:
@@ -186,7 +187,8 @@ def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
-    _check_group_choices(cmd, job_overrides)
+    parsed = _parse_overrides(job_overrides)  # once per job: both checks read it
+    _check_group_choices(cmd, job_overrides, parsed)
     overrides = list(job_overrides)
     user_search = [p for p in cmd.search_path if p != cmd.extra_config_dir]
     if user_search:
@@ -204,11 +206,11 @@ def compose(cmd: CommandLine, job_overrides: list[str]) -> Any:
         raise ConfigError(one_line(exc)) from None
     finally:
         gh.clear()
-    _check_bool_overrides(cfg, job_overrides)
+    _check_bool_overrides(cfg, parsed)
     return cfg
 
 
-def _check_bool_overrides(cfg: Any, job_overrides: list[str]) -> None:
+def _check_bool_overrides(cfg: Any, parsed: list[Any]) -> None:
     """A number given for a bool-typed key is refused: OmegaConf reads any nonzero number as true
     (``model.tie_embeddings=2``), so the override's value is checked as typed, against the composed
     node's type (whatever the schema: the training job's or the planners'). true/false and the words
@@ -216,7 +218,7 @@ def _check_bool_overrides(cfg: Any, job_overrides: list[str]) -> None:
     from omegaconf import DictConfig
     from omegaconf.nodes import BooleanNode
 
-    for override in _parse_overrides(job_overrides):
+    for override in parsed:
         key = override.key_or_group
         if override.is_delete() or _is_hydra_key(key):
             continue
@@ -254,7 +256,7 @@ def one_line(exc: BaseException) -> str:
 def _check_hydra_dirs(cmd: CommandLine, out_dir: str) -> None:
     """``hydra.run.dir`` / ``hydra.output_subdir`` given on the command line can be created (Hydra's own
     mkdir fails with a traceback); values with an interpolation are Hydra's to resolve, not checked."""
-    given = {o.get_key_element(): o.value() for o in _parse_overrides(cmd.overrides)
+    given = {o.get_key_element(): o.value() for o in cmd.parsed
              if o.get_key_element() in ("hydra.run.dir", "hydra.output_subdir")}
     run_dir = given.get("hydra.run.dir", out_dir)
     if isinstance(run_dir, str) and "${" not in run_dir:

@@ -97,12 +97,12 @@ def test_every_bool_key_keeps_its_spellings():
     """true/false and the words OmegaConf reads as bools still pass the check (composed once)."""
     from omegaconf import OmegaConf
 
-    from parallel3d.command_line import _check_bool_overrides
+    from parallel3d.command_line import _check_bool_overrides, _parse_overrides
     from tests.test_config import _default_cfg
 
     cfg = _default_cfg()
     spellings = ("true", "false", "True", "yes", "no", "on", "off")
-    _check_bool_overrides(cfg, [f"{key}={word}" for key in BOOL_KEYS for word in spellings])
+    _check_bool_overrides(cfg, _parse_overrides([f"{key}={word}" for key in BOOL_KEYS for word in spellings]))
     for key in BOOL_KEYS:  # and OmegaConf reads them as the bool they spell
         merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}=yes"]))
         assert OmegaConf.select(merged, key) is True, key

@@ -199,3 +199,19 @@ def test_multirun_jobs_sharing_a_run_directory_are_refused(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"config error: train.out_dir={shared}: multirun jobs 0 and 1")
     assert not shared.exists()
+
+
+@pytest.mark.parametrize("sweep,jobs", [([], 1), (["-m", "parallel.zero_stage=0,1"], 2)])
+def test_the_command_line_is_parsed_once_and_each_job_once(sweep, jobs, tmp_path, monkeypatch):
+    """``check_command_line`` hands Hydra's parsed overrides along: the command line's overrides are read
+    once (not again to expand the sweep or to check hydra.run.dir), each job's once (for both of its checks)."""
+    from parallel3d import command_line
+    from parallel3d.train import CONF_DIR
+
+    real, calls = command_line._parse_overrides, []
+    monkeypatch.setattr(command_line, "_parse_overrides", lambda o: calls.append(list(o)) or real(o))
+    args = [*sweep, "model.num_layers=2", "parallel.zero_stage=1", f"train.out_dir={tmp_path}/run"]
+    plan = command_line.check_command_line(args, CONF_DIR)
+    assert calls[0] == [a for a in args if a != "-m"]  # the command line's overrides, first
+    assert len(calls) == 1 + jobs, calls
+    assert (plan is None) == (jobs == 1) and (plan is None or len(plan.jobs) == jobs)
