@@ -140,7 +140,7 @@ POST, LAT = 40e-6, 25e-6  # a post's unpreempted cost; the message's latency aft
 
 
 def _stamps(p: int, reps: int, lat: dict[int, float], preempted: set[tuple[int, int]] = frozenset()) -> list:
-    """Per stage (stage, [(post began, post returned)], [woke]) as ``_message_latency`` gathers them:
+    """Per stage (stage, [(post began, post returned)], [woke]) as ``message_latency`` gathers them:
     stage s's k-th message to stage s + 1 leaves at s + k (seconds apart, so a wrong pairing shows)
     and wakes its receiver ``POST + lat[s]`` later; a ``preempted`` (stage, k) post returns 1 ms
     after its receiver woke (gloo handed the message on inside the call)."""
@@ -159,7 +159,7 @@ def test_message_latency_counts_from_the_post_and_leaves_the_post_to_the_executo
     """The feed's message time is post -> blocked receiver waking, less the post's own cost (the
     executor time per computation holds it), not an exchange loop's wall time; a post preempted
     after handing the message on does not move it; stage s's messages go to stage s + 1."""
-    from bench_pipeline_group import one_way_latency
+    from bench_pipeline_messages import one_way_latency
 
     lat, posting = one_way_latency(_stamps(2, 5, {0: LAT, 1: LAT}, preempted={(0, 1), (1, 3)}), 2)
     assert posting == pytest.approx(POST)
@@ -170,7 +170,7 @@ def test_message_latency_counts_from_the_post_and_leaves_the_post_to_the_executo
 
 
 def test_message_latency_is_never_negative() -> None:
-    from bench_pipeline_group import one_way_latency
+    from bench_pipeline_messages import one_way_latency
 
     lat, _ = one_way_latency(_stamps(2, 3, {0: -POST, 1: -POST}), 2)  # woke as the post began
     assert lat == 0.0
