@@ -10,9 +10,10 @@ module-level function of an importable module (spawn pickles it by name).
 Start-up of the rank processes is not counted in ``timeout``.
 If any rank raises, the test fails with that rank's traceback (the first
 failing rank, by arrival). If the ranks do not all finish within ``timeout``
-seconds, every rank is killed and the test fails naming the ranks that had not
-finished. A failure or timeout also tears the worker set down, so the next
-test starts on fresh processes.
+seconds, every rank is killed with the processes it started (its process group,
+SIGKILL: a hung rank may ignore SIGTERM) and the test fails naming the ranks that
+had not finished (``tests/test_harness_timeout.py``). A failure or timeout also
+tears the worker set down, so the next test starts on fresh processes.
 
 Workers are forked from ``multiprocessing``'s fork server, which imports ``PRELOAD`` (torch
 and the framework) once per session: a new worker costs a fork, not an interpreter importing
@@ -30,6 +31,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -56,6 +58,11 @@ def rank_context() -> mp.context.BaseContext:
 def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
     import torch
     import torch.distributed as dist
+
+    # Its own process group (id = its pid), which the processes a test starts on the rank inherit:
+    # ``RankPool.close`` kills the group, so a rank's children die with it (SIGKILL of the rank alone
+    # leaves them running, reparented).
+    os.setpgid(0, 0)
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -155,6 +162,7 @@ class RankPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(done))
+                self.close(kill=True)
                 raise TimeoutError(
                     f"{fn.__name__}: ranks {missing} did not finish within {timeout:.0f}s "
                     f"(finished: {sorted(done)}); all ranks were killed"
@@ -183,10 +191,22 @@ class RankPool:
             for p in self.procs:
                 p.join(timeout=5)
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
+            if kill or p.is_alive():  # a rank that has exited may have left children in its group
+                _kill_group(p)
         for p in self.procs:
             p.join(timeout=5)
+
+
+def _kill_group(proc: "mp.process.BaseProcess") -> None:
+    """SIGKILL the rank's process group (``_worker`` made its pid the group id): the rank and the processes
+    it started; SIGKILL, as a hung rank may ignore SIGTERM."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is empty (its members all exited)
+        if proc.is_alive():  # not yet in its own group (killed before it ran setpgid)
+            proc.kill()
 
 
 _POOLS: dict[int, RankPool] = {}  # test-harness cache, not framework state
