@@ -75,11 +75,10 @@ class ActivationAssumptions:
     # torch's CPU flash attention in cp's blockwise backward (contiguous copies, repeated K/V heads;
     # sequence_experts.cp_backward_workspace_bytes); False: the Triton kernel.
     reference_attention_blocks: bool = False
-    # Bytes per element of one chunk of the largest gradient piece (at most ``zero.clip.SQ_SUM_CHUNK``
-    # elements) that the grad-norm clip allocates before the step (parallel3d.zero.clip.sq_sum_fp64:
-    # the scaled fp32 chunk and its fp64 copy, 4 + 8, on every device); alive before Adam's
-    # temporaries, so the larger counts.
-    clip_piece_bytes: float = 12.0
+    # Bytes per element of the largest gradient piece that the grad-norm clip allocates before the step
+    # (parallel3d.zero.clip.piece_sq_sum: the fp32 square, and on CPU the fp64 copy torch's
+    # ``sum(dtype=float64)`` makes of it: 4 + 8); alive before Adam's temporaries, so the larger counts.
+    clip_piece_bytes: float = 4.0
     # ZeRO stage 1 reduce-scatters every gradient bucket asynchronously and waits at the end of backward;
     # gloo (the CPU backend of the reference path) reduces a copy of each bucket it allocates itself,
     # so a whole gradient buffer's copy (and the owned pieces) is alive then. NCCL: 0.
@@ -121,6 +120,7 @@ class ActivationAssumptions:
             logits_backward_copies=2 if reference else 0,
             adam_step_temporaries=2 if reference else 0,
             reference_attention_blocks=reference,
+            clip_piece_bytes=12.0 if reference else 4.0,
             reduce_scatter_staging_copies=1 if reference else 0,
             gather_staging_copies=1 if reference else 0,
         )

@@ -54,7 +54,6 @@ from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_peak_counts, zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
-from parallel3d.zero.clip import SQ_SUM_CHUNK
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
                                "workspace")
@@ -368,7 +367,7 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
         pieces = [largest_grad_piece(dense, dp_cp, layout.zero_stage, weight_bytes)]
         if expert_held:
             pieces.append(largest_grad_piece(expert_held, edp, layout.expert_zero, weight_bytes))
-        step = max(step, assumptions.clip_piece_bytes * min(max(pieces), SQ_SUM_CHUNK))
+        step = max(step, assumptions.clip_piece_bytes * max(pieces))
         workspace = max(workspace, step - activations)
     groups = [(dense, dp_cp, layout.zero_stage)] + ([(expert_held, edp, layout.expert_zero)] if expert_held else [])
     grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad

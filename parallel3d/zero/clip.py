@@ -33,42 +33,23 @@ def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
     return True
 
 
-# Elements squared per fp64 dot product in ``sq_sum_fp64``: a 2 MiB fp64 chunk stays in cache on a CPU,
-# and it bounds the norm's temporaries (``planning.memory`` counts them from this constant).
-SQ_SUM_CHUNK = 1 << 18
-
-
-def sq_sum_fp64(values: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Sum of squares of ``scale * values`` (1-D) in fp64, one chunk at a time.
-
-    Each chunk's ``scale * values`` is rounded to fp32 (the gradient the update reads; no pass
-    and no copy for an fp32 chunk at scale 1), cast to fp64 and dotted with itself: the squares
-    of fp32 values are exact in fp64 (48 significant bits), so only the fp64 additions round.
-    Faster on a CPU than ``torch.square(g).sum(dtype=torch.float64)`` (which rounded each square
-    to fp32 and upcast it element by element through an fp64 copy of the whole piece: about 2x
-    the time and 12 bytes per element held) and more exact; the temporaries are one chunk's."""
-    total = torch.zeros((), dtype=torch.float64, device=values.device)
-    for chunk in values.split(SQ_SUM_CHUNK):
-        if scale != 1.0 or chunk.dtype != torch.float32:
-            chunk = chunk.float() * scale
-        wide = chunk.double()
-        total += torch.dot(wide, wide)
-    return total
-
-
 def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torch.Tensor:
     """Sum of squares of ``scale * grad`` over the counted segments of this rank's piece, in fp64.
 
     fp64 because the sum runs over up to billions of squares split differently per layout:
     an fp32 dot product's rounding (~5e-6 relative in the norm of a 1M-parameter model) was
     larger than every difference between layouts, so the norm would depend on the layout."""
-    if bucket.segments and all(seg.slot.norm_counted for seg in bucket.segments):
-        return sq_sum_fp64(grad_piece, scale)  # padding is zero: the whole piece at once
     total = torch.zeros((), dtype=torch.float64, device=grad_piece.device)
+    if bucket.segments and all(seg.slot.norm_counted for seg in bucket.segments):
+        # Padding is zero, so the whole piece can be summed at once; at scale 1 (no loss scaling)
+        # an fp32 piece is squared as it is (no scaled copy: one pass fewer over the gradients).
+        g = grad_piece if scale == 1.0 and grad_piece.dtype == torch.float32 else grad_piece.float() * scale
+        return total + torch.square(g).sum(dtype=torch.float64)
     for seg in bucket.segments:
         if seg.slot.norm_counted:
             lo = seg.shard_start - bucket.shard_offset
-            total += sq_sum_fp64(grad_piece[lo : lo + seg.length], scale)
+            g = grad_piece[lo : lo + seg.length].float() * scale
+            total += torch.square(g).sum(dtype=torch.float64)
     return total
 
 
