@@ -14,6 +14,19 @@ them; a method's time is the median over rounds of its median step (forward +
 backward + optimizer step), its ratio to a peer is taken per round (median and range).
 Our stages 1-2 run with ``overlap_param_gather`` (the Trainer's default).
 
+Like with like: every method computes the global gradient norm once per step and nobody clips (ours
+for ``StepInfo.grad_norm``, which the Trainer logs; DDP and FSDP2 with torch's ``get_total_norm``, in its
+default setting; DeepSpeed computes its own for the overflow check). DDP runs in its best setting
+for this model: our bucket size (``BUCKET_MB``, with torch's 1 MiB first bucket, as ours),
+``gradient_as_bucket_view`` and torch's fused AdamW, the kernel ``ZeroOptimizer`` runs on the
+device (``fused_adamw_backend="auto"``); torch's CPU default AdamW is its per-parameter loop. Memory
+accounting runs outside the timed region for every method.
+
+``CPU ms``: user + system CPU time of each rank's process per step (getrusage: every thread,
+gloo's included), the mean over ranks of each round's median; ``CPU x DDP``: its ratio to DDP's per
+round (median [range]). Unlike wall time it barely moves with other jobs on a shared machine: the
+load-robust comparison.
+
 Bytes sent per rank and step (``sent MiB``): ours counted by ``parallel3d.comm``; DeepSpeed's
 counted at ``torch.distributed`` with the same conventions (all-reduce 2(n-1)/n of the
 tensor, reduce-scatter / all-gather (n-1)/n of the full tensor); DDP's from its all-reduce
@@ -58,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallel3d.parallel_state import ParallelState  # noqa: E402
 from parallel3d.topology import Topology  # noqa: E402
 from parallel3d.zero import ZeroOptimizer  # noqa: E402
-from peer_env import deepspeed_python, free_port, run_peer  # noqa: E402
+from peer_env import cpu_seconds, deepspeed_python, free_port, run_peer  # noqa: E402
 from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, make_model  # noqa: E402
 # zeroN: ZeroOptimizer defaults (a true reduce-scatter per bucket: DDP's byte volume);
 # zeroN_ar: reduce_scatter="auto", where gloo reduces each bucket with its faster all-reduce;
@@ -115,7 +128,7 @@ class Runner:
         if method == "ddp":
             self.model = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=BUCKET_MB,
                                                              gradient_as_bucket_view=True)
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
         elif method.startswith("fsdp2"):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -142,6 +155,7 @@ class Runner:
                 overlap_param_gather=True)
             self.opt = self.zero
         self.peak = self.after = self.offloaded = 0
+        self.grad_norm = 0.0
         self.sent_bytes: float | None = None
         if method == "ddp":  # its reducer all-reduces every fp32 gradient once per step (ring: 2(n-1)/n)
             self.sent_bytes = 2 * 4 * self.psi * (n - 1) / n
@@ -154,26 +168,53 @@ class Runner:
         self.step()
         self.sent_bytes = self.pstate.comm_stats.total() - before
 
-    def step(self) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
+    def step(self) -> tuple[float, float]:
+        """Wall and CPU seconds of one step: forward, backward, the global grad norm, the update and
+        ``zero_grad`` (module doc); memory is measured outside both."""
         if self.zero is not None:
             self.zero.reset_memory_peak()
+        dist.barrier()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         self.model(self.x).float().pow(2).mean().backward()
+        wall = cpu = 0.0
         if self.zero is None:
-            params = list(self.model.parameters())
-            states = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
-            self.peak = self.after = _storage_bytes(params + [p.grad for p in params] + states)
-        self.opt.step()
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+            self._torch_state_bytes()  # untimed, while the gradients exist
+            t0, c0 = time.perf_counter(), cpu_seconds()
+            self.grad_norm = _total_norm(self.model)
+            self.opt.step()
+        else:
+            self.grad_norm = self.opt.step().grad_norm
         self.opt.zero_grad()
-        elapsed = time.perf_counter() - t0
+        wall, cpu = wall + time.perf_counter() - t0, cpu + cpu_seconds() - c0
         if self.zero is not None:
-            peak, now = self.zero.memory_peak_bytes(), self.zero.memory_bytes()
-            device = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets")
-            self.peak = sum(peak[k] for k in device)
-            self.after = sum(now[k] for k in device if k != "buckets")
-            self.offloaded = now["offload_host"] + now["offload_disk"]
-        return elapsed
+            self._zero_state_bytes()
+        return wall, cpu
+
+    def _torch_state_bytes(self) -> None:
+        params = list(self.model.parameters())
+        states = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+        self.peak = self.after = _storage_bytes(params + [p.grad for p in params] + states)
+
+    def _zero_state_bytes(self) -> None:
+        peak, now = self.zero.memory_peak_bytes(), self.zero.memory_bytes()
+        device = ("model_weights", "gradients", "master_weights", "optimizer_moments", "buckets")
+        self.peak = sum(peak[k] for k in device)
+        self.after = sum(now[k] for k in device if k != "buckets")
+        self.offloaded = now["offload_host"] + now["offload_disk"]
+
+
+def _total_norm(model: nn.Module) -> float:
+    """The global gradient norm by torch's ``get_total_norm`` (FSDP2: of the sharded DTensor gradients)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _rank_mean(values: list[float], n: int) -> list[float]:
+    """Each entry averaged over the ``n`` ranks (every rank calls it with its own values)."""
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / n).tolist()
 
 
 def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list[str], queue) -> None:
@@ -187,11 +228,15 @@ def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list
             runner.step()
             runner.step()
         times: dict[str, list[float]] = {m: [] for m in methods}
+        cpu: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(rounds):
             for m, runner in runners.items():
-                times[m].append(statistics.median(runner.step() for _ in range(steps)))
-        out = {m: {"round_s": times[m], "peak_bytes": r.peak, "after_bytes": r.after, "offloaded_bytes": r.offloaded,
-                   "params": r.psi} for m, r in runners.items()}
+                walls, cpus = zip(*(runner.step() for _ in range(steps)))
+                times[m].append(statistics.median(walls))
+                cpu[m].append(statistics.median(cpus))
+        out = {m: {"round_s": times[m], "round_cpu_s": _rank_mean(cpu[m], n), "peak_bytes": r.peak,
+                   "after_bytes": r.after, "offloaded_bytes": r.offloaded, "params": r.psi}
+               for m, r in runners.items()}
         for m, r in runners.items():
             r.count_bytes()
             out[m]["sent_bytes"] = r.sent_bytes
@@ -229,9 +274,18 @@ def run_deepspeed(py: str, n: int, rounds: int, steps: int) -> dict:
 def _merge(total: dict, part: dict) -> None:
     for m, r in part.items():
         if m not in total:
-            total[m] = dict(r, round_s=list(r["round_s"]))
+            total[m] = dict(r, round_s=list(r["round_s"]), round_cpu_s=list(r.get("round_cpu_s", [])))
         else:
             total[m]["round_s"] += r["round_s"]
+            total[m]["round_cpu_s"] += r.get("round_cpu_s", [])
+
+
+def _paired(values: list[float], base: list[float]) -> dict | None:
+    """Per-round ratios of ``values`` to ``base``: median, min, max (None when either is missing)."""
+    ratios = [a / b for a, b in zip(values, base)]
+    if not ratios or len(values) != len(base):
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def main() -> None:
@@ -261,16 +315,19 @@ def main() -> None:
                     _merge(result, run_deepspeed(ds_py, n, 1, args.steps))
             print(f"[bench] dp={n} round {r + 1}/{args.rounds} done", flush=True)
         names = methods + [m for m in ("deepspeed_zero1", "deepspeed_zero2") if m in result]
+        ddp = result["ddp"]
         for method in names:
             r = result[method]
-            ratios = [a / b for a, b in zip(r["round_s"], result["ddp"]["round_s"])]
+            wall, cpu = _paired(r["round_s"], ddp["round_s"]), _paired(r["round_cpu_s"], ddp["round_cpu_s"])
             peer = PEERS.get(method)
             peer = peer if peer in result else None
             peer_ratios = [a / b for a, b in zip(r["round_s"], result[peer]["round_s"])] if peer else []
             psi = result["ddp"]["params"]
             formula = formula_bytes(method, psi, n) if not method.startswith("deepspeed") else None
             rows.append({"dp": n, "method": method, "median_step_s": statistics.median(r["round_s"]),
-                         "ratio_to_ddp": statistics.median(ratios), "peer": peer,
+                         "ratio_to_ddp": wall["median"], "ratio_to_ddp_range": [wall["min"], wall["max"]],
+                         "cpu_s_per_rank": statistics.median(r["round_cpu_s"]) if r["round_cpu_s"] else None,
+                         "cpu_ratio_to_ddp": cpu, "peer": peer,
                          "ratio_to_peer": statistics.median(peer_ratios) if peer else None,
                          "ratio_to_peer_range": [min(peer_ratios), max(peer_ratios)] if peer else None,
                          "sent_bytes_per_step": r.get("sent_bytes"), "bytes_by_op": r.get("bytes_per_step"),
@@ -278,11 +335,13 @@ def main() -> None:
                          "offloaded_bytes": r["offloaded_bytes"], "formula_bytes": formula,
                          "after_vs_formula": r["after_bytes"] / formula if formula else None,
                          "peak_vs_formula": r["peak_bytes"] / formula if formula else None,
-                         "params": psi, "round_s": r["round_s"]})
+                         "params": psi, "round_s": r["round_s"], "round_cpu_s": r["round_cpu_s"]})
     print(f"params: {rows[0]['params']:,} ({DEPTH} blocks of Linear {WIDTH}x{WIDTH} + LayerNorm), batch {BATCH}/rank, "
           f"bucket {BUCKET_MB} MiB, fp32, gloo/CPU, 1 thread/rank; {args.rounds} alternating rounds x {args.steps} "
-          f"steps ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)")
-    print(f"{'dp':>3} {'method':<16} {'step ms':>8} {'x DDP':>6} {'x peer (range)':>30} {'sent MiB':>8} "
+          f"steps ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
+          f"load {os.getloadavg()[0]:.1f})")
+    print(f"{'dp':>3} {'method':<16} {'step ms':>8} {'x DDP (range)':>17} {'CPU ms':>7} {'CPU x DDP (range)':>17} "
+          f"{'x peer (range)':>30} {'sent MiB':>8} "
           f"{'states MiB':>10} {'peak MiB':>9} {'formula MiB':>11} {'after/formula':>13} {'offloaded MiB':>13}")
     for r in rows:
         peer = "" if r["peer"] is None else (f"{r['ratio_to_peer']:.2f} [{r['ratio_to_peer_range'][0]:.2f}-"
@@ -291,8 +350,12 @@ def main() -> None:
         mem = "" if r["formula_bytes"] is None else (
             f"{r['after_bytes'] / 2**20:>10.2f} {r['peak_bytes'] / 2**20:>9.2f} {r['formula_bytes'] / 2**20:>11.2f} "
             f"{r['after_vs_formula']:>13.3f} {r['offloaded_bytes'] / 2**20:>13.2f}")
-        print(f"{r['dp']:>3} {r['method']:<16} {1000 * r['median_step_s']:>8.1f} {r['ratio_to_ddp']:>6.2f} {peer:>30} "
-              f"{sent:>8} {mem}")
+        lo, hi = r["ratio_to_ddp_range"]
+        c = r["cpu_ratio_to_ddp"]
+        cpu_ms = "" if r["cpu_s_per_rank"] is None else f"{1000 * r['cpu_s_per_rank']:.1f}"
+        cpu_x = "" if c is None else f"{c['median']:.2f} [{c['min']:.2f}-{c['max']:.2f}]"
+        print(f"{r['dp']:>3} {r['method']:<16} {1000 * r['median_step_s']:>8.1f} "
+              f"{r['ratio_to_ddp']:>5.2f} [{lo:.2f}-{hi:.2f}] {cpu_ms:>7} {cpu_x:>17} {peer:>30} {sent:>8} {mem}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": {"width": WIDTH, "depth": DEPTH, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,

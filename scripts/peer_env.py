@@ -252,7 +252,7 @@ def run_ranks(worker: Callable, world: int, port: int, args: Any, measures: int 
     return got[0], observed
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """User + system CPU seconds of this process so far (every thread: compute, gloo's, allocator's)."""
     import resource
 
@@ -275,11 +275,11 @@ def timed_steps(step: Callable[[], Any], steps: int, warmup: int,
         if before is not None:
             before()
         dist.barrier()
-        cpu0 = _cpu_seconds()
+        cpu0 = cpu_seconds()
         start = time.perf_counter()
         step()
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        cpu = torch.tensor([_cpu_seconds() - cpu0], dtype=torch.float64)
+        cpu = torch.tensor([cpu_seconds() - cpu0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
         if i >= warmup:

@@ -9,7 +9,7 @@ instead of a Python loop over buckets and segments:
   master, both moments and the gradient. Built once per gradient storage.
 - ``multi_tensor_adamw_`` scales the gradients (``grad.float() * coef``, as the
   per-piece path did), decays the decayed masters (``p *= 1 - lr * wd``, before
-  the Adam update, as torch does) and runs Adam on all lists with one of:
+  the Adam update, as torch does; on a CPU inside torch's fused kernel) and runs Adam on all lists with one of:
   ``fused`` torch's fused AdamW kernel (CPU or CUDA: one pass over every tensor,
   torch's own implementation), ``foreach`` torch's ``_foreach_*`` ops in
   ``kernels.adamw.adamw_step_reference``'s order of operations (the ``torch``
@@ -93,17 +93,23 @@ def multi_tensor_adamw_(lists: TensorLists, *, coef: float, step: int, lr: float
             torch._foreach_mul_(grads, coef)
     elif coef != 1.0:
         grads = torch._foreach_mul(grads, coef)
-    if weight_decay and lr:
+    decays = bool(weight_decay and lr)
+    # On a CPU torch's fused kernel decays a run itself (p *= 1 - lr * wd before Adam, bitwise the
+    # _foreach_mul_ below: tests/test_zero_adamw_fused_decay.py), saving that pass over the decayed
+    # masters; on other devices its arithmetic is not checked here, so they keep the separate pass.
+    in_kernel = kind == "fused" and decays and lists.masters[0].device.type == "cpu"
+    if decays and not in_kernel:
         decayed = [p for p, d in zip(lists.masters, lists.decay) if d]
         if decayed:
             torch._foreach_mul_(decayed, 1.0 - lr * weight_decay)
     if kind == "fused":
-        # The functional form increments each step tensor before using it: pass the count before it.
-        steps = [torch.tensor(float(step - 1), device=lists.masters[0].device) for _ in lists.masters]
-        torch_functional_adamw(lists.masters, grads, lists.exp_avgs, lists.exp_avg_sqs, [], steps, fused=True,
-                               amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=0.0, eps=eps,
-                               maximize=False)
-    elif kind == "foreach":
+        for flag in (True, False) if in_kernel else (None,):
+            idx = [i for i, d in enumerate(lists.decay) if flag is None or d == flag]
+            if idx:
+                _fused(lists, grads, idx, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay if flag else 0.0)
+        return
+    if kind == "foreach":
         torch._foreach_lerp_(lists.exp_avgs, grads, 1.0 - beta1)
         torch._foreach_mul_(lists.exp_avg_sqs, beta2)
         torch._foreach_addcmul_(lists.exp_avg_sqs, grads, grads, value=1.0 - beta2)
@@ -115,3 +121,17 @@ def multi_tensor_adamw_(lists: TensorLists, *, coef: float, step: int, lr: float
         assert per_tensor is not None
         for p, g, m, v in zip(lists.masters, grads, lists.exp_avgs, lists.exp_avg_sqs):
             per_tensor(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+
+
+def _fused(lists: TensorLists, grads: list[torch.Tensor], idx: list[int], *, step: int, lr: float, beta1: float,
+           beta2: float, eps: float, weight_decay: float) -> None:
+    """torch's fused AdamW on the runs ``idx`` of ``lists``."""
+    def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
+
+    masters = pick(lists.masters)
+    # The functional form increments each step tensor before using it: pass the count before it.
+    steps = [torch.tensor(float(step - 1), device=masters[0].device) for _ in masters]
+    torch_functional_adamw(masters, pick(grads), pick(lists.exp_avgs), pick(lists.exp_avg_sqs), [], steps,
+                           fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+                           eps=eps, maximize=False)

@@ -55,6 +55,9 @@ class ReplicatedGradSync(GradSync):
         # Each slot's view of the gradient buffer, by (group, bucket index, slot index).
         self._views = {(g, b.index, i): gb.view_of(s) for g, gb in enumerate(self.grad_bufs)
                        for b in gb.layout.buckets for i, s in enumerate(b.slots)}
+        # (param, its view) in buffer order: ``zero_grad`` walks this list, no per-step lookups.
+        self._param_views = [(s.param, self._views[(g, b.index, i)]) for g, gb in enumerate(self.grad_bufs)
+                             for b in gb.layout.buckets for i, s in enumerate(b.slots)]
         self._reset_step()
         if self.zero_copy:
             self._attach_grad_views()
@@ -118,7 +121,7 @@ class ReplicatedGradSync(GradSync):
         """Bring ``param.grad`` into the buffer (a no-op when it already is the buffer view)."""
         view = self._views[(group, bucket.index, index)]
         grad = param.grad
-        if grad.data_ptr() == view.data_ptr():
+        if grad is view or grad.data_ptr() == view.data_ptr():
             return
         self.memory.transient("gradients", nbytes(grad))
         if self.zero_copy:  # autograd (or the caller) replaced the view: its tensor holds the sum
@@ -141,18 +144,12 @@ class ReplicatedGradSync(GradSync):
     @torch.no_grad()
     def _attach_grad_views(self) -> None:
         """Make each ``.grad`` the buffer view again (someone may have set it to None or replaced it)."""
-        for g, gb in enumerate(self.grad_bufs):
-            for b in gb.layout.buckets:
-                for i, s in enumerate(b.slots):
-                    self._attach_view(s.param, self._views[(g, b.index, i)])
-
-    @staticmethod
-    def _attach_view(param: torch.nn.Parameter, view: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-        else:
-            return
-        param.grad = view
+        for param, view in self._param_views:
+            grad = param.grad
+            if grad is view:  # the common case: autograd accumulated in place (same tensor object)
+                continue
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
