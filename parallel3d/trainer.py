@@ -101,6 +101,7 @@ class Trainer:
         self.optimizer = ZeroOptimizer(
             self.chunks, pstate, **dataclasses.asdict(rj.zero), lr=o.lr, betas=o.betas, eps=o.eps,
             weight_decay=o.weight_decay, clip_grad=o.clip_grad or None, precision=t.precision,
+            loss_scale_init=o.loss_scale_init,
             # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
             fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
             lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),

@@ -163,6 +163,11 @@ class LayoutCase:
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
         return self.job(self.parallel, self.train, out_dir, cache_dir)
 
+    def reference_micro_batch_size(self) -> int:
+        """The reference's micro-batch: the whole global batch, or with capacity the case's own (drops are
+        defined per micro-batch; ``tests/train_fuzz.py``: fp16 overflows too)."""
+        return self.train["global_batch_size"] if self.capacity is None else self.train["micro_batch_size"]
+
     def reference_key(self) -> tuple:
         """Cases with the same key share one single-process reference run (model, global batch, document
         mask, then with capacity: factor, policy and the micro-batch size the drops are defined over)."""
@@ -200,8 +205,8 @@ def reference_values(case: LayoutCase, out_dir: str, cache_dir: str) -> dict[str
     """The single-process job of ``case``: same model, data, global batch; one microbatch (with capacity:
     the case's microbatches, over which drops are defined)."""
     g = case.train["global_batch_size"]
-    mbs = g if case.capacity is None else case.train["micro_batch_size"]
-    return case.job({}, {"global_batch_size": g, "micro_batch_size": mbs}, out_dir, cache_dir)
+    return case.job({}, {"global_batch_size": g, "micro_batch_size": case.reference_micro_batch_size()}, out_dir,
+                    cache_dir)
 
 
 def _orders() -> list[str]:

@@ -73,24 +73,35 @@ def silenced(quiet: bool) -> Iterator[None]:
         yield
 
 
-def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
-                       emulate_nccl: bool = False) -> list[tuple[int, float, float, float | None]]:
-    """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
+def train_records_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
+                          emulate_nccl: bool = False) -> list[dict]:
+    """``run_on_ranks`` target: the real Trainer on this rank; its step records on the logging rank."""
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 
     rj = resolve(job_from_dict(values), world)
     with silenced(quiet):
-        return curve_of(train(rj, ParallelState(rj.topology, emulate_nccl=emulate_nccl)).records)
+        return train(rj, ParallelState(rj.topology, emulate_nccl=emulate_nccl)).records
 
 
-def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float, float | None]]:
+def train_case_on_rank(rank: int, world: int, values: dict, quiet: bool = False,
+                       emulate_nccl: bool = False) -> list[tuple[int, float, float, float | None]]:
+    """``run_on_ranks`` target: the real Trainer on this rank; the curve on the logging rank."""
+    return curve_of(train_records_on_rank(rank, world, values, quiet, emulate_nccl))
+
+
+def reference_records(values: dict, quiet: bool = False) -> list[dict]:
+    """The single-process run's step records."""
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
 
     rj = resolve(job_from_dict(values), 1)
     with silenced(quiet):
-        return curve_of(train(rj, ParallelState.single_process()).records)
+        return train(rj, ParallelState.single_process()).records
+
+
+def train_reference(values: dict, quiet: bool = False) -> list[tuple[int, float, float, float | None]]:
+    return curve_of(reference_records(values, quiet))
 
 
 def run_case(case: LayoutCase, work_dir: str, cache_dir: str, references: dict, *, timeout: float = 300.0,

@@ -129,6 +129,7 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("lr:min-above", ["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], "optimizer.min_lr", 1),
         ("warmup:steps", ["train.steps=10", "optimizer.warmup_steps=11"], "optimizer.warmup_steps=11", 1),
         ("beta:one", ["optimizer.beta2=1.0"], "optimizer.beta2=1.0", 1),
+        ("loss-scale:zero", ["train.precision=fp16", "optimizer.loss_scale_init=0"], "optimizer.loss_scale_init=0", 1),
         ("steps:zero", ["train.steps=0"], "train.steps=0", 1),
         ("path:data", ["data=indexed", f"data.paths=[{tmp}/nope]"], "does not exist", 1),
         ("path:valid", ["data=indexed", f"data.paths=[{tmp}/nope]", f"data.valid_paths=[{tmp}/nope2]",

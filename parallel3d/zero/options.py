@@ -110,6 +110,8 @@ class OptimizerOptions:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # train.precision=fp16: the dynamic loss scale's start (halved at each overflow, the step skipped).
+    loss_scale_init: float = 2.0**16
 
     def __post_init__(self) -> None:
         lr = check_range("optimizer.lr", self.lr, 0.0, lo_open=True)
@@ -122,6 +124,7 @@ class OptimizerOptions:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
                 raise ConfigError(f"optimizer.{key}={value!r}: must be in [0, 1)")
         check_range("optimizer.eps", self.eps, 0.0, lo_open=True)
+        check_range("optimizer.loss_scale_init", self.loss_scale_init, 0.0, lo_open=True)
 
     def check_steps(self, steps: int) -> None:
         """The warm-up fits in the run."""

@@ -1,0 +1,89 @@
+"""Drawn layouts with drawn training options (bf16 / fp16 / fp32, clipping, decay, warm-up, lr, eval, dropout)
+give the single-process curve with the same options (``tests/train_fuzz.py``: the draws and the tolerance rule).
+
+CI runs ``ci_sample()``: the cheapest of the first ``CI_SCAN`` ids meeting each ``CI_MUST_COVER`` property (a
+bf16 tensor-parallel layout with clipping active; an fp16 data-parallel layout at the loss scale
+that overflows: it skips step 1, as the single process does); the
+whole fuzz is ``extended`` (``pytest tests/test_train_fuzz.py --extended``) or, as a table,
+``python scripts/check_train_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import pytest
+
+from tests import layout_matrix as lm
+from tests import train_fuzz as tf
+
+pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
+
+CI_SCAN = 30
+CI_MUST_COVER: dict[str, Callable[[tf.TrainCase], bool]] = {
+    "bf16_tp>1_clipping": lambda c: c.precision == "bf16" and c.parallel["tp"] > 1 and c.options["clip_grad"] > 0,
+    # dp > 1: the reference starts at dp x the scale (tests/train_fuzz.py), or the skipped steps differ
+    "fp16_dp>1_overflowing_scale": lambda c: c.precision == "fp16" and c.parallel["dp"] > 1
+    and c.options["loss_scale_init"] == max(tf.LOSS_SCALES),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def ci_sample() -> tuple[tf.TrainCase, ...]:
+    """Per property, the cheapest (``layout_matrix.ci_cost``) case among ids ``0 .. CI_SCAN - 1``."""
+    cases = [tf.generate(i) for i in range(CI_SCAN)]
+    return tuple(min((c for c in cases if where(c)), key=lambda c: (lm.ci_cost(c), c.case_id))
+                 for where in CI_MUST_COVER.values())
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" in metafunc.fixturenames:
+        ci = ci_sample()
+        rest = [c for c in tf.all_cases() if c not in ci] if metafunc.config.getoption("--extended") else []
+        metafunc.parametrize("case", [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in rest)],
+                             ids=[c.name for c in (*ci, *rest)])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("train_fuzz_corpus"))
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {}
+
+
+def test_draws_are_reproducible_by_id_and_cover_every_precision():
+    cases = tf.all_cases()
+    assert [tf.generate.__wrapped__(c.case_id) for c in ci_sample()] == list(ci_sample())  # drawn again, uncached
+    assert {c.precision for c in cases} == set(tf.PRECISIONS)
+    assert {c.options["clip_grad"] for c in cases} == set(tf.CLIPS)
+    assert any(c.parallel.get("ep", 1) > 1 for c in cases) and any(c.parallel["cp"] > 1 for c in cases)
+    for c in ci_sample():
+        assert lm.is_valid(c), c.name
+
+
+def test_half_precision_floor_keeps_the_last_floor_before_a_skipped_step():
+    """Steps from the first skipped step on carry the floor measured before it (fp32 skips nothing)."""
+    fp32 = [(1, 6.0, 1.0, None), (2, 5.9, 1.1, 5.8), (3, 5.0, 9.0, None)]
+    half = [(1, 6.0 * (1 + 1e-4), 1.0, None), (2, 5.9, 1.1 * (1 + 3e-4), 5.8), (3, 5.8, 1.2, None)]
+    floors = tf.half_precision_floors(half, fp32, skipped=[3])
+    assert floors[1] == pytest.approx(1e-4, rel=1e-6) and floors[2] == pytest.approx(3e-4, rel=1e-6)
+    assert floors[3] == floors[2]
+
+
+@pytest.mark.slow
+def test_layout_with_options_matches_single_process(case, tmp_path, cache_dir, references, record_property):
+    """Same precision: within RTOL (fp32) or 10 x the measured floor per step (bf16 / fp16); near the fp32 single
+    process by the same tolerance; fp16: the same skipped steps. The half-precision reference must really differ
+    from the fp32 one (a cast broken everywhere, reference included, would make every layout agree)."""
+    result = tf.run(case, str(tmp_path), cache_dir, references)
+    record_property("floors", result.floors)
+    assert result.ok, f"{case.name} (floors {result.floors}): " + "; ".join(result.problems())
+    assert len(result.same.curve) == lm.STEPS
+    if case in ci_sample() and case.precision == "fp16":
+        assert result.skipped, f"{case.name}: no overflow, so no skipped steps were compared"
+    if case.precision != "fp32":
+        assert max(result.floors.values()) > lm.RTOL, (case.name, "half precision indistinguishable from fp32")
