@@ -20,6 +20,7 @@ import runpy
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,9 @@ def check_argparse(source: Path, run_name: str, args: list[str], as_module: str 
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             if as_module:
-                runpy.run_module(as_module, run_name=run_name, alter_sys=False)
+                with warnings.catch_warnings():  # runpy's note that the module is imported already
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    runpy.run_module(as_module, run_name=run_name, alter_sys=False)
             else:
                 runpy.run_path(str(source), run_name=run_name)
     except _Parsed:
@@ -240,7 +243,7 @@ def check_command(cmd: Command, pytest_parser: Any) -> str | None:
     if cmd.kind == "external":
         return None
     if cmd.kind == "bare":
-        return None if len(cmd.words) == 1 else f"no module or script after {cmd.words[0]}"
+        return None  # a program named in prose (classify's rule)
     source = script_target(cmd)
     if source is None:
         return f"no such {'module' if cmd.kind == 'module' else 'file'}: {cmd.target}"

@@ -174,6 +174,9 @@ def classify(cmd: Command) -> Command:
     cmd.env = dict(w.split("=", 1) for w in words[:start] if ENV_ASSIGNMENT.match(w))
     cmd.words = words[start:]
     program, rest = cmd.words[0], cmd.words[1:]
+    if not rest or rest == ["-c"]:  # `sbatch`, `python -c` named in prose
+        cmd.kind, cmd.skip = "bare", "a program named in prose, not a command"
+        return cmd
     if program in PYTHONS or program in TORCHRUNS:
         kind, cmd.target, cmd.args = _after_launcher(rest)
         cmd.kind = kind
@@ -181,8 +184,6 @@ def classify(cmd: Command) -> Command:
             cmd.world_size = int(_flag_value(rest, "--nproc-per-node", "--nproc_per_node") or 1)
         if kind == "python-c":
             cmd.skip = "python -c snippet: compiled only (it reads files an earlier command writes)"
-        elif kind == "bare":
-            cmd.skip = "a program named in prose, not a command"
     elif program == "bash":
         cmd.kind, cmd.target, cmd.args = "script", rest[0], rest[1:]
     elif program in ("pytest", ".venv/bin/pytest"):
