@@ -153,7 +153,7 @@ def _after_launcher(args: list[str]) -> tuple[str, str, list[str]]:
             return "module", args[i + 1], args[i + 2:]
         if arg == "-c":
             return "python-c", "", args[i + 1:]
-        if arg.startswith("--") and "=" not in arg and arg in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):
+        if arg in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):  # torchrun's options with a value
             i += 2
             continue
         if arg.startswith("-"):
@@ -189,10 +189,11 @@ def classify(cmd: Command) -> Command:
     elif program in ("pytest", ".venv/bin/pytest"):
         cmd.kind, cmd.target, cmd.args = "module", "pytest", rest
     elif program == "sbatch":
-        script = next(w for w in rest if not w.startswith("-"))
+        script = next((w for w in rest if not w.startswith("-")), "")
         cmd.kind, cmd.target = "sbatch", script
-        cmd.args = rest[rest.index(script) + 1:]
-        per_node = SBATCH_GPUS_PER_NODE.search((ROOT / script).read_text())
+        cmd.args = rest[rest.index(script) + 1:] if script else []
+        path = ROOT / script
+        per_node = SBATCH_GPUS_PER_NODE.search(path.read_text()) if script and path.is_file() else None
         nodes = int(_flag_value(rest, "--nodes", "-N") or 1)
         cmd.world_size = nodes * int(per_node.group(1)) if per_node else nodes
         cmd.skip = "SLURM: not submitted; the script must exist and its Hydra overrides validate at nodes x GPUs"
