@@ -44,6 +44,7 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position
     dispatcher: str = "alltoall"  # alltoall | allgather
+    pad_to_capacity: bool = False  # every all-to-all a fixed size (needs capacity_factor and dispatcher alltoall)
 
     def __post_init__(self) -> None:
         if isinstance(self.dense_layers, (list, tuple)):  # a YAML list: hashable and comparable
@@ -70,7 +71,8 @@ class MoEConfig:
             capacity_factor=self.capacity_factor, drop_policy=self.drop_policy, aux_loss_coeff=self.aux_loss_coeff,
             aux_loss_scope=self.aux_loss_scope, z_loss_coeff=self.z_loss_coeff,
             num_shared_experts=self.num_shared_experts, shared_ffn_hidden=self.shared_ffn_hidden_size,
-            shared_expert_gate=self.shared_expert_gate, dispatcher=self.dispatcher)
+            shared_expert_gate=self.shared_expert_gate, dispatcher=self.dispatcher,
+            pad_to_capacity=self.pad_to_capacity)
 
     def validate(self, num_layers: int, ffn_size: int) -> None:
         """Raise ValueError naming the key (``moe.<key>``) and what is allowed."""

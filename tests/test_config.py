@@ -231,3 +231,19 @@ def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.resume=none but train\.out_dir=.* holds checkpoints of steps \[5\]"):
         _resolve_fast([f"train.out_dir={out}", "train.resume=none"])
     assert _resolve_fast([f"train.out_dir={out}", "train.resume=auto"]).job.train.resume == "auto"
+
+
+def test_moe_pad_to_capacity_reaches_the_dispatcher(tmp_path, monkeypatch):
+    """README's ``model.moe.pad_to_capacity=true`` is a key of the job (it was only a layer option): the built
+    MoE layers' all-to-all pads, and without a capacity factor the job is refused in one line."""
+    from models import build_model
+    from parallel3d.parallel_state import ParallelState
+
+    monkeypatch.chdir(tmp_path)
+    job, _ = compose_job(["model=mixtral_tiny", "model.moe.capacity_factor=1.25", "model.moe.pad_to_capacity=true"])
+    model = build_model(resolve(job).model, ParallelState.single_process(device="meta"), device="meta")
+    dispatchers = [m.dispatcher for m in model.modules() if hasattr(m, "dispatcher")]
+    assert dispatchers and all(d.pad_to_capacity for d in dispatchers)
+    job, _ = compose_job(["model=mixtral_tiny", "model.moe.pad_to_capacity=true"])
+    with pytest.raises(ConfigError, match="pad_to_capacity=True: needs a capacity_factor"):
+        resolve(job)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from parallel3d.config import ConfigError, resolve
-from parallel3d.dryrun.options import parse_ranks, split_args
+from parallel3d.config import ConfigError, ResolvedJob, resolve
+from parallel3d.dryrun.options import DryRunOptions, parse_ranks, split_args
 from parallel3d.dryrun.rank_report import dry_run_rank
 from parallel3d.dryrun.table import format_reports, reports_json
 from parallel3d.preflight import check_writable_file
@@ -21,18 +21,25 @@ from parallel3d.user_warnings import one_line_warnings
 EXIT_CONFIG, EXIT_FAILED = 2, 1
 
 
+def prepare(args: list[str]) -> tuple[ResolvedJob, list[int], DryRunOptions]:
+    """Everything checked before a rank is built: the job at the real size, the ranks, the JSON path
+    (raises ConfigError, LayoutError or ValueError); ``tests/test_readme_commands.py`` calls it too."""
+    options, overrides = split_args(args)
+    job, _ = compose_job(overrides)
+    rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
+    if rj.zero.offload == "disk":  # its optimizer would create (sparse) state files of the real job's size
+        raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
+                          "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
+    ranks = parse_ranks(options.ranks, options.world_size)
+    if options.json:  # written after every rank is built: a bad path must not cost that work
+        check_writable_file("dryrun.json", options.json)
+    return rj, ranks, options
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        options, overrides = split_args(args)
-        job, _ = compose_job(overrides)
-        rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
-        if rj.zero.offload == "disk":  # its optimizer would create (sparse) state files of the real job's size
-            raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
-                              "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
-        ranks = parse_ranks(options.ranks, options.world_size)
-        if options.json:  # written after every rank is built: a bad path must not cost that work
-            check_writable_file("dryrun.json", options.json)
+        rj, ranks, options = prepare(args)
     except (ConfigError, LayoutError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
