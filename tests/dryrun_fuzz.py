@@ -6,8 +6,9 @@ accepts (``shape_fuzz.draw``: tp, pp, dp, cp in 1/2/3/5 with every ``cp_comm``, 
 virtual stages, uneven stages with empty end chunks, ZeRO 0-3, host offload, odd model shapes, worlds 3-6), with
 what ``shape_fuzz`` does not draw taken from a salted fork of the RNG (its draws keep their values): the precision
 (fp32 / bf16) and, on MoE draws, ``parallel.etp`` and ``parallel.expert_zero_stage``. Validity is the validator's
-(``shape_fuzz.judge``). ``ci_sample()`` is a greedy cover of ``PROPERTIES`` over the first ``CI_POOL`` cases, the
-cheapest case per property not yet met (``layout_matrix.ci_cost``).
+(``shape_fuzz.judge``). Ids from ``MOE_BASE`` keep MoE draws only. ``ci_sample()`` is a greedy cover of
+``PROPERTIES`` over the first ``CI_POOL`` cases and ``MOE_CI_POOL`` MoE cases, the cheapest case per property not
+yet met (``layout_matrix.ci_cost``).
 
 ``real_on_rank`` is the ``run_on_ranks`` target: a real ``Trainer`` on gloo, its bytes and one step's messages
 (``real_step.held_and_sent``).
