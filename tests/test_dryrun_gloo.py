@@ -21,7 +21,7 @@ from parallel3d.train import compose_job
 from parallel3d.rank_build import make_parallel_state
 from parallel3d.trainer import Trainer
 from tests.harness import run_on_ranks
-from tests.optimizer_bytes import held_state_bytes
+from tests.real_step import held_and_sent
 
 WORLD = 4
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 4, 1), (4, 1, 1)]
@@ -46,27 +46,11 @@ def _overrides(case: dict, out_dir: str) -> list[str]:
             "train.device=cpu", "train.async_save=false", "train.resume=none", f"train.out_dir={out_dir}"]
 
 
-def _real_bytes(rank: int, world: int, overrides: list[str]) -> dict:
-    """Rank ``rank``'s bytes, read from the tensors of the real trainer's optimizer."""
+def _real_bytes(rank: int, world: int, overrides: list[str]) -> tuple[dict, dict]:
+    """Rank ``rank``'s bytes, read from the tensors of the real trainer's optimizer, and one real step's messages."""
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=world)
-    trainer = Trainer(rj, make_parallel_state(rj))
-    opt = trainer.optimizer
-    state = held_state_bytes(opt)  # experts at another ZeRO stage: summed over its parts (zero.mixed)
-    held = {"params": sum(p.numel() for c in trainer.chunks for p in c.parameters()),
-            "param_bytes": state["weights"], "grad_bytes": state["gradients"],
-            "optimizer_state_bytes": state["masters"] + state["moments"]}
-    stats = trainer.pstate.comm_stats  # then one real step: what this rank's collectives counted
-    stats.reset()
-    opt.zero_grad()
-    trainer.moe.before_step(opt.loss_scale, trainer.rj.grad_accum)  # as Trainer.train's step (MoE jobs)
-    result = trainer.engine.run_step(next(trainer.batches), loss_scale=opt.loss_scale, step=0, account_activations=True)
-    trainer.moe.finish()
-    held["activation_bytes"] = result.peak_activation_bytes  # the engine's count on real storages
-    opt.step()
-    opt.finish_param_sync()
-    sent = {f"{kind} {op}": (stats.calls[(kind, op)], stats.bytes[(kind, op)]) for kind, op in stats.bytes}
-    return held, sent
+    return held_and_sent(Trainer(rj, make_parallel_state(rj)))
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: "tp{tp}pp{pp}dp{dp}-z{zero_stage}-{model}-{precision}".format(**c))

@@ -39,11 +39,12 @@ from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.engine import PipelineEngine
+from parallel3d.pipeline.microbatch import SAMPLE_IDS
 from parallel3d.planning.activations import chunk_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["StepMeasure", "in_flight_profile", "reduced_microbatches", "run_step"]
+__all__ = ["StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -91,12 +92,21 @@ def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> Pi
     )
 
 
+def microbatch_shape(rj: ResolvedJob, key: str) -> tuple[int, ...]:
+    """The shape of key ``key`` of one microbatch on a rank, as the trainer hands it to the engine
+    (``pipeline.microbatch``; ``Trainer._to_device``): one sample id per row (dropout reads them); tokens
+    and labels over the rank's cp share."""
+    t, p = rj.job.train, rj.job.parallel
+    return (t.micro_batch_size,) if key == SAMPLE_IDS else (t.micro_batch_size, t.seq_len // p.cp)
+
+
 def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> StepMeasure:
     """One step of ``microbatches`` microbatches on this rank (module doc); raises what step 1 would."""
     t, p = rj.job.train, rj.job.parallel
     engine = _engine(rj, chunks, pstate, optimizer, microbatches)
-    shape = (t.micro_batch_size, t.seq_len // p.cp)
-    batch = [{k: torch.zeros(shape, dtype=torch.long, device="meta") for k in engine.microbatch_keys}
+    # No document ids, even with data.document_mask: where documents end is data (the cp block plan reads it),
+    # so every sequence is one document here (README: what the dry run does not model).
+    batch = [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in engine.microbatch_keys}
              for _ in range(microbatches)]
     stats = pstate.comm_stats
     stats.reset()

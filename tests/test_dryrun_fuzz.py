@@ -1,0 +1,171 @@
+"""The dry run on layouts no other test names: drawn odd layouts on real gloo ranks, and drawn large jobs.
+
+Small (``tests/dryrun_fuzz.py`` draws them on ``shape_fuzz``'s odd shapes and degrees, worlds 3-6: tp, cp with
+every ``cp_comm``, ep / etp, every schedule, virtual stages, uneven stages and empty end chunks, ZeRO 0-3 and
+the experts' own stage, host offload, fp32 / bf16): every rank's bytes read from the real ``Trainer``'s
+optimizer tensors (parameters, gradients, device masters and moments, host-offloaded state) and every message
+of one real step (calls and bytes per group kind and op) must equal the dry run's, rank by rank, exactly, but
+for the token all-to-all of MoE's alltoall dispatcher (its sizes are the routing's: ``test_dryrun_gloo``'s
+rule); the measured activation peaks as ``test_dryrun_gloo`` bounds them; the planner's activation estimate
+against the dry run's within ``test_dryrun_estimator.TOLERANCE`` where the planner has one. CI runs
+``dryrun_fuzz.ci_sample()``; ``--extended`` the whole fuzz.
+
+Large (``big_jobs``: MoE with ep / etp, cp, ZB-V, interleaving with uneven stages, 1,024-16,384 ranks): the
+first, a middle and the last rank dry-run without error, report bytes and messages, and the planner's
+activation estimate holds as above. CI runs ``CI_BIG``; ``--extended`` every job. Where the planner is known
+to be off (``KNOWN_PLANNER_GAPS``, ``KNOWN_BIG_GAPS``: findings not fixed yet) the gap is pinned instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel3d.config import job_from_dict, resolve
+from parallel3d.dryrun import dry_run_rank
+from parallel3d.train import compose_job
+from tests import dryrun_fuzz as df
+from tests.dryrun_big_jobs import CI_BIG, BigJob, big_jobs
+from tests.harness import run_on_ranks
+from tests.test_dryrun_estimator import TOLERANCE
+from tests.test_dryrun_gloo import ROUTED_KINDS, ROUTED_TOLERANCE
+
+pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
+ACTIVATION_BOUND = 0.05  # test_dryrun_gloo's bound on real vs dry-run activation peaks (CPU kernels' saved scalars)
+
+# The planner's activation estimate misses the dry run's measured peak by more than TOLERANCE on these drawn
+# layouts (measured 2026-12-07; README "Dry run of the real job on one CPU", findings). Pinned, not skipped (a
+# skip or xfail fails this suite: conftest's NoSilentSkips): on these the test requires the gap to still be
+# there, so a fixed estimator fails it with a message saying which entry to remove. Bytes and messages are
+# checked exactly first, on every case.
+ZERO_BUBBLE_GAP = ("zero-bubble W deferral: the planner counts a microbatch waiting for its W as its layer "
+                   "inputs (recompute full) or misses zbv's extra kept tensors; the engine keeps the matmul inputs")
+KNOWN_PLANNER_GAPS = {
+    0: ZERO_BUBBLE_GAP + " (zbv, recompute full: -50.6%)",
+    16: ZERO_BUBBLE_GAP + " (zbv, pp 2: -46.1% / -5.9%)",
+    1003: ZERO_BUBBLE_GAP + " (zb_h1 at pp 1 on an MoE model, tp 3, sequence parallel: -29.3%)",
+    1002: "MoE with gpipe, dp 5, experts at ZeRO 3: -10.5% (not reduced yet)",
+}
+KNOWN_BIG_GAPS = {
+    "big0": ZERO_BUBBLE_GAP + " (zbv, recompute full: -77% to -82%)",
+    "big4": "Mixtral, tp 4 etp 1 ep 2, cp 4 a2a+p2p, recompute full: planner +9.0% / +17.6% (not reduced yet)",
+    "big7": "gpipe with an embedding-only first stage: the planner counts one microbatch's embedding output, "
+            "the step keeps all 16 (-93.8% on rank 0)",
+}
+
+
+def _expect_planner(bad: list[str], known: str | None) -> None:
+    """No planner disagreement, or, on a known gap, still the gap (module comment above)."""
+    if known is None:
+        assert not bad, "\n".join(bad)
+    else:
+        assert bad, f"the known planner gap ({known}) is gone: remove its entry from the known gaps"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    extended = metafunc.config.getoption("--extended")
+    if "case" in metafunc.fixturenames:
+        ci = df.ci_sample()
+        rest = [c for c in df.all_cases() if c.case_id not in {k.case_id for k in ci}] if extended else []
+        metafunc.parametrize("case", [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in rest)],
+                             ids=[c.name for c in (*ci, *rest)])
+    if "big" in metafunc.fixturenames:
+        jobs = big_jobs()
+        params = [pytest.param(j, marks=() if i in CI_BIG else pytest.mark.extended)
+                  for i, j in enumerate(jobs) if extended or i in CI_BIG]
+        metafunc.parametrize("big", params, ids=lambda j: j.name)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("dryfuzz_corpus"))
+
+
+def _planner_off(report) -> str | None:
+    """The planner's activation estimate against the dry run's (None: agrees, or the planner has none)."""
+    planned, measured = report.activation_bytes_planner, report.activation_bytes
+    if planned is None or abs(planned - measured) <= TOLERANCE * measured:
+        return None
+    return f"rank {report.rank}: planner {planned} B, dry run {measured} B ({(planned - measured) / measured:+.1%})"
+
+
+def test_dry_run_equals_a_real_gloo_run_on_drawn_layouts(case, tmp_path, cache_dir):
+    values = df.values(case, str(tmp_path / "run"), cache_dir)
+    real = run_on_ranks(df.real_on_rank, case.world_size, values, case.emulate_nccl, timeout=300)
+    rj = resolve(job_from_dict(values), case.world_size)
+    routed = rj.model.moe.enabled and rj.model.moe.dispatcher == "alltoall"
+    dry_routed = real_routed = 0
+    bad, planner = [], []
+    for rank in range(case.world_size):
+        report = dry_run_rank(rj, rank)
+        assert report.error is None, report.error
+        held, sent = real[rank]
+        real_activations = held.pop("activation_bytes")
+        dry = {k: getattr(report, k) for k in held}
+        if dry != held:
+            bad.append(f"rank {rank}: dry run {dry} != real run {held}")
+        # Not with document masks: the dry run's step has no document ids (where documents end is data).
+        if not case.document_mask and abs(report.activation_bytes - real_activations) > ACTIVATION_BOUND * real_activations:
+            bad.append(f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real {real_activations}")
+        dry_msgs = {m.kind: (m.count, m.bytes) for m in report.messages}
+        if set(dry_msgs) != set(sent):
+            bad.append(f"rank {rank}: kinds {sorted(dry_msgs)} != real {sorted(sent)}")
+        for kind, (calls, nbytes) in sent.items():
+            got = dry_msgs.get(kind, (0, 0))
+            if routed and kind in ROUTED_KINDS:
+                dry_routed, real_routed = dry_routed + got[1], real_routed + nbytes
+                got = (got[0], nbytes)
+            if got != (calls, nbytes):
+                bad.append(f"rank {rank} {kind}: dry run {got} != real {(calls, nbytes)} (calls, bytes)")
+        if (off := _planner_off(report)) is not None:
+            planner.append(off)
+    if routed and real_routed:
+        if abs(dry_routed / real_routed - 1) > ROUTED_TOLERANCE:
+            bad.append(f"token all-to-all bytes over the ranks: balanced {dry_routed}, real {real_routed}")
+    assert not bad, "\n".join(bad)
+    _expect_planner(planner, KNOWN_PLANNER_GAPS.get(case.case_id))
+
+
+def test_ci_sample_covers_the_properties():
+    """Each property some pool case has is in the CI sample (a narrowed draw would otherwise pass silently),
+    and the properties the gloo test lacks are all drawn."""
+    ci = df.ci_sample()
+    for label, where in df.PROPERTIES.items():
+        assert any(where(c) for c in ci), label
+    comms = {c.parallel["cp_comm"] for c in df.all_cases() if c.parallel["cp"] > 1}
+    from parallel3d.context_parallel import CP_COMM_VARIANTS
+    assert comms == set(CP_COMM_VARIANTS), comms
+
+
+def test_large_drawn_jobs_dry_run(big: BigJob):
+    """First, middle and last rank: built and stepped without error, every byte kind a rank of the job holds
+    is counted, its messages include its pipeline sends, and the planner's activation estimate holds."""
+    rj = resolve(compose_job(list(big.overrides))[0], world_size=big.world)
+    bad = []
+    for rank in big.chosen_ranks():
+        r = dry_run_rank(rj, rank)
+        assert r.error is None, r.error
+        state = r.offloaded_bytes if rj.zero.offload == "cpu" else r.optimizer_state_bytes
+        assert min(r.params, r.param_bytes, r.grad_bytes, state, r.activation_bytes) > 0, r
+        kinds = {m.kind for m in r.messages}
+        assert "pp send" in kinds and any(k.startswith("dp_cp ") for k in kinds), sorted(kinds)
+        if rj.topology.cp > 1:
+            assert any(k.startswith("cp") for k in kinds), sorted(kinds)
+        if rj.model.moe.enabled and rj.topology.ep > 1:
+            assert "ep all_to_all" in kinds or "ep all_gather" in kinds, sorted(kinds)
+        if (off := _planner_off(r)) is not None:
+            bad.append(off)
+    _expect_planner(bad, KNOWN_BIG_GAPS.get(big.name.split("-")[0]))
+
+
+@pytest.mark.parametrize("schedule, v, recompute", [("zbv", 2, "full"), ("zb_h1", 1, "full"), ("zbv", 2, "none")])
+def test_planner_gap_on_zero_bubble_schedules_is_pinned(schedule, v, recompute):
+    """The known gap reduced to llama_tiny on 2 stages (measured: zbv full -82% / -69%, zb_h1 full -70% on the
+    last stage, zbv none -15% / +9%; 1F1B and zb_h1 without recompute within 2.4%). Pinned: fails once the
+    estimator counts what the engine keeps for W (then require agreement here and drop ``ZERO_BUBBLE_GAP``)."""
+    ov = ["model=llama_tiny", "parallel.pp=2", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
+          f"train.recompute={recompute}", "train.micro_batch_size=1", "train.seq_len=128", "model.max_seq_len=128",
+          "train.global_batch_size=8", "train.precision=bf16"]
+    rj = resolve(compose_job(ov)[0], world_size=2)
+    reports = [dry_run_rank(rj, rank) for rank in (0, 1)]
+    assert all(r.error is None for r in reports)
+    _expect_planner([off for r in reports if (off := _planner_off(r)) is not None], ZERO_BUBBLE_GAP)
