@@ -9,8 +9,7 @@ runs disagree on. A near tie is a flip whose margin is within the rounding the t
 (``rounding``: the largest score difference over the tokens that did not flip, up to that step); a wrong term
 moves the scores themselves (a larger ``rounding``) or flips tokens with a wide margin.
 
-``float64=True`` trains in float64 (a test-side cast of ``train.precision=fp32``'s dtype): the rounding drops by
-~9 orders of magnitude, so a near tie no longer flips, while a wrong term would keep the runs apart.
+``float64=True`` trains in float64 (``tests/float64_run.py``), where a near tie should no longer flip.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ import dataclasses
 from typing import Iterator
 
 import torch
+
+from tests.float64_run import float64_training
 
 Key = tuple[int, str, int, int]  # (step, layer global name, global sample id, position in the sequence)
 
@@ -49,10 +50,8 @@ def _recording(records: dict[Key, torch.Tensor], float64: bool) -> Iterator[None
     from models.blocks import TransformerBlock
     from parallel3d.moe.layer import MoELayer
     from parallel3d.moe.router import TopKRouter
-    from parallel3d.zero import precision
 
     block_forward, layer_forward, router_forward = TransformerBlock.forward, MoELayer.forward, TopKRouter.forward
-    fp32, default = precision.DTYPES["fp32"], torch.get_default_dtype()
     where: list = []  # the current (sample ids, step) of the block, then the layer's name and positions
 
     def block(self, x, run):  # type: ignore[no-untyped-def]
@@ -77,16 +76,12 @@ def _recording(records: dict[Key, torch.Tensor], float64: bool) -> Iterator[None
         return routing
 
     TransformerBlock.forward, MoELayer.forward, TopKRouter.forward = block, layer, router  # type: ignore[method-assign]
-    if float64:
-        precision.DTYPES["fp32"] = torch.float64
-        torch.set_default_dtype(torch.float64)
     try:
-        yield
+        with float64_training() if float64 else contextlib.nullcontext():
+            yield
     finally:
         TransformerBlock.forward, MoELayer.forward, TopKRouter.forward = (  # type: ignore[method-assign]
             block_forward, layer_forward, router_forward)
-        precision.DTYPES["fp32"] = fp32
-        torch.set_default_dtype(default)
 
 
 def record_on_rank(rank: int, world: int, values: dict, float64: bool = False) -> tuple[list, dict[Key, torch.Tensor]]:
