@@ -4,6 +4,7 @@ expert set flips between the two runs with each flip's margin, and the rounding 
 
     python scripts/routing_probe.py any:3              # the pair once listed in SINGLE_PROCESS_MISSES
     python scripts/routing_probe.py any:3 --float64
+    python scripts/routing_probe.py any:3 --eps 1e-12    # Adam's eps changed alone in both runs
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pair", metavar="LABEL:K")
     parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--eps", type=float, default=None, help="optimizer.eps of both runs (Adam's)")
     parser.add_argument("--cache-dir", default=".cache/parallel3d")
     args = parser.parse_args()
     label, k = args.pair.rsplit(":", 1)
     pair = odd.odd_pair(label, int(k))
     with tempfile.TemporaryDirectory(prefix="p3d-route-") as work:
         values = rm.job_values(pair, pair.source, os.path.join(work, "layout"), args.cache_dir)
+        if args.eps is not None:
+            values["optimizer"]["eps"] = args.eps
         layout = rf.merged(rm.run(rf.record_on_rank, pair.source.world_size, values, args.float64, timeout=1500))
         values = rm.single_process_values(pair, os.path.join(work, "one"), args.cache_dir)
+        if args.eps is not None:
+            values["optimizer"]["eps"] = args.eps
         one = rf.merged(rm.run(rf.record_on_rank, 1, values, args.float64))
     print(pair.name, "float64" if args.float64 else "fp32")
     top_k = pair.case.shape["moe"]["top_k"]
