@@ -86,7 +86,7 @@ def test_resume_at_another_layout(pair, tmp_path, cache_dir, sources):
         assert (eval_loss is None) == (ref_eval is None), (step, eval_loss, ref_eval)
         if ref_eval is not None:
             assert abs(eval_loss - ref_eval) <= rm.RTOL * abs(ref_eval), (step, eval_loss, ref_eval)
-    if pair.case is not None and pair.name not in odd.SINGLE_PROCESS_MISSES:  # odd shape: the one-process run's too
+    if pair.case is not None:  # odd shape: the one-process run's too
         full = lr.train_reference(rm.single_process_values(pair, str(tmp_path / "single"), cache_dir), True)
         single = [row for row in full if row[0] > rm.SAVE_STEP]
         assert [r[0] for r in single] == [r[0] for r in resumed]
@@ -97,7 +97,10 @@ def test_resume_at_another_layout(pair, tmp_path, cache_dir, sources):
 
         if not close(dict.fromkeys([r[0] for r in single], lm.RTOL)):  # layout matrix RTOL, else the shape's floor
             rtol = odd.single_process_tolerances(pair, full, str(tmp_path / "single-mb1"), cache_dir)
-            assert close(rtol), (resumed, single, rtol)
+            if not close(rtol):  # amplified rounding or a wrong term: float64 decides (odd.float64_gaps)
+                gaps = odd.float64_gaps(pair, str(tmp_path / "float64"), cache_dir)
+                print(f"{pair.name}: misses the one-process run in fp32 beyond its noise floor; float64 gaps {gaps}")
+                assert max(gaps.values()) <= lm.RTOL, (resumed, single, rtol, gaps)
 
 def test_odd_pairs_meet_their_properties():
     """Each odd pair is what its property promises: one drawn shape on both sides (validator-accepted),
