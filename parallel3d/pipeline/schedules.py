@@ -35,6 +35,13 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   (``tests/test_schedules.py`` shows one).
 - ``1f1b``: stage ``s`` never holds more than ``p - s`` microbatches whose
   forward is done and backward is not (``gpipe``: all ``m``).
+- a split backward (a ``B`` whose ``W`` is listed) is split on every later ``B`` of
+  its stage and chunk too: a stage splits its backwards from some point on.
+- ``1f1b`` with ``split_drain``: every stage but the first splits the backwards it
+  runs after its last forward, each ``W`` right after its ``B`` and the input
+  gradient's send (``SEND_GRAD``) between them: the stage upstream gets it one ``W``
+  earlier, which shortens the drain (the critical path at the end of the step) by
+  about ``(p - 1) W``; the order of ``F``s and ``B``s and the peak in flight are 1F1B's.
 - ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
   ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
@@ -68,7 +75,7 @@ from parallel3d.pipeline.actions import (
     comm_plan,
     placement_of,
     schedule_shape,
-    splits_backward,
+    split_backwards,
     stage_and_chunk,
     virtual_stage,
 )
@@ -154,13 +161,20 @@ def _gpipe(stage: int, p: int, m: int) -> list[Compute]:
     return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-def _one_f_one_b(stage: int, p: int, m: int) -> list[Compute]:
+def _one_f_one_b(stage: int, p: int, m: int, split_drain: bool = False) -> list[Compute]:
+    """1F1B's order; ``split_drain``: each backward after the stage's last forward is split, its ``W``
+    right after its ``B`` (stage 0 excepted: no stage upstream waits for its input gradient)."""
     warmup = min(p - stage - 1, m)
     order = [("F", i, 0) for i in range(warmup)]  # warm-up: fill the pipe below us
     for i in range(m - warmup):  # steady state: one forward, then the oldest backward
         order += [("F", warmup + i, 0), ("B", i, 0)]
     order += [("B", i, 0) for i in range(m - warmup, m)]  # cool-down: drain
-    return order
+    if not split_drain or stage == 0:
+        return order
+    # The backwards from the one paired with the last forward on: the input gradient goes upstream
+    # (its send sits between B and W) a W earlier; W right after B keeps 1F1B's order and peak.
+    drain = {("B", i, 0) for i in range(m - warmup - 1, m)}
+    return [x for c in order for x in ((c, ("W", c[1], 0)) if c in drain else (c,))]
 
 
 def _interleaved_warmup(stage: int, p: int, m: int, v: int) -> int:
@@ -199,6 +213,7 @@ def build_schedule(
     *,
     coalesced_p2p: bool = False,
     w_lags: Sequence[int] | None = None,
+    split_drain: bool = False,
 ) -> Schedule:
     """One action list per stage for schedule ``name``; validated before it is returned.
 
@@ -206,6 +221,8 @@ def build_schedule(
     the module contract); only ``interleaved_1f1b`` places its communication differently.
     ``w_lags`` (``zb_h1`` only; default stage ``s`` lags ``s``): per stage, how many microbatches its
     ``W``s trail its ``B``s (``zero_bubble.zb_h1_lags`` picks them from the stages' bytes).
+    ``split_drain`` (``1f1b`` only; ``options.drain_is_split`` decides it from the config): the
+    backwards after a stage's last forward are split, ``W`` right after ``B`` (module contract).
     """
     p, m, v = num_stages, num_microbatches, num_virtual_stages
     _check_args(name, p, m, v)
@@ -213,6 +230,8 @@ def build_schedule(
         raise ValueError(f"w_lags={w_lags!r}: one lag per stage ({p}), for zb_h1 only (schedule {name!r})")
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
+    if split_drain and name != "1f1b":
+        raise ValueError(f"split_drain=True: only schedule '1f1b' splits its drain backwards (schedule {name!r})")
     place = placement_for(name, p, v)
     schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
     for s in range(p if name != "zbv" else 0):
@@ -221,7 +240,7 @@ def build_schedule(
         elif name == "zb_h1":
             compute = zb_h1_order(s, p, m, None if w_lags is None else w_lags[s])
         elif name == "1f1b":
-            compute = _one_f_one_b(s, p, m)
+            compute = _one_f_one_b(s, p, m, split_drain)
         else:
             compute = _interleaved(s, p, m, v)
         if name == "interleaved_1f1b" and coalesced_p2p:
@@ -261,17 +280,18 @@ def build_forward_schedule(
 def peak_in_flight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most microbatch-chunks whose forward ran and whose backward has not.
 
-    With split backwards a microbatch-chunk is in flight until its ``W`` (its graph lives until then).
+    A split backward's microbatch-chunk is in flight until its ``W`` (its graph, or W's tensors, live
+    until then); an unsplit one's until its ``B``.
     """
     peaks = {}
     for stage, actions in schedule.items():
         live = peak = 0
-        ends = "W" if splits_backward(actions) else "B"
+        split = split_backwards(actions)
         for a in actions:
             if a.kind == "F":
                 live += 1
                 peak = max(peak, live)
-            elif a.kind == ends:
+            elif a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split):
                 live -= 1
         peaks[stage] = peak
     return peaks
@@ -327,12 +347,17 @@ def _check_order(stage: int, actions: list[Action], place: ChunkPlacement, m: in
             grad = ("B", a.microbatch, after) if after is not None else ("RECV_GRAD", a.microbatch, a.chunk)
             if grad not in seen:
                 raise ScheduleError(f"{where}: needs an earlier {grad[0]} for the same microbatch and chunk {grad[2]}")
-    kinds = ("F",) if forward_only else ("F", "B", "W") if splits_backward(actions) else ("F", "B")
-    for kind in kinds:
+    for kind in ("F",) if forward_only else ("F", "B"):
         for chunk in range(v):
             missing = [i for i in range(m) if (kind, i, chunk) not in seen]
             if missing:
                 raise ScheduleError(f"stage {stage}, chunk {chunk}: no {kind} for microbatches {missing}")
+    for chunk in range(v):  # a chunk's split backwards: from its first split B on, every B (contract)
+        backwards = sorted((pos, mb) for (k, mb, c), pos in seen.items() if k == "B" and c == chunk)
+        split = [i for i, (_, mb) in enumerate(backwards) if ("W", mb, chunk) in seen]
+        missing = [mb for _, mb in backwards[split[0]:] if ("W", mb, chunk) not in seen] if split else []
+        if missing:
+            raise ScheduleError(f"stage {stage}, chunk {chunk}: no W for microbatches {missing}")
     for kind, needed_by in (("RECV_ACT", "F"), ("RECV_GRAD", "B")):
         for (k, mb, chunk) in seen:
             if k == kind and (needed_by, mb, chunk) not in seen:
