@@ -253,6 +253,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     train = options_of(TrainOptions, job.train)
+    pipeline.splits_drain(train.recompute)  # parallel.split_drain=true with full recompute: refused here
     accum = train.grad_accum(topo.dp)
     train.check_sequence(model.max_seq_len, dims.tp, dims.sequence_parallel)
     context_parallel = options_of(ContextParallelOptions, job.parallel)

@@ -254,11 +254,11 @@ def _group_round(args, pstate, v: int) -> dict:
     loss_fn = torch_loss_fn(args.vocab)
 
     systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
-    # (schedule, chunks per stage, split_drain); ours 1f1b runs as the runtime does (its drain split,
-    # parallel.split_drain's default), "ours 1f1b plain" without, so the table shows what the split gains
-    layouts = [("1f1b", 1, None), ("1f1b", 1, False), ("zb_h1", 1, None)]
-    layouts += [("interleaved_1f1b", v, None)] if v > 1 else []
-    layouts += [("zbv", 2, None)] if args.layers >= 2 * p else []
+    # (schedule, chunks per stage, split_drain); ours 1f1b runs with its drain split (parallel.split_drain),
+    # "ours 1f1b plain" without, so the table shows what the split gains
+    layouts = [("1f1b", 1, True), ("1f1b", 1, False), ("zb_h1", 1, False)]
+    layouts += [("interleaved_1f1b", v, False)] if v > 1 else []
+    layouts += [("zbv", 2, False)] if args.layers >= 2 * p else []
     for schedule, vs, split_drain in layouts:
         if schedule not in args.schedules and schedule != "1f1b":
             continue
@@ -278,7 +278,7 @@ def _group_round(args, pstate, v: int) -> dict:
             t.append(e.p2p.trace)
             e.p2p.trace = None
 
-        name = f"ours {schedule}" + (f" v{vs}" if vs > 1 else "") + (" plain" if split_drain is False else "")
+        name = f"ours {schedule}" + (f" v{vs}" if vs > 1 else "") + (" plain" if schedule == "1f1b" and not split_drain else "")
         systems[name] = (run_ours, chunks, results, engine, traces)
     if "torch" in args.peers:
         for vs in sorted({1, v}):

@@ -7,7 +7,7 @@ import pytest
 
 from models import ModelConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost import CostOptions, estimate_step
+from parallel3d.planning.cost import estimate_step
 from parallel3d.planning.layout import Layout
 
 
@@ -31,10 +31,7 @@ def test_the_head_costs_its_hand_computed_time_whatever_the_pipeline(pp):
     def pipeline_end(vocab: int) -> float:
         config = ModelConfig(arch="gpt", num_layers=4, hidden_size=1024, num_heads=8, vocab_size=vocab,
                              max_seq_len=2048, tie_embeddings=False)
-        # Plain 1F1B: every second of the head is on the step's critical path. With its drain split
-        # (parallel3d's default, ``CostOptions.split_drain``) the last stage's weight gradients, the head's
-        # included, overlap the first stage's last backward, and only part of the head shows in the step.
-        step = estimate_step(config, layout, cluster, CostOptions(split_drain=False))
+        step = estimate_step(config, layout, cluster)
         return step.step_time_s - step.optimizer_s - step.dp_exposed_s
 
     tokens = layout.micro_batch_size * layout.seq_len

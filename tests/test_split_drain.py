@@ -83,10 +83,12 @@ def test_validator_wants_every_backward_after_a_split_one_split():
 
 
 def test_option_resolves_once_and_refuses_where_it_does_nothing():
-    assert PipelineOptions().splits_drain and PipelineOptions(split_drain=None).split_drain is None
-    assert not PipelineOptions(split_drain=False).splits_drain
-    assert not PipelineOptions(schedule="zb_h1").splits_drain
-    assert drain_is_split("1f1b", None) and not drain_is_split("gpipe", None)
+    assert not PipelineOptions().splits_drain("none")  # off by default (options.drain_is_split: why)
+    assert PipelineOptions(split_drain=True).splits_drain("selective")
+    assert not PipelineOptions(split_drain=False).splits_drain("full")
+    assert drain_is_split("1f1b", True) and not drain_is_split("gpipe", False)
+    with pytest.raises(ConfigError, match="recompute 'full'"):
+        PipelineOptions(split_drain=True).splits_drain("full")
     with pytest.raises(ConfigError, match="parallel.split_drain=true"):
         PipelineOptions(schedule="interleaved_1f1b", virtual_stages=2, split_drain=True)
     with pytest.raises(ConfigError, match="parallel.split_drain"):
@@ -108,7 +110,7 @@ def _toy_step(rank, world, pp, m, split_drain):
         for c in chunks:
             c.zero_grad(set_to_none=True)
         engine = PipelineEngine(chunks, pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=2, seq_len=4,
-                                hidden_size=HIDDEN, split_drain=on if split_drain else False)
+                                hidden_size=HIDDEN, split_drain=on and split_drain)
         result = engine.run_step(toy_batch(m, 2, 4), account_activations=True)
         out[on] = {
             "grads": {n: q.grad.clone() for c in chunks for n, q in c.named_parameters()},
@@ -146,9 +148,9 @@ def test_trainer_split_drain_curve_equals_plain_1f1b_exactly(parallel, tmp_path)
     cache = str(tmp_path / "cache")
     world = parallel["tp"] * parallel["pp"] * parallel["dp"]
     curves = {}
-    for on in (None, False):  # the default (on for 1f1b) and off
+    for on in (True, False):
         values = lm.job_values("gpt", {**parallel, "schedule": "1f1b", "split_drain": on}, TRAIN,
                                str(tmp_path / f"run-{on}"), cache)
         curves[on] = next(c for c in run_on_ranks(lr.train_case_on_rank, world, values, True, timeout=300) if c)
-    assert len(curves[None]) == TRAIN["steps"]
-    assert curves[None] == curves[False]
+    assert len(curves[True]) == TRAIN["steps"]
+    assert curves[True] == curves[False]

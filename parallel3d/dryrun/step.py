@@ -89,7 +89,7 @@ def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> Pi
         chunks, pstate, schedule=p.schedule, num_microbatches=microbatches,
         micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
         dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel, grad_sync=optimizer.grad_sync,
-        w_lags=job_w_lags(rj), split_drain=rj.pipeline.splits_drain,
+        w_lags=job_w_lags(rj), split_drain=rj.pipeline.splits_drain(rj.train.recompute),
     )
 
 

@@ -237,7 +237,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     p2p = comm.p2p(msg)
     if options.p2p_scatter_gather and not layout.sequence_parallel and p > 1:
         p2p += comm.all_gather(msg * layout.tp, "tp")
-    drain = drain_is_split(layout.schedule, options.split_drain)  # the implementation's 1F1B (cost_options)
+    drain = drain_is_split(layout.schedule, options.split_drain, layout.recompute)  # the implementation's 1F1B (cost_options)
     if pipeline is None:  # zb_h1 as the runtime builds it: the lags its bytes allow (zb_lags)
         lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
         pipe = simulate_pipeline(layout.schedule, p, layout.num_microbatches, v, fwd, bwd, p2p, w_lags=lags,

@@ -43,9 +43,9 @@ class CostOptions:
     # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
     # stage's whole traffic overlaps one chunk's pass only.
     chunk_grad_sync: bool = True
-    # 1F1B with its drain backwards split (``parallel.split_drain``, resolved by ``drain_is_split``; null:
-    # where it applies, as parallel3d's runtime); Megatron and torchtitan run plain 1F1B: False.
-    split_drain: bool | None = PipelineOptions.split_drain
+    # 1F1B with its drain backwards split (``parallel.split_drain``, resolved by ``drain_is_split``; the
+    # runtime's default); Megatron and torchtitan run plain 1F1B: False whatever that default is.
+    split_drain: bool = PipelineOptions.split_drain
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
