@@ -124,7 +124,7 @@ ModelSchema = schema_of("ModelSchema", (ModelConfig,), skip=("kernel_backend",))
 ParallelConfig = schema_of("ParallelConfig", (ParallelDims, ContextParallelOptions, PipelineOptions, ZeroOptions),
                            order=(
     "tp", "pp", "dp", "cp", "cp_comm", "cp_a2a_size", "ep", "etp", "zero_stage", "expert_zero_stage", "sequence_parallel", "schedule",
-    "virtual_stages", "order",
+    "virtual_stages", "split_drain", "order",
     "bucket_size_mb", "grad_reduce_dtype", "pp_layers", "offload", "offload_dir", "offload_buffer_mb",
     "zero3_prefetch", "zero3_reshard", "overlap_param_gather"))
 TrainConfig = schema_of("TrainConfig", (TrainOptions, CheckpointOptions, StopOptions), order=(
@@ -253,6 +253,7 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     train = options_of(TrainOptions, job.train)
+    pipeline.splits_drain(train.recompute)  # parallel.split_drain=true with full recompute: refused here
     accum = train.grad_accum(topo.dp)
     train.check_sequence(model.max_seq_len, dims.tp, dims.sequence_parallel)
     context_parallel = options_of(ContextParallelOptions, job.parallel)

@@ -111,6 +111,7 @@ class Trainer:
             micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
             dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             grad_sync=self.optimizer.grad_sync, w_lags=job_w_lags(rj),
+            split_drain=rj.pipeline.splits_drain(rj.train.recompute),
         )
         self.moe = MoEStep(self.chunks, rj.model, pstate, p.sequence_parallel)
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)

@@ -22,7 +22,7 @@ the measured bubble and ``simulate``'s fed with our measured costs, defined alik
 executor time per computation in the feed; ``sim``: plus the message latency measured in the run,
 from a send's post to its blocked receiver waking, the post's own cost left to the executor time
 (``bench_pipeline_bubble.in_run_latencies``, the mean over the round; a message timed alone,
-``bench_pipeline_group.one_way_latency``, is printed and fed to ``sim_isolated``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
+``bench_pipeline_messages.one_way_latency``, is printed and fed to ``sim_isolated``); ``sim0``: zero latency; ``sim cpu``: CPU-time costs, a core per
 rank; ``sim C``: CPU-time costs on this machine's C cores shared by the ranks, what the measured
 bubble (the share of the window a rank is not runnable) is held against where ranks outnumber
 cores; where they do not but the computations' CPU / wall time shows they waited for a core

@@ -127,6 +127,38 @@ def executor_per_compute(step: StepTimes) -> float:
     return max(0.0, own_end - busy - waited) / max(n, 1)
 
 
+def _kind_means(per_step: list[list[tuple]]) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk), the mean of ``(action, seconds)`` over steps. Where a chunk splits only some
+    backwards (1f1b's split drain), "B" is the unsplit backwards' mean less W's, so that the fed
+    ``bwd`` (B + W, ``bench_pipeline_bubble.fed_costs``) is a whole backward and a split B ``bwd - W``
+    (the split's own overhead is then not in the fed simulators; ``replay`` has each action's time)."""
+    own: dict[tuple[str, int], list[float]] = {}
+    whole: dict[int, list[float]] = {}
+    for step in per_step:
+        split = {(a.microbatch, a.chunk) for a, _ in step if a.kind == "W"}
+        for a, t in step:
+            if a.kind == "B" and split and (a.microbatch, a.chunk) not in split:
+                whole.setdefault(a.chunk, []).append(t)
+            else:
+                own.setdefault((a.kind, a.chunk), []).append(t)
+    means = {k: statistics.fmean(vals) for k, vals in own.items()}
+    for c, vals in whole.items():
+        means[("B", c)] = statistics.fmean(vals) - means[("W", c)]
+    return means
+
+
+def compute_means(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the mean measured time of our F / B / W computations (the mean, so that a
+    stage's simulated busy time equals its measured one: the bubbles then differ only by waiting)."""
+    return _kind_means([[(a, e - b) for a, b, e in res.timeline if a.is_compute] for res in results])
+
+
+def compute_cpu_means(results: list) -> dict[tuple[str, int], float]:
+    """Per (kind, chunk): the mean thread CPU seconds of our F / B / W computations (their cost on a
+    core of their own)."""
+    return _kind_means([list(res.compute_cpu) for res in results])
+
+
 def fed_costs(compute: dict[tuple[int, str, int], float], overhead: dict[int, float]) -> tuple[Callable, ...]:
     """(fwd, bwd, wgrad) cost functions for ``simulate`` from per (stage, kind, chunk) mean times plus
     each stage's per-computation overhead (a split backward's B and W each carry one)."""
@@ -175,7 +207,8 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
 
     per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
     schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"],
-                              w_lags=per_stage[0].get("w_lags"))  # the schedule the engine ran
+                              w_lags=per_stage[0].get("w_lags"),
+                              split_drain=bool(per_stage[0].get("split_drain")))  # the schedule the engine ran
     steps = [list(step) for step in zip(*(o["step_times"] for o in per_stage.values()))]
     wall = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}
     cpu = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute_cpu"].items()}

@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench_pipeline_bubble import compute_cpu_means, compute_means  # noqa: E402
 from bench_pipeline_messages import message_latency, message_time  # noqa: E402
 from peer_env import free_port, spawn_results  # noqa: E402
 
@@ -151,25 +152,6 @@ def _timed(fn) -> tuple[float, float]:
     return wall.item(), cpu.item()
 
 
-def _compute_medians(results: list) -> dict[tuple[str, int], float]:
-    """Per (kind, chunk): the mean measured time of our F / B / W computations (the mean, so that a
-    stage's simulated busy time equals its measured one: the bubbles then differ only by waiting)."""
-    own: dict[tuple[str, int], list[float]] = {}
-    for res in results:
-        for action, start, end in res.timeline:
-            if action.is_compute:
-                own.setdefault((action.kind, action.chunk), []).append(end - start)
-    return {k: statistics.fmean(vals) for k, vals in own.items()}
-
-
-def _compute_cpu_means(results: list) -> dict[tuple[str, int], float]:
-    """Per (kind, chunk): the mean thread CPU seconds of our F / B / W computations (their cost on a
-    core of their own)."""
-    own: dict[tuple[str, int], list[float]] = {}
-    for res in results:
-        for action, spent in res.compute_cpu:
-            own.setdefault((action.kind, action.chunk), []).append(spent)
-    return {k: statistics.fmean(vals) for k, vals in own.items()}
 
 
 def _grad_diff(systems: dict, ours: str, theirs: str) -> float | None:
@@ -200,15 +182,18 @@ def _group_round(args, pstate, v: int) -> dict:
     loss_fn = torch_loss_fn(args.vocab)
 
     systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
-    layouts = [("1f1b", 1), ("zb_h1", 1)] + ([("interleaved_1f1b", v)] if v > 1 else [])
-    layouts += [("zbv", 2)] if args.layers >= 2 * p else []
-    for schedule, vs in layouts:
+    # (schedule, chunks per stage, split_drain); ours 1f1b runs with its drain split (parallel.split_drain),
+    # "ours 1f1b plain" without, so the table shows what the split gains
+    layouts = [("1f1b", 1, True), ("1f1b", 1, False), ("zb_h1", 1, False)]
+    layouts += [("interleaved_1f1b", v, False)] if v > 1 else []
+    layouts += [("zbv", 2, False)] if args.layers >= 2 * p else []
+    for schedule, vs, split_drain in layouts:
         if schedule not in args.schedules and schedule != "1f1b":
             continue
         chunks = _build_chunks(args, pstate, vs, schedule)
         engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=args.mbs,
                                 seq_len=args.seq, hidden_size=args.hidden, prefetch_recvs=args.prefetch,
-                                w_lags=_w_lags(args, p, m, schedule))
+                                w_lags=_w_lags(args, p, m, schedule), split_drain=split_drain)
         results: list = []
         traces: list = []  # per step: this rank's p2p stamps (PipelineP2P.trace), for the in-run latency
 
@@ -221,7 +206,8 @@ def _group_round(args, pstate, v: int) -> dict:
             t.append(e.p2p.trace)
             e.p2p.trace = None
 
-        systems[f"ours {schedule}" + (f" v{vs}" if vs > 1 else "")] = (run_ours, chunks, results, engine, traces)
+        name = f"ours {schedule}" + (f" v{vs}" if vs > 1 else "") + (" plain" if schedule == "1f1b" and not split_drain else "")
+        systems[name] = (run_ours, chunks, results, engine, traces)
     if "torch" in args.peers:
         for vs in sorted({1, v}):
             chunks = _build_chunks(args, pstate, vs)
@@ -267,14 +253,14 @@ def _group_round(args, pstate, v: int) -> dict:
         results.pop()  # the profiled step is not timed
         out["ours"][name] = {
             "schedule": engine.schedule_name, "virtual_stages": engine.num_virtual_stages,
-            "w_lags": _w_lags(args, p, m, engine.schedule_name),
+            "w_lags": _w_lags(args, p, m, engine.schedule_name), "split_drain": engine.split_drain,
             "bubble": statistics.median(max(0.0, 1.0 - r.busy_time / r.step_time) for r in measured),
             "busy_s": [r.busy_time for r in measured], "step_s": [r.step_time for r in measured],
             "comm": statistics.median(r.comm_time / r.step_time for r in measured),
             "tail": statistics.median((r.step_time - max(e for _, _, e in r.timeline)) / r.step_time
                                       for r in measured),
-            "compute": _compute_medians(measured),
-            "compute_cpu": _compute_cpu_means(measured),
+            "compute": compute_means(measured),
+            "compute_cpu": compute_cpu_means(measured),
             # per step: what bench_pipeline_bubble puts on the ranks' common axis
             "step_times": [(r.start_time, max(e for a, _, e in r.timeline if a.is_compute), r.schedule_wait_time,
                             len(r.compute_cpu), r.busy_time, r.step_time) for r in measured],

@@ -41,7 +41,8 @@ def _kind_ratios(per_round_stats: list, name: str, kinds: tuple[str, ...], base_
             if not any(kind == "W" for kind, _ in own):
                 return None
             split[stage] = sum(t for (kind, _), t in own.items() if kind in kinds)
-            base[stage] = sum(t for (kind, _), t in ours["ours 1f1b"][key].items() if kind == base_kind)
+            whole = ours.get("ours 1f1b plain", ours["ours 1f1b"])  # one full backward: the plain 1F1B's
+            base[stage] = sum(t for (kind, _), t in whole[key].items() if kind == base_kind)
         if ours[name]["schedule"] == "zbv":
             per_stage.setdefault("all", []).append(sum(split.values()) / sum(base.values()))
         else:

@@ -135,7 +135,7 @@ def test_replay_uses_each_computations_own_duration() -> None:
     assert got["replay"] > got["sim0"] + 0.02
 
 
-# ---- the message latency fed to ``sim`` (bench_pipeline_group.one_way_latency) ---------------
+# ---- the message latency fed to ``sim`` (bench_pipeline_messages.one_way_latency) ---------------
 POST, LAT = 40e-6, 25e-6  # a post's unpreempted cost; the message's latency after it
 
 

@@ -101,7 +101,8 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
     """Run the step (reduced when ``reduced_microbatches`` allows; ``step`` module doc), fill the
     report's measured activation peak and step sizes; the step's messages at the full count."""
     p, m = rj.job.parallel, rj.grad_accum
-    reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage)
+    reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage,
+                                   rj.pipeline.splits_drain(rj.train.recompute))
     if reduced is None:
         full = run_step(rj, pstate, *first, m)
         report.step_microbatches = [m]
@@ -126,7 +127,8 @@ def _fill(report: RankReport, rj: ResolvedJob) -> None:
         report.optimizer_state_bytes = held["master_weights"] + held["optimizer_moments"]
         report.offloaded_bytes = held["offload_host"] + held["offload_disk"]
         report.layers = _stage_layers(rj, stage)
-        actions = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True)[stage]
+        actions = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True,
+                                 split_drain=rj.pipeline.splits_drain(rj.train.recompute))[stage]
         report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS
                           if any(a.kind == k for a in actions)}
         report.activation_bytes_planner = _activation_bytes(rj, stage, report.layers)

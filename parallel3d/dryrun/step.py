@@ -58,21 +58,23 @@ class StepMeasure:
     messages: Counts
 
 
-def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
+def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
+                      split_drain: bool = False) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, microbatches in flight per chunk
     (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too). Two counts
     with the same profile have the same activation peak whatever each chunk's bytes per microbatch."""
-    return chunk_in_flight_moments(name, pp, m, v, stage)
+    return chunk_in_flight_moments(name, pp, m, v, stage, split_drain)
 
 
-def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int) -> tuple[int, int] | None:
+def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int,
+                         split_drain: bool = False) -> tuple[int, int] | None:
     """``(m1, m2)``: the two smallest valid counts below ``m`` whose schedule for ``stage`` has the
     full step's in-flight profile (``in_flight_profile``); None when none are (then run all ``m``)."""
-    want = in_flight_profile(name, pp, m, v, stage)
+    want = in_flight_profile(name, pp, m, v, stage, split_drain)
     found: list[int] = []
     for k in range(1, m):
         try:
-            if in_flight_profile(name, pp, k, v, stage) == want:
+            if in_flight_profile(name, pp, k, v, stage, split_drain) == want:
                 found.append(k)
         except ValueError:  # a count the schedule does not take (e.g. interleaved: a multiple of pp)
             continue
@@ -88,7 +90,7 @@ def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> Pi
         chunks, pstate, schedule=p.schedule, num_microbatches=microbatches,
         micro_batch_size=t.micro_batch_size, seq_len=t.seq_len // p.cp, hidden_size=rj.model.hidden_size,
         dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel, grad_sync=optimizer.grad_sync,
-        w_lags=job_w_lags(rj),
+        w_lags=job_w_lags(rj), split_drain=rj.pipeline.splits_drain(rj.train.recompute),
     )
 
 

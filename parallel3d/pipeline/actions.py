@@ -7,7 +7,8 @@ read as the loop placement: with ``v`` chunks per stage, stage ``s`` holds model
 ``s, s + p, ..., s + (v-1) p``, Narayanan et al. 2021; ``virtual_stage`` /
 ``stage_and_chunk`` convert for that placement). Computations: ``F`` forward, ``B``
 backward; a schedule that also lists ``W`` splits each backward: ``B`` is then the
-input gradient only and ``W`` the weight gradients (``backward_split``).
+input gradient only and ``W`` the weight gradients (``backward_split``), for that
+``B``'s microbatch and chunk only (``split_backwards``: a list may split some backwards, not all).
 
 ``comm_plan`` is the one place that decides how a stage's communication actions
 are grouped into ``batch_isend_irecv`` batches: the engine executes its plan and
@@ -88,6 +89,15 @@ def stage_and_chunk(virtual: int, num_stages: int) -> tuple[int, int]:
 def splits_backward(actions: Sequence[Action]) -> bool:
     """Whether this action list runs split backwards (``B`` input grad, ``W`` weight grads)."""
     return any(a.kind == "W" for a in actions)
+
+
+def split_backwards(actions: Sequence[Action]) -> frozenset[tuple[int, int]]:
+    """The ``(microbatch, chunk)`` whose backward this action list splits: those with a ``W``.
+
+    A stage may split only some of its backwards (``1f1b`` with ``split_drain``: the ones after its last
+    forward); every consumer (simulator, engine, peak counts) asks per backward, not per stage.
+    """
+    return frozenset((a.microbatch, a.chunk) for a in actions if a.kind == "W")
 
 
 def schedule_shape(schedule: Schedule) -> tuple[int, int, int]:

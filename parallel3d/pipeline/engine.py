@@ -48,7 +48,9 @@ them, and their gradients reach ``.grad`` (and its hooks) then. A microbatch-chu
 holds its activations from ``F`` to ``B`` and the queue's tensors from ``B`` to
 ``W`` (the first model chunk, with no input gradient to send, runs its whole
 backward at ``W``). ``grad_sync.prepare`` is told before ``B`` whether it is the
-chunk's last ``B`` and before ``W`` whether it is its last ``W``. ``w_lags`` (zb_h1): how far
+chunk's last ``B`` and before ``W`` whether it is its last ``W``. A stage may split only some
+backwards (``1f1b`` with ``split_drain``: those after its last forward); each ``B``
+knows whether it is split (``PlannedCompute.split``), the others run whole. ``w_lags`` (zb_h1): how far
 each stage's ``W``s trail (``build_schedule``; ``planning.zb_lags.zb_h1_w_lags`` keeps every stage
 within 1F1B's peak bytes); the same on every rank.
 
@@ -88,9 +90,9 @@ import torch.distributed as dist
 from parallel3d import comm
 from parallel3d.deferred_grads import backward_inputs
 from parallel3d.pipeline.activation_bytes import storage_key
-from parallel3d.pipeline.actions import Action, ScheduleError, splits_backward
+from parallel3d.pipeline.actions import Action, ScheduleError, split_backwards, splits_backward
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
-from parallel3d.pipeline.options import PipelineOptions
+from parallel3d.pipeline.options import PipelineOptions, drain_is_split
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
 from parallel3d.pipeline.placement import ChunkPlacement
 from parallel3d.pipeline.schedules import build_schedule, check_coalesced_progress
@@ -222,6 +224,7 @@ class PipelineEngine:
         prefetch_recvs: int | None = None,
         free_sent_activations: bool = True,
         w_lags: Sequence[int] | None = None,
+        split_drain: bool = PipelineOptions.split_drain,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")
@@ -235,8 +238,9 @@ class PipelineEngine:
         p = pstate.size("pp")
         self.schedule_name = schedule
         coalesces = pstate.p2p_coalesces
+        self.split_drain = drain_is_split(schedule, split_drain)  # resolved: the schedule was built with it
         full = build_schedule(schedule, p, num_microbatches, self.num_virtual_stages, coalesced_p2p=coalesces,
-                              w_lags=w_lags)
+                              w_lags=w_lags, split_drain=self.split_drain)
         self.placement: ChunkPlacement = full.placement
         self.actions = full[pstate.coord("pp")]
         self.spec = MessageSpec.from_config(
@@ -262,10 +266,12 @@ class PipelineEngine:
                                      wait_sent_activations=self._wait_for_sent_activations)
         except ScheduleError as exc:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
-        self.split_backward = splits_backward(self.actions)
+        self.split_backward = splits_backward(self.actions)  # any; which ones: PlannedCompute.split
         # A stage without the model's first chunk waits for the stages above it to drain at the end of
-        # its step: it frees its finished backward graphs then, not between its actions (step_run).
-        self.park_spent_graphs = not self.split_backward and 0 not in held
+        # its step: it frees its finished (unsplit) backward graphs then, not between its actions (step_run).
+        split = split_backwards(self.actions)
+        self.park_spent_graphs = 0 not in held and any(
+            a.kind == "B" and (a.microbatch, a.chunk) not in split for a in self.actions)
         self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, prefetch_recvs,
                                  self.p2p.peer)
 
@@ -315,7 +321,6 @@ class PipelineEngine:
         run = StepRun(self, microbatches, loss_scale, step, param_storages, undeferred, account_activations)
         block, timeline, clock, cpu = self._wait_for_sent_activations, run.timeline, time.perf_counter, time.thread_time
         handlers = {"F": run.forward, "B": run.backward, "W": run.weight_grad}
-        split = self.split_backward
         communicate, release_sent, record_peak, t0 = run.communicate, run.release_sent, run.record_peak, run.t0
         cpu_start, cpu_busy, busy = cpu(), 0.0, 0.0
         compute_cpu: list[tuple[Action, float]] = []
@@ -340,7 +345,7 @@ class PipelineEngine:
                 if kind == "F":
                     release_sent(block)
                     record_peak()
-                elif kind == "B" and split:
+                elif c.split:
                     # A split B leaves one more microbatch waiting for W (zero_bubble.pending_at_forwards):
                     # the peak is here where W's inputs + output grads outweigh a forward's saved tensors
                     # (full recompute saves only the chunk input)

@@ -19,6 +19,26 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv
 INTERLEAVED = "interleaved_1f1b"  # any number (>= 2) of model chunks per stage
 ZBV = "zbv"  # exactly two chunks per stage (its V)
 MULTI_CHUNK = (INTERLEAVED, ZBV)  # the schedules that run more than one model chunk per stage
+SPLIT_DRAIN_SCHEDULES = ("1f1b",)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
+
+
+def drain_is_split(schedule: str, split_drain: bool, recompute: str = "none") -> bool:
+    """Whether ``schedule`` runs with its drain backwards split (``parallel.split_drain``); True where it
+    does not apply is a ``ConfigError``: schedules other than 1f1b, and ``train.recompute=full``, where a
+    split ``B`` would keep what its weight-gradient GEMMs read (every linear's input and output gradient,
+    ``deferred_grads``) until its ``W``, far more than the chunk input a fully recomputed microbatch keeps.
+
+    Off by default: W's held tensors can top what the forward saved (the last stage's logits gradient;
+    measured +3.3% on llama_tiny's last stage, tp 2, bf16), which the planner's memory estimate does not
+    price (README "Benchmarks"). The one place that resolves the option: the engine, the dry run and the
+    planner's own-runtime pricing all build their schedule with this answer."""
+    if not isinstance(split_drain, bool):
+        raise ConfigError(f"parallel.split_drain={split_drain!r} must be true or false")
+    if split_drain and (schedule not in SPLIT_DRAIN_SCHEDULES or recompute == "full"):
+        raise ConfigError(f"parallel.split_drain=true: only parallel.schedule in {list(SPLIT_DRAIN_SCHEDULES)} "
+                          f"without train.recompute=full splits its drain backwards (schedule is {schedule!r}, "
+                          f"recompute {recompute!r})")
+    return split_drain
 
 
 @dataclass(frozen=True)
@@ -26,10 +46,14 @@ class PipelineOptions:
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 | zbv (zero bubble, split backward)
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
+    # 1f1b: split the backwards each stage (but the first) runs after its last forward, sending the input
+    # gradient before the weight-gradient GEMMs (README "Benchmarks"; drain_is_split: why off by default).
+    split_drain: bool = False
 
     def __post_init__(self) -> None:
         as_tuples(self)
         check_choice("parallel.schedule", self.schedule, SCHEDULES)
+        drain_is_split(self.schedule, self.split_drain)
         v = check_int("parallel.virtual_stages", self.virtual_stages, 1)
         if v > 1 and self.schedule not in MULTI_CHUNK:
             raise ConfigError(
@@ -39,6 +63,10 @@ class PipelineOptions:
         if self.schedule == ZBV and v != 2:
             raise ConfigError(f"parallel.schedule={ZBV} runs two chunks per stage: set parallel.virtual_stages=2 "
                               f"(got {v})")
+
+    def splits_drain(self, recompute: str) -> bool:
+        """``parallel.split_drain`` resolved for this schedule and ``train.recompute`` (``drain_is_split``)."""
+        return drain_is_split(self.schedule, self.split_drain, recompute)
 
     def num_chunks(self, pp: int) -> int:
         """Model chunks in the whole pipeline."""

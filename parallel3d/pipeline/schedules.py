@@ -35,6 +35,13 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   (``tests/test_schedules.py`` shows one).
 - ``1f1b``: stage ``s`` never holds more than ``p - s`` microbatches whose
   forward is done and backward is not (``gpipe``: all ``m``).
+- a split backward (a ``B`` whose ``W`` is listed) is split on every later ``B`` of
+  its stage and chunk too: a stage splits its backwards from some point on.
+- ``1f1b`` with ``split_drain``: every stage but the first splits the backwards it
+  runs after its last forward, each ``W`` right after its ``B`` and the input
+  gradient's send (``SEND_GRAD``) between them: the stage upstream gets it one ``W``
+  earlier, which shortens the drain (the critical path at the end of the step) by
+  about ``(p - 1) W``; the order of ``F``s and ``B``s and the peak in flight are 1F1B's.
 - ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
   ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
@@ -54,8 +61,7 @@ batches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from parallel3d.pipeline.actions import (
     ACTION_KINDS,
@@ -68,7 +74,6 @@ from parallel3d.pipeline.actions import (
     comm_plan,
     placement_of,
     schedule_shape,
-    splits_backward,
     stage_and_chunk,
     virtual_stage,
 )
@@ -77,9 +82,10 @@ from parallel3d.pipeline.options import SCHEDULES
 from parallel3d.pipeline.placement import ChunkPlacement, placement_for
 from parallel3d.pipeline.zero_bubble import zb_h1_order, zbv_schedule
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
+from parallel3d.pipeline.schedule_checks import peak_in_flight, validate_schedule
 
-# The schedule vocabulary (actions.py), the schedule names (options.py) and the simulator (simulate.py)
-# are re-exported here.
+# The schedule vocabulary (actions.py), the schedule names (options.py), the simulator (simulate.py) and
+# the contract's checks (schedule_checks.py) are re-exported here.
 SCHEDULE_NAMES = SCHEDULES
 __all__ = [
     "ACTION_KINDS", "COMM_KINDS", "COMPUTE_KINDS", "SCHEDULE_NAMES", "Action", "CommStep", "Schedule",
@@ -154,13 +160,20 @@ def _gpipe(stage: int, p: int, m: int) -> list[Compute]:
     return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-def _one_f_one_b(stage: int, p: int, m: int) -> list[Compute]:
+def _one_f_one_b(stage: int, p: int, m: int, split_drain: bool = False) -> list[Compute]:
+    """1F1B's order; ``split_drain``: each backward after the stage's last forward is split, its ``W``
+    right after its ``B`` (stage 0 excepted: no stage upstream waits for its input gradient)."""
     warmup = min(p - stage - 1, m)
     order = [("F", i, 0) for i in range(warmup)]  # warm-up: fill the pipe below us
     for i in range(m - warmup):  # steady state: one forward, then the oldest backward
         order += [("F", warmup + i, 0), ("B", i, 0)]
     order += [("B", i, 0) for i in range(m - warmup, m)]  # cool-down: drain
-    return order
+    if not split_drain or stage == 0:
+        return order
+    # The backwards from the one paired with the last forward on: the input gradient goes upstream
+    # (its send sits between B and W) a W earlier; W right after B keeps 1F1B's order and peak.
+    drain = {("B", i, 0) for i in range(m - warmup - 1, m)}
+    return [x for c in order for x in ((c, ("W", c[1], 0)) if c in drain else (c,))]
 
 
 def _interleaved_warmup(stage: int, p: int, m: int, v: int) -> int:
@@ -199,6 +212,7 @@ def build_schedule(
     *,
     coalesced_p2p: bool = False,
     w_lags: Sequence[int] | None = None,
+    split_drain: bool = False,
 ) -> Schedule:
     """One action list per stage for schedule ``name``; validated before it is returned.
 
@@ -206,6 +220,8 @@ def build_schedule(
     the module contract); only ``interleaved_1f1b`` places its communication differently.
     ``w_lags`` (``zb_h1`` only; default stage ``s`` lags ``s``): per stage, how many microbatches its
     ``W``s trail its ``B``s (``zero_bubble.zb_h1_lags`` picks them from the stages' bytes).
+    ``split_drain`` (``1f1b`` only; ``options.drain_is_split`` decides it from the config): the
+    backwards after a stage's last forward are split, ``W`` right after ``B`` (module contract).
     """
     p, m, v = num_stages, num_microbatches, num_virtual_stages
     _check_args(name, p, m, v)
@@ -213,6 +229,8 @@ def build_schedule(
         raise ValueError(f"w_lags={w_lags!r}: one lag per stage ({p}), for zb_h1 only (schedule {name!r})")
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
+    if split_drain and name != "1f1b":
+        raise ValueError(f"split_drain=True: only schedule '1f1b' splits its drain backwards (schedule {name!r})")
     place = placement_for(name, p, v)
     schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
     for s in range(p if name != "zbv" else 0):
@@ -221,7 +239,7 @@ def build_schedule(
         elif name == "zb_h1":
             compute = zb_h1_order(s, p, m, None if w_lags is None else w_lags[s])
         elif name == "1f1b":
-            compute = _one_f_one_b(s, p, m)
+            compute = _one_f_one_b(s, p, m, split_drain)
         else:
             compute = _interleaved(s, p, m, v)
         if name == "interleaved_1f1b" and coalesced_p2p:
@@ -255,123 +273,6 @@ def build_forward_schedule(
     validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, coalesced_p2p=coalesced_p2p,
                       forward_only=True)
     return schedule
-
-
-# ---- validation ---------------------------------------------------------------------
-def peak_in_flight(schedule: Schedule) -> dict[int, int]:
-    """Per stage, the most microbatch-chunks whose forward ran and whose backward has not.
-
-    With split backwards a microbatch-chunk is in flight until its ``W`` (its graph lives until then).
-    """
-    peaks = {}
-    for stage, actions in schedule.items():
-        live = peak = 0
-        ends = "W" if splits_backward(actions) else "B"
-        for a in actions:
-            if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif a.kind == ends:
-                live -= 1
-        peaks[stage] = peak
-    return peaks
-
-
-@dataclass(frozen=True)
-class _Where:
-    """Names an action's place in error messages (formatted only when an error is raised)."""
-
-    stage: int
-    pos: int
-    action: Action
-
-    def __str__(self) -> str:
-        return f"stage {self.stage}, position {self.pos} ({self.action})"
-
-
-def _check_order(stage: int, actions: list[Action], place: ChunkPlacement, m: int,
-                 forward_only: bool = False) -> None:
-    seen: dict[tuple[str, int, int], int] = {}
-    v, last = place.num_chunks, place.total - 1
-    for pos, a in enumerate(actions):
-        where = _Where(stage, pos, a)
-        if a.chunk >= v or a.microbatch >= m:
-            raise ScheduleError(f"{where}: chunk must be < {v} and microbatch < {m}")
-        key = (a.kind, a.microbatch, a.chunk)
-        if forward_only and a.kind in ("B", "W", "SEND_GRAD", "RECV_GRAD"):
-            raise ScheduleError(f"{where}: a forward-only schedule has no backward or gradient messages")
-        if key in seen:
-            raise ScheduleError(f"{where}: repeats the action at position {seen[key]}")
-        seen[key] = pos
-        vs = place.model_chunk(stage, a.chunk)
-        before, after = place.local_previous(stage, a.chunk), place.local_next(stage, a.chunk)
-        if a.kind in ("RECV_ACT", "SEND_GRAD") and vs == 0:
-            raise ScheduleError(f"{where}: the first model chunk has no upstream neighbour")
-        if a.kind in ("SEND_ACT", "RECV_GRAD") and vs == last:
-            raise ScheduleError(f"{where}: the last model chunk has no downstream neighbour")
-        if (a.kind in ("RECV_ACT", "SEND_GRAD") and before is not None) or \
-                (a.kind in ("SEND_ACT", "RECV_GRAD") and after is not None):
-            raise ScheduleError(f"{where}: the neighbouring model chunk sits on this stage (no message)")
-        needs: tuple[str, int] | None = {  # (kind, local chunk) of an earlier action of this microbatch
-            "F": None if vs == 0 else ("F", before) if before is not None else ("RECV_ACT", a.chunk),
-            "B": ("F", a.chunk),
-            "W": ("B", a.chunk),
-            "SEND_ACT": ("F", a.chunk),
-            "SEND_GRAD": ("B", a.chunk),
-        }.get(a.kind)
-        if needs and (needs[0], a.microbatch, needs[1]) not in seen:
-            what = {"B": "backward before its forward", "W": "weight gradient (W) before its input-gradient backward (B)"}
-            raise ScheduleError(f"{where}: " + what.get(a.kind, f"needs an earlier {needs[0]} for the same microbatch"
-                                                              f" and chunk {needs[1]}"))
-        if a.kind == "B" and vs < last:
-            grad = ("B", a.microbatch, after) if after is not None else ("RECV_GRAD", a.microbatch, a.chunk)
-            if grad not in seen:
-                raise ScheduleError(f"{where}: needs an earlier {grad[0]} for the same microbatch and chunk {grad[2]}")
-    kinds = ("F",) if forward_only else ("F", "B", "W") if splits_backward(actions) else ("F", "B")
-    for kind in kinds:
-        for chunk in range(v):
-            missing = [i for i in range(m) if (kind, i, chunk) not in seen]
-            if missing:
-                raise ScheduleError(f"stage {stage}, chunk {chunk}: no {kind} for microbatches {missing}")
-    for kind, needed_by in (("RECV_ACT", "F"), ("RECV_GRAD", "B")):
-        for (k, mb, chunk) in seen:
-            if k == kind and (needed_by, mb, chunk) not in seen:
-                raise ScheduleError(f"stage {stage}: {kind}{mb} chunk {chunk} is received but never used")
-
-
-def validate_schedule(
-    schedule: Schedule,
-    *,
-    num_microbatches: int | None = None,
-    num_virtual_stages: int | None = None,
-    max_in_flight: Callable[[int], int] | None = None,
-    coalesced_p2p: bool = False,
-    forward_only: bool = False,
-) -> None:
-    """Raise ``ScheduleError`` unless ``schedule`` meets the module contract (``forward_only``: no ``B``).
-
-    With ``coalesced_p2p`` it must also progress under NCCL batch semantics
-    (``check_coalesced_progress`` with the engine's defaults for such backends).
-    """
-    p, m_seen, v_seen = schedule_shape(schedule)
-    if sorted(schedule) != list(range(p)):
-        raise ScheduleError(f"schedule stages must be 0..{p - 1}, got {sorted(schedule)}")
-    m = m_seen if num_microbatches is None else num_microbatches
-    v = v_seen if num_virtual_stages is None else num_virtual_stages
-    place = getattr(schedule, "placement", None) or ChunkPlacement(p, v)
-    if (place.num_stages, place.num_chunks) != (p, v):
-        raise ScheduleError(f"the schedule's placement {place} does not match its {p} stages x {v} chunks")
-    for stage, actions in schedule.items():
-        _check_order(stage, actions, place, m, forward_only)
-    simulate(schedule, 1.0, 2.0)  # raises on a deadlock or a mismatched send/receive
-    if coalesced_p2p:
-        check_coalesced_progress(schedule)
-    if max_in_flight is not None:
-        for stage, peak in peak_in_flight(schedule).items():
-            if peak > max_in_flight(stage):
-                raise ScheduleError(
-                    f"stage {stage} holds {peak} microbatches in flight, more than the allowed {max_in_flight(stage)}"
-                )
 
 
 # ---- printable views ------------------------------------------------------------------

@@ -26,7 +26,7 @@ from parallel3d.pipeline.actions import (
     comm_plan,
     placement_of,
     schedule_shape,
-    splits_backward,
+    split_backwards,
 )
 
 
@@ -93,7 +93,7 @@ class ScheduleReplay:
         self.schedule = schedule
         self.p, _, _ = schedule_shape(schedule)
         self.place = placement_of(schedule)
-        self.split = {s: splits_backward(acts) for s, acts in schedule.items()}
+        self.split = {s: split_backwards(acts) for s, acts in schedule.items()}  # per stage: (mb, chunk) with a W
         self.pos = [0] * self.p
         self.channels: dict[tuple[int, int], deque] = {}
         self.waiting: dict[tuple[int, int], int] = {}  # channel (from, to) -> the stage blocked on it
@@ -107,14 +107,14 @@ class ScheduleReplay:
         self.pos[s] += 1
 
     def cost(self, s: int, a: Action) -> float:
-        """A computation's duration: a split stage's ``B`` is the whole backward less its ``W``."""
+        """A computation's duration: a split ``B`` (one whose ``W`` is listed) is the whole backward less its ``W``."""
         if self.action_time is not None:
             return self.action_time(s, a)
         if a.kind == "F":
             return self.fwd(s, a.chunk)
         if a.kind == "W":
             return self.wgt(s, a.chunk)
-        return self.bwd(s, a.chunk) - (self.wgt(s, a.chunk) if self.split[s] else 0.0)
+        return self.bwd(s, a.chunk) - (self.wgt(s, a.chunk) if (a.microbatch, a.chunk) in self.split[s] else 0.0)
 
     def send(self, s: int, a: Action, now: float) -> int | None:
         """Post ``a``'s message at ``now`` (it arrives one latency later); the stage it wakes, if any."""
@@ -165,7 +165,7 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
     """Run the schedule on an idealised machine: stages in parallel, actions of a stage in order.
 
     A computation takes ``fwd_time(stage, chunk)`` / ``bwd_time(stage, chunk)``
-    (``bwd_time`` is a whole backward); on a stage whose schedule splits backwards,
+    (``bwd_time`` is a whole backward); a backward the schedule splits (its ``W`` is listed):
     ``W`` takes ``wgrad_time`` (default: half of ``bwd_time``) and ``B`` the rest, so
     split and unsplit schedules do the same work; a send
     costs its stage nothing and its message arrives ``p2p_time`` later; a receive waits

@@ -7,7 +7,7 @@ for, and the computation itself with everything the executor would otherwise loo
 per action: its ``(microbatch, chunk)`` key, its module, where its input comes from
 (the token ids, a received activation, or the output of the chunk before it on this
 stage: a turn of ZB-V), where its input gradient goes, whether its output is sent,
-and the ``grad_sync.prepare`` flag. The executor's hot loop then only indexes dicts by
+whether a ``B`` is split (its ``W`` comes later) and the ``grad_sync.prepare`` flag. The executor's hot loop then only indexes dicts by
 precomputed keys and calls the backend (``engine``, ``forward_only``).
 
 The batches are exactly ``actions.comm_plan``'s, which ``check_coalesced_progress``
@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from torch import nn
 
-from parallel3d.pipeline.actions import Action, comm_plan
+from parallel3d.pipeline.actions import Action, comm_plan, split_backwards
 from parallel3d.pipeline.placement import ChunkPlacement
 
 __all__ = ["PlannedCompute", "PlannedStep", "compile_plan"]
@@ -44,6 +44,7 @@ class PlannedCompute:
     local_grad: Key | None  # B: its input gradient is that key's output gradient (no message)
     sends_output: bool  # F: the output leaves by message (its storage can be freed once sent)
     completes: bool  # B / W: the chunk's last of its kind (``grad_sync.prepare``)
+    split: bool = False  # B: a split backward (its W is listed: ``actions.split_backwards``)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def compile_plan(actions: Sequence[Action], stage: int, place: ChunkPlacement, c
     action's peer rank)."""
     last_of: dict[tuple[str, int], Action] = {(a.kind, a.chunk): a for a in actions if a.kind in ("B", "W")}
     completing = set(last_of.values())
+    split = split_backwards(actions)
     total = place.total
     plan = []
     for step in comm_plan(actions, prefetch):
@@ -88,6 +90,7 @@ def compile_plan(actions: Sequence[Action], stage: int, place: ChunkPlacement, c
                 local_grad=(a.microbatch, after) if a.kind == "B" and after is not None else None,
                 sends_output=a.kind == "F" and vs < total - 1 and after is None,
                 completes=a in completing,
+                split=a.kind == "B" and (a.microbatch, a.chunk) in split,
             )
         sends = tuple((s, (s.microbatch, s.chunk), peer(s)) for s in step.batch if s.kind.startswith("SEND"))
         posts = tuple((r, peer(r)) for r in step.batch if r.kind.startswith("RECV"))

@@ -52,7 +52,7 @@ class StepOwner(Protocol):
     pstate: "ParallelState"
     num_microbatches: int
     free_sent_activations: bool
-    split_backward: bool
+    split_backward: bool  # some backward of this stage is split (a W is listed)
     park_spent_graphs: bool  # free finished backward graphs after the action loop (module doc)
     grad_sync: Any  # engine.GradSync: prepare(is_last_microbatch), finalize()
 
@@ -208,7 +208,7 @@ class StepRun:
         else:
             grad = self.grads_in.pop(key)
         inp = self.inputs.pop(key, None)
-        if e.split_backward:
+        if c.split:
             if c.first:  # no input gradient to send: all of the backward is W's (the graph stays)
                 self.weight_work[key] = FullBackward(out, grad)
                 return

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.spec import BlockSpec
+from parallel3d.pipeline.actions import split_backwards
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
@@ -276,19 +277,20 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
     return out / layout.tp if layout.sequence_parallel else float(out)
 
 
-def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int) -> frozenset[tuple[int, ...]]:
+def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int,
+                            split_drain: bool = False) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, per local chunk: the maximal vectors (no other is >= in every
     chunk) of microbatches in flight per chunk, read off the built schedule (a (microbatch, chunk) is in
-    flight from its ``F`` to its ``B``, or its ``W`` where backwards are split). The stage's activation
+    flight from its ``F`` to its ``B``, or its ``W`` where that backward is split). The stage's activation
     peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
-    uneven layer counts), which the total in flight alone does not tell."""
-    actions = build_schedule(name, pp, m, v, coalesced_p2p=True)[stage]
-    split = any(a.kind == "W" for a in actions)
+    uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s."""
+    actions = build_schedule(name, pp, m, v, coalesced_p2p=True, split_drain=split_drain)[stage]
+    split = split_backwards(actions)
     chunks = sorted({a.chunk for a in actions})
     live = dict.fromkeys(chunks, 0)
     seen: set[tuple[int, ...]] = set()
     for a in actions:
-        if a.kind in ("F", "W" if split else "B"):
+        if a.kind in ("F", "W") or (a.kind == "B" and (a.microbatch, a.chunk) not in split):
             live[a.chunk] += 1 if a.kind == "F" else -1
             seen.add(tuple(live[c] for c in chunks))
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel3d.pipeline.options import PipelineOptions
+
 
 @dataclass(frozen=True)
 class CostOptions:
@@ -41,6 +43,9 @@ class CostOptions:
     # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
     # stage's whole traffic overlaps one chunk's pass only.
     chunk_grad_sync: bool = True
+    # 1F1B with its drain backwards split (``parallel.split_drain``, resolved by ``drain_is_split``; the
+    # runtime's default); Megatron and torchtitan run plain 1F1B: False whatever that default is.
+    split_drain: bool = PipelineOptions.split_drain
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -53,10 +58,11 @@ class CostOptions:
         # that completion is settled (README "Planner validation").
         return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
                    grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
-                   chunk_grad_sync=False)
+                   chunk_grad_sync=False, split_drain=False)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
         """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
         all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
-        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2)
+        return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2,
+                   split_drain=False)

@@ -36,8 +36,9 @@ class PipelineTimes:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy) if self.makespan > 0 else 0.0
 
 
-def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None) -> PipelineTimes:
-    timeline = simulate(build_schedule(name, p, m, v, w_lags=w_lags), fwd, bwd, p2p)
+def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None,
+                   split_drain: bool = False) -> PipelineTimes:
+    timeline = simulate(build_schedule(name, p, m, v, w_lags=w_lags, split_drain=split_drain), fwd, bwd, p2p)
     end = [0.0] * p
     first = [float("inf")] * p
     grads = [[0.0] * v for _ in range(p)]
@@ -56,9 +57,10 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None
 
 
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
-                      w_lags: tuple[int, ...] | None = None) -> PipelineTimes:
+                      w_lags: tuple[int, ...] | None = None, split_drain: bool = False) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from short ones.
-    ``w_lags``: zb_h1's (``build_schedule``; the same at every m >= p, ``planning.zb_lags``).
+    ``w_lags``: zb_h1's (``build_schedule``; the same at every m >= p, ``planning.zb_lags``); ``split_drain``:
+    1f1b's (``build_schedule``; a split drain ``W`` takes half the backward, ``simulate``'s default).
 
     Once every stage is in its steady state, each further group of p microbatches (interleaved 1F1B's
     count must stay a multiple of p) adds the same time to every stage, so finish times are linear in
@@ -73,13 +75,13 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     base = 2 * p
     a = b = None
     while 3 * (base + step) < m:  # while three short runs cost less than the whole one
-        a = a or _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags)
-        b = b or _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags)
-        c = _simulate_once(name, p, base + 2 * step, v, fwd, bwd, p2p, w_lags)
+        a = a or _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags, split_drain)
+        b = b or _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags, split_drain)
+        c = _simulate_once(name, p, base + 2 * step, v, fwd, bwd, p2p, w_lags, split_drain)
         if _same_steps(a, b, c):
             return _extend(a, b, (m - base) / step, m / base)
         a, b, base = b, c, base + step
-    return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags)
+    return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags, split_drain)
 
 
 def _ends(t: PipelineTimes) -> list[float]:
@@ -112,7 +114,7 @@ def _extend(a: PipelineTimes, b: PipelineTimes, k: float, busy_scale: float) -> 
     )
 
 
-def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> PipelineTimes:
+def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p, split_drain: bool = False) -> PipelineTimes:
     """What no run of schedule ``name`` can beat, per stage, with ``simulate_pipeline``'s arguments:
     ``stage_end[s]`` and ``makespan`` are at most the simulated ones, ``busy`` is exact.
 
@@ -125,16 +127,21 @@ def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pi
       ``B`` on stage s follows the one on stage s + 1 by a message and its own ``B``; a stage whose
       schedule splits backwards still runs that last ``B``'s ``W`` after it.
     For uniform chunks and 1F1B or interleaved 1F1B this is the closed form
-    ``(v m + p - 1)(f + b) / v + 2 (p - 1) p2p``. No chunk timings: ``bound`` tells the step price to
+    ``(v m + p - 1)(f + b) / v + 2 (p - 1) p2p``. ``split_drain`` (1f1b): every stage but the first
+    splits its last ``B``, so that ``B`` costs the stage upstream half a backward and its ``W`` follows it. No chunk timings: ``bound`` tells the step price to
     bound the exposed DP traffic instead of deriving it from them.
     """
     lat = float(p2p) if isinstance(p2p, (int, float)) else 0.0
     split = p > 1 and splits_backward(build_schedule(name, 2, 2, v)[0])
+    drain = p > 1 and split_drain and not split
     place = placement_for(name, p, p * v)
     order = [place.stage_and_chunk(k) for k in range(p * v)]  # model chunks in forward order
 
+    def tail(s: int, c: int) -> float:  # the W after a stage's last B (split_drain: not on the first model chunk)
+        return bwd(s, c) / 2 if split or (drain and place.model_chunk(s, c) > 0) else 0.0
+
     def b_in(s: int, c: int) -> float:  # the part of a backward the previous stage waits on
-        return bwd(s, c) / 2 if split else bwd(s, c)
+        return bwd(s, c) - tail(s, c)
 
     busy = [m * sum(fwd(s, c) + bwd(s, c) for c in range(v)) for s in range(p)]
     head, t = [0.0] * p, 0.0
@@ -146,10 +153,11 @@ def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p) -> Pi
         t += fwd(s, c) + (lat if k + 1 < len(order) and order[k + 1][0] != s else 0.0)
     # last_b[s]: the earliest end of stage s's last B (the first model chunk it holds, last microbatch)
     first_chunk = {s: c for s, c in reversed(order)}
-    last_b = [head[s] + m * sum(fwd(s, c) + b_in(s, c) for c in range(v)) for s in range(p)]
+    last_b = [head[s] + m * sum(fwd(s, c) + (b_in(s, c) if split else bwd(s, c)) for c in range(v))
+              - (0.0 if split else tail(s, first_chunk[s])) for s in range(p)]
     by_first = sorted(range(p), key=lambda s: place.model_chunk(s, first_chunk[s]))
     for i in range(len(by_first) - 2, -1, -1):  # the backward runs the chunks in reverse model order
         s, nxt = by_first[i], by_first[i + 1]
         last_b[s] = max(last_b[s], last_b[nxt] + lat + b_in(s, first_chunk[s]))
-    end = [max(head[s] + busy[s], last_b[s] + (bwd(s, first_chunk[s]) / 2 if split else 0.0)) for s in range(p)]
+    end = [max(head[s] + busy[s], last_b[s] + tail(s, first_chunk[s])) for s in range(p)]
     return PipelineTimes(max(end), end, busy, bound=True)
