@@ -17,7 +17,9 @@ returns an ``Outcome``; ``Outcome.problems()`` lists every broken promise of pri
   for an exception, else a ``hung or dead:`` clause naming rank F (``parallel3d.heartbeat``);
 - no process of the launch is left;
 - every complete checkpoint is loadable and intact (sizes and CRC-32), and resuming from the newest one
-  reproduces the uninterrupted run's losses bit for bit (``metrics.jsonl``).
+  reproduces the uninterrupted run's losses bit for bit (``metrics.jsonl``);
+- a fault in step k >= 2 that leaves the faulty rank's writer thread alive (an exception, a hang; not in the
+  save itself) does not lose step k-1's checkpoint, which may still be in flight (``train.async_save``).
 """
 
 from __future__ import annotations
@@ -233,6 +235,9 @@ class Outcome:
             found.append(f"processes left behind: {self.left}")
         if self.damaged:
             found.append(f"damaged checkpoints: {self.damaged}")
+        if c.how in ("exception", "hang") and c.point != "save" and c.step >= 2 and c.step - 1 not in self.checkpoints:
+            # step k-1's save may still be in flight at the fault; the faulty rank's writer thread lives on
+            found.append(f"the checkpoint of step {c.step - 1} (in flight at the fault) was lost: {self.checkpoints}")
         if self.resume_identical is False:
             found.append(f"resuming from step {self.resumed_from} did not reproduce the uninterrupted losses")
         return found

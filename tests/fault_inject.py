@@ -8,8 +8,9 @@ misbehaves ``how``; every other rank runs the unmodified CLI. Nothing in ``paral
 Points (each the real callee, wrapped on the class or module the framework calls it through):
 ``data`` the training batch iterator's ``__next__``; ``forward`` / ``backward`` the pipeline executor's
 compute actions; ``p2p`` the pipeline's send/receive posting; ``reduce_scatter`` / ``all_gather`` the ZeRO
-collectives in ``parallel3d.comm``; ``optimizer`` ``ZeroOptimizer.step``; ``save`` the rank's checkpoint write
-(``write_state``, in the background thread under ``train.async_save``); ``eval`` ``Evaluator.evaluate``.
+collectives in ``parallel3d.comm``; ``optimizer`` ``ZeroOptimizer.step``; ``save`` the rank's checkpoint data write
+(``checkpoint_io.state._FileWriter.write_data``, in the background thread under ``train.async_save``);
+``eval`` ``Evaluator.evaluate``.
 Hows: ``exception`` (``InjectedFault``), ``sigkill`` (the process killed), ``hang`` (the calling thread
 blocks forever; other threads, the heartbeat's included, go on), ``sigstop`` (the whole process frozen).
 
@@ -68,7 +69,7 @@ def install(fault: dict[str, Any]) -> None:
     """Wrap ``fault['point']``'s function in this process (call only on the faulty rank)."""
     from parallel3d import comm
     from parallel3d.checkpoint import step_dir
-    from parallel3d.checkpoint_io import writer
+    from parallel3d.checkpoint_io import state
     from parallel3d.data.batches import DistributedBatchIterator
     from parallel3d.eval import Evaluator
     from parallel3d.pipeline.engine import PipelineEngine
@@ -128,11 +129,10 @@ def install(fault: dict[str, Any]) -> None:
             _wrap(comm, name, in_step, fire)
     elif point == "optimizer":
         _wrap(ZeroOptimizer, "step", lambda *a, **kw: armed(), fire)
-    elif point == "save":  # the state directory is <step_dir(k)>.tmp/<state>
+    elif point == "save":  # the rank's data write, inside DCP's protocol; its directory is <step_dir(k)>.tmp/<state>
         tmp = os.path.basename(step_dir("", k)) + ".tmp"
-        _wrap(writer, "write_state",
-              lambda directory, *a, **kw: not seen["fired"] and os.path.basename(os.path.dirname(directory)) == tmp,
-              fire)
+        _wrap(state._FileWriter, "write_data",
+              lambda w, *a, **kw: not seen["fired"] and os.path.basename(os.path.dirname(str(w.path))) == tmp, fire)
     elif point == "eval":
         _wrap(Evaluator, "evaluate", lambda ev, step, *a, **kw: not seen["fired"] and step == k, fire)
     else:
