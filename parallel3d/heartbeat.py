@@ -27,6 +27,9 @@ import time
 from parallel3d.thread_probe import probe
 
 STALE_BEATS = 3  # a rank silent for this many intervals is reported as hung or dead
+# A killed peer's sockets close while the kernel tears the process down, a moment before it has ended:
+# a rank that failed on the broken connection looks again for this long before it reports no culprit.
+GONE_WAIT_S = 2.0
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -168,3 +171,13 @@ def diagnose(out_dir: str, world_size: int, rank: int, now: float | None = None)
         return None
     steps = "; ".join(f"step {s}: ranks {_ranks(r)}" for s, r in sorted(by_step.items()))
     return f"hung or dead: {', '.join(silent)}; last completed step of every rank: {steps}"
+
+
+def diagnose_failure(out_dir: str, world_size: int, rank: int, wait_s: float = GONE_WAIT_S) -> str | None:
+    """``diagnose`` for a rank that has failed: polled for up to ``wait_s`` while it finds no culprit."""
+    deadline = time.monotonic() + wait_s
+    found = diagnose(out_dir, world_size, rank)
+    while found is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = diagnose(out_dir, world_size, rank)
+    return found

@@ -222,7 +222,7 @@ class Outcome:
         if save_exception:
             if self.status != 0:
                 found.append(f"a failed save should warn and train on; exit status {self.status}")
-            if not any(f"[rank {c.rank}] checkpoint at step {c.step} failed: injected" in line
+            if not any(f"checkpoint at step {c.step} failed: rank {c.rank}: InjectedFault: injected" in line
                        for line in self.output.splitlines()):
                 found.append("no warning naming the rank whose save failed")
         elif self.status == 0:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from parallel3d.heartbeat import Heartbeat, diagnose, heartbeat_dir
+from parallel3d.heartbeat import Heartbeat, diagnose, diagnose_failure, heartbeat_dir
 from tests.harness import run_on_ranks
 
 
@@ -65,6 +65,25 @@ def test_a_process_of_this_host_that_is_gone_is_named_before_its_beat_is_stale(t
         me.stop()
     assert found is not None and f"rank 1 (process {gone.pid} gone, last completed step 4)" in found, found
     assert "rank 2 (" not in found and "rank 0 (" not in found
+
+
+def test_a_failed_rank_waits_a_moment_for_the_peer_that_broke_the_connection_to_end(tmp_path):
+    """Found by the fault fuzz (a SIGKILLed pipeline stage): its peer saw the connection closed while the
+    killed process was still being torn down, and named no one. The failure path looks again briefly."""
+    out = str(tmp_path)
+    me = Heartbeat(out, 0, interval_s=5.0)
+    me.start()
+    try:
+        ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
+        with open(os.path.join(heartbeat_dir(out), "rank_00001.json"), "w") as fh:
+            json.dump({"rank": 1, "step": 2, "time": time.time(), "pid": ending.pid, "host": socket.gethostname(),
+                       "interval_s": 5.0}, fh)
+        assert diagnose(out, 2, rank=0) is None  # still running
+        found = diagnose_failure(out, 2, rank=0, wait_s=30.0)
+    finally:
+        me.stop()
+        ending.wait()
+    assert found is not None and f"rank 1 (process {ending.pid} gone, last completed step 2)" in found, found
 
 
 def _one_stuck_rank(rank: int, world: int, out_dir: str) -> str | None:
