@@ -30,6 +30,10 @@ from parallel3d.deferred_grads import WeightGradDeferral
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
+# The default group's rendezvous waits for every rank to start, and ranks start minutes apart on a loaded
+# node (each imports torch): a short train.timeout_s must not fail the start-up. Training collectives run on
+# the groups ParallelState creates, with train.timeout_s; nothing runs on the default group.
+START_TIMEOUT_S = 300.0
 
 
 def default_backend() -> str:
@@ -56,7 +60,8 @@ def init_distributed(
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    start = max(timeout_s, START_TIMEOUT_S)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=start))
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -127,9 +127,9 @@ def _failure_line(rank: int, exc: BaseException, rj: Any) -> str:
     cause = (str(exc).strip().splitlines() or [""])[0]
     line = f"[rank {rank}] failed: {type(exc).__name__}: {cause}"
     if rj.world_size > 1:
-        from parallel3d.heartbeat import diagnose
+        from parallel3d.heartbeat import diagnose_failure
 
-        found = diagnose(rj.job.train.out_dir, rj.world_size, rank)
+        found = diagnose_failure(rj.job.train.out_dir, rj.world_size, rank)
         if found:
             line += f"; {found}"
     return line

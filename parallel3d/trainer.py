@@ -234,6 +234,11 @@ class Trainer:
         self.stop_policy.install()
         try:
             return self._train(heartbeat)
+        except BaseException:
+            # The previous step's checkpoint may still be written in the background: finish it (its
+            # collectives time out after train.timeout_s) rather than lose it with this process.
+            self.checkpoints.settle(self.rj.job.train.timeout_s)
+            raise
         finally:
             self.stop_policy.uninstall()
             if heartbeat is not None:

@@ -157,3 +157,23 @@ def test_staging_copies_into_one_reused_host_buffer():
     assert {id(p.data.untyped_storage()) for p in again} == buffers
     assert all(torch.equal(a.data, p.data) for a, p in zip(again, pieces))
     assert isinstance(staged[0], TensorPiece)
+
+
+def test_settle_after_a_failure_finishes_the_save_in_flight(tmp_path, monkeypatch):
+    """Found by the fault fuzz: a rank failing in step k+1 exited while step k's background save was still
+    being written, and the checkpoint was lost. ``settle`` (called by the trainer on a failure) finishes it."""
+    import time
+
+    real = writer_module.write_state
+
+    def slow_write(*args, **kwargs):  # a slow disk: the save is still in flight when the failure comes
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_state", slow_write)
+    root = str(tmp_path / "checkpoints")
+    writer = CheckpointWriter(root, ParallelState.single_process(), keep_last=2, async_save=True, timeout_s=30)
+    writer.save(1, [], {"trainer": {"step": 1}}, {})
+    assert writer.in_flight == 1
+    writer.settle(30.0)
+    assert [s for s, _ in complete_checkpoints(root)] == [1]

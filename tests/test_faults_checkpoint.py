@@ -131,3 +131,51 @@ def test_damaged_checkpoints_are_named_and_skipped_and_the_run_continues_bit_ide
             _damage(os.path.join(path, "state", "__0_0.distcp"), "corrupt")
     with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="no intact checkpoint under"):
         mgr.find("auto")
+
+
+class _PlanFailure(MemoryError):
+    pass
+
+
+def _save_with_a_plan_failing_on_rank_1(rank: int, world: int, directory: str) -> tuple[str, str, float] | None:
+    """``write_state`` on every rank; on rank 1 its preparation (the save planner) raises before DCP starts."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from parallel3d.checkpoint_io import state
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    real = state.PieceSavePlanner
+
+    class FailingPlanner(real):  # a test-side wrapper of the framework's own planner, on rank 1 only
+        def __init__(self, pieces, objects, failure=None):
+            if failure is None:
+                raise _PlanFailure("injected: no memory for the save plan")
+            super().__init__(pieces, objects, failure)
+
+    if rank == 1:
+        state.PieceSavePlanner = FailingPlanner
+    t0 = time.monotonic()
+    try:
+        state.write_state(directory, [], {"who": rank}, group)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    finally:
+        state.PieceSavePlanner = real
+        dist.destroy_process_group(group)
+    return None
+
+
+@pytest.mark.slow
+def test_a_save_failing_before_dcp_starts_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    """Found by the fault fuzz: a rank whose write raised before DCP's collectives left its peers waiting in
+    them while it went on to the save's agreement (a mismatched collective on the checkpoint group): the job
+    died after timeouts instead of warning and training on. The rank now takes part and DCP reports it."""
+    results = run_on_ranks(_save_with_a_plan_failing_on_rank_1, 2, str(tmp_path / "state"), timeout=120)
+    for rank, result in enumerate(results):
+        assert result is not None, rank
+        kind, message, seconds = result
+        assert kind == "StateIOError" and message.startswith("rank 1: _PlanFailure: injected"), (rank, result)
+        assert seconds < 30, (rank, seconds)  # not the group's 60 s timeout

@@ -72,3 +72,32 @@ def test_a_killed_rank_ends_the_whole_torchrun_job(tmp_path, cache_dir):
     assert not any(alive(pid) for pid in ranks)
     assert seconds < 35, seconds  # torchrun's grace period for the survivors is 30 s
     print(f"SIGKILL rank 1 -> every process gone after {seconds:.1f}s")
+
+
+@pytest.mark.slow
+def test_ranks_starting_further_apart_than_the_collective_timeout_still_train(tmp_path, cache_dir):
+    """Ranks start minutes apart on a loaded node (each imports torch); with train.timeout_s shorter than
+    that, the default group's rendezvous had failed the start-up (``DistStoreError: wait timeout``, no rank
+    named). It waits ``parallel_state.START_TIMEOUT_S``; collectives keep train.timeout_s."""
+    from parallel3d.parallel_state import START_TIMEOUT_S
+
+    late_s = 4 + 3  # rank 1 starts this long after rank 0: more than timeout_s below
+    assert START_TIMEOUT_S > late_s + 60
+    port = free_port()
+    args = [*TINY, "train.steps=2", f"train.out_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+            "parallel.dp=2", "train.timeout_s=4", "train.save_every=0"]
+    procs = []
+    try:
+        for r in (0, 1):
+            procs.append(subprocess.Popen([sys.executable, "-m", "parallel3d.train", *args], cwd=REPO,
+                                          env=cli_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                      MASTER_PORT=str(port)),
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            if r == 0:
+                time.sleep(late_s)
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]

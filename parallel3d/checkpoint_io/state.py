@@ -63,7 +63,10 @@ def write_state(directory: str, pieces: list[TensorPiece], objects: dict[str, An
     A rank passing ``failure`` (it could not prepare its pieces) still takes part, and the
     save fails on every rank with that cause."""
     writer = _FileWriter(directory, dist.get_rank() if group is not None else 0)
-    planner = PieceSavePlanner(pieces, objects, failure)
+    try:
+        planner = PieceSavePlanner(pieces, objects, failure)
+    except Exception as exc:  # noqa: BLE001 - raised here, the peers would wait for this rank in DCP's collectives
+        planner = PieceSavePlanner([], {}, exc)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -151,6 +151,19 @@ class CheckpointWriter:
         """The step being saved in the background, or None."""
         return None if self._inflight is None else self._inflight[0]
 
+    def settle(self, timeout_s: float) -> None:
+        """After a failure of this rank: give the save in flight up to ``timeout_s`` to finish, so that a
+        crash in step k+1 does not lose step k's checkpoint (the peers' writer threads are still in its
+        collectives). Its outcome is not reported: the process is about to exit."""
+        if self._inflight is None:
+            return
+        _, future = self._inflight
+        self._inflight = None
+        try:
+            future.result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a failed or timed-out save changes nothing on the way out
+            pass
+
     def close(self) -> list[tuple[int, bool]]:
         """Finish the save in flight and release the thread and the group (all ranks call it)."""
         done = self.wait()
