@@ -65,7 +65,7 @@ def stage_computations(config: ModelConfig, layout: Layout, stage: int,
     if layout.schedule == "zb_h1":
         lag = (w_lags or zb_h1_w_lags(config, layout))[stage]
         return [(kind, chunk) for kind, _, chunk in zb_h1_order(stage, p, m, lag)]
-    if not splits_backward(build_schedule(layout.schedule, p, 2 * p, v)[0]):  # a small probe: cheap
+    if not splits_backward(build_schedule(layout.schedule, 2, 2, v)[0]):  # a probe on 2 stages: cheap at any p
         return None
     return [(a.kind, a.chunk) for a in build_schedule(layout.schedule, p, m, v)[stage] if a.is_compute]
 
