@@ -39,13 +39,13 @@ from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
+from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import SAMPLE_IDS
-from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import chunk_in_flight_moments
-from parallel3d.planning.split_memory import split_moments
 from parallel3d.planning.cli import job_w_lags
+from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
 
 __all__ = ["StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
