@@ -138,8 +138,13 @@ def _tiny(extra: list[str]):
     (["parallel.pp=2", "parallel.zero_stage=2", "train.recompute=full", "train.global_batch_size=16"], 4),
     (["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.pp_layers=[0,2,2,0]",
       "train.global_batch_size=8"], 2),
-    (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "train.global_batch_size=8"], 2),
-], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute", "pp2-interleaved-empty-end-chunks", "pp2-zbv-both-ends-on-stage0"])
+    # m 16: at m 8 no smaller count has stage 1's B-/W-pending profile (it runs all 8, untested here)
+    (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "train.global_batch_size=16"], 2),
+    # W-pending microbatches hold more than B-pending ones here: the profile must tell them apart
+    (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "train.recompute=full",
+      "train.global_batch_size=16"], 2),
+], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute", "pp2-interleaved-empty-end-chunks", "pp2-zbv-both-ends-on-stage0",
+        "pp2-zbv-full-recompute"])
 def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
     """Steps run at fewer microbatches and extrapolated (``dryrun.step``) give the messages and the
     activation peak of the full step run with every microbatch, on every rank."""

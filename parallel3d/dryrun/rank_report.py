@@ -28,7 +28,7 @@ from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import ActivationAssumptions
-from parallel3d.planning.cli import layout_from_job
+from parallel3d.planning.cli import job_w_lags, layout_from_job
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.memory import stage_activation_bytes
 from parallel3d.rank_build import build_chunks
@@ -102,7 +102,7 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
     report's measured activation peak and step sizes; the step's messages at the full count."""
     p, m = rj.job.parallel, rj.grad_accum
     reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage,
-                                   rj.pipeline.splits_drain(rj.train.recompute))
+                                   rj.pipeline.splits_drain(rj.train.recompute), job_w_lags(rj))
     if reduced is None:
         full = run_step(rj, pstate, *first, m)
         report.step_microbatches = [m]

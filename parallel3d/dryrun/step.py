@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -38,10 +39,13 @@ from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
+from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import SAMPLE_IDS
+from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import chunk_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
+from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
 
 __all__ = ["StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
@@ -59,22 +63,31 @@ class StepMeasure:
 
 
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
-                      split_drain: bool = False) -> frozenset[tuple[int, ...]]:
+                      split_drain: bool = False, w_lags: Sequence[int] | None = None) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, microbatches in flight per chunk
-    (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too). Two counts
-    with the same profile have the same activation peak whatever each chunk's bytes per microbatch."""
-    return chunk_in_flight_moments(name, pp, m, v, stage, split_drain)
+    (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too), and where
+    backwards are split, per chunk those whose ``B`` and whose ``W`` is pending (``split_memory.split_moments``:
+    the two hold different bytes, so equal totals in flight are not the same peak). Two counts with the same
+    profile have the same activation peak whatever each chunk's bytes per microbatch in either state.
+    ``split_drain``: 1f1b's drain split (``parallel.split_drain``); ``w_lags``: zb_h1's, as the engine runs
+    it (``job_w_lags``)."""
+    moments = chunk_in_flight_moments(name, pp, m, v, stage, split_drain)
+    actions = build_schedule(name, pp, m, v, w_lags=w_lags, split_drain=split_drain)[stage]
+    if not splits_backward(actions):
+        return moments
+    split = split_moments([(a.kind, a.chunk) for a in actions if a.is_compute])
+    return frozenset({("in flight", *x) for x in moments} | {("split", *x) for x in split})
 
 
-def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int,
-                         split_drain: bool = False) -> tuple[int, int] | None:
+def reduced_microbatches(name: str, pp: int, m: int, v: int, stage: int, split_drain: bool = False,
+                         w_lags: Sequence[int] | None = None) -> tuple[int, int] | None:
     """``(m1, m2)``: the two smallest valid counts below ``m`` whose schedule for ``stage`` has the
     full step's in-flight profile (``in_flight_profile``); None when none are (then run all ``m``)."""
-    want = in_flight_profile(name, pp, m, v, stage, split_drain)
+    want = in_flight_profile(name, pp, m, v, stage, split_drain, w_lags)
     found: list[int] = []
     for k in range(1, m):
         try:
-            if in_flight_profile(name, pp, k, v, stage, split_drain) == want:
+            if in_flight_profile(name, pp, k, v, stage, split_drain, w_lags) == want:
                 found.append(k)
         except ValueError:  # a count the schedule does not take (e.g. interleaved: a multiple of pp)
             continue

@@ -52,7 +52,8 @@ from parallel3d.planning.params import (
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
-from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_peak_counts, zb_h1_w_lags
+from parallel3d.planning.split_memory import split_peak_bytes, stage_computations
+from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
@@ -221,6 +222,14 @@ def stage_activation_bytes(
     planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
     caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
     """
+    ids = stage_layer_ids(config.shape, layers)
+    computations = stage_computations(config, layout, stage, w_lags)
+    if computations is not None:  # B and W split: held and W-pending bytes per chunk (split_memory)
+        v = layout.virtual_stages
+        chunks = chunk_layers if chunk_layers is not None and len(chunk_layers) == v \
+            else [ids[c * len(ids) // v:(c + 1) * len(ids) // v] for c in range(v)]
+        return split_peak_bytes(config, layout, stage, computations, chunks, assumptions,
+                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions))
     loop = placement_for(layout.schedule, layout.pp, layout.virtual_stages).chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
@@ -237,16 +246,14 @@ def stage_activation_bytes(
             inflight = max(sum(live) for live in moments)
             outputs = kept_chunk_outputs(layout, stage, inflight, assumptions)
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
-    inflight, w_heads = inflight_chunks(layout, stage), 0
-    if layout.schedule == "zb_h1":  # in flight at the fullest forward, and those waiting for W (zb_lags)
-        inflight, w_heads = zb_h1_peak_counts(layout, stage, (w_lags or zb_h1_w_lags(config, layout))[stage])
+    inflight = inflight_chunks(layout, stage)
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
-    total = inflight * _layers_bytes(config, layout, stage_layer_ids(config.shape, layers), assumptions) \
+    total = inflight * _layers_bytes(config, layout, ids, assumptions) \
         / layout.virtual_stages
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
-    return total + _outputs_and_head(config, layout, stage, inflight, w_heads, assumptions), inflight
+    return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight
 
 
 def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assumptions: ActivationAssumptions) -> float:
@@ -259,15 +266,14 @@ def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assum
     return sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
 
 
-def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int, w_heads: int,
+def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int,
                       assumptions: ActivationAssumptions) -> float:
-    """Kept chunk outputs at the peak, and on the last stage the head's kept tensors (``w_heads``: zb_h1's
-    microbatches waiting for W there, each keeping the head's input and logits gradient)."""
+    """Kept chunk outputs at the peak, and on the last stage the head's kept tensors (schedules whose
+    backwards are not split: those that are, ``split_memory``)."""
     total = kept_chunk_outputs(layout, stage, inflight, assumptions) * chunk_output_bytes(config, layout, assumptions)
     if stage == layout.pp - 1:
         held = layout.num_microbatches if layout.schedule == "gpipe" else 1
         total += held * head_activation_bytes(config, layout, assumptions)
-        total += w_heads * head_weight_grad_input_bytes(config, layout, assumptions)
     return total
 
 

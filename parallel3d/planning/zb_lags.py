@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from models.config import ModelConfig
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
-from parallel3d.pipeline.zero_bubble import holding_after, zb_h1_lags, zb_h1_order
+from parallel3d.pipeline.zero_bubble import zb_h1_lags
 from parallel3d.planning.activations import (
     ActivationAssumptions,
     embedding_activation_bytes,
@@ -32,7 +32,7 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.sequence_experts import local_seq_len
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
-__all__ = ["head_weight_grad_input_bytes", "zb_h1_peak_counts", "zb_h1_w_lags"]
+__all__ = ["head_weight_grad_input_bytes", "zb_h1_w_lags"]
 
 
 def head_weight_grad_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
@@ -62,9 +62,3 @@ def zb_h1_w_lags(config: ModelConfig, layout: Layout) -> tuple[int, ...]:
     waiting[-1] += head_weight_grad_input_bytes(config, layout, assumptions)
     return zb_h1_lags(p, layout.num_microbatches, held, waiting)
 
-
-def zb_h1_peak_counts(layout: Layout, stage: int, lag: int) -> tuple[int, int]:
-    """``(microbatches in flight, of which waiting for W)`` at ``stage``'s fullest forward under ``lag``
-    (the moment the engine's peak is at, unless ``W_s`` tops ``A_s``)."""
-    order = zb_h1_order(stage, layout.pp, layout.num_microbatches, lag)
-    return max(((b + w, w) for kind, b, w in holding_after(k for k, _, _ in order) if kind == "F"), default=(0, 0))

@@ -1,0 +1,127 @@
+"""Peak activation bytes of a stage whose backwards are split into ``B`` and ``W`` (zb_h1, zbv, and any
+schedule whose action list has ``W``s), read off the action list the engine runs.
+
+Invariant: a (microbatch, chunk) holds, from its ``F`` to its ``B``, what its forward saved (``held``: the
+layers' bytes under the layout's recompute, the embedding's on the model's first chunk, the head's on its
+last, its output while kept); from its ``B`` to its ``W``, what the deferred weight GEMMs read
+(``waiting``: each deferring linear's input and output gradient, ``deferred_grads``; recomputed inputs
+under full recompute, so much more than the checkpoint), except on the model's first chunk, whose ``B`` has
+no input gradient to send and keeps the whole graph until ``W`` (``step_run.StepRun.backward``). The engine
+records its peak after every ``F`` and every ``B``; so does ``split_peak_bytes``, counting each chunk's
+microbatches with ``zero_bubble.holding_after`` on the stage's own actions (no schedule logic restated).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+from models.config import ModelConfig
+from parallel3d.pipeline.actions import splits_backward
+from parallel3d.pipeline.placement import placement_for
+from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.pipeline.zero_bubble import holding_after, zb_h1_order
+from parallel3d.planning.activations import (
+    ActivationAssumptions,
+    _block,
+    chunk_output_bytes,
+    embedding_activation_bytes,
+    head_activation_bytes,
+)
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len
+from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_w_lags
+
+__all__ = ["layer_weight_grad_bytes", "split_moments", "split_peak_bytes", "stage_computations"]
+
+
+def _moments(actions: Sequence[tuple[str, int]]) -> Iterator[list[tuple[int, int]]]:
+    """After each ``F`` and ``B`` of ``actions`` (``(kind, local chunk)``, one stage's order; where the engine
+    records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is)."""
+    chunks = sorted({c for _, c in actions})
+    iters = {c: holding_after([kind for kind, chunk in actions if chunk == c]) for c in chunks}
+    counts = dict.fromkeys(chunks, (0, 0))
+    for _, chunk in actions:
+        kind, b, w = next(iters[chunk])
+        counts[chunk] = (b, w)
+        if kind != "W":
+            yield [counts[c] for c in chunks]
+
+
+def split_moments(actions: Sequence[tuple[str, int]]) -> frozenset[tuple[int, ...]]:
+    """The stage's most-loaded moments with split backwards: the maximal vectors of ``(B-pending,
+    W-pending)`` per chunk after its ``F``s and ``B``s. Its peak is at one of them whatever the bytes a
+    chunk holds in either state (the dry run's reduced step must keep them: ``dryrun.step``)."""
+    seen = {tuple(n for pair in moment for n in pair) for moment in _moments(actions)}
+    return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
+
+
+def stage_computations(config: ModelConfig, layout: Layout, stage: int,
+                       w_lags: Sequence[int] | None = None) -> list[tuple[str, int]] | None:
+    """``stage``'s computations ``(kind, local chunk)`` in the order the engine runs them, or None where the
+    schedule does not split its backwards. zb_h1: ``zero_bubble.zb_h1_order`` at the engine's lags (what
+    ``build_schedule`` lowers, without building every stage's messages); any other schedule: its built
+    action list (``w_lags``: ``zb_h1_w_lags``'s, when the caller has them)."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
+    if layout.schedule == "zb_h1":
+        lag = (w_lags or zb_h1_w_lags(config, layout))[stage]
+        return [(kind, chunk) for kind, _, chunk in zb_h1_order(stage, p, m, lag)]
+    if not splits_backward(build_schedule(layout.schedule, 2, 2, v)[0]):  # a probe on 2 stages: cheap at any p
+        return None
+    return [(a.kind, a.chunk) for a in build_schedule(layout.schedule, p, m, v)[stage] if a.is_compute]
+
+
+def layer_weight_grad_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                            layer: int) -> float:
+    """What global layer ``layer``'s deferred ``W`` keeps for one microbatch on one tp rank: each
+    deferring linear's input (the sequence shard under sequence parallel: ``gathered_linear`` gathers it
+    again in ``W``) and its output's gradient. Whatever the recompute (``B`` rebuilt what W reads)."""
+    block = _block(config, layer)
+    s, b, h, t, e = local_seq_len(layout), layout.micro_batch_size, block.hidden_size, layout.tp, \
+        assumptions.element_bytes
+    sb = s * b
+    column_input = sb * h / (t if layout.sequence_parallel else 1)  # a norm's output: QKV's, MLP's input
+    q, kv = block.attention.q_size, block.attention.kv_size * kv_repeats(config, layout)
+    attention = column_input + sb * (q + 2 * kv) / t + sb * q / t + sb * h  # QKV in/grad, proj in/grad
+    if block.moe is not None:  # the experts' GEMMs do not defer (computed in B); router / shared: small
+        return e * attention
+    f = block.mlp.ffn_size
+    up_outputs = {"gelu": 1, "swiglu": 2}[block.mlp.kind]
+    mlp = column_input + sb * f * up_outputs / t + sb * f / t + sb * h  # up in/grads, down in/grad
+    return float(e * (attention + mlp))
+
+
+def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: Sequence[tuple[str, int]],
+                     chunk_layers: Sequence[Sequence[int]], assumptions: ActivationAssumptions,
+                     layers_bytes: Callable[[Sequence[int]], float]) -> tuple[float, int]:
+    """(peak activation bytes, (microbatch, chunk)s held then) of ``stage`` running ``actions`` (its
+    computations in order, ``(kind, local chunk)``: ``stage_computations``), whose
+    local chunk ``c`` holds global layers ``chunk_layers[c]``; ``layers_bytes(ids)`` is one microbatch's
+    forward-saved bytes of those layers (the memory estimate's own)."""
+    place = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
+    last = place.total - 1
+    held, waiting, sends = [], [], []  # sends: the chunk's output goes to another stage (else handed over here)
+    for c, ids in enumerate(chunk_layers):
+        k = place.model_chunk(stage, c)
+        h = layers_bytes(ids)
+        w = sum(layer_weight_grad_bytes(config, layout, assumptions, i) for i in ids)
+        if k == 0:
+            h += embedding_activation_bytes(config, layout, assumptions)
+        if k == last:
+            h += head_activation_bytes(config, layout, assumptions)
+            w += head_weight_grad_input_bytes(config, layout, assumptions)
+        held.append(h)
+        waiting.append(h if k == 0 else w)  # the first chunk's B defers all of its backward
+        sends.append(None if k == last else place.stage_of(k + 1) != stage)  # None: no output (the loss)
+    output = chunk_output_bytes(config, layout, assumptions)
+    freed = assumptions.sent_outputs_freed and (layout.virtual_stages == 1 or assumptions.sends_complete_unwaited)
+    peak, peak_live = 0.0, 0
+    for counts in _moments(actions):
+        # A B-pending chunk keeps its output; a sent one goes once sent where the engine frees them (the
+        # newest not yet sent stays), one handed to the stage's next chunk stays until its B.
+        sent = sum(n for (n, _), s in zip(counts, sends) if s)
+        handed = sum(n for (n, _), s in zip(counts, sends) if s is False)
+        total = sum(n * hb + x * wb for (n, x), hb, wb in zip(counts, held, waiting)) \
+            + ((min(sent, 1) if freed else sent) + handed) * output
+        if total > peak:
+            peak, peak_live = total, sum(n + x for n, x in counts)
+    return peak, peak_live
