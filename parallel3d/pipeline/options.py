@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.option_checks import ConfigError, as_tuples, check_choice, check_int
+from parallel3d.option_checks import ConfigError, as_tuples, check_bool, check_choice, check_int
 
 # zb_h1: zero bubble (Qi et al. 2023), backwards split into input and weight gradients;
 # zbv: ZB-V, two chunks per stage placed in a V, split backwards.
@@ -32,8 +32,7 @@ def drain_is_split(schedule: str, split_drain: bool, recompute: str = "none") ->
     measured +3.3% on llama_tiny's last stage, tp 2, bf16), which the planner's memory estimate does not
     price (README "Benchmarks"). The one place that resolves the option: the engine, the dry run and the
     planner's own-runtime pricing all build their schedule with this answer."""
-    if not isinstance(split_drain, bool):
-        raise ConfigError(f"parallel.split_drain={split_drain!r} must be true or false")
+    check_bool("parallel.split_drain", split_drain)
     if split_drain and (schedule not in SPLIT_DRAIN_SCHEDULES or recompute == "full"):
         raise ConfigError(f"parallel.split_drain=true: only parallel.schedule in {list(SPLIT_DRAIN_SCHEDULES)} "
                           f"without train.recompute=full splits its drain backwards (schedule is {schedule!r}, "
