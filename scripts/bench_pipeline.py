@@ -53,6 +53,7 @@ import argparse
 import datetime
 import json
 import os
+import pickle
 import statistics
 import sys
 from pathlib import Path
@@ -76,8 +77,9 @@ def run_deepspeed(args, py: str, world: int) -> tuple[list[float], list[float]]:
     return got["step_times_s"], got["cpu_times_s"]
 
 
-def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[dict]:
-    """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes)."""
+def bench_stages(args, p: int, ds_py: str | None, case: str = "main", raw: dict | None = None) -> list[dict]:
+    """Rounds alternate the process-group systems (ours, torch) and DeepSpeed (its own processes).
+    ``raw``: where to keep the per-rank, per-round stats (key ``(case, p)``) for ``--raw``."""
     times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}  # process group systems: CPU seconds per step, summed over ranks
     per_round: list[dict[str, list[float]]] = []  # per round: system -> its step times in that round
@@ -106,6 +108,8 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main") -> list[di
                 cpu.setdefault("deepspeed PipelineModule 1f1b", []).extend(cs)
                 cpu_round[-1]["deepspeed PipelineModule 1f1b"] = cs
         print(f"[bench] {case} pp={p} round {r + 1}/{args.rounds} done", flush=True)
+    if raw is not None:
+        raw[(case, p)] = per_round_stats
     base = statistics.median(times["ours 1f1b"])
     peers = [n for n in times if not n.startswith("ours") and "interleaved" not in n]
     fastest_peer = min((statistics.median(times[n]) for n in peers), default=None)
@@ -209,12 +213,16 @@ def main() -> None:
     ap.add_argument("--small-mb-microbatches", type=int, default=16)
     ap.add_argument("--small-mb-mbs", type=int, default=1)
     ap.add_argument("--out", default="bench_results/pipeline.json")
+    ap.add_argument("--raw", default=None,
+                    help="also pickle every rank's per-step stats (timelines, p2p stamps) here, for "
+                         "scripts/bench_pipeline_timeline.py")
     args = ap.parse_args()
     ds_py = (deepspeed_python(args.peer_venv, args.no_install)
              if "deepspeed" in args.peers and not args.small_mb_only else None)
     rows = []
+    raw: dict = {}
     for p in args.stages if not args.small_mb_only else ():
-        rows += bench_stages(args, p, ds_py)
+        rows += bench_stages(args, p, ds_py, raw=raw)
     small_rows = []
     if args.small_mb_case or args.small_mb_only:
         small = argparse.Namespace(**{**vars(args), "microbatches": args.small_mb_microbatches, "mbs": args.small_mb_mbs,
@@ -234,6 +242,10 @@ def main() -> None:
                                 "small_mb_rows": small_rows, "small_mb_targets": small_targets},
                                indent=2))
     print(f"wrote {path}")
+    if args.raw:
+        with open(args.raw, "wb") as f:  # the per-rank stats, as gathered (bench_pipeline_timeline.py reads them)
+            pickle.dump({"config": config, "cores": len(os.sched_getaffinity(0)), "stats": raw}, f)
+        print(f"wrote {args.raw}")
 
 
 if __name__ == "__main__":

@@ -193,31 +193,20 @@ def rel_diffs(bub: dict, p: int, cores: int) -> dict:
             "other_load": other_load(bub["core_share"], bub["sim_core_share"])}
 
 
-def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
-                      cores: int) -> dict[str, float | None]:
-    """For our system ``name`` in one round: the measured bubble (window definition; None where
-    ranks do not outnumber ``cores`` but ``core_share`` is low: other load), the former whole-step
-    one, and ``simulate``'s fed with the measured costs (wall: with the in-run message latency,
-    with ``msg_s`` (a message timed alone) and without; CPU: a core per rank; ``sim_shared``: CPU,
-    on ``cores`` shared cores, in-run latency; ``replay``: each computation's own duration, with
-    the in-run message latency). Without traces (``p2p_traces`` per step) the in-run latency is
-    ``msg_s``."""
-    from parallel3d.pipeline.schedules import build_schedule, simulate
-    from parallel3d.pipeline.simulate_shared import simulate_shared
+def round_feed(rank_stats: list, name: str, p: int, m: int, msg_s: float) -> dict:
+    """What the simulators of one round are fed, for our system ``name`` (``simulated_bubbles``,
+    ``bench_pipeline_timeline``): ``per_stage`` stats, the ``schedule`` the engine ran, the ``steps``
+    (per step, every stage's ``StepTimes``), the mean ``wall`` and ``cpu`` costs per (stage, kind,
+    chunk), the executor's time per computation (``overhead``: wall, ``overhead_cpu``: thread CPU), the
+    in-run message latencies (``in_run``; ``msg_run`` their mean, else ``msg_s``) and per step the
+    delivery waits' share of the window (``delivered``, mean over ranks)."""
+    from parallel3d.pipeline.schedules import build_schedule
 
     per_stage = {st: ours[name] for st, ours, *_ in rank_stats}
     schedule = build_schedule(per_stage[0]["schedule"], p, m, per_stage[0]["virtual_stages"],
                               w_lags=per_stage[0].get("w_lags"),
                               split_drain=bool(per_stage[0].get("split_drain")))  # the schedule the engine ran
     steps = [list(step) for step in zip(*(o["step_times"] for o in per_stage.values()))]
-    wall = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()}
-    cpu = {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute_cpu"].items()}
-    overhead = {st: statistics.fmean(executor_per_compute(x) for x in o["step_times"])
-                for st, o in per_stage.items()}
-    overhead_cpu = {st: statistics.fmean(o["executor_cpu_per_compute"]) for st, o in per_stage.items()}
-    fwd, bwd, wgt = fed_costs(wall, overhead)
-    cfwd, cbwd, cwgt = fed_costs(cpu, overhead_cpu)
-    measured = statistics.median(window_bubble(s) for s in steps)
     in_run: list[float] = []
     delivered: list[float] = []  # per step: delivery waits' share of the window, mean over ranks
     if all(o.get("p2p_traces") for o in per_stage.values()):
@@ -227,7 +216,36 @@ def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
             end = max(start + own_end for start, own_end, *_ in step)
             delivered.append(statistics.fmean(delivery[o["rank"]] / (end - x[0])
                                               for o, x in zip(per_stage.values(), step)))
-    msg_run = statistics.fmean(in_run) if in_run else msg_s
+    return {
+        "per_stage": per_stage, "schedule": schedule, "steps": steps,
+        "wall": {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute"].items()},
+        "cpu": {(st, kind, c): t for st, o in per_stage.items() for (kind, c), t in o["compute_cpu"].items()},
+        "overhead": {st: statistics.fmean(executor_per_compute(x) for x in o["step_times"])
+                     for st, o in per_stage.items()},
+        "overhead_cpu": {st: statistics.fmean(o["executor_cpu_per_compute"]) for st, o in per_stage.items()},
+        "in_run": in_run, "msg_run": statistics.fmean(in_run) if in_run else msg_s, "delivered": delivered,
+    }
+
+
+def simulated_bubbles(rank_stats: list, name: str, p: int, m: int, msg_s: float,
+                      cores: int) -> dict[str, float | None]:
+    """For our system ``name`` in one round: the measured bubble (window definition; None where
+    ranks do not outnumber ``cores`` but ``core_share`` is low: other load), the former whole-step
+    one, and ``simulate``'s fed with the measured costs (wall: with the in-run message latency,
+    with ``msg_s`` (a message timed alone) and without; CPU: a core per rank; ``sim_shared``: CPU,
+    on ``cores`` shared cores, in-run latency; ``replay``: each computation's own duration, with
+    the in-run message latency). Without traces (``p2p_traces`` per step) the in-run latency is
+    ``msg_s``."""
+    from parallel3d.pipeline.schedules import simulate
+    from parallel3d.pipeline.simulate_shared import simulate_shared
+
+    fed = round_feed(rank_stats, name, p, m, msg_s)
+    per_stage, schedule, steps, overhead, msg_run = (fed[k] for k in ("per_stage", "schedule", "steps", "overhead",
+                                                                      "msg_run"))
+    wall, cpu, in_run, delivered = fed["wall"], fed["cpu"], fed["in_run"], fed["delivered"]
+    fwd, bwd, wgt = fed_costs(wall, overhead)
+    cfwd, cbwd, cwgt = fed_costs(cpu, fed["overhead_cpu"])
+    measured = statistics.median(window_bubble(s) for s in steps)
     replays = []
     for i in range(len(steps)):
         def own(st: int, a, i: int = i) -> float:

@@ -268,6 +268,11 @@ def _group_round(args, pstate, v: int) -> dict:
             # per step: each computation's own wall duration, for a replay in simulate()
             "action_s": [{(a.kind, a.microbatch, a.chunk): e - b for a, b, e in r.timeline if a.is_compute}
                          for r in measured],
+            # per step: each computation's (kind, microbatch, chunk, start, end) from the step's start and its
+            # thread CPU seconds, for the per-rank timelines (bench_pipeline_timeline.py, ``--raw``)
+            "action_spans": [[(a.kind, a.microbatch, a.chunk, b, e) for a, b, e in r.timeline if a.is_compute]
+                             for r in measured],
+            "action_cpu_s": [{(a.kind, a.microbatch, a.chunk): t for a, t in r.compute_cpu} for r in measured],
             # the executor's own time (neither computing nor blocked in p2p waits) per action
             "executor_us_per_action": statistics.median(1e6 * r.executor_time / r.num_actions for r in measured),
             # the same in this thread's CPU time: preemption on a busy machine and blocking waits excluded
