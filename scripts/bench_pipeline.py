@@ -164,6 +164,9 @@ def bench_stages(args, p: int, ds_py: str | None, case: str = "main", raw: dict 
                        bubble_measured_whole_step=bub["measured_whole_step"], cores=cores,
                        core_share=min(x["core_share"] for x in rounds), bubble_replayed=bub["replay"],
                        bubble_rel_diff=judged["rel_diff"], p2p_message_s=msg_s,
+                       bubble_rel_diff_replay=abs(bub["measured_time_shared"] - bub["replay"]) / max(bub["replay"], 1e-12),
+                       # the cores' busy share: all ranks' process CPU per step over cores x the step, median over steps
+                       cores_busy_share=statistics.median(c / (cores * t) for c, t in zip(cpu[name], times[name])),
                        p2p_exchange_s=statistics.mean(x[3] for x in stats),
                        p2p_post_s=statistics.mean(x[4] for x in stats),
                        after_schedule_share=statistics.mean(o[name]["tail"] for _, o, *_ in stats),

@@ -83,7 +83,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
     header = (f"{'p':>2} {'system':<40} {'min s':>7} {'median s':>8} {'max s':>7} {'/ours1f1b':>9} {'paired':>6} "
               f"{'/peer':>6} {'cpu/1f1b':>8} "
               f"{'bubble meas':>11} {'sim':>6} {'sim iso':>7} {'sim0':>6} {'sim C':>6} {'rel diff':>8} {'vs':>5} {'deliv':>6} "
-              f"{'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'core':>5} {'core C':>6} {'unmod':>5}")
+              f"{'-deliv':>7} {'step def':>8} {'sim cpu':>7} {'replay':>6} {'-replay':>7} {'core':>5} {'core C':>6} {'unmod':>5} "
+              f"{'cores busy':>10}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -98,8 +99,8 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
                    f"{r['bubble_simulated_zero_latency']:>6.3f} {r['bubble_simulated_shared']:>6.3f} {diff} {vs:>5} "
                    f"{_share(r.get('bubble_delivery_share'))} {_pct(r.get('bubble_rel_diff_less_delivery'))} "
                    f"{r['bubble_measured_whole_step']:>8.3f} {r['bubble_simulated_cpu']:>7.3f} "
-                   f"{r['bubble_replayed']:>6.3f} {r['core_share']:>5.2f} {r['core_share_simulated']:>6.2f} "
-                   f"{r['cpu_unmodelled_share']:>5.2f}")
+                   f"{r['bubble_replayed']:>6.3f} {_pct(r.get('bubble_rel_diff_replay'))} {r['core_share']:>5.2f} "
+                   f"{r['core_share_simulated']:>6.2f} {r['cpu_unmodelled_share']:>5.2f} {r['cores_busy_share']:>10.2f}")
         peer = f"{r['vs_fastest_1f1b_peer']:>6.2f}" if r["vs_fastest_1f1b_peer"] else f"{'-':>6}"
         cpu = f"{r['paired_cpu_vs_ours_1f1b']:>8.3f}" if "paired_cpu_vs_ours_1f1b" in r else f"{'-':>8}"
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
@@ -122,9 +123,10 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
           "wait began (gloo's threads delivering them; in sim they arrived long before); -deliv: rel diff of bubble meas "
           "less deliv to the same; "
           "step def: the former measure, 1 - computing / the slowest rank's whole step; sim cpu: the feed in thread "
-          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; core: computations' CPU / wall time, least over stages and rounds; core C: sim C's work / runnable time, least over stages; unmod: share of the ranks' process CPU per step (median) "
+          "CPU time (a core per rank); replay: simulate() fed each computation's own measured duration (and message times), step by step, median; -replay: |bubble meas - replay| / replay (the measured durations hold the waiting for a core the ranks really met: what the executor's waits add beyond them); core: computations' CPU / wall time, least over stages and rounds; core C: sim C's work / runnable time, least over stages; unmod: share of the ranks' process CPU per step (median) "
           "that no simulator is fed (gloo's threads, the closing collectives; what competes with the fed work "
-          "for the C cores unmodelled); deepspeed's step includes its "
+          "for the C cores unmodelled); cores busy: the ranks' process CPU per step over C x the step (median over "
+          "steps; near 1: the step is the work over the cores, whatever the bubble); deepspeed's step includes its "
           "(SGD) optimizer step")
     for r in rows:  # what sim's messages cost, beside what an exchange loop takes (module doc)
         if r["system"] == "ours 1f1b" and "p2p_exchange_s" in r:

@@ -88,3 +88,38 @@ def test_one_slow_computation_is_seen_by_the_replay_not_by_the_mean() -> None:
     last = [max(got[s][1]["ends"].values()) for s in ("sim C", "replay C", "measured")]
     assert last[1] == pytest.approx(last[2] + 3.0, rel=1e-9)  # the replay: 3 units later at the end
     assert last[2] < last[0] < last[1]
+
+
+@pytest.mark.slow
+def test_raw_dump_is_what_the_table_was_made_of(tmp_path: Path) -> None:
+    """A tiny benchmark with ``--raw``: the dumped per-rank stats give the JSON's measured bubble again
+    (median over the round's steps), the timeline tool's measured ranks are the bench's own window, and
+    the new columns are their formulas over the JSON's own numbers."""
+    import json
+    import pickle
+    import statistics
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    out, raw = tmp_path / "pipe.json", tmp_path / "pipe.pkl"
+    cmd = [sys.executable, str(root / "scripts" / "bench_pipeline.py"), "--stages", "2", "--microbatches", "4",
+           "--rounds", "1", "--steps", "2", "--warmup", "0", "--layers", "4", "--hidden", "16", "--seq", "8",
+           "--vocab", "64", "--p2p-reps", "1", "--no-small-mb-case", "--peers", "--schedules", "zbv",
+           "--out", str(out), "--raw", str(raw)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    with open(raw, "rb") as f:
+        dumped = pickle.load(f)
+    rank_stats = dumped["stats"][("main", 2)][0]
+    for name in ("ours 1f1b", "ours zbv v2"):
+        row = rows[name]
+        fed = round_feed(rank_stats, name, 2, 4, msg_s=0.0)
+        measured = [window_bubble(step) for step in fed["steps"]]
+        assert statistics.median(measured) == pytest.approx(row["bubble_measured_time_shared"], rel=1e-12)
+        for i, bub in enumerate(measured):
+            assert bubble(timelines(fed, i, dumped["cores"])["measured"]) == pytest.approx(bub, rel=1e-12)
+        assert row["bubble_rel_diff_replay"] == pytest.approx(
+            abs(row["bubble_measured_time_shared"] - row["bubble_replayed"]) / row["bubble_replayed"], rel=1e-12)
+        assert row["cores_busy_share"] == pytest.approx(statistics.median(
+            c / (dumped["cores"] * t) for c, t in zip(row["cpu_steps_s"], row["steps_s"])), rel=1e-12)
