@@ -21,7 +21,8 @@ grouped-GEMM experts):
   opens around a ``B``.
 - In ``backward`` the layer calls ``deferral.defer(params, compute, holds)``:
   ``compute()`` returns one gradient (or ``None``) per entry of ``params``; ``holds``
-  are the tensors the closure keeps alive (memory accounting). True: queued, the layer
+  are the tensors the closure keeps alive (memory accounting; and the engine keeps a stage
+  input's data for ``W`` only when it is listed there, ``step_run._spent``: list every one). True: queued, the layer
   returns ``None`` for those inputs. False (no ``B`` open, or unmarked parameters): the
   layer calls ``compute()`` itself, so outside a split backward nothing changes.
 - ``work.run()`` (``W``) calls the queued closures, last queued first, and hands every

@@ -7,10 +7,12 @@ the cache). This runs the benchmark's process group (``bench_pipeline_group.run_
 model, shapes, alternation of the schedules step by step) with each ``StepRun`` computation
 wrapped: CPU time (``time.thread_time``: the executor thread's own, no preemption), minor faults
 (``getrusage(RUSAGE_THREAD)``: pages the kernel zero-filled for it) and the time inside
-``linear_weight_grads`` (the weight-gradient GEMMs, deferred or not) and, in ``W``, in its direct
-accumulation (``leaf_grads.accumulate``). Medians per action after
-the first step (its allocations fault in either way). Prints per stage each kind's numbers and
-(B+W)/B; B + W less GEMMs against 1f1b's B less GEMMs isolates what is not the GEMMs.
+``linear_weight_grads`` (the weight-gradient GEMMs, deferred or not), in ``W``'s direct
+accumulation (``leaf_grads.accumulate``) and in ``torch.autograd.backward`` (the graph walk).
+Medians per action after the first step (its allocations fault in either way). Prints per stage
+each kind's numbers, (B+W)/B against the plain 1f1b's B (as ``bench_pipeline.py``), and where
+B + W - B goes (``_breakdown``: GEMMs, the rest of the walk, W's accumulation, W's other work, and
+work outside autograd such as a graph freed inside the action).
 
     .venv/bin/python scripts/profile_pipeline_actions.py --stages 2 --hidden 128 --steps 4
 
@@ -32,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 import parallel3d.deferred_grads as deferred_grads  # noqa: E402
 import parallel3d.pipeline.engine as engine_mod  # noqa: E402
 import parallel3d.pipeline.step_run as step_run  # noqa: E402
@@ -45,9 +49,10 @@ def _instrument() -> None:
     """Wrap StepRun's computations and the weight-gradient GEMMs in this process (every spawned rank
     re-imports this module, so each rank instruments itself). Samples: per (schedule, stage, kind),
     (CPU s, minor faults, GEMM CPU s) per action; written after each step."""
-    samples: dict[str, list[tuple[float, int, float, float]]] = {}
-    in_gemms, in_accumulate = [0.0], [0.0]
+    samples: dict[str, list[tuple[float, int, float, float, float]]] = {}
+    in_gemms, in_accumulate, in_autograd = [0.0], [0.0], [0.0]
     gemms, accumulate = deferrable_linear.linear_weight_grads, deferred_grads.accumulate
+    backward = torch.autograd.backward
 
     def timed_gemms(*a):
         t0 = time.thread_time()
@@ -61,19 +66,28 @@ def _instrument() -> None:
         accumulate(p, grad)
         in_accumulate[0] += time.thread_time() - t0
 
+    def timed_backward(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return backward(*a, **k)
+        finally:
+            in_autograd[0] += time.thread_time() - t0
+
     deferrable_linear.linear_weight_grads = timed_gemms
     deferred_grads.accumulate = timed_accumulate
+    # every backward in the ranks (1f1b's B, a split B, a first chunk's whole backward at W) goes through it
+    torch.autograd.backward = timed_backward
 
     def wrap(name: str) -> None:
         inner = getattr(step_run.StepRun, name)
 
         def measured(self, c) -> None:
-            in_gemms[0] = in_accumulate[0] = 0.0
+            in_gemms[0] = in_accumulate[0] = in_autograd[0] = 0.0
             faults, t0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt, time.thread_time()
             inner(self, c)
             spent, faults = time.thread_time() - t0, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
-            key = f"{self.engine.schedule_name}|{self.engine.pstate.coord('pp')}|{c.kind}"
-            samples.setdefault(key, []).append((spent, faults, in_gemms[0], in_accumulate[0]))
+            key = f"{_layout(self.engine)}|{self.engine.pstate.coord('pp')}|{c.kind}"
+            samples.setdefault(key, []).append((spent, faults, in_gemms[0], in_accumulate[0], in_autograd[0]))
 
         setattr(step_run.StepRun, name, measured)
 
@@ -93,26 +107,53 @@ if os.environ.get(OUT_ENV):
     _instrument()
 
 
+def _layout(engine) -> str:
+    """The benchmark's name for an engine's layout, less "ours ": 1f1b's two runs (its drain split by
+    ``parallel.split_drain`` or not, "plain") are different work and are kept apart."""
+    plain = engine.schedule_name == "1f1b" and not engine.split_drain
+    return engine.schedule_name + (" plain" if plain else "")
+
+
+# Per action: thread CPU, minor faults, then CPU inside: the weight GEMMs, W's direct accumulation, and
+# torch.autograd.backward (a 1f1b or split B's graph walk, GEMMs run there included; a first chunk's W).
+_PARTS = ("cpu", "faults", "gemms", "accumulate", "autograd")
+
+
+def _breakdown(b_full: list[float], b: list[float], w: list[float]) -> dict[str, float]:
+    """Where a split backward's B + W differs from one full backward (medians per action, seconds):
+    the weight GEMMs; the rest of autograd's walk (accumulating the undeferred parameters and, in the full
+    backward, the deferred ones); W's accumulation; W's other work (its queue, closures, Python); an
+    action's work outside autograd (a B's graph freed as its output goes, its bookkeeping). The five sum
+    to B + W - full B."""
+    g_full, g_b, g_w = b_full[2], b[2], w[2]
+    walk_full, walk_b, walk_w = b_full[4] - g_full, b[4] - g_b, max(w[4] - g_w, 0.0)
+    w_rest = w[0] - w[3] - g_w - walk_w
+    return {"gemms": g_b + g_w - g_full, "autograd walk": walk_b + walk_w - walk_full, "W accumulate": w[3],
+            "W other": w_rest, "outside autograd": (b[0] - b[4]) - (b_full[0] - b_full[4])}
+
+
 def _report(samples: dict[str, list], stages: int, schedule: str, skip: int) -> None:
+    base_name = "1f1b plain"  # one full backward, as bench_pipeline's ratio
     for st in range(stages):
         med = {}
-        for sched in ("1f1b", schedule):
+        for sched in (base_name, schedule):
             for kind in "FBW":
                 got = samples.get(f"{sched}|{st}|{kind}", [])[skip:]
                 if got:
-                    med[(sched, kind)] = [statistics.median(x[i] for x in got) for i in range(4)]
-        print(f"stage {st}: " + "  ".join(f"{s} {k} {1e6 * v[0]:.0f} us ({v[1]:.0f} faults, GEMMs {1e6 * v[2]:.0f}"
-                                          + (f", accumulate {1e6 * v[3]:.0f})" if k == "W" else ")")
-                                          for (s, k), v in med.items()))
-        base, b, w = med[("1f1b", "B")], med[(schedule, "B")], med.get((schedule, "W"), [0.0, 0, 0.0, 0.0])
-        rest = (b[0] + w[0] - b[2] - w[2]) / max(base[0] - base[2], 1e-12)
+                    med[(sched, kind)] = [statistics.median(x[i] for x in got) for i in range(len(_PARTS))]
+        print(f"stage {st}:")
+        for (s, k), v in med.items():
+            print(f"   {s:>10} {k} {1e6 * v[0]:6.0f} us ({v[1]:.0f} faults; GEMMs {1e6 * v[2]:.0f}, accumulate "
+                  f"{1e6 * v[3]:.0f}, in autograd.backward {1e6 * v[4]:.0f})")
+        base, b, w = med[(base_name, "B")], med[(schedule, "B")], med.get((schedule, "W"), [0.0] * len(_PARTS))
         # the benchmark's ratio is of means: rare long actions (a collection, a fault burst) count there
         mean = {(s, k): statistics.fmean(x[0] for x in samples[f"{s}|{st}|{k}"][skip:]) if (s, k) in med else 0.0
-                for s, k in (("1f1b", "B"), (schedule, "B"), (schedule, "W"))}
-        of_means = (mean[(schedule, "B")] + mean[(schedule, "W")]) / mean[("1f1b", "B")]
-        print(f"   (B+W)/B {(b[0] + w[0]) / base[0]:.3f} (of means {of_means:.3f}); "
-              f"GEMMs {(b[2] + w[2]) / max(base[2], 1e-12):.3f}; "
-              f"the rest {rest:.3f}")
+                for s, k in ((base_name, "B"), (schedule, "B"), (schedule, "W"))}
+        of_means = (mean[(schedule, "B")] + mean[(schedule, "W")]) / mean[(base_name, "B")]
+        parts = _breakdown(base, b, w)
+        print(f"   (B+W)/B {(b[0] + w[0]) / base[0]:.3f} (of means {of_means:.3f}); B + W - full B = "
+              f"{1e6 * (b[0] + w[0] - base[0]):.0f} us: "
+              + ", ".join(f"{name} {1e6 * v:+.0f}" for name, v in parts.items()))
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
 """Spent backward graphs (``step_run``'s parking): freed at their ``B`` on the stage holding the model's
-first chunk, after the action loop on the others, with the same gradients and receive buffers."""
+first chunk, after the action loop on the others, with the same gradients and receive buffers; a split
+``B``'s (zb_h1) too, unless a deferring layer read the chunk's input itself (its ``W`` holds it)."""
 
 from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -43,22 +45,24 @@ class _Marked(torch.autograd.Function):
 class _MarkedChunk(nn.Module):
     """A toy chunk whose output (hidden states or loss) passes through ``_Marked``."""
 
-    def __init__(self, chunk: nn.Module, log: dict) -> None:
+    def __init__(self, chunk: nn.Module, log: dict, copy_input: bool = False) -> None:
         super().__init__()
-        self.chunk, self.log = chunk, log
+        self.chunk, self.log, self.copy_input = chunk, log, copy_input
 
     def forward(self, x, labels=None, *, sample_ids=None, step=0):
+        if self.copy_input and x.is_floating_point():  # the first deferring linear reads a copy, not the input
+            x = x * 1.0
         return _Marked.apply(self.chunk(x, labels, sample_ids=sample_ids, step=step), self.log)
 
 
-def _step(rank, world, park: bool) -> dict:
+def _step(rank, world, park: bool, schedule: str = "1f1b", copy_input: bool = False) -> dict:
     pstate = ParallelState(Topology(tp=1, pp=world, dp=1))
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
     (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
     log: dict = {"backwards": 0, "freed_after": []}
-    chunk = _MarkedChunk(ToyModel(LAYERS, r), log)
-    engine = PipelineEngine([chunk], pstate, schedule="1f1b", num_microbatches=M, micro_batch_size=MBS,
-                            seq_len=SEQ, hidden_size=HIDDEN)
+    chunk = _MarkedChunk(ToyModel(LAYERS, r, deferral=pstate.weight_grads), log, copy_input)
+    engine = PipelineEngine([chunk], pstate, schedule=schedule, num_microbatches=M, micro_batch_size=MBS,
+                            seq_len=SEQ, hidden_size=HIDDEN, split_drain=False)
     parks = engine.park_spent_graphs
     engine.park_spent_graphs = parks and park  # park=False: every graph freed at its B (the former executor)
     engine.run_step(toy_batch(M, MBS, SEQ))
@@ -81,3 +85,23 @@ def test_spent_graphs_freed_after_the_loop_off_the_first_stage_same_grads_and_bu
             assert torch.equal(p["grads"][name], grad), f"stage {stage}: {name} differs when parking"
         # A parked graph must not hold its input's receive buffer: the pool needs no more buffers.
         assert p["buffers"] == a["buffers"], f"stage {stage}: {p['buffers']} receive buffers vs {a['buffers']}"
+
+
+@pytest.mark.parametrize("copy_input", [True, False], ids=["parked", "input-in-W"])
+def test_split_backward_graphs_parked_unless_w_reads_the_input(copy_input):
+    """zb_h1: every B is split. Parked after the loop on stages > 0 (same gradients, no more receive
+    buffers), unless the first deferring linear reads the chunk's input itself: then emptying the input
+    would change what its W computes, so the graph goes at its B as before (the marked node on top)."""
+    world = 3
+    parked = run_on_ranks(_step, world, True, "zb_h1", copy_input)
+    at_once = run_on_ranks(_step, world, False, "zb_h1", copy_input)
+    for p, a in zip(parked, at_once):
+        stage = p["stage"]
+        assert p["parks"] == (stage > 0)
+        for name, grad in a["grads"].items():  # first: emptying an input W still reads changes these
+            assert torch.equal(p["grads"][name], grad), f"stage {stage}: {name} differs when parking"
+        assert a["freed_after"] == list(range(1, M + 1)), f"stage {stage}: {a['freed_after']}"
+        want = [M] * M if stage > 0 and copy_input else list(range(1, M + 1))
+        assert p["freed_after"] == want, f"stage {stage}: {p['freed_after']}"
+        # Emptied at B, not held by the graph until its W: the input's receive buffer is reused sooner.
+        assert p["buffers"] <= a["buffers"], f"stage {stage}: {p['buffers']} receive buffers vs {a['buffers']}"

@@ -90,7 +90,7 @@ import torch.distributed as dist
 from parallel3d import comm
 from parallel3d.deferred_grads import backward_inputs
 from parallel3d.pipeline.activation_bytes import storage_key
-from parallel3d.pipeline.actions import Action, ScheduleError, split_backwards, splits_backward
+from parallel3d.pipeline.actions import Action, ScheduleError, splits_backward
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.options import PipelineOptions, drain_is_split
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
@@ -268,10 +268,9 @@ class PipelineEngine:
             raise ValueError(f"prefetch_recvs={prefetch_recvs}, schedule {schedule!r}, {pstate}: {exc}") from exc
         self.split_backward = splits_backward(self.actions)  # any; which ones: PlannedCompute.split
         # A stage without the model's first chunk waits for the stages above it to drain at the end of
-        # its step: it frees its finished (unsplit) backward graphs then, not between its actions (step_run).
-        split = split_backwards(self.actions)
-        self.park_spent_graphs = 0 not in held and any(
-            a.kind == "B" and (a.microbatch, a.chunk) not in split for a in self.actions)
+        # its step: it frees its finished backward graphs then, not between its actions (step_run), a
+        # split B's too (else freed in pieces by the W that drops the last linear input referencing it).
+        self.park_spent_graphs = 0 not in held and any(a.kind == "B" for a in self.actions)
         self.plan = compile_plan(self.actions, pstate.coord("pp"), self.placement, self.chunks, prefetch_recvs,
                                  self.p2p.peer)
 

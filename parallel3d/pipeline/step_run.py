@@ -20,6 +20,10 @@ stages above it to drain. A parked
 graph holds no activation: backward has freed its saved tensors, and the one tensor it still
 references, the stage's input (autograd's accumulator for it), is emptied first: its gradient
 handed on and its data swapped for the step's placeholder, so its receive buffer is reused as before.
+A split ``B``'s graph is parked alike (``_spent``): left to go with its output, it lived on through its
+deferring layers' saved inputs and was freed, mostly, inside the microbatch's ``W`` (about 0.1 ms per
+``W`` at hidden 128, pp 4, 2026-12-07, ``scripts/profile_pipeline_actions.py``), where 1F1B's parked one
+costs its ``B`` nothing; not where a ``W`` reads the stage's input itself (the input must keep its data).
 """
 
 from __future__ import annotations
@@ -215,25 +219,36 @@ class StepRun:
             self.grads_out[key], work = split_backward(out, grad, inp, e.pstate.weight_grads,
                                                        self.undeferred[c.action.chunk])
             self.weight_work[key] = work
-            # the graph is gone; what the queue holds counts instead
+            if not any(t is inp for t in work.held):  # else W reads the input itself: W frees the graph
+                self._spent(out, inp)
+            # the graph's activations are gone; what the queue holds counts instead
             self.stored_bytes[key] = held_bytes(work.held, self.param_storages) if self.account else 0
             self.freeable_bytes.pop(key, None)
             return
         torch.autograd.backward(out, grad_tensors=grad)
-        parked = self.parked_graphs
-        if parked is not None:
-            parked.append(out.grad_fn)  # its saved activations are gone; its nodes go after the loop
-        del out, grad  # the graph (unless parked) and its saved activations go now
+        del grad
         self.stored_bytes.pop(key)
         self.freeable_bytes.pop(key, None)
         if not c.first:
             if inp.grad is None:
                 raise RuntimeError(f"rank {e.pstate.rank}: chunk {c.action.chunk}'s output does not depend on its input")
             self.grads_out[key] = inp.grad
-            if parked is not None:
-                # The parked graph's accumulator still references the input: empty it (module doc).
-                inp.grad = None
-                inp.data = self._placeholder(inp)
+        self._spent(out, inp)
+
+    def _spent(self, out: torch.Tensor, inp: torch.Tensor | None) -> None:
+        """After a backward (whole or ``B``) whose input gradient, if any, is in ``grads_out``: park its
+        graph (module doc) or let it go with ``out`` at once. A split ``B``'s graph is parked too: its
+        deferring layers' saved inputs reference its nodes, so it would otherwise be freed piece by piece
+        in the ``W``s that drop them, the last of which frees most of it. Not where a deferring layer
+        read the input itself (its ``W`` closure holds ``inp``, whose data must stay)."""
+        parked = self.parked_graphs
+        if parked is None:
+            return
+        parked.append(out.grad_fn)  # its saved activations are gone; its nodes go after the loop
+        if inp is not None:
+            # The parked graph's accumulator still references the input: empty it (module doc).
+            inp.grad = None
+            inp.data = self._placeholder(inp)
 
     def weight_grad(self, c: PlannedCompute) -> None:
         """``W``: accumulate this microbatch-chunk's weight gradients; what it held goes now."""
