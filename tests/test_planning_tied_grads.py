@@ -24,13 +24,14 @@ from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 GPT = ModelConfig(arch="gpt", num_layers=8, hidden_size=1024, num_heads=16, ffn_hidden_size=4096,
                   vocab_size=50257, max_seq_len=2048, tie_embeddings=True)
-CLUSTER = ClusterSpec.build(32, 8, "a100_80gb")
+CLUSTER = ClusterSpec.build(16, 8, "a100_80gb")
 
 
 def _layout(pp: int, schedule: str = "1f1b") -> Layout:
     tp = 2
-    dp = 32 // (tp * pp)
-    # tp x dp = 8 at pp 4: each stage fills one node, so the first and last stage are two nodes apart.
+    dp = CLUSTER.gpus // (tp * pp)
+    # tp x dp = 4 at pp 4: stages 0-1 share node 0 and stages 2-3 node 1, so only the first-last pair (not a
+    # neighbouring one) crosses nodes.
     return Layout(tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1,
                   micro_batch_size=1, seq_len=2048,
                   global_batch_size=8 * dp, zero_stage=1, precision="bf16", sequence_parallel=True)
