@@ -37,6 +37,8 @@ class CommModel:
             topo = self.topology
             if kind in ("tp", "cp", "dp", "pp"):
                 ranks = [topo.rank_of(**{kind: i}) for i in range(topo.size(kind))]
+            elif kind == "embedding":  # rank 0's tied-embedding pair: its first and last stage
+                ranks = sorted({topo.rank_of(pp=0), topo.rank_of(pp=topo.pp - 1)})
             else:  # expert kinds (ep, ...) live on the expert grid
                 ranks = topo.group_of(kind, 0)
             nodes, per_node = self.cluster.nodes_spanned(ranks)

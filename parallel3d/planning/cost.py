@@ -25,7 +25,9 @@ last) and one P2P message per boundary. After a stage's last backward come its
 data-parallel gradient reduction and parameter all-gather (dense parameters over dp x cp,
 the rank's routed experts over the expert data-parallel group), minus what overlaps
 with the backwards (each chunk's from its own last one, ``dp_overlap``; never the last gradient
-bucket nor the first parameter bucket: ``CostOptions.grad_bucket``), and the Adam update (memory-bound). ZeRO-3 has no all-gather
+bucket nor the first parameter bucket: ``CostOptions.grad_bucket``), a tied word embedding's gradient
+summed over the first and last stage once both have reduced (unoverlapped; ``CostOptions.tied_grad_whole``),
+and the Adam update (memory-bound). ZeRO-3 has no all-gather
 after the step; it gathers the stage's parameters before every forward and
 backward of every microbatch (``microbatch`` mode) or once per step (``step``),
 prefetched behind compute, so only the DP traffic (its per-microbatch reduce-scatters
@@ -163,6 +165,18 @@ def _dp_times(comm: CommModel, params: float, kind: str, zero: int, grad_bytes: 
     return comm.reduce_scatter(params * grad_bytes, kind), comm.all_gather(params * weight_bytes, kind)
 
 
+def _tied_grad_time(config: ModelConfig, layout: Layout, comm: CommModel, options: CostOptions, two_ends: bool,
+                    words: float, grad_bytes: int) -> float:
+    """The tied word embedding's gradient sum over its first and last stage (``words`` elements per tp rank):
+    the whole gradient, or with parallel3d's ZeRO only this rank's DP-reduced piece
+    (``CostOptions.tied_grad_whole``). None where one stage holds both ends (pp = 1, ZB-V) or untied."""
+    if not (config.tie_embeddings and two_ends):
+        return 0.0
+    if not options.tied_grad_whole and layout.zero_stage >= 1:
+        words /= comm.group_size("dp_cp")
+    return comm.all_reduce(words * grad_bytes, "embedding")
+
+
 def _optimizer_time(layout: Layout, device, pb: PrecisionBytes, shard: float, grad_bytes: int) -> float:
     """The Adam update of ``shard`` elements: memory-bound on the device, or on the host with offload."""
     if layout.offload == "none":
@@ -248,6 +262,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     pb = PrecisionBytes.for_precision(layout.precision)
     grad_bytes = options.dp_grad_bytes or pb.grad
     finish, dp_worst, opt_worst, crit = 0.0, 0.0, 0.0, 0
+    reduced: list[float] = []  # each stage's end of its gradient reductions
+    after: list[tuple[float, float]] = []  # each stage's exposed parameter all-gather and optimizer update
     emb_params = padded_vocab_size(config.vocab_size, layout.tp) // layout.tp * config.hidden_size
     for stage in range(p):
         reduce_t = gather_t = hideable_r = hideable_g = opt_t = last_r = first_g = 0.0
@@ -288,9 +304,15 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         else:  # one pass of one chunk hides it (a bound's stage ends bound this too: it only grows with them)
             reduce_t += max(last_r, hideable_r - bwd(stage, 0))
             gather_t += max(first_g, hideable_g - fwd(stage, 0))
-        end = pipe.stage_end[stage] + reduce_t + gather_t + opt_t
-        if end >= finish:
-            finish, dp_worst, opt_worst = end, reduce_t + gather_t, opt_t
+        reduced.append(pipe.stage_end[stage] + reduce_t)
+        after.append((gather_t, opt_t))
+    tied = _tied_grad_time(config, layout, comm, options, first[0] != last[0], emb_params, grad_bytes)
+    if tied:  # the two ends meet after their own reductions, then sum (before the optimizer, as Megatron-LM)
+        reduced[first[0]] = reduced[last[0]] = max(reduced[first[0]], reduced[last[0]]) + tied
+    for stage, (gather_t, opt_t) in enumerate(after):
+        end = reduced[stage] + gather_t + opt_t
+        if end >= finish:  # dp: everything after the pipeline but the optimizer (the tied sum's wait included)
+            finish, dp_worst, opt_worst = end, reduced[stage] - pipe.stage_end[stage] + gather_t, opt_t
             crit = stage
     model_flops, hardware_flops = step_flops(config, layout)
     # The finishing stage's time split into columns that add up to the step (module docstring of

@@ -46,6 +46,12 @@ class CostOptions:
     # 1F1B with its drain backwards split (``parallel.split_drain``, resolved by ``drain_is_split``; the
     # runtime's default); Megatron and torchtitan run plain 1F1B: False whatever that default is.
     split_drain: bool = PipelineOptions.split_drain
+    # A tied word embedding (pp > 1) has its gradient summed over the first and last stage after the DP
+    # reduction, unoverlapped: parallel3d's ZeRO sums only the rank's reduced piece (``zero.grad_sync``
+    # ``finalize``; without ZeRO the whole gradient, ``pipeline.tied``), Megatron-LM (2021 ``train_step``,
+    # Megatron-Core ``finalize_model_grads._allreduce_word_embedding_grads``) the whole ``main_grad`` at any
+    # ZeRO stage: True.
+    tied_grad_whole: bool = False
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":
@@ -58,11 +64,11 @@ class CostOptions:
         # that completion is settled (README "Planner validation").
         return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
                    grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
-                   chunk_grad_sync=False, split_drain=False)
+                   chunk_grad_sync=False, split_drain=False, tied_grad_whole=True)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
         """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
         all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
         return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2,
-                   split_drain=False)
+                   split_drain=False, tied_grad_whole=True)
