@@ -48,8 +48,6 @@ KNOWN_PLANNER_GAPS = {
 }
 KNOWN_BIG_GAPS = {
     "big4": "Mixtral, tp 4 etp 1 ep 2, cp 4 a2a+p2p, recompute full: planner +9.0% / +17.6% (not reduced yet)",
-    "big7": "gpipe with an embedding-only first stage: the planner counts one microbatch's embedding output, "
-            "the step keeps all 16 (-93.8% on rank 0)",
 }
 
 

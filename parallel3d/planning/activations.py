@@ -62,7 +62,7 @@ class ActivationAssumptions:
     # input and of its normalised output: 8.
     norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
-    small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
+    small_stats: bool = False  # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
     # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
     # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
@@ -232,11 +232,16 @@ def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Act
 
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """First stage, per in-flight microbatch: the embedding-output dropout mask."""
+    """First stage, per in-flight microbatch: the embedding-output dropout mask, and (``small_stats``) the
+    lookup's saved int64 ids of the rank's tokens, with tp > 1 also the bool mask of ids outside its
+    vocabulary shard (``tensor_parallel.layers.vocab_parallel_embedding``; the whole local sequence: the
+    lookup runs before sequence parallel's reduce-scatter)."""
+    tokens = local_seq_len(layout) * layout.micro_batch_size
+    lookup = (8 + (1 if layout.tp > 1 else 0)) * tokens if assumptions.small_stats else 0.0
     if not assumptions.hidden_dropout:
-        return 0.0
-    sbh = local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
-    return sbh / layout.tp if layout.sequence_parallel else float(sbh)
+        return float(lookup)
+    sbh = tokens * config.hidden_size
+    return lookup + (sbh / layout.tp if layout.sequence_parallel else float(sbh))
 
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
