@@ -40,8 +40,6 @@ ACTIVATION_BOUND = 0.05  # test_dryrun_gloo's bound on real vs dry-run activatio
 KNOWN_PLANNER_GAPS = {
     16: "zbv, pp 2, an empty end chunk, document mask: -10.7% / -15.2% (was -46.1% / -5.9% before split_memory; "
         "not reduced yet)",
-    1003: "zb_h1 at pp 1 on an MoE model, tp 3, sequence parallel: -29.3% (split_memory's W bytes of MoE layers "
-          "count no expert GEMM input: not reduced yet)",
     0: "zbv at pp 1, cp 3 a2a, recompute full: +7.2% (was -50.6% before split_memory; W bytes under cp a2a "
        "not reduced yet)",
     1002: "MoE with gpipe, dp 5, experts at ZeRO 3: -10.5% (not reduced yet)",
