@@ -275,10 +275,11 @@ def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: A
 
 
 def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """A non-final chunk's output, when the engine keeps it until the chunk's backward."""
+    """A non-final chunk's output (the rank's cp share of the sequence), when the engine keeps it until the
+    chunk's backward."""
     if not assumptions.chunk_output_kept:
         return 0.0
-    out = assumptions.element_bytes * layout.seq_len * layout.micro_batch_size * config.hidden_size
+    out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
     return out / layout.tp if layout.sequence_parallel else float(out)
 
 
