@@ -283,6 +283,17 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
     return out / layout.tp if layout.sequence_parallel else float(out)
 
 
+def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """A chunk input received from another stage, per in-flight microbatch: the engine holds it until the
+    chunk's backward. Counted only where no saved tensor of the layer formulas is that storage: the torch
+    RMSNorm keeps fp32 copies of a 16-bit input (``REFERENCE_NORM_KEPT_BYTES``), not the input itself;
+    full recompute's checkpoint, the fused norms and LayerNorm keep the input as it is."""
+    if layout.recompute == "full" or assumptions.norm_kept_bytes is None or assumptions.element_bytes == 4:
+        return 0.0
+    out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
+    return out / layout.tp if layout.sequence_parallel else float(out)
+
+
 def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int,
                             split_drain: bool = False) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, per local chunk: the maximal vectors (no other is >= in every

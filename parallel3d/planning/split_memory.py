@@ -26,6 +26,7 @@ from parallel3d.planning.activations import (
     chunk_output_bytes,
     embedding_activation_bytes,
     head_activation_bytes,
+    received_input_bytes,
 )
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.sequence_experts import local_seq_len
@@ -108,6 +109,8 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
         w = sum(layer_weight_grad_bytes(config, layout, assumptions, i) for i in ids)
         if k == 0:
             h += embedding_activation_bytes(config, layout, assumptions)
+        elif place.stage_of(k - 1) != stage:  # received, not handed over (that is the previous chunk's output)
+            h += received_input_bytes(config, layout, assumptions)
         if k == last:
             h += head_activation_bytes(config, layout, assumptions)
             w += head_weight_grad_input_bytes(config, layout, assumptions)
