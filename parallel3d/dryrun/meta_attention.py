@@ -5,7 +5,8 @@ the ``s x s`` attention probabilities for backward; the real job's fused kernels
 flash-for-CPU on CPU) save only the output and its log-sum-exp. ``fused_attention_on_meta`` routes
 meta calls without a mask or dropout to ``_scaled_dot_product_flash_attention_for_cpu`` (it has a
 meta kernel and autograd), so what autograd saves is a fused kernel's. Grouped-query calls keep the
-kv heads unrepeated (the kernel reads them so on meta as on CPU, and saves them so). Latent attention's narrower value heads
+kv heads unrepeated (the kernel reads them so on meta as on CPU, and saves them so). Latent
+attention's narrower value heads
 (``models.mla``: v_head_dim < the q/k width) are padded to the q/k width for the kernel, which
 takes one head size, and the output sliced back (an over-count of v and the output).
 Invariant: calls with any non-meta tensor run unchanged.

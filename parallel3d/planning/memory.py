@@ -255,7 +255,8 @@ def stage_activation_bytes(
         / layout.virtual_stages
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     # every chunk but the model's first receives its input (on stage 0: all but chunk 0's microbatches)
-    total += (inflight - (microbatches_in_flight if stage == 0 else 0)) * received_input_bytes(config, layout, assumptions)
+    received = inflight - (microbatches_in_flight if stage == 0 else 0)
+    total += received * received_input_bytes(config, layout, assumptions)
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
     return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight
