@@ -80,12 +80,14 @@ def test_estimator_counts_zb_h1s_w_pending_heads_on_the_last_stage(model):
     assert not _disagreements(4, overrides, [0, 3])
 
 
-def test_estimator_counts_an_embedding_only_first_stages_kept_tensors():
+@pytest.mark.parametrize("model", ["llama_tiny", "gpt_tiny"])
+def test_estimator_counts_an_embedding_only_first_stages_kept_tensors(model):
     """GPipe with an embedding-only first stage (big7 of ``tests/dryrun_big_jobs.py``, reduced): under
     sequence parallel at micro-batch 1 the embedding's output was a view of the reduce-scatter's buffer, so
     the engine could not free it once sent and kept every microbatch's (-93.8% on big7's rank 0, -76.7% here);
-    each microbatch also keeps the lookup's int64 ids and out-of-shard mask (-52.9% here once outputs went)."""
-    overrides = ["model=llama_tiny", "parallel.pp=4", "parallel.tp=2", "parallel.sequence_parallel=true",
+    each microbatch also keeps the lookup's int64 ids and out-of-shard mask (-52.9% here once outputs went), and
+    GPT's its learned positions (fuzz case 13's rank 0: -7.8%)."""
+    overrides = [f"model={model}", "parallel.pp=4", "parallel.tp=2", "parallel.sequence_parallel=true",
                  "parallel.schedule=gpipe", "parallel.pp_layers=[0,2,1,1]", "train.precision=bf16",
                  "train.micro_batch_size=1", "train.seq_len=128", "model.max_seq_len=128",
                  "train.global_batch_size=8"]

@@ -233,11 +233,16 @@ def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Act
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """First stage, per in-flight microbatch: the embedding-output dropout mask, and (``small_stats``) the
-    lookup's saved int64 ids of the rank's tokens, with tp > 1 also the bool mask of ids outside its
-    vocabulary shard (``tensor_parallel.layers.vocab_parallel_embedding``; the whole local sequence: the
-    lookup runs before sequence parallel's reduce-scatter)."""
+    lookup's saved int64 ids of the rank's tokens (and positions, where learned), with tp > 1 also the bool
+    mask of ids outside its vocabulary shard (``tensor_parallel.layers.vocab_parallel_embedding``; the whole
+    local sequence: the lookup runs before sequence parallel's reduce-scatter)."""
     tokens = local_seq_len(layout) * layout.micro_batch_size
     lookup = (8 + (1 if layout.tp > 1 else 0)) * tokens if assumptions.small_stats else 0.0
+    if assumptions.small_stats and config.spec.learned_positions:
+        # the position lookup's int64 positions, one row for the batch (``models.gpt.Embedding``): the rank's
+        # sequence-parallel slice, or cp's whole local positions (the slice is a view of them)
+        sp_slice = layout.tp if layout.sequence_parallel and layout.cp == 1 else 1
+        lookup += 8 * local_seq_len(layout) / sp_slice
     if not assumptions.hidden_dropout:
         return float(lookup)
     sbh = tokens * config.hidden_size
