@@ -32,25 +32,13 @@ from tests.test_dryrun_gloo import ROUTED_KINDS, ROUTED_TOLERANCE
 pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 ACTIVATION_BOUND = 0.05  # test_dryrun_gloo's bound on real vs dry-run activation peaks (CPU kernels' saved scalars)
 
-# The planner's activation estimate misses the dry run's measured peak by more than TOLERANCE on these drawn
+# Where the planner's activation estimate is known to miss the dry run's measured peak by more than TOLERANCE on drawn
 # layouts (measured 2026-12-07; README "Dry run of the real job on one CPU", findings). Pinned, not skipped (a
 # skip or xfail fails this suite: conftest's NoSilentSkips): on these the test requires the gap to still be
 # there, so a fixed estimator fails it with a message saying which entry to remove. Bytes and messages are
 # checked exactly first, on every case.
-KNOWN_PLANNER_GAPS = {
-    16: "zbv, pp 2, an empty end chunk, document mask: -10.7% / -15.2% (was -46.1% / -5.9% before split_memory; "
-        "not reduced yet)",
-    1003: "zb_h1 at pp 1 on an MoE model, tp 3, sequence parallel: -29.3% (split_memory's W bytes of MoE layers "
-          "count no expert GEMM input: not reduced yet)",
-    0: "zbv at pp 1, cp 3 a2a, recompute full: +7.2% (was -50.6% before split_memory; W bytes under cp a2a "
-       "not reduced yet)",
-    1002: "MoE with gpipe, dp 5, experts at ZeRO 3: -10.5% (not reduced yet)",
-}
-KNOWN_BIG_GAPS = {
-    "big4": "Mixtral, tp 4 etp 1 ep 2, cp 4 a2a+p2p, recompute full: planner +9.0% / +17.6% (not reduced yet)",
-    "big7": "gpipe with an embedding-only first stage: the planner counts one microbatch's embedding output, "
-            "the step keeps all 16 (-93.8% on rank 0)",
-}
+KNOWN_PLANNER_GAPS: dict[int, str] = {}  # none left (session 40: cases 16, 1003, 0, 1002 fixed; README findings)
+KNOWN_BIG_GAPS: dict[str, str] = {}  # none left (session 40: big7, big4 fixed)
 
 
 def _expect_planner(bad: list[str], known: str | None) -> None:

@@ -4,8 +4,9 @@ On the meta device ``F.scaled_dot_product_attention`` falls back to its math for
 the ``s x s`` attention probabilities for backward; the real job's fused kernels (flash on GPU,
 flash-for-CPU on CPU) save only the output and its log-sum-exp. ``fused_attention_on_meta`` routes
 meta calls without a mask or dropout to ``_scaled_dot_product_flash_attention_for_cpu`` (it has a
-meta kernel and autograd), so what autograd saves is a fused kernel's. Grouped-query calls repeat
-the kv heads first (saved as the repeated copies: a slight over-count of k and v). Latent attention's narrower value heads
+meta kernel and autograd), so what autograd saves is a fused kernel's. Grouped-query calls keep the
+kv heads unrepeated (the kernel reads them so on meta as on CPU, and saves them so). Latent
+attention's narrower value heads
 (``models.mla``: v_head_dim < the q/k width) are padded to the q/k width for the kernel, which
 takes one head size, and the output sliced back (an over-count of v and the output).
 Invariant: calls with any non-meta tensor run unchanged.
@@ -27,9 +28,8 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
            enable_gqa=False) -> torch.Tensor | None:
     if query.device.type != "meta" or attn_mask is not None or dropout_p:
         return None
-    repeat = query.shape[-3] // key.shape[-3]
-    if repeat > 1 and enable_gqa:
-        key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
+    # Grouped-query calls pass the kv heads unrepeated, as the real CPU kernel takes them (it keeps them
+    # so for backward; repeating them here once over-counted k and v by the group size).
     dv = value.shape[-1]
     if dv != query.shape[-1]:  # latent attention (value heads narrower than query heads): pad, then slice
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))

@@ -62,7 +62,7 @@ class ActivationAssumptions:
     # input and of its normalised output: 8.
     norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
-    small_stats: bool = False  # fp32 per-token norm statistics and per-head log-sum-exp
+    small_stats: bool = False  # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids
     logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
     # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
     # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
@@ -232,11 +232,21 @@ def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Act
 
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """First stage, per in-flight microbatch: the embedding-output dropout mask."""
+    """First stage, per in-flight microbatch: the embedding-output dropout mask, and (``small_stats``) the
+    lookup's saved int64 ids of the rank's tokens (and positions, where learned), with tp > 1 also the bool
+    mask of ids outside its vocabulary shard (``tensor_parallel.layers.vocab_parallel_embedding``; the whole
+    local sequence: the lookup runs before sequence parallel's reduce-scatter)."""
+    tokens = local_seq_len(layout) * layout.micro_batch_size
+    lookup = (8 + (1 if layout.tp > 1 else 0)) * tokens if assumptions.small_stats else 0.0
+    if assumptions.small_stats and config.spec.learned_positions:
+        # the position lookup's int64 positions, one row for the batch (``models.gpt.Embedding``): the rank's
+        # sequence-parallel slice, or cp's whole local positions (the slice is a view of them)
+        sp_slice = layout.tp if layout.sequence_parallel and layout.cp == 1 else 1
+        lookup += 8 * local_seq_len(layout) / sp_slice
     if not assumptions.hidden_dropout:
-        return 0.0
-    sbh = local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
-    return sbh / layout.tp if layout.sequence_parallel else float(sbh)
+        return float(lookup)
+    sbh = tokens * config.hidden_size
+    return lookup + (sbh / layout.tp if layout.sequence_parallel else float(sbh))
 
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
@@ -270,10 +280,22 @@ def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: A
 
 
 def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """A non-final chunk's output, when the engine keeps it until the chunk's backward."""
+    """A non-final chunk's output (the rank's cp share of the sequence), when the engine keeps it until the
+    chunk's backward."""
     if not assumptions.chunk_output_kept:
         return 0.0
-    out = assumptions.element_bytes * layout.seq_len * layout.micro_batch_size * config.hidden_size
+    out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
+    return out / layout.tp if layout.sequence_parallel else float(out)
+
+
+def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """A chunk input received from another stage, per in-flight microbatch: the engine holds it until the
+    chunk's backward. Counted only where no saved tensor of the layer formulas is that storage: the torch
+    RMSNorm keeps fp32 copies of a 16-bit input (``REFERENCE_NORM_KEPT_BYTES``), not the input itself;
+    full recompute's checkpoint, the fused norms and LayerNorm keep the input as it is."""
+    if layout.recompute == "full" or assumptions.norm_kept_bytes is None or assumptions.element_bytes == 4:
+        return 0.0
+    out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
     return out / layout.tp if layout.sequence_parallel else float(out)
 
 

@@ -15,8 +15,9 @@ tokens, so every per-token activation falls by cp. What each ``cp_comm`` variant
 
 In-flight buffers live one layer at a time, so they are workspace (counted once), not activations.
 Experts (``parallel3d.moe``): every token is dispatched ``top_k`` times; the expert FFN keeps the
-permuted rows, its SwiGLU tensors (width ``ffn / etp``) and its output rows for the weighted combine;
-the fp32 router keeps its logits and probabilities. The combine's backward, the first op of a MoE
+permuted rows of its etp group (``etp`` times its own), their SwiGLU tensors (width ``ffn / etp``) and its
+own output rows for the weighted combine; the fp32 router keeps its logits and probabilities (and, for
+16-bit activations, the fp32 copies of its input and weight). The combine's backward, the first op of a MoE
 layer's backward, allocates row-sized tensors beside all of those (``moe_combine_backward_bytes``).
 Expert parallelism moves rows between ranks but, dropless and balanced, leaves ``tokens * top_k``
 rows per rank: ep shrinks expert *states*, not these.
@@ -133,7 +134,12 @@ def moe_layer_activation_bytes(block: BlockSpec, layout: Layout, element_bytes: 
     h, rows = block.hidden_size, tokens * moe.top_k
     etp = layout.etp or layout.tp
     router = 2 * COMPUTE_BYTES * tokens * moe.num_experts  # fp32 logits and probabilities
-    experts = element_bytes * rows * (2 * h + swiglu_tensors * moe.ffn_hidden / etp)
+    if element_bytes != COMPUTE_BYTES:  # its linear runs in fp32: it keeps fp32 copies of its input and weight
+        router += COMPUTE_BYTES * h * (tokens + moe.num_experts)
+    # An expert rank computes the rows of its whole etp group (every rank of it holds different tokens), at
+    # 1/etp of the width: it keeps their gathered input and SwiGLU tensors; the combine keeps this rank's
+    # rows of the output (reduce-scattered back).
+    experts = element_bytes * rows * (etp * h + swiglu_tensors * moe.ffn_hidden + h)
     combine = COMPUTE_BYTES * rows  # the top-k weights the combine multiplies by
     shared = 0.0
     if moe.num_shared_experts:

@@ -26,9 +26,10 @@ from parallel3d.planning.activations import (
     chunk_output_bytes,
     embedding_activation_bytes,
     head_activation_bytes,
+    received_input_bytes,
 )
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len
+from parallel3d.planning.sequence_experts import local_seq_len
 from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_w_lags
 
 __all__ = ["layer_weight_grad_bytes", "split_moments", "split_peak_bytes", "stage_computations"]
@@ -80,7 +81,9 @@ def layer_weight_grad_bytes(config: ModelConfig, layout: Layout, assumptions: Ac
         assumptions.element_bytes
     sb = s * b
     column_input = sb * h / (t if layout.sequence_parallel else 1)  # a norm's output: QKV's, MLP's input
-    q, kv = block.attention.q_size, block.attention.kv_size * kv_repeats(config, layout)
+    # QKV's output gradient has the kv heads unrepeated (cp a2a repeats them after the projection,
+    # ``context_parallel.ulysses``)
+    q, kv = block.attention.q_size, block.attention.kv_size
     attention = column_input + sb * (q + 2 * kv) / t + sb * q / t + sb * h  # QKV in/grad, proj in/grad
     if block.moe is not None:  # the experts' GEMMs do not defer (computed in B); router / shared: small
         return e * attention
@@ -106,6 +109,8 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
         w = sum(layer_weight_grad_bytes(config, layout, assumptions, i) for i in ids)
         if k == 0:
             h += embedding_activation_bytes(config, layout, assumptions)
+        elif place.stage_of(k - 1) != stage:  # received, not handed over (that is the previous chunk's output)
+            h += received_input_bytes(config, layout, assumptions)
         if k == last:
             h += head_activation_bytes(config, layout, assumptions)
             w += head_weight_grad_input_bytes(config, layout, assumptions)
