@@ -95,7 +95,8 @@ class ReplicatedGradSync(GradSync):
                 launched = (g, b.index) in self._launched
                 for i, s in enumerate(b.slots):
                     grad = s.param.grad
-                    if grad is None or grad.data_ptr() == self._views[(g, b.index, i)].data_ptr():
+                    view = self._view_of[id(s.param)]
+                    if grad is None or grad is view or grad.data_ptr() == view.data_ptr():  # identity first: cheap
                         continue
                     if launched:
                         raise RuntimeError(f"ZeRO: {s.name}.grad was replaced after its bucket's reduction started")
