@@ -68,3 +68,13 @@ def test_create_graph_backward_keeps_gradient_storage_out_of_the_graph(stage):
             lo = seg.shard_start - b.shard_offset
             want = dict(zip(model.parameters(), reference.parameters()))[seg.slot.param].grad.reshape(-1)
             assert torch.equal(piece[lo : lo + seg.length], want[seg.param_start : seg.param_start + seg.length])
+
+
+def test_grad_replaced_after_its_bucket_launched_raises_at_finalize():
+    model, _ = _pair()
+    opt = _optimizer(model, 0)
+    model(torch.randn(3, 8)).pow(2).sum().backward()  # every bucket launched from the hooks
+    first = next(model.parameters())
+    first.grad = torch.zeros_like(first)
+    with pytest.raises(RuntimeError, match="replaced after its bucket's reduction started"):
+        opt.grad_sync.finalize()
