@@ -22,9 +22,10 @@ for this model: our bucket size (``BUCKET_MB``, with torch's 1 MiB first bucket,
 device (``fused_adamw_backend="auto"``); torch's CPU default AdamW is its per-parameter loop. Memory
 accounting runs outside the timed region for every method.
 
-``CPU ms``: user + system CPU time of each rank's process per step (getrusage: every thread,
-gloo's included), the mean over ranks of each round's median; ``CPU x DDP``: its ratio to DDP's per
-round (median [range]). Unlike wall time it barely moves with other jobs on a shared machine: the
+``step ms min/med/max``: over rounds, of each round's median step; ``x DDP``: the per-round (paired)
+ratio to DDP's, median [min-max]. ``CPU ms min/med/max``: user + system CPU time of each rank's process
+per step (getrusage: every thread, gloo's included), the mean over ranks of each round's median, over
+rounds; ``CPU x DDP``: its paired per-round ratio to DDP's (median [min-max]). Unlike wall time it barely moves with other jobs on a shared machine: the
 load-robust comparison.
 
 Bytes sent per rank and step (``sent MiB``): ours counted by ``parallel3d.comm``; DeepSpeed's
@@ -325,6 +326,9 @@ def main() -> None:
             psi = result["ddp"]["params"]
             formula = formula_bytes(method, psi, n) if not method.startswith("deepspeed") else None
             rows.append({"dp": n, "method": method, "median_step_s": statistics.median(r["round_s"]),
+                         "min_step_s": min(r["round_s"]), "max_step_s": max(r["round_s"]),
+                         "cpu_s_per_rank_range": [min(r["round_cpu_s"]), max(r["round_cpu_s"])] if r["round_cpu_s"]
+                         else None,
                          "ratio_to_ddp": wall["median"], "ratio_to_ddp_range": [wall["min"], wall["max"]],
                          "cpu_s_per_rank": statistics.median(r["round_cpu_s"]) if r["round_cpu_s"] else None,
                          "cpu_ratio_to_ddp": cpu, "peer": peer,
@@ -340,7 +344,8 @@ def main() -> None:
           f"bucket {BUCKET_MB} MiB, fp32, gloo/CPU, 1 thread/rank; {args.rounds} alternating rounds x {args.steps} "
           f"steps ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f})")
-    print(f"{'dp':>3} {'method':<16} {'step ms':>8} {'x DDP (range)':>17} {'CPU ms':>7} {'CPU x DDP (range)':>17} "
+    print(f"{'dp':>3} {'method':<16} {'step ms min/med/max':>20} {'x DDP (range)':>17} {'CPU ms min/med/max':>19} "
+          f"{'CPU x DDP (range)':>17} "
           f"{'x peer (range)':>30} {'sent MiB':>8} "
           f"{'states MiB':>10} {'peak MiB':>9} {'formula MiB':>11} {'after/formula':>13} {'offloaded MiB':>13}")
     for r in rows:
@@ -352,10 +357,12 @@ def main() -> None:
             f"{r['after_vs_formula']:>13.3f} {r['offloaded_bytes'] / 2**20:>13.2f}")
         lo, hi = r["ratio_to_ddp_range"]
         c = r["cpu_ratio_to_ddp"]
-        cpu_ms = "" if r["cpu_s_per_rank"] is None else f"{1000 * r['cpu_s_per_rank']:.1f}"
+        cpu_ms = "" if r["cpu_s_per_rank"] is None else "/".join(
+            f"{1000 * v:.1f}" for v in (r["cpu_s_per_rank_range"][0], r["cpu_s_per_rank"], r["cpu_s_per_rank_range"][1]))
         cpu_x = "" if c is None else f"{c['median']:.2f} [{c['min']:.2f}-{c['max']:.2f}]"
-        print(f"{r['dp']:>3} {r['method']:<16} {1000 * r['median_step_s']:>8.1f} "
-              f"{r['ratio_to_ddp']:>5.2f} [{lo:.2f}-{hi:.2f}] {cpu_ms:>7} {cpu_x:>17} {peer:>30} {sent:>8} {mem}")
+        step_ms = "/".join(f"{1000 * r[k]:.1f}" for k in ("min_step_s", "median_step_s", "max_step_s"))
+        print(f"{r['dp']:>3} {r['method']:<16} {step_ms:>20} "
+              f"{r['ratio_to_ddp']:>5.2f} [{lo:.2f}-{hi:.2f}] {cpu_ms:>19} {cpu_x:>17} {peer:>30} {sent:>8} {mem}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": {"width": WIDTH, "depth": DEPTH, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,

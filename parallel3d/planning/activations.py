@@ -69,17 +69,9 @@ class ActivationAssumptions:
     # the CPU allocator's peak shows in tests/test_planning_measured_cp.py):
     # part of the step's transient workspace, not of the activations held between forward and backward.
     logits_backward_copies: int = 0
-    # fp32 temporaries of a flat optimizer shard's size the AdamW step allocates (the torch path of
-    # kernels/adamw.py: sqrt(v) and its quotient; the fused kernels none). Alive at the step, after
-    # the activations are freed.
-    adam_step_temporaries: int = 0
     # torch's CPU flash attention in cp's blockwise backward (contiguous copies, repeated K/V heads;
     # sequence_experts.cp_backward_workspace_bytes); False: the Triton kernel.
     reference_attention_blocks: bool = False
-    # Bytes per element of the largest gradient piece that the grad-norm clip allocates before the step
-    # (parallel3d.zero.clip.piece_sq_sum: the fp32 square, and on CPU the fp64 copy torch's
-    # ``sum(dtype=float64)`` makes of it: 4 + 8); alive before Adam's temporaries, so the larger counts.
-    clip_piece_bytes: float = 4.0
     # ZeRO stage 1 reduce-scatters every gradient bucket asynchronously and waits at the end of backward;
     # gloo (the CPU backend of the reference path) reduces a copy of each bucket it allocates itself,
     # so a whole gradient buffer's copy (and the owned pieces) is alive then. NCCL: 0.
@@ -119,9 +111,7 @@ class ActivationAssumptions:
             # dtype (plus fp32 per-row stats); torch's keeps an fp32 log-softmax.
             logits_bytes=4 if reference else (4 if precision == "fp32" else 2),
             logits_backward_copies=2 if reference else 0,
-            adam_step_temporaries=2 if reference else 0,
             reference_attention_blocks=reference,
-            clip_piece_bytes=12.0 if reference else 4.0,
             reduce_scatter_staging_copies=1 if reference else 0,
             gather_staging_copies=1 if reference else 0,
         )

@@ -56,6 +56,8 @@ from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq
 from parallel3d.planning.split_memory import split_peak_bytes, stage_computations
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
+from parallel3d.zero.adamw_multi import step_temporaries
+from parallel3d.zero.clip import SQ_SUM_TEMPORARY_BYTES
 
 CATEGORIES: tuple[str, ...] = ("weights", "gradients", "master_weights", "optimizer_moments", "activations",
                                "workspace")
@@ -374,12 +376,16 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
         expert_shard = 0
         if expert_held:
             expert_shard = math.ceil(expert_held / edp) if layout.expert_zero >= 1 else expert_held
-        step = assumptions.adam_step_temporaries * 4.0 * max(dense_shard, expert_shard)
+        # AdamW's shard-sized fp32 temporaries: every device runs torch's fused kernel (ZeroOptimizer's
+        # "auto"); kernels.backend=torch's foreach update would add its sqrt(v) (not planned here).
+        grad_fp32 = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad == 4
+        step = step_temporaries(grad_fp32, "fused") * 4.0 * max(dense_shard, expert_shard)
         weight_bytes = PrecisionBytes.for_precision(layout.precision).weight
         pieces = [largest_grad_piece(dense, dp_cp, layout.zero_stage, weight_bytes)]
         if expert_held:
             pieces.append(largest_grad_piece(expert_held, edp, layout.expert_zero, weight_bytes))
-        step = max(step, assumptions.clip_piece_bytes * max(pieces))
+        # The grad norm's temporaries (zero.clip), alive before Adam's: the larger counts.
+        step = max(step, SQ_SUM_TEMPORARY_BYTES * max(pieces))
         workspace = max(workspace, step - activations)
     groups = [(dense, dp_cp, layout.zero_stage)] + ([(expert_held, edp, layout.expert_zero)] if expert_held else [])
     grad_bytes = PrecisionBytes.for_precision(layout.precision, layout.grad_reduce_dtype).grad

@@ -7,8 +7,8 @@ instead of a Python loop over buckets and segments:
   weight-decayed or all not (adjacent segments of a bucket's piece merged, the
   piece's zero padding joined to a neighbour), in-place views of the fp32
   master, both moments and the gradient. Built once per gradient storage.
-- ``multi_tensor_adamw_`` scales the gradients (``grad.float() * coef``, as the
-  per-piece path did), decays the decayed masters (``p *= 1 - lr * wd``, before
+- ``multi_tensor_adamw_`` scales the gradients by ``coef`` in place (fp32 copies
+  first where they are held in another dtype), decays the decayed masters (``p *= 1 - lr * wd``, before
   the Adam update, as torch does; on a CPU inside torch's fused kernel) and runs Adam on all lists with one of:
   ``fused`` torch's fused AdamW kernel (CPU or CUDA: one pass over every tensor,
   torch's own implementation), ``foreach`` torch's ``_foreach_*`` ops in
@@ -29,6 +29,16 @@ from torch.optim.adamw import adamw as torch_functional_adamw
 from parallel3d.zero.buffers import Bucket, BufferLayout
 
 MULTI_KINDS = ("fused", "foreach", "per_tensor")
+
+
+def step_temporaries(grad_is_fp32: bool, kind: str) -> int:
+    """fp32 tensors of the shard's size ``multi_tensor_adamw_`` allocates (``planning.memory`` counts
+    them): the fp32 copy of gradients held in another dtype, and ``foreach``'s ``sqrt(v)``. The clip
+    coefficient scales the gradients in place and the fused kernel allocates nothing of that size
+    (``tests/test_zero_grad_norm.py`` measures a step's allocations against this)."""
+    if kind not in MULTI_KINDS:
+        raise ValueError(f"multi-tensor AdamW kind {kind!r} is not one of {MULTI_KINDS}")
+    return (0 if grad_is_fp32 else 1) + (1 if kind == "foreach" else 0)
 
 
 @dataclass
@@ -88,11 +98,11 @@ def multi_tensor_adamw_(lists: TensorLists, *, coef: float, step: int, lr: float
         return
     grads = lists.grads
     if any(g.dtype != torch.float32 for g in grads):
-        grads = [g.float() for g in grads]
-        if coef != 1.0:
-            torch._foreach_mul_(grads, coef)
-    elif coef != 1.0:
-        grads = torch._foreach_mul(grads, coef)
+        grads = [g.float() for g in grads]  # STEP_TEMPORARIES: one fp32 copy of the shard
+    if coef != 1.0:
+        # In place, as torch's clip_grad_norm_ and GradScaler.unscale_ scale ``.grad``: these are this
+        # step's reduced gradients (or the fp32 copies above), read by nothing after the update.
+        torch._foreach_mul_(grads, coef)
     decays = bool(weight_decay and lr)
     # On a CPU torch's fused kernel decays a run itself (p *= 1 - lr * wd before Adam, bitwise the
     # _foreach_mul_ below: tests/test_zero_adamw_fused_decay.py), saving that pass over the decayed

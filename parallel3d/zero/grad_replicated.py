@@ -58,6 +58,7 @@ class ReplicatedGradSync(GradSync):
         # (param, its view) in buffer order: ``zero_grad`` walks this list, no per-step lookups.
         self._param_views = [(s.param, self._views[(g, b.index, i)]) for g, gb in enumerate(self.grad_bufs)
                              for b in gb.layout.buckets for i, s in enumerate(b.slots)]
+        self._view_of = {id(param): view for param, view in self._param_views}  # the hook's one lookup
         self._reset_step()
         if self.zero_copy:
             self._attach_grad_views()
@@ -77,13 +78,15 @@ class ReplicatedGradSync(GradSync):
 
     # ---- strategy hooks ----------------------------------------------------------------
     def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
-        self._absorb(group, bucket, index, param)
+        grad = param.grad
+        if grad is not self._view_of[id(param)]:  # the zero-copy common case skips the call
+            self._absorb(group, bucket, index, param)
         if not self._is_last:
             return
         # The base class lets each parameter through once with is_last, so the count is exact.
-        key = (group, bucket.index)
-        self._ready[key] = self._ready.get(key, 0) + 1
-        if self._ready[key] == len(bucket.slots):
+        ready = self._ready[group]
+        ready[bucket.index] += 1
+        if ready[bucket.index] == len(bucket.slots):
             self._launch(group, bucket)
 
     def _launch_leftovers(self) -> None:
@@ -92,7 +95,8 @@ class ReplicatedGradSync(GradSync):
                 launched = (g, b.index) in self._launched
                 for i, s in enumerate(b.slots):
                     grad = s.param.grad
-                    if grad is None or grad.data_ptr() == self._views[(g, b.index, i)].data_ptr():
+                    view = self._view_of[id(s.param)]
+                    if grad is None or grad is view or grad.data_ptr() == view.data_ptr():  # identity first: cheap
                         continue
                     if launched:
                         raise RuntimeError(f"ZeRO: {s.name}.grad was replaced after its bucket's reduction started")
@@ -101,7 +105,7 @@ class ReplicatedGradSync(GradSync):
                     self._launch(g, b)
 
     def _reset_step(self) -> None:
-        self._ready: dict[tuple[int, int], int] = {}
+        self._ready: list[list[int]] = [[0] * len(layout.buckets) for layout in self.layouts]  # [group][bucket]
         self._launched: set[tuple[int, int]] = set()
 
     @torch.no_grad()

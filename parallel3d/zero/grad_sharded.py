@@ -105,6 +105,7 @@ class ShardedGradSync(GradSync):
         if ob.complete:
             self._launch(group, bucket)
 
+    @torch.no_grad()
     def _launch_leftovers(self) -> None:
         for g, layout in enumerate(self.layouts):
             for b in layout.buckets:
@@ -132,7 +133,6 @@ class ShardedGradSync(GradSync):
                 s.param.grad = None
 
     # ---- internals ---------------------------------------------------------------------
-    @torch.no_grad()
     def _open_bucket(self, group: int, bucket: Bucket) -> _OpenBucket:
         """A zeroed pooled buffer for ``bucket``; with ``in_place``, every slot's ``.grad`` that is
         not set yet becomes its view, so autograd accumulates the later gradients straight into it."""
@@ -148,9 +148,8 @@ class ShardedGradSync(GradSync):
                     s.param.grad = v
         return ob
 
-    @torch.no_grad()
     def _stage(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> _OpenBucket:
-        """Count ``param``'s new contribution, bringing ``param.grad`` into the bucket's view unless
+        """(Grad mode off: from the hook or ``_launch_leftovers``.) Count ``param``'s new contribution, bringing ``param.grad`` into the bucket's view unless
         autograd accumulated it there already; a separate ``.grad`` does not outlive this hook."""
         ob = self._open.get((group, bucket.index)) or self._open_bucket(group, bucket)
         dst = ob.views[index]

@@ -204,7 +204,7 @@ class GradSync(ABC):
     # ---- strategy hooks ----------------------------------------------------------------
     @abstractmethod
     def _on_grad_ready(self, group: int, bucket: Bucket, index: int, param: torch.nn.Parameter) -> None:
-        """``param.grad`` holds a new contribution (slot ``bucket.slots[index]``)."""
+        """``param.grad`` holds a new contribution (slot ``bucket.slots[index]``); runs with grad mode off."""
 
     @abstractmethod
     def _launch_leftovers(self) -> None:
@@ -218,8 +218,11 @@ class GradSync(ABC):
 
     # ---- shared machinery -------------------------------------------------------------
     def _hook(self, param: torch.nn.Parameter) -> None:
-        g, b, i = self._where[id(param)]
-        if self._finalized or id(param) in self._closed:
+        # Runs once per parameter per backward in Python (DDP's reducer is C++): no allocation, no
+        # context manager, one dict lookup on the common path (the callers' grad mode is off in backward).
+        key = id(param)
+        g, b, i = self._where[key]
+        if self._finalized or key in self._closed:
             when = "finalize()" if self._finalized else "its last microbatch's backward"
             raise RuntimeError(
                 f"ZeRO: gradient of {b.slots[i].name} arrived after {when} in this step (its bucket may "
@@ -227,10 +230,15 @@ class GradSync(ABC):
                 f"grad_sync.prepare(is_last_microbatch=False) before all but the last backward"
             )
         if self._is_last:
-            self._closed.add(id(param))
-        self._on_grad_ready(g, b, i, param)
-        for obs in self._observers:
-            obs.grad_consumed(param, self._is_last)
+            self._closed.add(key)
+        if torch.is_grad_enabled():  # backward(create_graph=True): nothing here may join the graph
+            with torch.no_grad():
+                self._on_grad_ready(g, b, i, param)
+        else:
+            self._on_grad_ready(g, b, i, param)
+        if self._observers:
+            for obs in self._observers:
+                obs.grad_consumed(param, self._is_last)
 
     def _sum_tied(self) -> None:
         """Sum the reduced tied-embedding pieces: on this rank where it holds both copies, else

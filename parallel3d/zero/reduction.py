@@ -110,11 +110,11 @@ class BucketReducer:
         self.pstate = pstate
         self.as_all_reduce = as_all_reduce
         self.pending = pending
+        self._replicas = comm.group_size(pstate, DATA_REPLICAS_KIND)  # fixed for the job: looked up once
 
     def _scale(self, full: torch.Tensor) -> None:
-        replicas = comm.group_size(self.pstate, DATA_REPLICAS_KIND)
-        if replicas > 1:
-            full.mul_(1.0 / replicas)
+        if self._replicas > 1:
+            full.mul_(1.0 / self._replicas)
 
     def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop) -> None:
         """``full`` becomes the sum over the ``kind`` group divided by the data replicas, in place (stage 0)."""
