@@ -61,7 +61,10 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
         assert sends["count"] == (1 if ends else 2) * m
         hidden, seq = rj.model.hidden_size, rj.train.seq_len // (tp if rj.dims.sequence_parallel else 1)
         assert sends["bytes"] == sends["count"] * seq * hidden * 2
-        assert r["actions"] == {"F": m, "B": m}
+        # 1F1B with its drain split (parallel.split_drain=auto, the default): every stage but the first splits
+        # the backwards from the one after its last forward on, 1F1B's p - s (its warm-up's p - s - 1, plus one)
+        drain = {"W": min(pp - stage, m)} if stage > 0 else {}
+        assert r["actions"] == {"F": m, "B": m, **drain}
 
 
 def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):

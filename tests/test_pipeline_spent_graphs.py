@@ -57,8 +57,10 @@ def _step(rank, world, park: bool) -> dict:
     (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
     log: dict = {"backwards": 0, "freed_after": []}
     chunk = _MarkedChunk(ToyModel(LAYERS, r), log)
+    # Plain 1F1B: every backward whole. With the drain split (the default) a split backward's graph goes
+    # at its W, before the loop ends, not parked.
     engine = PipelineEngine([chunk], pstate, schedule="1f1b", num_microbatches=M, micro_batch_size=MBS,
-                            seq_len=SEQ, hidden_size=HIDDEN)
+                            seq_len=SEQ, hidden_size=HIDDEN, split_drain=False)
     parks = engine.park_spent_graphs
     engine.park_spent_graphs = parks and park  # park=False: every graph freed at its B (the former executor)
     engine.run_step(toy_batch(M, MBS, SEQ))

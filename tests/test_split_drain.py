@@ -11,11 +11,12 @@ from parallel3d.option_checks import ConfigError
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.actions import Action, ScheduleError, split_backwards
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.options import PipelineOptions, drain_is_split
+from parallel3d.pipeline.options import MULTI_CHUNK, SCHEDULES, PipelineOptions, drain_is_split
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight, simulate, validate_schedule
 from parallel3d.topology import Topology
+from parallel3d.train_options import RECOMPUTE_MODES
 from tests import layout_matrix as lm
 from tests import layout_run as lr
 from tests.harness import run_on_ranks
@@ -82,8 +83,26 @@ def test_validator_wants_every_backward_after_a_split_one_split():
     validate_schedule({**acts, 1: [a for a in one if a != first_w]})
 
 
+def _explicit_true_runs(schedule: str, recompute: str) -> bool:
+    try:
+        return drain_is_split(schedule, True, recompute)
+    except ConfigError:
+        return False
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+def test_the_default_splits_exactly_where_an_explicit_true_is_allowed_and_never_refuses(schedule, recompute):
+    v = 2 if schedule in MULTI_CHUNK else 1
+    default = PipelineOptions(schedule=schedule, virtual_stages=v)  # a default never makes a config invalid
+    assert default.split_drain == "auto"
+    assert default.splits_drain(recompute) == _explicit_true_runs(schedule, recompute)
+    assert not PipelineOptions(schedule=schedule, virtual_stages=v, split_drain=False).splits_drain(recompute)
+
+
 def test_option_resolves_once_and_refuses_where_it_does_nothing():
-    assert not PipelineOptions().splits_drain("none")  # off by default (options.drain_is_split: why)
+    assert PipelineOptions().splits_drain("none")  # on by default where it applies (options.drain_is_split)
+    assert not PipelineOptions().splits_drain("full")  # the default: plain where it does not apply, no error
     assert PipelineOptions(split_drain=True).splits_drain("selective")
     assert not PipelineOptions(split_drain=False).splits_drain("full")
     assert drain_is_split("1f1b", True) and not drain_is_split("gpipe", False)
@@ -91,7 +110,7 @@ def test_option_resolves_once_and_refuses_where_it_does_nothing():
         PipelineOptions(split_drain=True).splits_drain("full")
     with pytest.raises(ConfigError, match="parallel.split_drain=true"):
         PipelineOptions(schedule="interleaved_1f1b", virtual_stages=2, split_drain=True)
-    with pytest.raises(ConfigError, match="parallel.split_drain"):
+    with pytest.raises(ConfigError, match="parallel.split_drain='yes': must be true, false or auto"):
         PipelineOptions(split_drain="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split_drain=True"):
         build_schedule("gpipe", 2, 4, split_drain=True)

@@ -224,7 +224,7 @@ class PipelineEngine:
         prefetch_recvs: int | None = None,
         free_sent_activations: bool = True,
         w_lags: Sequence[int] | None = None,
-        split_drain: bool = PipelineOptions.split_drain,
+        split_drain: bool | str = PipelineOptions.split_drain,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")

@@ -92,7 +92,7 @@ __all__ = [
     "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
     "check_coalesced_progress", "comm_plan",
     "format_schedule", "format_timeline", "peak_in_flight", "placement_of", "schedule_shape", "simulate",
-    "stage_and_chunk", "validate_schedule", "virtual_stage",
+    "stage_and_chunk", "stage_compute_order", "validate_schedule", "virtual_stage",
 ]
 
 # ---- building ----------------------------------------------------------------------
@@ -204,6 +204,24 @@ def _interleaved(stage: int, p: int, m: int, v: int) -> list[Compute]:
     return order
 
 
+def stage_compute_order(name: str, stage: int, p: int, m: int, v: int = 1, w_lag: int | None = None,
+                        split_drain: bool = False) -> list[Compute]:
+    """``stage``'s computations ``(kind, microbatch, chunk)`` in the order ``build_schedule`` lowers them
+    (arguments checked there), without the other stages or the messages: what the memory estimate walks.
+    Every schedule but ``zbv``, whose stages are built together (``zbv_schedule``)."""
+    if name == "interleaved_1f1b" and v == 1:
+        name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
+    if name == "gpipe":
+        return _gpipe(stage, p, m)
+    if name == "zb_h1":
+        return zb_h1_order(stage, p, m, w_lag)
+    if name == "1f1b":
+        return _one_f_one_b(stage, p, m, split_drain)
+    if name == "interleaved_1f1b":
+        return _interleaved(stage, p, m, v)
+    raise ValueError(f"stage_compute_order: schedule {name!r} is built for all stages at once (build_schedule)")
+
+
 def build_schedule(
     name: str,
     num_stages: int,
@@ -234,14 +252,7 @@ def build_schedule(
     place = placement_for(name, p, v)
     schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
     for s in range(p if name != "zbv" else 0):
-        if name == "gpipe":
-            compute = _gpipe(s, p, m)
-        elif name == "zb_h1":
-            compute = zb_h1_order(s, p, m, None if w_lags is None else w_lags[s])
-        elif name == "1f1b":
-            compute = _one_f_one_b(s, p, m, split_drain)
-        else:
-            compute = _interleaved(s, p, m, v)
+        compute = stage_compute_order(name, s, p, m, v, None if w_lags is None else w_lags[s], split_drain)
         if name == "interleaved_1f1b" and coalesced_p2p:
             iterations = _iterations(compute, _interleaved_warmup(s, p, m, v))
         else:
