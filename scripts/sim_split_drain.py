@@ -7,11 +7,8 @@ stage ``--heavy`` times the others. Defaults: F 1, B 2, split 1.1 + 1.0. The mea
 
     .venv/bin/python scripts/sim_split_drain.py [--costs F B Bsplit W] [--heavy 1.3] [--interleaved]
 
-``--interleaved``: the same split for interleaved 1F1B (v 2 and 4), not built in the runtime: each stage's
-backwards from the one after its last forward on, but the model's first chunk's, get a ``W`` right after the
-``B``'s send, inserted into the built action list (one message per action, as on gloo). Under NCCL's coalesced
-batches (Megatron's iterations) that insertion deadlocks (p 2, m 2, v 2), and putting the ``W`` into the
-next iteration makes it wait for that iteration's receives (``actions.comm_plan``): README "Benchmarks".
+``--interleaved``: the same split for interleaved 1F1B (``parallel.split_drain``; v 2 and 4): each stage's
+backwards from the one after its last forward on, but the model's first chunk's, split, W right after B.
 """
 
 from __future__ import annotations
@@ -23,26 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel3d.pipeline.actions import Action, Schedule, split_backwards  # noqa: E402
-from parallel3d.pipeline.schedules import build_schedule, simulate, validate_schedule  # noqa: E402
-
-
-def interleaved_split_drain(p: int, m: int, v: int) -> Schedule:
-    """Interleaved 1F1B with the drain split as ``--interleaved`` describes it, validated (per-action messages)."""
-    plain = build_schedule("interleaved_1f1b", p, m, v)
-    split = Schedule(placement=plain.placement)
-    for s, acts in plain.items():
-        last_f = max(i for i, a in enumerate(acts) if a.kind == "F")
-        out: list[Action] = []
-        for i, a in enumerate(acts):
-            out.append(a)
-            b = a if a.kind == "B" else out[-2] if a.kind == "SEND_GRAD" and out[-2].kind == "B" else None
-            nxt = acts[i + 1] if i + 1 < len(acts) else None
-            if b is not None and i > last_f and not (s == 0 and b.chunk == 0) and \
-                    not (a.kind == "B" and nxt is not None and nxt.kind == "SEND_GRAD"):
-                out.append(Action("W", b.microbatch, b.chunk))
-        split[s] = out
-    validate_schedule(split, num_microbatches=m, num_virtual_stages=v)
-    return split
+from parallel3d.pipeline.schedules import build_schedule, simulate  # noqa: E402
 
 
 def step(schedule: Schedule, costs: tuple[float, float, float, float], heavy: float) -> float:
@@ -68,7 +46,7 @@ def main() -> None:
         print(f"costs F B Bsplit W = {costs}, last stage x{args.heavy}: interleaved split-drain / plain")
         for p in (2, 4, 8):
             for m in (p, 2 * p, 4 * p):
-                ratios = [step(interleaved_split_drain(p, m, v), costs, args.heavy)
+                ratios = [step(build_schedule("interleaved_1f1b", p, m, v, split_drain=True), costs, args.heavy)
                           / step(build_schedule("interleaved_1f1b", p, m, v), costs, args.heavy) for v in (2, 4)]
                 print(f"p {p} m {m:2d}: v 2 {ratios[0]:.4f}  v 4 {ratios[1]:.4f}")
         return

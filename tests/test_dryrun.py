@@ -18,6 +18,7 @@ import torch
 from parallel3d.config import resolve
 from parallel3d.dryrun import __main__ as cli
 from parallel3d.dryrun import dry_run_rank, parse_ranks, rank_report
+from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.params import rank_params
 from parallel3d.option_checks import ConfigError
 from parallel3d.train import compose_job
@@ -173,7 +174,12 @@ def test_dry_run_with_empty_end_chunks():
         assert r.error is None, r.error
         assert r.layers == 2
         assert r.params == rank_params(rj.model, 1, 2, rank, r.layers).total
-        assert r.actions == {"F": 2 * rj.grad_accum, "B": 2 * rj.grad_accum}
+        # the drain split (the default): a W for each backward of the plain order after the stage's last
+        # forward, but the model's first chunk's (stage 0's chunk 0)
+        plain = [a for a in build_schedule("interleaved_1f1b", 2, rj.grad_accum, 2)[rank] if a.is_compute]
+        last_f = max(i for i, a in enumerate(plain) if a.kind == "F")
+        drain = [a for a in plain[last_f:] if a.kind == "B" and (rank, a.chunk) != (0, 0)]
+        assert r.actions == {"F": 2 * rj.grad_accum, "B": 2 * rj.grad_accum, "W": len(drain)}
 
 
 def test_a_stage_with_a_wrong_output_shape_fails_in_the_step_naming_its_rank(monkeypatch, capsys):

@@ -109,7 +109,7 @@ def test_option_resolves_once_and_refuses_where_it_does_nothing():
     with pytest.raises(ConfigError, match="recompute 'full'"):
         PipelineOptions(split_drain=True).splits_drain("full")
     with pytest.raises(ConfigError, match="parallel.split_drain=true"):
-        PipelineOptions(schedule="interleaved_1f1b", virtual_stages=2, split_drain=True)
+        PipelineOptions(schedule="zb_h1", split_drain=True)
     with pytest.raises(ConfigError, match="parallel.split_drain='yes': must be true, false or auto"):
         PipelineOptions(split_drain="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split_drain=True"):
@@ -117,18 +117,18 @@ def test_option_resolves_once_and_refuses_where_it_does_nothing():
 
 
 # ---- the engine: same gradients as plain 1F1B, input gradient posted before W ------------------------
-def _toy_step(rank, world, pp, m, split_drain):
-    pstate = ParallelState(Topology(tp=1, pp=pp, dp=world // pp))
-    layers = 2 * pp
+def _toy_step(rank, world, pp, m, split_drain, schedule="1f1b", v=1, emulate_nccl=False):
+    pstate = ParallelState(Topology(tp=1, pp=pp, dp=world // pp), emulate_nccl=emulate_nccl)
+    layers = 2 * pp * v
     cfg = ModelConfig(num_layers=layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
-    ranges = partition_layers(cfg, pp, 1, None)
+    ranges = partition_layers(cfg, pp, v, None)
     chunks = [ToyModel(layers, r, pre_process=r[0] == 0, post_process=r[1] == layers, deferral=pstate.weight_grads)
-              for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"), placement_for("1f1b", pp, 1))]
+              for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"), placement_for(schedule, pp, v))]
     out = {}
     for on in (False, True):
         for c in chunks:
             c.zero_grad(set_to_none=True)
-        engine = PipelineEngine(chunks, pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=2, seq_len=4,
+        engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=2, seq_len=4,
                                 hidden_size=HIDDEN, split_drain=on and split_drain)
         result = engine.run_step(toy_batch(m, 2, 4), account_activations=True)
         out[on] = {
@@ -152,6 +152,22 @@ def test_engine_split_drain_is_bitwise_plain_1f1b_and_sends_before_w(pp, m):
         assert bool(ws) == (stage > 0) and not any(a.kind == "W" for a in off["order"])
         for w in ws:  # the executor posted the input gradient's send before running the W
             assert on["order"].index(Action("SEND_GRAD", w.microbatch)) < on["order"].index(w)
+
+
+@pytest.mark.parametrize("pp,m,v,nccl", [(2, 4, 2, False), (2, 4, 2, True), (3, 6, 2, True), (2, 2, 3, True)])
+def test_engine_interleaved_split_drain_is_bitwise_plain_and_sends_before_w(pp, m, v, nccl):
+    """Interleaved 1F1B with its drain split, on gloo and under emulated NCCL (one Work per batch, FIFO
+    batches: the coalesced iterations, whose W opens the next one): same numbers as plain, no deadlock."""
+    for stage, out in run_on_ranks(_toy_step, pp, pp, m, True, "interleaved_1f1b", v, nccl, timeout=120):
+        off, on = out[False], out[True]
+        assert off["loss"] == on["loss"] and off["peak"] == on["peak"]
+        for name, g in off["grads"].items():
+            assert torch.equal(g, on["grads"][name]), (stage, name)
+        ws = [a for a in on["order"] if a.kind == "W"]
+        assert ws and not any(a.kind == "W" for a in off["order"])
+        assert not any(w.chunk == 0 for w in ws) or stage > 0  # the model's first chunk keeps its backward whole
+        for w in ws:
+            assert on["order"].index(Action("SEND_GRAD", w.microbatch, w.chunk)) < on["order"].index(w)
 
 
 # ---- the real Trainer: per-step loss and grad norm equal, option on and off ---------------------------

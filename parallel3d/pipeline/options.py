@@ -19,7 +19,7 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv
 INTERLEAVED = "interleaved_1f1b"  # any number (>= 2) of model chunks per stage
 ZBV = "zbv"  # exactly two chunks per stage (its V)
 MULTI_CHUNK = (INTERLEAVED, ZBV)  # the schedules that run more than one model chunk per stage
-SPLIT_DRAIN_SCHEDULES = ("1f1b",)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
+SPLIT_DRAIN_SCHEDULES = ("1f1b", INTERLEAVED)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
 AUTO = "auto"  # parallel.split_drain's default: split wherever ``drain_is_split`` allows it
 
 
@@ -29,7 +29,8 @@ def drain_is_split(schedule: str, split_drain: bool | str, recompute: str = "non
     ``auto`` (the default): split where it applies (``SPLIT_DRAIN_SCHEDULES`` without
     ``train.recompute=full``), plain elsewhere, so the default never refuses a config that is
     otherwise valid. ``true``: split, and a ``ConfigError`` where it does not apply. ``false``: plain.
-    It does not apply to schedules other than 1f1b, nor to ``train.recompute=full``, where a split ``B``
+    It does not apply to other schedules (zb_h1 and zbv split every backward already; gpipe is not built
+    with it), nor to ``train.recompute=full``, where a split ``B``
     would keep what its weight-gradient GEMMs read (every linear's input and output gradient,
     ``deferred_grads``) until its ``W``, far more than the chunk input a fully recomputed microbatch keeps.
 
@@ -52,8 +53,9 @@ class PipelineOptions:
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 | zbv (zero bubble, split backward)
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
-    # 1f1b: split the backwards each stage (but the first) runs after its last forward, sending the input
-    # gradient before the weight-gradient GEMMs (README "Benchmarks"); auto | true | false (drain_is_split).
+    # 1f1b, interleaved_1f1b: split the backwards each stage runs after its last forward (not the model's
+    # first chunk's), sending the input gradient before the weight-gradient GEMMs (README "Benchmarks");
+    # auto | true | false (drain_is_split).
     split_drain: bool | str = AUTO
 
     def __post_init__(self) -> None:

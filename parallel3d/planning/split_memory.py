@@ -1,5 +1,5 @@
-"""Peak activation bytes of a stage whose backwards are split into ``B`` and ``W`` (zb_h1, zbv, 1f1b's split
-drain on stages > 0, any schedule whose action list has ``W``s), read off the action list the engine runs.
+"""Peak activation bytes of a stage whose backwards are split into ``B`` and ``W`` (zb_h1, zbv, the split
+drain of 1f1b and interleaved 1F1B, any schedule whose action list has ``W``s), read off the action list the engine runs.
 
 Invariant: a (microbatch, chunk) holds, from its ``F`` to its ``B``, what its forward saved (``held``: the
 layers' bytes under the layout's recompute, the embedding's on the model's first chunk, the head's on its
@@ -35,7 +35,7 @@ __all__ = ["layer_weight_grad_bytes", "split_moments", "split_peak_bytes", "stag
 def _moments(actions: Sequence[tuple[str, int, int]]) -> Iterator[list[tuple[int, int]]]:
     """After each ``F`` and ``B`` of ``actions`` (``(kind, microbatch, local chunk)``, one stage's order; where
     the engine records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is). A
-    backward is split where its ``W`` is in the list (``actions.split_backwards``' rule: 1f1b's split drain
+    backward is split where its ``W`` is in the list (``actions.split_backwards``' rule: the split drain
     splits only some), else its ``B`` frees all it held."""
     split = {(mb, c) for kind, mb, c in actions if kind == "W"}
     chunks = sorted({c for _, _, c in actions})
@@ -64,11 +64,11 @@ def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[in
 
 def stage_computations(config: ModelConfig, layout: Layout, stage: int,
                        w_lags: Sequence[int] | None = None) -> list[tuple[str, int, int]] | None:
-    """``stage``'s computations ``(kind, microbatch, local chunk)`` in the order the engine runs them, or None where the
-    stage splits none of its backwards. The order ``build_schedule`` lowers (``stage_compute_order``: one
+    """``stage``'s computations ``(kind, microbatch, local chunk)`` in the order the engine runs them, or None
+    where the stage splits none of its backwards. The order ``build_schedule`` lowers (``stage_compute_order``: one
     stage, no messages; zbv: its built action list), with the engine's arguments: zb_h1's lags
-    (``w_lags``, else ``zb_h1_w_lags``'s) and 1f1b's split drain (``Layout.splits_drain``; stage 0 keeps
-    its drain whole, so its peak is the plain estimate's)."""
+    (``w_lags``, else ``zb_h1_w_lags``'s) and the split drain (``Layout.splits_drain``; 1f1b's stage 0
+    keeps its drain whole, so its peak is the plain estimate's)."""
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     if layout.schedule == "zbv":
         order = [(a.kind, a.microbatch, a.chunk) for a in build_schedule("zbv", p, m, v)[stage] if a.is_compute]
