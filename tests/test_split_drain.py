@@ -9,7 +9,7 @@ import torch
 from models.config import ModelConfig
 from parallel3d.option_checks import ConfigError
 from parallel3d.parallel_state import ParallelState
-from parallel3d.pipeline.actions import Action, ScheduleError, split_backwards
+from parallel3d.pipeline.actions import Action, ScheduleError, comm_plan, split_backwards
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.options import MULTI_CHUNK, SCHEDULES, PipelineOptions, drain_is_split
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
@@ -81,6 +81,26 @@ def test_validator_wants_every_backward_after_a_split_one_split():
         validate_schedule({**acts, 1: [a for a in one if a != Action("W", first_w.microbatch + 1)]})
     # dropping the first split's W leaves a later suffix split: still a valid (shorter) split drain
     validate_schedule({**acts, 1: [a for a in one if a != first_w]})
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 8, 2)])
+def test_interleaved_coalesced_w_waits_for_nothing_and_every_read_is_waited_for(p, m, v):
+    """Interleaved's coalesced iterations with the split drain: each W opens the next iteration, after the
+    batch of its B's sends and that iteration's receives (one batch, so NCCL's FIFO batches match: the
+    build's check), and waits for none of them; the F or B that reads a receive still waits for it."""
+    for acts in build_schedule("interleaved_1f1b", p, m, v, coalesced_p2p=True, split_drain=True).values():
+        waited: set[Action] = set()
+        for step in comm_plan(acts):
+            if step.compute is not None and step.compute.kind == "W":
+                assert step.needs == ()
+                continue
+            waited |= set(step.needs)
+            c = step.compute
+            if c is not None:  # what c reads by message (a receive of its own microbatch and chunk)
+                reads = [a for a in acts if a.kind == {"F": "RECV_ACT", "B": "RECV_GRAD"}[c.kind]
+                         and (a.microbatch, a.chunk) == (c.microbatch, c.chunk)]
+                assert set(reads) <= waited, c
+        assert any(a.kind == "W" for a in acts)
 
 
 def _explicit_true_runs(schedule: str, recompute: str) -> bool:
