@@ -185,7 +185,7 @@ def _group_round(args, pstate, v: int) -> dict:
     # (schedule, chunks per stage, split_drain); ours 1f1b runs as the default does, its drain split
     # (parallel.split_drain=auto), "ours 1f1b plain" without, so the table shows what the split gains
     layouts = [("1f1b", 1, True), ("1f1b", 1, False), ("zb_h1", 1, False)]
-    layouts += [("interleaved_1f1b", v, False)] if v > 1 else []
+    layouts += [("interleaved_1f1b", v, True)] if v > 1 else []  # its drain split too, as the default runs it
     layouts += [("zbv", 2, False)] if args.layers >= 2 * p else []
     for schedule, vs, split_drain in layouts:
         if schedule not in args.schedules and schedule != "1f1b":
