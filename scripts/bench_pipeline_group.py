@@ -182,10 +182,10 @@ def _group_round(args, pstate, v: int) -> dict:
     loss_fn = torch_loss_fn(args.vocab)
 
     systems: dict[str, tuple] = {}  # name -> (run, chunks, results list or None)
-    # (schedule, chunks per stage, split_drain); ours 1f1b runs with its drain split (parallel.split_drain),
-    # "ours 1f1b plain" without, so the table shows what the split gains
+    # (schedule, chunks per stage, split_drain); ours 1f1b runs as the default does, its drain split
+    # (parallel.split_drain=auto), "ours 1f1b plain" without, so the table shows what the split gains
     layouts = [("1f1b", 1, True), ("1f1b", 1, False), ("zb_h1", 1, False)]
-    layouts += [("interleaved_1f1b", v, False)] if v > 1 else []
+    layouts += [("interleaved_1f1b", v, True)] if v > 1 else []  # its drain split too, as the default runs it
     layouts += [("zbv", 2, False)] if args.layers >= 2 * p else []
     for schedule, vs, split_drain in layouts:
         if schedule not in args.schedules and schedule != "1f1b":

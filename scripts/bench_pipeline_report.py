@@ -106,7 +106,7 @@ def _print_main(rows: list[dict], args, unit: dict) -> None:
         print(f"{r['stages']:>2} {r['system']:<40} {r['min_s']:>7.4f} {r['median_s']:>8.4f} {r['max_s']:>7.4f} "
               f"{r['vs_ours_1f1b']:>9.2f} {r['paired_vs_ours_1f1b']:>6.2f} {peer} {cpu} {bub}")
     print(f"m={args.microbatches}; {args.rounds} rounds x {args.steps} measured steps per system, alternating; "
-          "ours 1f1b: run with parallel.split_drain=true (opt-in; the default is the 'ours 1f1b plain' row); "
+          "ours 1f1b: the default (parallel.split_drain=auto: its drain split); 'ours 1f1b plain': split_drain=false; "
           "/ours1f1b, /peer: ratio of medians to our 1f1b and to the fastest 1F1B peer; paired: median over rounds of "
           "the same ratio within one round; cpu/1f1b: paired ratio of CPU seconds per step (all ranks, process time) to "
           "our 1f1b's; bubble meas: the share of the schedule's window (step start to the last computation on any "

@@ -18,6 +18,7 @@ import torch
 from parallel3d.config import resolve
 from parallel3d.dryrun import __main__ as cli
 from parallel3d.dryrun import dry_run_rank, parse_ranks, rank_report
+from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.params import rank_params
 from parallel3d.option_checks import ConfigError
 from parallel3d.train import compose_job
@@ -61,7 +62,10 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
         assert sends["count"] == (1 if ends else 2) * m
         hidden, seq = rj.model.hidden_size, rj.train.seq_len // (tp if rj.dims.sequence_parallel else 1)
         assert sends["bytes"] == sends["count"] * seq * hidden * 2
-        assert r["actions"] == {"F": m, "B": m}
+        # 1F1B with its drain split (parallel.split_drain=auto, the default): every stage but the first splits
+        # the backwards from the one after its last forward on, 1F1B's p - s (its warm-up's p - s - 1, plus one)
+        drain = {"W": min(pp - stage, m)} if stage > 0 else {}
+        assert r["actions"] == {"F": m, "B": m, **drain}
 
 
 def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):
@@ -170,7 +174,12 @@ def test_dry_run_with_empty_end_chunks():
         assert r.error is None, r.error
         assert r.layers == 2
         assert r.params == rank_params(rj.model, 1, 2, rank, r.layers).total
-        assert r.actions == {"F": 2 * rj.grad_accum, "B": 2 * rj.grad_accum}
+        # the drain split (the default): a W for each backward of the plain order after the stage's last
+        # forward, but the model's first chunk's (stage 0's chunk 0)
+        plain = [a for a in build_schedule("interleaved_1f1b", 2, rj.grad_accum, 2)[rank] if a.is_compute]
+        last_f = max(i for i, a in enumerate(plain) if a.kind == "F")
+        drain = [a for a in plain[last_f:] if a.kind == "B" and (rank, a.chunk) != (0, 0)]
+        assert r.actions == {"F": 2 * rj.grad_accum, "B": 2 * rj.grad_accum, "W": len(drain)}
 
 
 def test_a_stage_with_a_wrong_output_shape_fails_in_the_step_naming_its_rank(monkeypatch, capsys):

@@ -205,7 +205,7 @@ def test_layout_defaults_are_the_options_defaults():
     layout = Layout()
     owners = {**{k: ParallelDims for k in ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")},
               **{k: ContextParallelOptions for k in ("cp_comm", "cp_a2a_size")},
-              **{k: PipelineOptions for k in ("schedule", "virtual_stages")},
+              **{k: PipelineOptions for k in ("schedule", "virtual_stages", "split_drain")},
               **{k: ZeroOptions for k in ("zero_stage", "expert_zero_stage", "grad_reduce_dtype", "offload", "zero3_prefetch",
                                           "zero3_reshard")},
               **{k: TrainOptions for k in ("micro_batch_size", "seq_len", "recompute", "precision")}}

@@ -169,8 +169,10 @@ def _grad_sync_case(rank, world):
     ranges = stage_layer_ranges(partition_layers(cfg, 2, 2), 2, pstate.coord("pp"))
     chunks = [ToyModel(4, r, tied=True) for r in ranges]
     sync = RecordingGradSync()
+    # Plain interleaved 1F1B: one prepare per backward. With the drain split (the default) each split
+    # backward also announces its W (engine module doc), which this count leaves out.
     engine = PipelineEngine(chunks, pstate, schedule="interleaved_1f1b", num_microbatches=4, micro_batch_size=MBS,
-                            seq_len=SEQ, hidden_size=HIDDEN, grad_sync=sync)
+                            seq_len=SEQ, hidden_size=HIDDEN, grad_sync=sync, split_drain=False)
     microbatches = toy_batch(4, MBS, SEQ)
     engine.run_step(microbatches)
     backwards = [a for a in engine.actions if a.kind == "B"]

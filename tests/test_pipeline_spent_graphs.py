@@ -61,6 +61,7 @@ def _step(rank, world, park: bool, schedule: str = "1f1b", copy_input: bool = Fa
     (r,) = stage_layer_ranges(partition_layers(cfg, world, 1), world, pstate.coord("pp"))
     log: dict = {"backwards": 0, "freed_after": []}
     chunk = _MarkedChunk(ToyModel(LAYERS, r, deferral=pstate.weight_grads), log, copy_input)
+    # split_drain=False: the 1f1b case is plain 1F1B, every backward whole (the drain split is the default).
     engine = PipelineEngine([chunk], pstate, schedule=schedule, num_microbatches=M, micro_batch_size=MBS,
                             seq_len=SEQ, hidden_size=HIDDEN, split_drain=False)
     parks = engine.park_spent_graphs

@@ -9,13 +9,14 @@ import torch
 from models.config import ModelConfig
 from parallel3d.option_checks import ConfigError
 from parallel3d.parallel_state import ParallelState
-from parallel3d.pipeline.actions import Action, ScheduleError, split_backwards
+from parallel3d.pipeline.actions import Action, ScheduleError, comm_plan, split_backwards
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.options import PipelineOptions, drain_is_split
+from parallel3d.pipeline.options import MULTI_CHUNK, SCHEDULES, PipelineOptions, drain_is_split
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight, simulate, validate_schedule
 from parallel3d.topology import Topology
+from parallel3d.train_options import RECOMPUTE_MODES
 from tests import layout_matrix as lm
 from tests import layout_run as lr
 from tests.harness import run_on_ranks
@@ -82,34 +83,72 @@ def test_validator_wants_every_backward_after_a_split_one_split():
     validate_schedule({**acts, 1: [a for a in one if a != first_w]})
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 3), (3, 6, 2), (4, 8, 2)])
+def test_interleaved_coalesced_w_waits_for_nothing_and_every_read_is_waited_for(p, m, v):
+    """Interleaved's coalesced iterations with the split drain: each W opens the next iteration, after the
+    batch of its B's sends and that iteration's receives (one batch, so NCCL's FIFO batches match: the
+    build's check), and waits for none of them; the F or B that reads a receive still waits for it."""
+    for acts in build_schedule("interleaved_1f1b", p, m, v, coalesced_p2p=True, split_drain=True).values():
+        waited: set[Action] = set()
+        for step in comm_plan(acts):
+            if step.compute is not None and step.compute.kind == "W":
+                assert step.needs == ()
+                continue
+            waited |= set(step.needs)
+            c = step.compute
+            if c is not None:  # what c reads by message (a receive of its own microbatch and chunk)
+                reads = [a for a in acts if a.kind == {"F": "RECV_ACT", "B": "RECV_GRAD"}[c.kind]
+                         and (a.microbatch, a.chunk) == (c.microbatch, c.chunk)]
+                assert set(reads) <= waited, c
+        assert any(a.kind == "W" for a in acts)
+
+
+def _explicit_true_runs(schedule: str, recompute: str) -> bool:
+    try:
+        return drain_is_split(schedule, True, recompute)
+    except ConfigError:
+        return False
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+def test_the_default_splits_exactly_where_an_explicit_true_is_allowed_and_never_refuses(schedule, recompute):
+    v = 2 if schedule in MULTI_CHUNK else 1
+    default = PipelineOptions(schedule=schedule, virtual_stages=v)  # a default never makes a config invalid
+    assert default.split_drain == "auto"
+    assert default.splits_drain(recompute) == _explicit_true_runs(schedule, recompute)
+    assert not PipelineOptions(schedule=schedule, virtual_stages=v, split_drain=False).splits_drain(recompute)
+
+
 def test_option_resolves_once_and_refuses_where_it_does_nothing():
-    assert not PipelineOptions().splits_drain("none")  # off by default (options.drain_is_split: why)
+    assert PipelineOptions().splits_drain("none")  # on by default where it applies (options.drain_is_split)
+    assert not PipelineOptions().splits_drain("full")  # the default: plain where it does not apply, no error
     assert PipelineOptions(split_drain=True).splits_drain("selective")
     assert not PipelineOptions(split_drain=False).splits_drain("full")
     assert drain_is_split("1f1b", True) and not drain_is_split("gpipe", False)
     with pytest.raises(ConfigError, match="recompute 'full'"):
         PipelineOptions(split_drain=True).splits_drain("full")
     with pytest.raises(ConfigError, match="parallel.split_drain=true"):
-        PipelineOptions(schedule="interleaved_1f1b", virtual_stages=2, split_drain=True)
-    with pytest.raises(ConfigError, match="parallel.split_drain"):
+        PipelineOptions(schedule="zb_h1", split_drain=True)
+    with pytest.raises(ConfigError, match="parallel.split_drain='yes': must be true, false or auto"):
         PipelineOptions(split_drain="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split_drain=True"):
         build_schedule("gpipe", 2, 4, split_drain=True)
 
 
 # ---- the engine: same gradients as plain 1F1B, input gradient posted before W ------------------------
-def _toy_step(rank, world, pp, m, split_drain):
-    pstate = ParallelState(Topology(tp=1, pp=pp, dp=world // pp))
-    layers = 2 * pp
+def _toy_step(rank, world, pp, m, split_drain, schedule="1f1b", v=1, emulate_nccl=False):
+    pstate = ParallelState(Topology(tp=1, pp=pp, dp=world // pp), emulate_nccl=emulate_nccl)
+    layers = 2 * pp * v
     cfg = ModelConfig(num_layers=layers, hidden_size=HIDDEN, num_heads=1, vocab_size=32)
-    ranges = partition_layers(cfg, pp, 1, None)
+    ranges = partition_layers(cfg, pp, v, None)
     chunks = [ToyModel(layers, r, pre_process=r[0] == 0, post_process=r[1] == layers, deferral=pstate.weight_grads)
-              for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"), placement_for("1f1b", pp, 1))]
+              for r in stage_layer_ranges(ranges, pp, pstate.coord("pp"), placement_for(schedule, pp, v))]
     out = {}
     for on in (False, True):
         for c in chunks:
             c.zero_grad(set_to_none=True)
-        engine = PipelineEngine(chunks, pstate, schedule="1f1b", num_microbatches=m, micro_batch_size=2, seq_len=4,
+        engine = PipelineEngine(chunks, pstate, schedule=schedule, num_microbatches=m, micro_batch_size=2, seq_len=4,
                                 hidden_size=HIDDEN, split_drain=on and split_drain)
         result = engine.run_step(toy_batch(m, 2, 4), account_activations=True)
         out[on] = {
@@ -133,6 +172,22 @@ def test_engine_split_drain_is_bitwise_plain_1f1b_and_sends_before_w(pp, m):
         assert bool(ws) == (stage > 0) and not any(a.kind == "W" for a in off["order"])
         for w in ws:  # the executor posted the input gradient's send before running the W
             assert on["order"].index(Action("SEND_GRAD", w.microbatch)) < on["order"].index(w)
+
+
+@pytest.mark.parametrize("pp,m,v,nccl", [(2, 4, 2, False), (2, 4, 2, True), (3, 6, 2, True), (2, 2, 3, True)])
+def test_engine_interleaved_split_drain_is_bitwise_plain_and_sends_before_w(pp, m, v, nccl):
+    """Interleaved 1F1B with its drain split, on gloo and under emulated NCCL (one Work per batch, FIFO
+    batches: the coalesced iterations, whose W opens the next one): same numbers as plain, no deadlock."""
+    for stage, out in run_on_ranks(_toy_step, pp, pp, m, True, "interleaved_1f1b", v, nccl, timeout=120):
+        off, on = out[False], out[True]
+        assert off["loss"] == on["loss"] and off["peak"] == on["peak"]
+        for name, g in off["grads"].items():
+            assert torch.equal(g, on["grads"][name]), (stage, name)
+        ws = [a for a in on["order"] if a.kind == "W"]
+        assert ws and not any(a.kind == "W" for a in off["order"])
+        assert not any(w.chunk == 0 for w in ws) or stage > 0  # the model's first chunk keeps its backward whole
+        for w in ws:
+            assert on["order"].index(Action("SEND_GRAD", w.microbatch, w.chunk)) < on["order"].index(w)
 
 
 # ---- the real Trainer: per-step loss and grad norm equal, option on and off ---------------------------

@@ -75,7 +75,7 @@ def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
     actions = build_schedule(name, pp, m, v, w_lags=w_lags, split_drain=split_drain)[stage]
     if not splits_backward(actions):
         return moments
-    split = split_moments([(a.kind, a.chunk) for a in actions if a.is_compute])
+    split = split_moments([(a.kind, a.microbatch, a.chunk) for a in actions if a.is_compute])
     return frozenset({("in flight", *x) for x in moments} | {("split", *x) for x in split})
 
 

@@ -22,7 +22,8 @@ def format_reports(rj: ResolvedJob, reports: list[RankReport]) -> str:
     p, t = rj.job.parallel, rj.train
     lines = [
         f"dry run: {rj.model.name or rj.model.arch} | {rj.topology.describe()} | zero_stage={p.zero_stage} "
-        f"offload={p.offload} | schedule={p.schedule} v={p.virtual_stages} | micro {t.micro_batch_size} x accum "
+        f"offload={p.offload} | schedule={p.schedule}{' (drain split)' if rj.pipeline.splits_drain(t.recompute) else ''} "
+        f"v={p.virtual_stages} | micro {t.micro_batch_size} x accum "
         f"{rj.grad_accum} | seq {t.seq_len} | {t.precision}",
         "",
         f"{'rank':>6} {'coords':<18} {'layers':>6} {'params':>14} {'param GiB':>9} {'grad GiB':>9} "

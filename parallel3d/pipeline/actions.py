@@ -133,18 +133,24 @@ def comm_plan(actions: Sequence[Action], prefetch: int = 0) -> list[CommStep]:
     Invariants: receives are posted in schedule order (each peer's messages match first in,
     first out); at most ``prefetch`` receives are posted ahead of the ones needed now, and
     only at steps that communicate anyway; with ``prefetch=0`` every batch holds exactly the
-    comm actions the schedule lists between two computations.
+    comm actions the schedule lists between two computations. A ``W`` waits for no receive: those
+    of the batch posted before it are the next ``F``'s or ``B``'s ``needs`` (the split drain's ``W``
+    opens an iteration of interleaved 1F1B's coalesced batches: ``schedules._iterations``).
     """
     recv_order = [a for a in actions if a.kind in RECV_KINDS]
     index = {a: i for i, a in enumerate(recv_order)}
     steps: list[CommStep] = []
     pending: list[Action] = []
+    deferred: list[Action] = []  # receives a W's batch posted: the next F or B waits for them
     posted = consumed = 0  # recv_order[:posted] are posted, recv_order[:consumed] needed so far
 
     def step(compute: Action | None) -> None:
         nonlocal posted, consumed
+        waits_here = compute is None or compute.kind != "W"  # a W reads no message
         if not pending:
-            steps.append(CommStep((), (), (), compute))
+            steps.append(CommStep((), (), tuple(deferred) if waits_here else (), compute))
+            if waits_here:
+                deferred.clear()
             return
         sends = tuple(a for a in pending if a.kind in SEND_KINDS)
         needs = tuple(a for a in pending if a.kind in RECV_KINDS)
@@ -153,7 +159,10 @@ def comm_plan(actions: Sequence[Action], prefetch: int = 0) -> list[CommStep]:
         horizon = max(posted, consumed + prefetch)
         ahead = tuple(recv_order[max(posted, consumed):horizon])
         posted = horizon
-        steps.append(CommStep(sends + now, ahead, needs, compute))
+        deferred.extend(needs)
+        steps.append(CommStep(sends + now, ahead, tuple(deferred) if waits_here else (), compute))
+        if waits_here:
+            deferred.clear()
         pending.clear()
 
     for a in actions:

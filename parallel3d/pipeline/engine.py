@@ -49,7 +49,7 @@ holds its activations from ``F`` to ``B`` and the queue's tensors from ``B`` to
 ``W`` (the first model chunk, with no input gradient to send, runs its whole
 backward at ``W``). ``grad_sync.prepare`` is told before ``B`` whether it is the
 chunk's last ``B`` and before ``W`` whether it is its last ``W``. A stage may split only some
-backwards (``1f1b`` with ``split_drain``: those after its last forward); each ``B``
+backwards (``1f1b`` and ``interleaved_1f1b`` with ``split_drain``: those after its last forward); each ``B``
 knows whether it is split (``PlannedCompute.split``), the others run whole. ``w_lags`` (zb_h1): how far
 each stage's ``W``s trail (``build_schedule``; ``planning.zb_lags.zb_h1_w_lags`` keeps every stage
 within 1F1B's peak bytes); the same on every rank.
@@ -224,7 +224,7 @@ class PipelineEngine:
         prefetch_recvs: int | None = None,
         free_sent_activations: bool = True,
         w_lags: Sequence[int] | None = None,
-        split_drain: bool = PipelineOptions.split_drain,
+        split_drain: bool | str = PipelineOptions.split_drain,
     ) -> None:
         if not chunks:
             raise ValueError("PipelineEngine needs at least one model chunk")

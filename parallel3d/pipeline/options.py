@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.option_checks import ConfigError, as_tuples, check_bool, check_choice, check_int
+from parallel3d.option_checks import ConfigError, as_tuples, check_choice, check_int
 
 # zb_h1: zero bubble (Qi et al. 2023), backwards split into input and weight gradients;
 # zbv: ZB-V, two chunks per stage placed in a V, split backwards.
@@ -19,25 +19,33 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv
 INTERLEAVED = "interleaved_1f1b"  # any number (>= 2) of model chunks per stage
 ZBV = "zbv"  # exactly two chunks per stage (its V)
 MULTI_CHUNK = (INTERLEAVED, ZBV)  # the schedules that run more than one model chunk per stage
-SPLIT_DRAIN_SCHEDULES = ("1f1b",)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
+SPLIT_DRAIN_SCHEDULES = ("1f1b", INTERLEAVED)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
+AUTO = "auto"  # parallel.split_drain's default: split wherever ``drain_is_split`` allows it
 
 
-def drain_is_split(schedule: str, split_drain: bool, recompute: str = "none") -> bool:
-    """Whether ``schedule`` runs with its drain backwards split (``parallel.split_drain``); True where it
-    does not apply is a ``ConfigError``: schedules other than 1f1b, and ``train.recompute=full``, where a
-    split ``B`` would keep what its weight-gradient GEMMs read (every linear's input and output gradient,
+def drain_is_split(schedule: str, split_drain: bool | str, recompute: str = "none") -> bool:
+    """Whether ``schedule`` runs with its drain backwards split (``parallel.split_drain``): the one rule.
+
+    ``auto`` (the default): split where it applies (``SPLIT_DRAIN_SCHEDULES`` without
+    ``train.recompute=full``), plain elsewhere, so the default never refuses a config that is
+    otherwise valid. ``true``: split, and a ``ConfigError`` where it does not apply. ``false``: plain.
+    It does not apply to other schedules (zb_h1 and zbv split every backward already; gpipe is not built
+    with it), nor to ``train.recompute=full``, where a split ``B``
+    would keep what its weight-gradient GEMMs read (every linear's input and output gradient,
     ``deferred_grads``) until its ``W``, far more than the chunk input a fully recomputed microbatch keeps.
 
-    Off by default: W's held tensors can top what the forward saved (the last stage's logits gradient;
-    measured +3.3% on llama_tiny's last stage, tp 2, bf16), which the planner's memory estimate does not
-    price (README "Benchmarks"). The one place that resolves the option: the engine, the dry run and the
-    planner's own-runtime pricing all build their schedule with this answer."""
-    check_bool("parallel.split_drain", split_drain)
-    if split_drain and (schedule not in SPLIT_DRAIN_SCHEDULES or recompute == "full"):
+    On by default since the planner prices what a split ``B`` holds until its ``W`` (the last stage's
+    logits gradient: +3.3% on llama_tiny's last stage, tp 2, bf16; ``planning.split_memory``). The one
+    place that resolves the option: the engine, the dry run and the planner's ``Layout`` all build their
+    schedule with this answer."""
+    if split_drain != AUTO and not isinstance(split_drain, bool):
+        raise ConfigError(f"parallel.split_drain={split_drain!r}: must be true, false or {AUTO}")
+    applies = schedule in SPLIT_DRAIN_SCHEDULES and recompute != "full"
+    if split_drain is True and not applies:
         raise ConfigError(f"parallel.split_drain=true: only parallel.schedule in {list(SPLIT_DRAIN_SCHEDULES)} "
                           f"without train.recompute=full splits its drain backwards (schedule is {schedule!r}, "
-                          f"recompute {recompute!r})")
-    return split_drain
+                          f"recompute {recompute!r}; {AUTO}, the default, splits only where it applies)")
+    return applies and split_drain is not False
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,10 @@ class PipelineOptions:
     schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | zb_h1 | zbv (zero bubble, split backward)
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
-    # 1f1b: split the backwards each stage (but the first) runs after its last forward, sending the input
-    # gradient before the weight-gradient GEMMs (README "Benchmarks"; drain_is_split: why off by default).
-    split_drain: bool = False
+    # 1f1b, interleaved_1f1b: split the backwards each stage runs after its last forward (not the model's
+    # first chunk's), sending the input gradient before the weight-gradient GEMMs (README "Benchmarks");
+    # auto | true | false (drain_is_split).
+    split_drain: bool | str = AUTO
 
     def __post_init__(self) -> None:
         as_tuples(self)

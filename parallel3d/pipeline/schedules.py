@@ -42,6 +42,10 @@ Contract every built schedule satisfies (``validate_schedule`` checks it):
   gradient's send (``SEND_GRAD``) between them: the stage upstream gets it one ``W``
   earlier, which shortens the drain (the critical path at the end of the step) by
   about ``(p - 1) W``; the order of ``F``s and ``B``s and the peak in flight are 1F1B's.
+- ``interleaved_1f1b`` with ``split_drain``: the same from the backward paired with each
+  stage's last forward on, but the model's first chunk's; with ``coalesced_p2p`` each such
+  ``W`` opens the next iteration, after the batch of its ``B``'s sends and that iteration's
+  receives, which it does not wait for (``comm_plan``).
 - ``zb_h1`` (``zero_bubble``): backwards split into ``B`` (input gradient) and
   ``W`` (weight gradients; after its ``B``, no communication); stage ``s`` never
   holds more than ``p`` microbatches whose forward is done and whose ``W`` is
@@ -78,7 +82,7 @@ from parallel3d.pipeline.actions import (
     virtual_stage,
 )
 from parallel3d.option_checks import check_choice
-from parallel3d.pipeline.options import SCHEDULES
+from parallel3d.pipeline.options import SCHEDULES, SPLIT_DRAIN_SCHEDULES
 from parallel3d.pipeline.placement import ChunkPlacement, placement_for
 from parallel3d.pipeline.zero_bubble import zb_h1_order, zbv_schedule
 from parallel3d.pipeline.simulate import TimedAction, Timeline, check_coalesced_progress, format_timeline, simulate
@@ -92,7 +96,7 @@ __all__ = [
     "ScheduleError", "TimedAction", "Timeline", "build_forward_schedule", "build_schedule",
     "check_coalesced_progress", "comm_plan",
     "format_schedule", "format_timeline", "peak_in_flight", "placement_of", "schedule_shape", "simulate",
-    "stage_and_chunk", "validate_schedule", "virtual_stage",
+    "stage_and_chunk", "stage_compute_order", "validate_schedule", "virtual_stage",
 ]
 
 # ---- building ----------------------------------------------------------------------
@@ -146,14 +150,21 @@ def _with_comms(stage: int, place: ChunkPlacement, iterations: list[list[Compute
 
 
 def _iterations(compute: list[Compute], warmup: int) -> list[list[Compute]]:
-    """Megatron's iterations: each warm-up forward alone, then steady (F, B) pairs, then lone backwards."""
+    """Megatron's iterations: each warm-up forward alone, then steady (F, B) pairs, then lone backwards. A
+    ``W`` (the split drain's) opens the next iteration, so the batch of its ``B``'s sends and the next
+    iteration's receives stays one batch, posted before the ``W`` (``comm_plan``: a ``W`` waits for none)."""
     out = [[c] for c in compute[:warmup]]
-    i = warmup
+    i, carried = warmup, []
     while i < len(compute):
+        if compute[i][0] == "W":
+            carried.append(compute[i])
+            i += 1
+            continue
         pair = compute[i][0] == "F" and i + 1 < len(compute) and compute[i + 1][0] == "B"
-        out.append(compute[i : i + 2] if pair else [compute[i]])
+        out.append(carried + compute[i : i + 2] if pair else carried + [compute[i]])
+        carried = []
         i += 2 if pair else 1
-    return out
+    return out + ([carried] if carried else [])
 
 
 def _gpipe(stage: int, p: int, m: int) -> list[Compute]:
@@ -186,8 +197,10 @@ def _interleaved_forward(k: int, p: int, v: int) -> tuple[int, int]:
     return (k // (p * v)) * p + k % p, (k // p) % v
 
 
-def _interleaved(stage: int, p: int, m: int, v: int) -> list[Compute]:
-    """Narayanan et al. 2021: microbatches advance in groups of p through the v chunks."""
+def _interleaved(stage: int, p: int, m: int, v: int, split_drain: bool = False) -> list[Compute]:
+    """Narayanan et al. 2021: microbatches advance in groups of p through the v chunks. ``split_drain``: as
+    1F1B's, each backward from the one paired with the stage's last forward on is split, its ``W`` right
+    after its ``B``, but the model's first chunk's (stage 0's chunk 0: no stage upstream waits for it)."""
 
     def fwd(k: int) -> tuple[int, int]:  # (microbatch, chunk) of this stage's k-th forward
         return _interleaved_forward(k, p, v)
@@ -201,7 +214,29 @@ def _interleaved(stage: int, p: int, m: int, v: int) -> list[Compute]:
     for k in range(total - warmup):
         order += [("F", *fwd(warmup + k)), ("B", *bwd(k))]
     order += [("B", *bwd(k)) for k in range(total - warmup, total)]
-    return order
+    if not split_drain:
+        return order
+    drain = {("B", *bwd(k)) for k in range(max(total - warmup - 1, 0), total)} - {("B", i, 0) for i in range(m)
+                                                                               if stage == 0}
+    return [x for c in order for x in ((c, ("W", c[1], c[2])) if c in drain else (c,))]
+
+
+def stage_compute_order(name: str, stage: int, p: int, m: int, v: int = 1, w_lag: int | None = None,
+                        split_drain: bool = False) -> list[Compute]:
+    """``stage``'s computations ``(kind, microbatch, chunk)`` in the order ``build_schedule`` lowers them
+    (arguments checked there), without the other stages or the messages: what the memory estimate walks.
+    Every schedule but ``zbv``, whose stages are built together (``zbv_schedule``)."""
+    if name == "interleaved_1f1b" and v == 1:
+        name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
+    if name == "gpipe":
+        return _gpipe(stage, p, m)
+    if name == "zb_h1":
+        return zb_h1_order(stage, p, m, w_lag)
+    if name == "1f1b":
+        return _one_f_one_b(stage, p, m, split_drain)
+    if name == "interleaved_1f1b":
+        return _interleaved(stage, p, m, v, split_drain)
+    raise ValueError(f"stage_compute_order: schedule {name!r} is built for all stages at once (build_schedule)")
 
 
 def build_schedule(
@@ -229,19 +264,13 @@ def build_schedule(
         raise ValueError(f"w_lags={w_lags!r}: one lag per stage ({p}), for zb_h1 only (schedule {name!r})")
     if name == "interleaved_1f1b" and v == 1:
         name = "1f1b"  # one chunk per stage: interleaving degenerates to plain 1F1B
-    if split_drain and name != "1f1b":
-        raise ValueError(f"split_drain=True: only schedule '1f1b' splits its drain backwards (schedule {name!r})")
+    if split_drain and name not in SPLIT_DRAIN_SCHEDULES:
+        raise ValueError(f"split_drain=True: only schedules {list(SPLIT_DRAIN_SCHEDULES)} split their drain "
+                         f"backwards (schedule {name!r})")
     place = placement_for(name, p, v)
     schedule = zbv_schedule(p, m) if name == "zbv" else Schedule(placement=place)
     for s in range(p if name != "zbv" else 0):
-        if name == "gpipe":
-            compute = _gpipe(s, p, m)
-        elif name == "zb_h1":
-            compute = zb_h1_order(s, p, m, None if w_lags is None else w_lags[s])
-        elif name == "1f1b":
-            compute = _one_f_one_b(s, p, m, split_drain)
-        else:
-            compute = _interleaved(s, p, m, v)
+        compute = stage_compute_order(name, s, p, m, v, None if w_lags is None else w_lags[s], split_drain)
         if name == "interleaved_1f1b" and coalesced_p2p:
             iterations = _iterations(compute, _interleaved_warmup(s, p, m, v))
         else:

@@ -151,7 +151,8 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
     dims, pipe, zero, t = rj.dims, rj.pipeline, rj.zero, rj.train
     layout = Layout(
         tp=dims.tp, pp=dims.pp, dp=int(dims.dp), zero_stage=zero.zero_stage, sequence_parallel=dims.sequence_parallel,
-        schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, micro_batch_size=t.micro_batch_size,
+        schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split_drain=pipe.split_drain,
+        micro_batch_size=t.micro_batch_size,
         seq_len=t.seq_len, global_batch_size=t.global_batch_size, recompute=t.recompute, precision=t.precision,
         grad_reduce_dtype=zero.grad_reduce_dtype, offload=zero.offload, zero3_prefetch=zero.zero3_prefetch,
         zero3_reshard=zero.zero3_reshard, cp=dims.cp, cp_comm=rj.context_parallel.cp_comm,
@@ -258,7 +259,7 @@ def why_slower(worse, better) -> str:
 
 def plan_json(result: Plan, top_k: int) -> list[dict]:
     return [
-        {**c.layout.to_dict(), "stage_layers": stage_layer_counts(result.config, c.layout.pp, c.layout.virtual_stages,
+        {**c.layout.to_dict(), "splits_drain": c.layout.splits_drain, "stage_layers": stage_layer_counts(result.config, c.layout.pp, c.layout.virtual_stages,
                                                                c.layout.seq_len),
          "memory_bytes": {k: getattr(c.memory.worst, k) for k in
                           ("weights", "gradients", "master_weights", "optimizer_moments", "activations")},
@@ -318,7 +319,9 @@ def explain(given, best) -> str:
     lines = [f"explain: given {given.layout.short()} vs best {best.layout.short()}: "
              f"{given.step.step_time_s:.3f} s vs {best.step.step_time_s:.3f} s per step "
              f"(MFU {100 * given.step.mfu:.1f}% vs {100 * best.step.mfu:.1f}%)",
-             "  differs in: " + (", ".join(f"{k} {g[k]} (best {b[k]})" for k in g if g[k] != b.get(k)) or "nothing")]
+             "  differs in: " + (", ".join(f"{k} {g[k]} (best {b[k]})" for k in g if g[k] != b.get(k)) or "nothing"),
+             f"  drain split (parallel.split_drain): given {given.layout.splits_drain} ({g['split_drain']}), "
+             f"best {best.layout.splits_drain} ({b['split_drain']})"]
     gb, bb = dict(given.step.breakdown), dict(best.step.breakdown)
     for key in sorted(gb, key=lambda k: bb.get(k, 0.0) - gb[k]):
         lines.append(f"  {key:>9s}: {gb[key]:9.3f} s  best {bb.get(key, 0.0):9.3f} s  ({gb[key] - bb.get(key, 0.0):+.3f})")

@@ -57,7 +57,6 @@ from parallel3d.planning.layer_time import COST_ATTENTION, LayerTimes, layer_for
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
-from parallel3d.pipeline.options import drain_is_split
 from parallel3d.planning.pipeline_price import PipelineTimes, simulate_pipeline
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
@@ -251,7 +250,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     p2p = comm.p2p(msg)
     if options.p2p_scatter_gather and not layout.sequence_parallel and p > 1:
         p2p += comm.all_gather(msg * layout.tp, "tp")
-    drain = drain_is_split(layout.schedule, options.split_drain, layout.recompute)  # the implementation's 1F1B (cost_options)
+    drain = options.runs(layout).splits_drain  # the implementation's 1F1B (cost_options)
     if pipeline is None:  # zb_h1 as the runtime builds it: the lags its bytes allow (zb_lags)
         lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
         pipe = simulate_pipeline(layout.schedule, p, layout.num_microbatches, v, fwd, bwd, p2p, w_lags=lags,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.pipeline.options import PipelineOptions
+from parallel3d.planning.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,22 @@ class CostOptions:
     # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
     # stage's whole traffic overlaps one chunk's pass only.
     chunk_grad_sync: bool = True
-    # 1F1B with its drain backwards split (``parallel.split_drain``, resolved by ``drain_is_split``; the
-    # runtime's default); Megatron and torchtitan run plain 1F1B: False whatever that default is.
-    split_drain: bool = PipelineOptions.split_drain
+    # The implementation runs the layout's ``parallel.split_drain`` (``Layout.splits_drain``: 1F1B's drain
+    # backwards split, parallel3d's default); False: it has no such option, every 1F1B is plain (Megatron,
+    # torchtitan), whatever the layout says. ``runs`` applies it to time and memory alike.
+    split_drain: bool = True
+
     # A tied word embedding (pp > 1) has its gradient summed over the first and last stage after the DP
     # reduction, unoverlapped: parallel3d's ZeRO sums only the rank's reduced piece (``zero.grad_sync``
     # ``finalize``; without ZeRO the whole gradient, ``pipeline.tied``), Megatron-LM (2021 ``train_step``,
     # Megatron-Core ``finalize_model_grads._allreduce_word_embedding_grads``) the whole ``main_grad`` at any
     # ZeRO stage: True.
     tied_grad_whole: bool = False
+
+    def runs(self, layout: Layout) -> Layout:
+        """``layout`` as this implementation runs it: its drain kept whole where the implementation
+        cannot split it (``split_drain``)."""
+        return layout if self.split_drain or not layout.splits_drain else layout.replace(split_drain=False)
 
     @classmethod
     def megatron_core(cls) -> "CostOptions":

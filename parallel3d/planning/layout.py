@@ -47,6 +47,7 @@ class Layout:
     sequence_parallel: bool = ParallelDims.sequence_parallel
     schedule: str = PipelineOptions.schedule
     virtual_stages: int = PipelineOptions.virtual_stages
+    split_drain: bool | str = PipelineOptions.split_drain  # auto | true | false (``splits_drain``: resolved)
     micro_batch_size: int = TrainOptions.micro_batch_size
     seq_len: int = TrainOptions.seq_len
     global_batch_size: int | None = None  # None: one microbatch per data-parallel rank
@@ -72,6 +73,7 @@ class Layout:
         self.zero.check_precision(train.precision)
         pipeline.check_layout(dims.pp)
         pipeline.check_microbatches(dims.pp, train.grad_accum(self.dp))
+        pipeline.splits_drain(train.recompute)  # split_drain=true with recompute=full: refused
 
     # ---- the options this layout stands for ----------------------------------------------
     @property
@@ -90,7 +92,13 @@ class Layout:
 
     @property
     def pipeline(self) -> PipelineOptions:
-        return PipelineOptions(schedule=self.schedule, virtual_stages=self.virtual_stages)
+        return PipelineOptions(schedule=self.schedule, virtual_stages=self.virtual_stages,
+                               split_drain=self.split_drain)
+
+    @property
+    def splits_drain(self) -> bool:
+        """Whether this layout's 1F1B splits its drain backwards (``pipeline.options.drain_is_split``)."""
+        return self.pipeline.splits_drain(self.recompute)
 
     @property
     def zero(self) -> ZeroOptions:
@@ -147,6 +155,8 @@ class Layout:
         if self.cp > 1:
             keys += ["cp_comm"] + (["cp_a2a_size"] if self.cp_a2a_size is not None else [])
         keys += [k for k in ("etp", "expert_zero_stage") if getattr(self, k) is not None]
+        if self.split_drain != PipelineOptions.split_drain:
+            keys.append("split_drain")
         parts = [f"parallel.{k}={text(getattr(self, k))}" for k in keys]
         parts += [f"train.{k}={text(getattr(self, k))}" for k in TRAIN_KEYS]
         return " ".join(parts)
@@ -165,9 +175,9 @@ class Layout:
 
 PARALLEL_KEYS: tuple[str, ...] = ("tp", "cp", "cp_comm", "cp_a2a_size", "ep", "etp", "pp", "dp", "zero_stage",
                                   "expert_zero_stage", "sequence_parallel", "schedule", "virtual_stages",
-                                  "grad_reduce_dtype", "offload", "zero3_prefetch", "zero3_reshard")
+                                  "split_drain", "grad_reduce_dtype", "offload", "zero3_prefetch", "zero3_reshard")
 OPTIONAL_PARALLEL_KEYS: tuple[str, ...] = ("offload", "zero3_prefetch", "zero3_reshard", "cp_comm", "cp_a2a_size",
-                                           "etp", "expert_zero_stage")  # printed when they matter
+                                           "etp", "expert_zero_stage", "split_drain")  # printed when they matter
 TRAIN_KEYS: tuple[str, ...] = ("micro_batch_size", "seq_len", "global_batch_size", "recompute", "precision")
 
 

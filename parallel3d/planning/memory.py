@@ -246,7 +246,7 @@ def stage_activation_bytes(
             per_chunk[-1] += head_activation_bytes(config, layout, assumptions)
         if len(set(per_chunk)) > 1:
             moments = chunk_in_flight_moments(layout.schedule, layout.pp, layout.num_microbatches,
-                                              layout.virtual_stages, stage)
+                                              layout.virtual_stages, stage, layout.splits_drain)
             total = max(sum(n * b for n, b in zip(live, per_chunk)) for live in moments)
             inflight = max(sum(live) for live in moments)
             outputs = kept_chunk_outputs(layout, stage, inflight, assumptions)

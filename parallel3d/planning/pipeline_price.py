@@ -127,7 +127,7 @@ def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p, split
       ``B`` on stage s follows the one on stage s + 1 by a message and its own ``B``; a stage whose
       schedule splits backwards still runs that last ``B``'s ``W`` after it.
     For uniform chunks and 1F1B or interleaved 1F1B this is the closed form
-    ``(v m + p - 1)(f + b) / v + 2 (p - 1) p2p``. ``split_drain`` (1f1b): every stage but the first
+    ``(v m + p - 1)(f + b) / v + 2 (p - 1) p2p``. ``split_drain`` (1f1b, interleaved): every stage but the first
     splits its last ``B``, so that ``B`` costs the stage upstream half a backward and its ``W`` follows it. No chunk timings: ``bound`` tells the step price to
     bound the exposed DP traffic instead of deriving it from them.
     """

@@ -279,7 +279,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                         continue
                     layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload,
                                           expert_zero_stage=ezero)
-                    memory = estimate_memory(config, memory_layout(layout), stage_layers=splits[key])
+                    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits[key])
                     if memory.peak_bytes > budget:
                         if result.closest is None or memory.peak_bytes < result.closest[1].peak_bytes:
                             result.closest = (layout, memory)
@@ -317,8 +317,9 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
              options: CostOptions | None = None) -> Candidate:
     """Memory and simulated step time of one given layout (e.g. a published one)."""
     splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
-    memory = estimate_memory(config, memory_layout(layout), stage_layers=splits)
-    step = estimate_step(config, layout, cluster, options or CostOptions(), splits)
+    options = options or CostOptions()
+    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits)
+    step = estimate_step(config, layout, cluster, options, splits)
     return Candidate(layout, memory, step, simulated=True)
 
 

@@ -1,5 +1,5 @@
-"""Peak activation bytes of a stage whose backwards are split into ``B`` and ``W`` (zb_h1, zbv, and any
-schedule whose action list has ``W``s), read off the action list the engine runs.
+"""Peak activation bytes of a stage whose backwards are split into ``B`` and ``W`` (zb_h1, zbv, the split
+drain of 1f1b and interleaved 1F1B, any schedule whose action list has ``W``s), read off the action list the engine runs.
 
 Invariant: a (microbatch, chunk) holds, from its ``F`` to its ``B``, what its forward saved (``held``: the
 layers' bytes under the layout's recompute, the embedding's on the model's first chunk, the head's on its
@@ -8,7 +8,7 @@ last, its output while kept); from its ``B`` to its ``W``, what the deferred wei
 under full recompute, so much more than the checkpoint), except on the model's first chunk, whose ``B`` has
 no input gradient to send and keeps the whole graph until ``W`` (``step_run.StepRun.backward``). The engine
 records its peak after every ``F`` and every ``B``; so does ``split_peak_bytes``, counting each chunk's
-microbatches with ``zero_bubble.holding_after`` on the stage's own actions (no schedule logic restated).
+microbatches on the stage's own actions, a backward split where its ``W`` is listed (no schedule logic restated).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from models.config import ModelConfig
-from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.placement import placement_for
-from parallel3d.pipeline.schedules import build_schedule
-from parallel3d.pipeline.zero_bubble import holding_after, zb_h1_order
+from parallel3d.pipeline.schedules import build_schedule, stage_compute_order
 from parallel3d.planning.activations import (
     ActivationAssumptions,
     _block,
@@ -35,40 +33,50 @@ from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_w_la
 __all__ = ["layer_weight_grad_bytes", "split_moments", "split_peak_bytes", "stage_computations"]
 
 
-def _moments(actions: Sequence[tuple[str, int]]) -> Iterator[list[tuple[int, int]]]:
-    """After each ``F`` and ``B`` of ``actions`` (``(kind, local chunk)``, one stage's order; where the engine
-    records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is)."""
-    chunks = sorted({c for _, c in actions})
-    iters = {c: holding_after([kind for kind, chunk in actions if chunk == c]) for c in chunks}
-    counts = dict.fromkeys(chunks, (0, 0))
-    for _, chunk in actions:
-        kind, b, w = next(iters[chunk])
-        counts[chunk] = (b, w)
+def _moments(actions: Sequence[tuple[str, int, int]]) -> Iterator[list[tuple[int, int]]]:
+    """After each ``F`` and ``B`` of ``actions`` (``(kind, microbatch, local chunk)``, one stage's order; where
+    the engine records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is). A
+    backward is split where its ``W`` is in the list (``actions.split_backwards``' rule: the split drain
+    splits only some), else its ``B`` frees all it held."""
+    split = {(mb, c) for kind, mb, c in actions if kind == "W"}
+    chunks = sorted({c for _, _, c in actions})
+    pending = {c: [0, 0] for c in chunks}
+    for kind, mb, chunk in actions:
+        counts = pending[chunk]
+        if kind == "F":
+            counts[0] += 1
+        elif kind == "B":
+            counts[0] -= 1
+            counts[1] += (mb, chunk) in split
+        else:
+            counts[1] -= 1
         if kind != "W":
-            yield [counts[c] for c in chunks]
+            yield [(pending[c][0], pending[c][1]) for c in chunks]
 
 
-def split_moments(actions: Sequence[tuple[str, int]]) -> frozenset[tuple[int, ...]]:
+def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments with split backwards: the maximal vectors of ``(B-pending,
-    W-pending)`` per chunk after its ``F``s and ``B``s. Its peak is at one of them whatever the bytes a
-    chunk holds in either state (the dry run's reduced step must keep them: ``dryrun.step``)."""
+    W-pending)`` per chunk after its ``F``s and ``B``s (``actions``: ``(kind, microbatch, local chunk)``).
+    Its peak is at one of them whatever the bytes a chunk holds in either state (the dry run's reduced
+    step must keep them: ``dryrun.step``)."""
     seen = {tuple(n for pair in moment for n in pair) for moment in _moments(actions)}
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
 def stage_computations(config: ModelConfig, layout: Layout, stage: int,
-                       w_lags: Sequence[int] | None = None) -> list[tuple[str, int]] | None:
-    """``stage``'s computations ``(kind, local chunk)`` in the order the engine runs them, or None where the
-    schedule does not split its backwards. zb_h1: ``zero_bubble.zb_h1_order`` at the engine's lags (what
-    ``build_schedule`` lowers, without building every stage's messages); any other schedule: its built
-    action list (``w_lags``: ``zb_h1_w_lags``'s, when the caller has them)."""
+                       w_lags: Sequence[int] | None = None) -> list[tuple[str, int, int]] | None:
+    """``stage``'s computations ``(kind, microbatch, local chunk)`` in the order the engine runs them, or None
+    where the stage splits none of its backwards. The order ``build_schedule`` lowers (``stage_compute_order``: one
+    stage, no messages; zbv: its built action list), with the engine's arguments: zb_h1's lags
+    (``w_lags``, else ``zb_h1_w_lags``'s) and the split drain (``Layout.splits_drain``; 1f1b's stage 0
+    keeps its drain whole, so its peak is the plain estimate's)."""
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
-    if layout.schedule == "zb_h1":
-        lag = (w_lags or zb_h1_w_lags(config, layout))[stage]
-        return [(kind, chunk) for kind, _, chunk in zb_h1_order(stage, p, m, lag)]
-    if not splits_backward(build_schedule(layout.schedule, 2, 2, v)[0]):  # a probe on 2 stages: cheap at any p
-        return None
-    return [(a.kind, a.chunk) for a in build_schedule(layout.schedule, p, m, v)[stage] if a.is_compute]
+    if layout.schedule == "zbv":
+        order = [(a.kind, a.microbatch, a.chunk) for a in build_schedule("zbv", p, m, v)[stage] if a.is_compute]
+    else:
+        lag = (w_lags or zb_h1_w_lags(config, layout))[stage] if layout.schedule == "zb_h1" else None
+        order = stage_compute_order(layout.schedule, stage, p, m, v, lag, layout.splits_drain)
+    return order if any(kind == "W" for kind, _, _ in order) else None
 
 
 def layer_weight_grad_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
@@ -93,11 +101,11 @@ def layer_weight_grad_bytes(config: ModelConfig, layout: Layout, assumptions: Ac
     return float(e * (attention + mlp))
 
 
-def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: Sequence[tuple[str, int]],
+def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: Sequence[tuple[str, int, int]],
                      chunk_layers: Sequence[Sequence[int]], assumptions: ActivationAssumptions,
                      layers_bytes: Callable[[Sequence[int]], float]) -> tuple[float, int]:
     """(peak activation bytes, (microbatch, chunk)s held then) of ``stage`` running ``actions`` (its
-    computations in order, ``(kind, local chunk)``: ``stage_computations``), whose
+    computations in order, ``(kind, microbatch, local chunk)``: ``stage_computations``), whose
     local chunk ``c`` holds global layers ``chunk_layers[c]``; ``layers_bytes(ids)`` is one microbatch's
     forward-saved bytes of those layers (the memory estimate's own)."""
     place = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
