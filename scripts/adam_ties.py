@@ -13,7 +13,6 @@ well above the runs' rounding.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -24,8 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel3d.checkpoint_io.compat import STATE_DIR  # noqa: E402
 from parallel3d.checkpoint_io.state import read_metadata, read_tensors  # noqa: E402
-from tests import layout_run as lr  # noqa: E402
-from tests import odd_reshard as odd  # noqa: E402
+from odd_pair_runs import parse_pair, train_both  # noqa: E402
 from tests import reshard_matrix as rm  # noqa: E402
 
 
@@ -53,26 +51,9 @@ def _first_update(w: dict, m: dict, name: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pair", metavar="LABEL:K")
-    parser.add_argument("--mb1", action="store_true", help="the one-process run re-batched instead of the layout")
-    parser.add_argument("--cache-dir", default=".cache/parallel3d")
-    args = parser.parse_args()
-    label, k = args.pair.rsplit(":", 1)
-    pair = odd.odd_pair(label, int(k))
+    pair, args = parse_pair(__doc__)
     with tempfile.TemporaryDirectory(prefix="p3d-adam-") as work:
-        if args.mb1:
-            values = rm.single_process_values(pair, os.path.join(work, "layout"), args.cache_dir)
-            values["train"]["micro_batch_size"] = 1
-            layout = _every_step(values)
-            lr.train_reference(values, True)
-        else:
-            values = rm.job_values(pair, pair.source, os.path.join(work, "layout"), args.cache_dir)
-            layout = _every_step(values)
-            rm.run(lr.train_case_on_rank, pair.source.world_size, values, True, timeout=1500)
-        values = rm.single_process_values(pair, os.path.join(work, "one"), args.cache_dir)
-        one = _every_step(values)
-        lr.train_reference(values, True)
+        layout, one = train_both(pair, args, work, _every_step, timeout=1500)
         print(pair.name, "one process re-batched" if args.mb1 else "layout", "vs one process")
         for step in range(1, rm.STEPS + 1):
             w = {"layout": _state(layout, step, "model."), "one": _state(one, step, "model.")}

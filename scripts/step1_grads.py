@@ -10,7 +10,6 @@ gradient's. A wrong gradient shows here in the parameters it touches; rounding s
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -19,8 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel3d.checkpoint_io.compat import STATE_DIR  # noqa: E402
 from parallel3d.checkpoint_io.state import read_metadata, read_tensors  # noqa: E402
-from tests import layout_run as lr  # noqa: E402
-from tests import odd_reshard as odd  # noqa: E402
+from odd_pair_runs import parse_pair, train_both  # noqa: E402
 from tests import reshard_matrix as rm  # noqa: E402
 
 
@@ -30,26 +28,9 @@ def _one_step(values: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pair", metavar="LABEL:K")
-    parser.add_argument("--mb1", action="store_true")
-    parser.add_argument("--cache-dir", default=".cache/parallel3d")
-    args = parser.parse_args()
-    label, k = args.pair.rsplit(":", 1)
-    pair = odd.odd_pair(label, int(k))
+    pair, args = parse_pair(__doc__)
     with tempfile.TemporaryDirectory(prefix="p3d-grad1-") as work:
-        if args.mb1:
-            values = rm.single_process_values(pair, os.path.join(work, "other"), args.cache_dir)
-            values["train"]["micro_batch_size"] = 1
-            other = _one_step(values)
-            lr.train_reference(values, True)
-        else:
-            values = rm.job_values(pair, pair.source, os.path.join(work, "other"), args.cache_dir)
-            other = _one_step(values)
-            rm.run(lr.train_case_on_rank, pair.source.world_size, values, True)
-        values = rm.single_process_values(pair, os.path.join(work, "one"), args.cache_dir)
-        one = _one_step(values)
-        lr.train_reference(values, True)
+        other, one = train_both(pair, args, work, _one_step)
         keys = sorted(k for k, v in read_metadata(one).state_dict_metadata.items()
                       if k.startswith("optim.exp_avg.") and hasattr(v, "size"))
         a, b = read_tensors(other, keys), read_tensors(one, keys)

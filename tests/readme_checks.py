@@ -69,9 +69,17 @@ def checker_of(source: Path) -> tuple[str, str]:
     app = re.search(r'run_app\("(\w+)"', text)
     if app:
         return "planning", app.group(1)
-    if "ArgumentParser(" in text:
+    if any("ArgumentParser(" in t for t in (text, *(sibling.read_text() for sibling in _siblings(source, text)))):
         return "argparse", ""
     return "exists", "no argparse parser: the entry point must exist"
+
+
+def _siblings(source: Path, text: str) -> list[Path]:
+    """The modules beside ``source`` that it imports by bare name (``python scripts/x.py`` puts its folder on
+    ``sys.path``): a script whose parser lives in a shared helper (``scripts/odd_pair_runs.py``) is checked too."""
+    names = re.findall(r"^from (\w+) import|^import (\w+)", text, re.M)
+    paths = [source.parent / f"{a or b}.py" for a, b in names]
+    return [p for p in paths if p.is_file() and p != source]
 
 
 def check_train(args: list[str], world_size: int) -> str | None:

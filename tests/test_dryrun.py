@@ -147,8 +147,11 @@ def _tiny(extra: list[str]):
     # W-pending microbatches hold more than B-pending ones here: the profile must tell them apart
     (["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "train.recompute=full",
       "train.global_batch_size=16"], 2),
+    # zb_h1 at the engine's W lags (job_w_lags: 0 on both stages here, not the default 0, 1): stage 1's
+    # profile is read off that schedule, so it reduces to fewer microbatches than the default lags' would
+    (["parallel.pp=2", "parallel.schedule=zb_h1", "train.global_batch_size=8"], 2),
 ], ids=["pp4-1f1b", "pp2dp2-z2-full-recompute", "pp2-interleaved-empty-end-chunks", "pp2-zbv-both-ends-on-stage0",
-        "pp2-zbv-full-recompute"])
+        "pp2-zbv-full-recompute", "pp2-zb_h1-engine-lags"])
 def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
     """Steps run at fewer microbatches and extrapolated (``dryrun.step``) give the messages and the
     activation peak of the full step run with every microbatch, on every rank."""

@@ -20,7 +20,7 @@ from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.source_frameworks import run_options, source_flops_per_token
 from parallel3d.planning.validation import (MFU_TOLERANCE, _rank_request, format_rows, run_cluster, run_config,
-                                            run_layout, summary, validate, validate_run)
+                                            run_layout, summary, validate)
 from parallel3d.topology import LayoutError
 
 # Held-out rows outside the 10% bar with today's model (measured by
@@ -74,7 +74,12 @@ def test_calibration_rows_are_not_in_the_held_out_table(held_out):
     assert all(r.run.split == "held_out" for r in held_out)
 
 
-def test_unstated_virtual_stages_are_priced_at_the_best_fitting_choice_in_the_mfu_check():
+def _held_out_row(held_out, run_id: str):
+    """The MFU check's own row for ``run_id`` (the module's ``validate`` result: each row is priced once)."""
+    return next(r for r in held_out if r.run.id == run_id)
+
+
+def test_unstated_virtual_stages_are_priced_at_the_best_fitting_choice_in_the_mfu_check(held_out):
     # The MFU check prices a row's unstated fields as the rank check does (``priced_candidate``). Reference:
     # every (micro-batch, v) the search could try for the published degrees, each evaluated on its own, the
     # fastest one fitting memory turned into an MFU by hand (tokens/s per GPU x the source's FLOPs per token
@@ -103,13 +108,13 @@ def test_unstated_virtual_stages_are_priced_at_the_best_fitting_choice_in_the_mf
             if cand.peak_bytes <= budget and cand.step.step_time_s < best.step_time_s:
                 best = cand.step
     assert best.layout.virtual_stages > 1  # the placeholder v = 1 is not the best fitting choice
-    row = validate_run(run)
+    row = _held_out_row(held_out, run.id)
     assert row.priced == best.layout
     assert row.predicted_mfu == pytest.approx(mfu(best), rel=1e-12)
     assert row.predicted_mfu > mfu(as_written) * 1.05  # the bubble of the placeholder is not priced
 
 
-def test_virtual_stages_are_tried_down_to_one_layer_per_chunk():
+def test_virtual_stages_are_tried_down_to_one_layer_per_chunk(held_out):
     # Megatron-LM interleaves down to one layer per virtual stage, so a source free to pick v could run
     # v = layers / pp; the planner's default cap (4) is only a search-cost choice. The rank check asks the
     # planner's one rule (virtual_stage_counts) with its cap raised to the published depth's finest v
@@ -134,7 +139,7 @@ def test_virtual_stages_are_tried_down_to_one_layer_per_chunk():
     # GPT 462B states no v: 7 layers per stage split evenly only as v = 1 or 7, and the completion takes 7.
     run = next(r for r in load_published_runs() if r.id == "mcore08_gpt_462b_6144gpus")
     assert "layout.vp" in run.unstated
-    assert validate_run(run).priced.virtual_stages == 7
+    assert _held_out_row(held_out, run.id).priced.virtual_stages == 7
 
 
 def _model(layers: int) -> ModelConfig:

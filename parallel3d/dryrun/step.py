@@ -43,7 +43,7 @@ from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import SAMPLE_IDS
 from parallel3d.pipeline.schedules import build_schedule
-from parallel3d.planning.activations import chunk_in_flight_moments
+from parallel3d.planning.activations import action_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
@@ -65,14 +65,15 @@ class StepMeasure:
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
                       split_drain: bool = False, w_lags: Sequence[int] | None = None) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, microbatches in flight per chunk
-    (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too), and where
+    (``planning.activations.chunk_in_flight_moments``, which the memory estimate uses too, on this
+    one built action list: the engine's, with its ``w_lags``), and where
     backwards are split, per chunk those whose ``B`` and whose ``W`` is pending (``split_memory.split_moments``:
     the two hold different bytes, so equal totals in flight are not the same peak). Two counts with the same
     profile have the same activation peak whatever each chunk's bytes per microbatch in either state.
     ``split_drain``: 1f1b's drain split (``parallel.split_drain``); ``w_lags``: zb_h1's, as the engine runs
     it (``job_w_lags``)."""
-    moments = chunk_in_flight_moments(name, pp, m, v, stage, split_drain)
     actions = build_schedule(name, pp, m, v, w_lags=w_lags, split_drain=split_drain)[stage]
+    moments = action_in_flight_moments(actions)
     if not splits_backward(actions):
         return moments
     split = split_moments([(a.kind, a.microbatch, a.chunk) for a in actions if a.is_compute])

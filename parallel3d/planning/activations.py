@@ -20,10 +20,11 @@ activations and fused attention; with the paper's assumptions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from models.config import ModelConfig
 from models.spec import BlockSpec
-from parallel3d.pipeline.actions import split_backwards
+from parallel3d.pipeline.actions import Action, split_backwards
 from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
@@ -296,7 +297,12 @@ def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int,
     flight from its ``F`` to its ``B``, or its ``W`` where that backward is split). The stage's activation
     peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
     uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s."""
-    actions = build_schedule(name, pp, m, v, coalesced_p2p=True, split_drain=split_drain)[stage]
+    return action_in_flight_moments(build_schedule(name, pp, m, v, coalesced_p2p=True, split_drain=split_drain)[stage])
+
+
+def action_in_flight_moments(actions: Sequence[Action]) -> frozenset[tuple[int, ...]]:
+    """``chunk_in_flight_moments`` of one stage's already-built action list (a caller that builds it anyway,
+    e.g. with the engine's own ``w_lags``, builds it once)."""
     split = split_backwards(actions)
     chunks = sorted({a.chunk for a in actions})
     live = dict.fromkeys(chunks, 0)
