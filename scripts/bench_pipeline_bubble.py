@@ -131,13 +131,16 @@ def _kind_means(per_step: list[list[tuple]]) -> dict[tuple[str, int], float]:
     """Per (kind, chunk), the mean of ``(action, seconds)`` over steps. Where a chunk splits only some
     backwards (1f1b's split drain), "B" is the unsplit backwards' mean less W's, so that the fed
     ``bwd`` (B + W, ``bench_pipeline_bubble.fed_costs``) is a whole backward and a split B ``bwd - W``
-    (the split's own overhead is then not in the fed simulators; ``replay`` has each action's time)."""
+    (the split's own overhead is then not in the fed simulators; ``replay`` has each action's time).
+    A chunk that splits none (interleaved's split drain never splits the model's first chunk) keeps its
+    whole backwards as "B"."""
     own: dict[tuple[str, int], list[float]] = {}
     whole: dict[int, list[float]] = {}
     for step in per_step:
         split = {(a.microbatch, a.chunk) for a, _ in step if a.kind == "W"}
+        split_chunks = {chunk for _, chunk in split}
         for a, t in step:
-            if a.kind == "B" and split and (a.microbatch, a.chunk) not in split:
+            if a.kind == "B" and a.chunk in split_chunks and (a.microbatch, a.chunk) not in split:
                 whole.setdefault(a.chunk, []).append(t)
             else:
                 own.setdefault((a.kind, a.chunk), []).append(t)

@@ -228,3 +228,21 @@ def test_the_simulator_is_fed_the_in_run_latency_and_delivery_waits_are_reported
     assert got["sim"] > got["sim_isolated"]
     assert got["delivery_share"] == pytest.approx(dlv / window / 2)  # mean over the two ranks
     assert got["measured_less_delivery"] == pytest.approx(got["measured"] - dlv / window / 2)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 3, 6, 1), ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2)])
+def test_kind_means_feed_whole_backwards_on_split_drain_stages(name: str, p: int, m: int, v: int) -> None:
+    """With the drain split, a chunk's fed B is a whole backward less W; a chunk that splits none (the
+    model's first chunk under interleaving) keeps its whole backward as B (it has no W to subtract)."""
+    from bench_pipeline_bubble import _kind_means
+    f, whole, b_split, w = 1.0, 3.0, 2.5, 1.0  # a split B + W costs more than a whole backward
+    schedule = build_schedule(name, p, m, v, split_drain=True)
+    for stage, actions in schedule.items():
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+        cost = {"F": f, "W": w}
+        step = [(a, cost.get(a.kind, b_split if (a.microbatch, a.chunk) in split else whole))
+                for a in actions if a.is_compute]
+        means = _kind_means([step])
+        for chunk in {a.chunk for a in actions if a.is_compute}:
+            fed = means[("B", chunk)] + means.get(("W", chunk), 0.0)
+            assert fed == pytest.approx(whole), f"stage {stage} chunk {chunk}: fed backward {fed}"
