@@ -222,6 +222,17 @@ def test_job_from_dict_matches_compose():
         job_from_dict({"train": {"stepz": 3}})
 
 
+
+def test_job_from_dict_leaves_no_trace_on_the_next_job():
+    """job_from_dict merges into one per-process schema: a job's values must not leak into the next one's
+    defaults (the reference: the dataclass defaults themselves), nor a refused job's."""
+    job_from_dict({"parallel": {"tp": 3, "schedule": "interleaved"}, "train": {"seq_len": 48}})
+    with pytest.raises(ConfigError):
+        job_from_dict({"train": {"steps": "many"}})
+    assert job_from_dict({}) == JobConfig()
+    assert job_from_dict({"train": {"seq_len": 32}}) == dataclasses.replace(
+        JobConfig(), train=dataclasses.replace(JobConfig().train, seq_len=32))
+
 def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
     from parallel3d.checkpoint import CheckpointManager
     from parallel3d.parallel_state import ParallelState
