@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from peer_env import free_port, spawn_results  # noqa: E402
 from profile_pipeline_switches import _worker, per_step  # noqa: E402
 
+from parallel3d.pipeline.options import PipelineOptions, drain_is_split  # noqa: E402
 from parallel3d.pipeline.schedules import build_schedule  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,8 @@ def test_phases_are_counted_per_call_and_fit_in_the_step() -> None:
                               hidden=16, seq=8, mbs=1, vocab=64, virtual=2, prefetch=None)
     got = spawn_results(_worker, 2, free_port(), args)
     for schedule, v in (("1f1b", 1), ("zbv", 2)):
-        actions = build_schedule(schedule, 2, 4, v)
+        # the engine's default drain (``parallel.split_drain``), resolved by the one rule the engine uses
+        actions = build_schedule(schedule, 2, 4, v, split_drain=drain_is_split(schedule, PipelineOptions.split_drain))
         for rank in (0, 1):
             rows = per_step(got[rank][schedule])
             for kind in ("F", "B", "W"):
