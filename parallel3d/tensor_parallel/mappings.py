@@ -56,15 +56,15 @@ def _collective_along_dim(x: torch.Tensor, dim: int, out_size: int, collective: 
                           pstate: "ParallelState", kind: str = KIND) -> torch.Tensor:
     # comm's gathers and scatters work along dim 0; move the wanted dim to the front and back again.
     front = x.movedim(dim, 0).contiguous()
-    shape = list(x.shape)
-    shape[dim] = out_size
-    result = torch.empty(shape, dtype=x.dtype, device=x.device)
-    into = result.movedim(dim, 0)
-    if into.is_contiguous():
-        # Only size-1 dims precede ``dim`` (micro-batch 1): collect straight into the result, which is
-        # then no view of a dropped buffer, so a pipeline chunk returning it (an embedding-only chunk
-        # under sequence parallel) has its sent output freed (``activation_bytes.output_saved``).
-        collective(into, front, pstate, kind)
+    if all(size == 1 for size in x.shape[:dim]):
+        # Only size-1 dims precede ``dim`` (micro-batch 1), so the result moved to dim 0 is contiguous:
+        # collect straight into it, which is then no view of a dropped buffer, so a pipeline chunk
+        # returning it (an embedding-only chunk under sequence parallel) has its sent output freed
+        # (``activation_bytes.output_saved``). Allocated only here: the general path gathers into ``out``.
+        shape = list(x.shape)
+        shape[dim] = out_size
+        result = torch.empty(shape, dtype=x.dtype, device=x.device)
+        collective(result.movedim(dim, 0), front, pstate, kind)
         return result
     out = torch.empty((out_size, *front.shape[1:]), dtype=x.dtype, device=x.device)
     collective(out, front, pstate, kind)
