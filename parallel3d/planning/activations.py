@@ -275,8 +275,7 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
     chunk's backward."""
     if not assumptions.chunk_output_kept:
         return 0.0
-    out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
-    return out / layout.tp if layout.sequence_parallel else float(out)
+    return _boundary_tensor_bytes(config, layout, assumptions)
 
 
 def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
@@ -286,6 +285,11 @@ def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: Activ
     full recompute's checkpoint, the fused norms and LayerNorm keep the input as it is."""
     if layout.recompute == "full" or assumptions.norm_kept_bytes is None or assumptions.element_bytes == 4:
         return 0.0
+    return _boundary_tensor_bytes(config, layout, assumptions)
+
+
+def _boundary_tensor_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+    """One hidden-state tensor at a chunk boundary: the rank's cp share of the sequence, its sp slice."""
     out = assumptions.element_bytes * local_seq_len(layout) * layout.micro_batch_size * config.hidden_size
     return out / layout.tp if layout.sequence_parallel else float(out)
 
