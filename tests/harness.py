@@ -18,7 +18,8 @@ tears the worker set down, so the next test starts on fresh processes.
 Workers are forked from ``multiprocessing``'s fork server, which imports ``PRELOAD`` (torch
 and the framework) once per session: a new worker costs a fork, not an interpreter importing
 torch (~4 s of CPU each on 2 cores). They are kept alive between tests of the same world size;
-each task's new process groups are destroyed when it ends. Set ``P3D_FRESH_RANKS=1`` for fresh
+each task's new process groups are destroyed when it ends. An idle worker whose owner (the test
+process) has died exits within ``OWNER_POLL_S`` (``tests/test_harness_orphans.py``). Set ``P3D_FRESH_RANKS=1`` for fresh
 processes per test. Workers see the environment of the session when its first pool started:
 tests pass settings as arguments.
 """
@@ -35,10 +36,12 @@ import signal
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 COLLECTIVE_TIMEOUT_S = 90.0
 STARTUP_TIMEOUT_S = 300.0
+OWNER_POLL_S = 2.0  # how often an idle worker checks that the test process owning its pool still lives
 PRELOAD = ["tests.harness", "parallel3d.trainer"]  # imported once, in the fork server
 
 
@@ -55,7 +58,32 @@ def rank_context() -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
+def process_identity(pid: int) -> str | None:
+    """``pid`` and its start time (``/proc/PID/stat`` field 22), or ``None`` once it has exited: gone, or a
+    zombie waiting for its parent to reap it. The start time tells a reused PID apart."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] in "ZX" else f"{pid}:{fields[19]}"
+
+
+def _next_task(tasks: "mp.Queue", owner: str | None) -> Any:
+    """The next task, or ``None`` once the pool's owner (the test process) is gone. An owner killed outright
+    (SIGKILL, a shell's ``timeout``, the OOM killer) cannot send the pool's ``None``, and the fork server
+    does not end the workers either (each holds the server's liveness pipe open), so without this check a
+    worker idles in ``tasks.get()`` forever, holding its memory (11 such workers once held 4.4 GiB here)."""
+    while True:
+        try:
+            return tasks.get(timeout=OWNER_POLL_S)
+        except queue.Empty:
+            if owner is not None and process_identity(int(owner.split(":")[0])) != owner:
+                return None
+
+
+def _worker(
+    rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "mp.Queue", owner: str | None
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -86,7 +114,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: "mp.Queue", results: "
 
     results.put((-2, rank, "ready", None))
     while True:
-        task = tasks.get()
+        task = _next_task(tasks, owner)
         if task is None:
             break
         task_id, fn, args, kwargs = task
@@ -123,7 +151,11 @@ class RankPool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, self.tasks[r], self.results, process_identity(os.getpid())),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in self.procs:
