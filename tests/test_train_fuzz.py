@@ -65,6 +65,16 @@ def test_draws_are_reproducible_by_id_and_cover_every_precision():
         assert lm.is_valid(c), c.name
 
 
+def test_cp_cases_run_fp16_at_a_scale_that_does_not_overflow():
+    """cp > 1: one process cannot overflow where the layout does (its activation gradients are cp times one
+    process's, its weight gradients 1/cp of the tokens': tests/train_fuzz.py), so no cp case draws the
+    overflowing scale; dp cases still do (the CI sample's fp16 case)."""
+    cases = [tf.generate(i) for i in range(tf.ALL_CASES)]
+    fp16_cp = [c for c in cases if c.precision == "fp16" and c.parallel.get("cp", 1) > 1]
+    assert fp16_cp and all(c.options["loss_scale_init"] == tf.DEFAULT_SCALE for c in fp16_cp), [c.name for c in fp16_cp]
+    assert any(c.options["loss_scale_init"] > tf.DEFAULT_SCALE and c.parallel.get("cp", 1) == 1 for c in cases)
+
+
 def test_half_precision_floor_keeps_the_last_floor_before_a_skipped_step():
     """Steps from the first skipped step on carry the floor measured before it (fp32 skips nothing)."""
     fp32 = [(1, 6.0, 1.0, None), (2, 5.9, 1.1, 5.8), (3, 5.0, 9.0, None)]
