@@ -61,18 +61,27 @@ def test_draws_are_reproducible_by_id_and_cover_every_precision():
     assert {c.precision for c in cases} == set(tf.PRECISIONS)
     assert {c.options["clip_grad"] for c in cases} == set(tf.CLIPS)
     assert any(c.parallel.get("ep", 1) > 1 for c in cases) and any(c.parallel["cp"] > 1 for c in cases)
+    # parallel.grad_reduce_dtype: fp32 main grads and the precision's own, for each half precision
+    assert {(c.precision, c.options["grad_reduce_dtype"]) for c in cases if c.precision != "fp32"} \
+        == {(p, r) for p in tf.PRECISIONS if p != "fp32" for r in ("fp32", p)}
+    assert {c.options["overlap_param_gather"] for c in cases if c.parallel["zero_stage"] in (1, 2)
+            and c.parallel["dp"] > 1} == set(tf.OVERLAP_PARAM_GATHER)
     for c in ci_sample():
         assert lm.is_valid(c), c.name
 
 
-def test_cp_cases_run_fp16_at_a_scale_that_does_not_overflow():
-    """cp > 1: one process cannot overflow where the layout does (its activation gradients are cp times one
-    process's, its weight gradients 1/cp of the tokens': tests/train_fuzz.py), so no cp case draws the
-    overflowing scale; dp cases still do (the CI sample's fp16 case)."""
-    cases = [tf.generate(i) for i in range(tf.ALL_CASES)]
-    fp16_cp = [c for c in cases if c.precision == "fp16" and c.parallel.get("cp", 1) > 1]
-    assert fp16_cp and all(c.options["loss_scale_init"] == tf.DEFAULT_SCALE for c in fp16_cp), [c.name for c in fp16_cp]
-    assert any(c.options["loss_scale_init"] > tf.DEFAULT_SCALE and c.parallel.get("cp", 1) == 1 for c in cases)
+def test_fp16_overflows_only_where_one_process_holds_the_layouts_values():
+    """One process cannot overflow where the layout does with cp > 1 (its activation gradients are cp times one
+    process's, its weight gradients 1/cp of the tokens') nor with fp16 gradient accumulation over dp > 1 (one
+    process accumulates dp times a rank's micro-batches): tests/train_fuzz.py. So no such case draws the
+    overflowing scale; other dp cases still do (the CI sample's fp16 case)."""
+    cases = [tf.generate(i) for i in range(tf.ALL_CASES + 40)]
+    fp16 = [c for c in cases if c.precision == "fp16"]
+    overflowing = [c for c in fp16 if c.options["loss_scale_init"] > tf.DEFAULT_SCALE]
+    assert any(c.parallel.get("cp", 1) > 1 for c in fp16) and any(c.options["grad_reduce_dtype"] == "fp16" for c in fp16)
+    assert not [c.name for c in overflowing if c.parallel.get("cp", 1) > 1]
+    assert not [c.name for c in overflowing if c.parallel["dp"] > 1 and c.options["grad_reduce_dtype"] != "fp32"]
+    assert any(c.parallel["dp"] > 1 for c in overflowing)
 
 
 def test_half_precision_floor_keeps_the_last_floor_before_a_skipped_step():
