@@ -26,7 +26,7 @@ Invariant, per case (``run``):
   step 2 with 8 samples per micro-batch, step 4 with 1), and the backward's seed is loss_scale / micro-batches
   per dp rank, dp times the single process's. So an fp16 reference runs the case's micro-batch size (as a
   capacity-dropping MoE reference does) from dp times the case's scale; without that, dp=2 and dp=4 layouts
-  skipped steps 1 (and 2) that one process did not (cases 9, 26; README, "Tests").
+  skipped steps 1 (and 2) that one process did not (cases 9, 26; docs/testing.md, "Training options on drawn layouts").
   With cp > 1 no reference scale makes the fp16 values one process's: each cp rank's loss is cp times its
   share (the reduction averages over dp x cp: ``parallel3d/moe_step.py``), so its activation gradients are cp
   times the single process's while its weight gradients sum 1/cp of the tokens. At 2^20, case 33 (cp=2)
