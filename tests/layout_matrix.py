@@ -68,10 +68,11 @@ MICRO_BATCHES = (1, 2, 4)
 MAX_DRAWS = 1000
 
 MOE_BASE, MOE_CASES = 30_000, 16  # ids of the MoE draws in the whole matrix (above the reshard pairs' 20_000)
-# Pipeline draws (``_draw_pipe``: ids ``PIPE_BASE + k`` and the ``pipe_`` coverage properties): the schedules
-# ``parallel.split_drain`` applies to on 3 or 4 stages, the option drawn from its values, always an uneven
-# split (interleaved 1F1B at pp=3 needs one: 8 layers over 6 chunks; the dense draw rarely gives it one).
-PIPE_BASE, PIPE_CASES = 40_000, 16
+# Pipeline draws (``_draw_pipe``: ids ``PIPE_BASE`` up to ``MOE_BASE`` and the ``pipe_`` coverage properties): the
+# schedules ``parallel.split_drain`` applies to on 3 or 4 stages, the option drawn from its values, always an uneven
+# split (interleaved 1F1B at pp=3 needs one: 8 layers over 6 chunks; the dense draw rarely gives it one). Every id
+# from MOE_BASE on stays an MoE draw (tests/reshard_matrix.py and tests/train_fuzz.py draw MoE layouts there).
+PIPE_BASE, PIPE_CASES = 25_000, 16  # above the reshard pairs' 20_000 + 2k
 EP_DEGREES = (1, 2, 4)
 CAPACITY_FACTORS, DROP_POLICIES = (0.5, 1.0), ("probs", "position")  # 0.5: certain drops; 1.0: some
 
@@ -280,7 +281,7 @@ def _draw_pipe(rng: random.Random, case_id: int) -> LayoutCase:
 
 def _drawer(case_id: int, label: str = "") -> Callable[[random.Random, int], LayoutCase]:
     """The draw of ``case_id`` (or of coverage property ``label``): pipeline, MoE or dense."""
-    if case_id >= PIPE_BASE or label.startswith("pipe_"):
+    if PIPE_BASE <= case_id < MOE_BASE or label.startswith("pipe_"):
         return _draw_pipe
     return _draw_moe if case_id >= MOE_BASE or label.startswith("moe_") else _draw
 

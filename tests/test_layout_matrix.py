@@ -71,6 +71,17 @@ def test_pipeline_draws_reach_every_split_drain_value_and_both_drains_of_each_sc
     assert [lm.generate_case(c.case_id) for c in cases] == cases
 
 
+def test_every_id_from_moe_base_on_stays_a_moe_draw():
+    """The reshard pairs' and the train fuzz's MoE layouts are drawn at ids above ``MOE_BASE``; the pipeline
+    draws live below it (ids 40000 + k once turned the reshard matrix's MoE pairs into dense ones)."""
+    from tests import reshard_matrix as rm
+    from tests import train_fuzz as tf
+
+    for base in (lm.MOE_BASE, tf.MOE_LAYOUT_BASE, rm.MOE_PAIR_BASE, rm.MOE_COVER_BASE):
+        assert lm.generate_case(base).model in lm.MOE_MODELS, base
+    assert lm.generate_case(lm.PIPE_BASE).model in lm.MODELS and lm.PIPE_BASE + lm.PIPE_CASES <= lm.MOE_BASE
+
+
 def test_generator_asks_the_validator():
     # A case the validator refuses is never drawn: every generated case resolves.
     for case in lm.ci_sample():
