@@ -16,7 +16,8 @@ URL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
 
 
 def link_files() -> list[Path]:
-    return [*doc_files(), ROOT / "conf" / "README.md"]
+    """README, docs/*.md and conf/README.md: the files ``readme_commands.doc_files`` reads."""
+    return doc_files()
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:

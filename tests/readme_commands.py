@@ -1,8 +1,8 @@
-"""The documentation's commands, read from README.md and docs/*.md themselves: every fenced-block line and
-inline code span that starts with a program (python, torchrun, bash, pytest, sbatch, pip, wandb), split into
-words as the shell would, and classified by what it runs. Nothing here is a hand-kept list of commands: a
-command added to README or to a docs/ topic file is extracted and checked (``tests/test_readme_commands.py``,
-``readme_checks``) without touching this file.
+"""The documentation's commands, read from README.md, docs/*.md and conf/README.md themselves: every
+fenced-block line and inline code span that starts with a program (python, torchrun, bash, pytest, sbatch, pip,
+wandb), split into words as the shell would, and classified by what it runs. Nothing here is a hand-kept list of
+commands: a command added to README, to a docs/ topic file or to conf/README.md is extracted and checked
+(``tests/test_readme_commands.py``, ``readme_checks``) without touching this file.
 
 Invariant: each ``Command`` keeps its file, line number and text, so a failing check names where it is.
 """
@@ -18,11 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS_DIR = ROOT / "docs"
+CONF_README = ROOT / "conf" / "README.md"
 
 
 def doc_files() -> list[Path]:
-    """README first (its first command is the newcomer's), then the docs/ topic files in name order."""
-    return [README, *sorted(DOCS_DIR.glob("*.md"))]
+    """README first (its first command is the newcomer's), then the docs/ topic files in name order, then the
+    config reference (``conf/README.md``), whose commands, paths and keys a newcomer copies too."""
+    return [README, *sorted(DOCS_DIR.glob("*.md")), CONF_README]
 
 
 def doc_name(path: Path) -> str:
@@ -156,6 +158,13 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return None
 
 
+# torchrun's options that take a value (the word after them is not the script); both spellings.
+TORCHRUN_VALUE_FLAGS = tuple(f"--{name.replace('_', sep)}"
+                             for name in ("nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint",
+                                          "rdzv_id", "master_addr", "master_port")
+                             for sep in ("-", "_"))
+
+
 def _after_launcher(args: list[str]) -> tuple[str, str, list[str]]:
     """``(kind, target, args)`` of what ``python`` / ``torchrun`` runs: ``-m module`` or a script."""
     i = 0
@@ -165,7 +174,7 @@ def _after_launcher(args: list[str]) -> tuple[str, str, list[str]]:
             return "module", args[i + 1], args[i + 2:]
         if arg == "-c":
             return "python-c", "", args[i + 1:]
-        if arg in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):  # torchrun's options with a value
+        if arg in TORCHRUN_VALUE_FLAGS:  # torchrun's options with a value
             i += 2
             continue
         if arg.startswith("-"):
@@ -193,7 +202,8 @@ def classify(cmd: Command) -> Command:
         kind, cmd.target, cmd.args = _after_launcher(rest)
         cmd.kind = kind
         if program in TORCHRUNS:
-            cmd.world_size = int(_flag_value(rest, "--nproc-per-node", "--nproc_per_node") or 1)
+            cmd.world_size = (int(_flag_value(rest, "--nproc-per-node", "--nproc_per_node") or 1)
+                              * int(_flag_value(rest, "--nnodes") or 1))
         if kind == "python-c":
             cmd.skip = "python -c snippet: compiled only (it reads files an earlier command writes)"
     elif program == "bash":

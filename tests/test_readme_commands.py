@@ -1,4 +1,4 @@
-"""Every command README.md and docs/*.md show would start as written: extracted from those files
+"""Every command README.md, docs/*.md and conf/README.md show would start as written: extracted from those files
 (``tests/readme_commands.py``) and handed to its entry point's own validation (``tests/readme_checks.py``),
 never run. Every repository path and config key they name exists. Commands not meant to run here (SLURM, pip on a cluster, an external
 tool) are skipped by a stated rule, printed with ``-rP`` / ``-s``; a ``...`` repeat of an earlier command is
