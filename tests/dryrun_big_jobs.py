@@ -21,6 +21,7 @@ from parallel3d.context_parallel import CP_COMM_VARIANTS
 from parallel3d.topology import LayoutError
 from parallel3d.train import compose_job
 from tests import layout_matrix as lm
+from tests.layer_splits import composition, empty_ends
 
 BIG_SEED = 2026120726
 BIG_JOBS = 10
@@ -59,7 +60,7 @@ def _draw(rng: random.Random, index: int) -> BigJob:
           f"train.seq_len={rng.choice((2048, 4096))}", f"train.recompute={rng.choice(cfg.RECOMPUTE)}",
           f"train.global_batch_size={dp * pp * rng.choice((1, 2))}"]
     if pp * v <= layers and rng.random() < 0.6:  # uneven stages (an empty first and last chunk sometimes)
-        counts = lm._empty_ends(rng, lm._composition(rng, layers, pp * v))
+        counts = empty_ends(rng, composition(rng, layers, pp * v))
         ov.append("parallel.pp_layers=[" + ",".join(map(str, counts)) + "]")
     if tp > 1 and rng.random() < 0.7:
         ov.append("parallel.sequence_parallel=true")

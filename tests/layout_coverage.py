@@ -2,7 +2,7 @@
 
 Invariant: ``COVER_BASE + k`` is the id of the layout drawn under the k-th property of ``CI_MUST_COVER``,
 so a property is only ever appended (the ones before keep their ids and their CI cases). A predicate
-reads only a case's ``parallel``, ``model``, ``emulate_nccl`` and ``document_mask`` (``LayoutCase``'s
+reads only a case's ``parallel``, ``train``, ``model``, ``emulate_nccl`` and ``document_mask`` (``LayoutCase``'s
 fields: ``tests/layout_matrix.py`` draws the cases and builds the sample from these).
 """
 
@@ -10,14 +10,22 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+from parallel3d.pipeline.options import AUTO, INTERLEAVED, SPLIT_DRAIN_SCHEDULES, drain_is_split
+
 
 class DrawnLayout(Protocol):
     """The fields of ``layout_matrix.LayoutCase`` the predicates read (no import of the drawing module)."""
 
     model: str
     parallel: dict[str, Any]
+    train: dict[str, Any]
     emulate_nccl: bool
     document_mask: bool
+
+def _splits(c: DrawnLayout) -> bool:
+    """Whether the case's pipeline splits its drain backwards (the engine's own rule)."""
+    return drain_is_split(c.parallel["schedule"], c.parallel.get("split_drain", AUTO), c.train["recompute"])
+
 
 # Properties CI must always cover (the gaps that once hid every pp >= 3 failure).
 CI_MUST_COVER: dict[str, Callable[[DrawnLayout], bool]] = {
@@ -60,6 +68,13 @@ CI_MUST_COVER: dict[str, Callable[[DrawnLayout], bool]] = {
     # Both end chunks without a layer (embedding alone; final norm, head and loss alone), across stages.
     "empty_first_and_last_chunk_pp>=2": lambda c: (c.parallel["pp_layers"] or [1])[0] == 0
     and c.parallel["pp_layers"][-1] == 0 and c.parallel["pp"] >= 2,
+    # parallel.split_drain (drawn by _draw_pipe): interleaved 1F1B's split drain on uneven stages (the default
+    # since session 40; the interleaved cases above all ran recompute=full, where it does not split), and a
+    # plain drain where the default would split (split_drain=false).
+    "pipe_interleaved_split_drain_uneven_pp>=3": lambda c: c.parallel["schedule"] == INTERLEAVED
+    and c.parallel["pp"] >= 3 and c.parallel["pp_layers"] is not None and _splits(c),
+    "pipe_plain_drain_pp>=3": lambda c: c.parallel["schedule"] in SPLIT_DRAIN_SCHEDULES and c.parallel["pp"] >= 3
+    and c.parallel.get("split_drain", AUTO) is False and c.train["recompute"] != "full",
 }
 
 

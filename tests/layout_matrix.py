@@ -26,7 +26,9 @@ layout, dropout off, on a held-out ``VALID_FRACTION`` of the corpus).
   (coverage draws within ``affordable_for_ci``).
 - Context parallel: cp from ``DEGREES["cp"]``, every ``parallel.cp_comm`` (and an a2a size dividing cp),
   and ``data.document_mask`` on or off (the reference masks documents too).
-- ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1`` plus the CI sample.
+- Pipelines (``_draw_pipe``, ids ``PIPE_BASE + k`` and the ``pipe_`` properties): 1F1B and interleaved 1F1B on
+  3 or 4 uneven stages with ``parallel.split_drain`` drawn (the dense draw leaves it at ``auto``).
+- ``all_cases()``: the whole matrix, ids ``0 .. ALL_CASES - 1``, the MoE and pipeline draws, plus the CI sample.
 - ``LayoutCase.job`` builds a case's job and its reference's from ``model_values()`` and ``seq_len``:
   ``tests/shape_fuzz.py`` overrides those two with drawn model shapes (odd degrees and sizes).
 """
@@ -43,12 +45,14 @@ from typing import Any, Callable
 from parallel3d import config as cfg
 from parallel3d.config import ConfigError, job_from_dict, resolve
 from parallel3d.context_parallel import CP_COMM_VARIANTS
+from parallel3d.pipeline.options import AUTO, SPLIT_DRAIN_SCHEDULES, SPLIT_DRAIN_VALUES
+from tests.layer_splits import composition, empty_ends
+from tests.matrix_models import MODELS, MOE_MODELS, SEQ_LEN  # the drawn models (dense, MoE)
 from tests.layout_coverage import CI_MUST_COVER, COVER_BASE  # the sample's properties and their ids
 
 MATRIX_SEED = 20261203
 MAX_WORLD = 8
 STEPS = 4
-SEQ_LEN = 32
 RTOL = 1e-5
 # Adam's first steps turn rounding noise in near-zero gradients into whole-lr updates: at lr 3e-3
 # one process with 8 vs 24 samples per microbatch (same math, other summation order) already
@@ -63,33 +67,12 @@ GLOBAL_BATCHES = (8, 12, 24)
 MICRO_BATCHES = (1, 2, 4)
 MAX_DRAWS = 1000
 
-# Two small models with every feature the layouts interact with: tied embeddings and
-# learned positions (gpt); GQA, rotary, untied head and a vocabulary that does not divide
-# by tp (llama: 510 = 2 * 255, padded for tp=4). 8 layers allow pp * virtual_stages = 8.
-MODELS: dict[str, dict[str, Any]] = {
-    "gpt": dict(name="matrix_gpt", arch="gpt", num_layers=8, hidden_size=64, num_heads=4, num_kv_heads=None,
-                ffn_hidden_size=None, vocab_size=512, max_seq_len=SEQ_LEN, tie_embeddings=True, use_bias=True,
-                dropout=0.1),
-    "llama": dict(name="matrix_llama", arch="llama", num_layers=8, hidden_size=64, num_heads=8, num_kv_heads=4,
-                  ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
-                  dropout=0.1),
-}
-
-# Mixtures of experts (drawn by ``_draw_moe`` only, ids ``MOE_BASE + k`` and the ``moe_`` coverage
-# properties; the dense draws above are unchanged). The aux loss is per sequence: a per-micro-batch
-# aux loss depends on the micro-batch size, which the layouts vary (models.moe_config).
-MOE_MODELS: dict[str, dict[str, Any]] = {
-    "mixtral": dict(name="matrix_mixtral", arch="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
-                    ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
-                    dropout=0.1, moe=dict(num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=0.01,
-                                          aux_loss_scope="sequence", z_loss_coeff=0.001)),
-    "deepseek": dict(name="matrix_deepseek", arch="llama", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=96, vocab_size=510, max_seq_len=SEQ_LEN, tie_embeddings=False, use_bias=False,
-                     dropout=0.1, moe=dict(num_experts=8, top_k=2, ffn_hidden_size=16, num_shared_experts=1,
-                                           dense_first=1, score_function="sigmoid", bias_update_rate=0.01,
-                                           aux_loss_coeff=0.001, aux_loss_scope="sequence")),
-}
 MOE_BASE, MOE_CASES = 30_000, 16  # ids of the MoE draws in the whole matrix (above the reshard pairs' 20_000)
+# Pipeline draws (``_draw_pipe``: ids ``PIPE_BASE`` up to ``MOE_BASE`` and the ``pipe_`` coverage properties): the
+# schedules ``parallel.split_drain`` applies to on 3 or 4 stages, the option drawn from its values, always an uneven
+# split (interleaved 1F1B at pp=3 needs one: 8 layers over 6 chunks; the dense draw rarely gives it one). Every id
+# from MOE_BASE on stays an MoE draw (tests/reshard_matrix.py and tests/train_fuzz.py draw MoE layouts there).
+PIPE_BASE, PIPE_CASES = 25_000, 16  # above the reshard pairs' 20_000 + 2k
 EP_DEGREES = (1, 2, 4)
 CAPACITY_FACTORS, DROP_POLICIES = (0.5, 1.0), ("probs", "position")  # 0.5: certain drops; 1.0: some
 
@@ -133,6 +116,8 @@ class LayoutCase:
             bits.append(f"rc-{t['recompute']}")
         if p["pp_layers"] is not None:
             bits.append("L" + ".".join(map(str, p["pp_layers"])))
+        if p.get("split_drain", AUTO) != AUTO:
+            bits.append(f"drain-{'split' if p['split_drain'] else 'plain'}")
         if p["order"] not in ("tp-dp-pp", "tp-ep-dp-pp"):  # the same layout as the default order tp-cp-ep-dp-pp (cp = ep = 1)
             bits.append(p["order"])
         if self.emulate_nccl:
@@ -213,31 +198,14 @@ def _orders() -> list[str]:
     return ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))]
 
 
-def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
-    """A random split of ``total`` layers into ``parts`` positive counts."""
-    cuts = sorted(rng.sample(range(1, total), parts - 1))
-    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
-
-
-def _empty_ends(rng: random.Random, counts: list[int]) -> list[int]:
-    """``counts`` with, sometimes, the first and/or the last chunk emptied (the embedding alone, the final
-    norm and head alone: Llama 3 405B's layout), its layers moved to the neighbouring chunk."""
-    out, which = list(counts), rng.choice(("none", "first", "last", "both", "both"))
-    if which in ("first", "both") and len(out) >= 2:
-        out[1], out[0] = out[1] + out[0], 0
-    if which in ("last", "both") and len(out) >= 3:
-        out[-2], out[-1] = out[-2] + out[-1], 0
-    return out
-
-
 def _draw(rng: random.Random, case_id: int) -> LayoutCase:
     tp, pp, dp = (rng.choice(DEGREES[d]) for d in ("tp", "pp", "dp"))
     schedule = rng.choice(cfg.SCHEDULES)
     v = rng.choice((2, 3, 4)) if schedule == "interleaved_1f1b" else 2 if schedule == "zbv" else 1
     layers = MODELS["gpt"]["num_layers"]
-    pp_layers = _composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
+    pp_layers = composition(rng, layers, pp * v) if pp > 1 and pp * v <= layers and rng.random() < 0.4 else None
     if pp_layers is not None:  # empty end chunks, from a fork of the RNG: the draws after keep their values
-        pp_layers = _empty_ends(random.Random(repr(rng.getstate())), pp_layers)
+        pp_layers = empty_ends(random.Random(repr(rng.getstate())), pp_layers)
     g = rng.choice(GLOBAL_BATCHES)
     mbs = rng.choice(MICRO_BATCHES)
     stage = rng.choice(cfg.ZERO_STAGES)
@@ -278,7 +246,7 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
              schedule=rng.choice([s for s in cfg.SCHEDULES if s not in ("interleaved_1f1b", "zbv") or two_chunks]))
     if p["schedule"] in ("interleaved_1f1b", "zbv"):
         p["virtual_stages"] = 2
-    p["pp_layers"] = [1, *_composition(rng, layers - 1, p["pp"] - 1)] \
+    p["pp_layers"] = [1, *composition(rng, layers - 1, p["pp"] - 1)] \
         if p["virtual_stages"] == 1 and 1 < p["pp"] < layers and rng.random() < 0.5 else None
     # Expert tensor parallel: tp's default or another degree whose expert grid fills the world (so that
     # draws meeting the rarer coverage properties stay valid often enough; the validator still decides).
@@ -298,6 +266,26 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
     return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl, capacity=capacity)
 
 
+def _draw_pipe(rng: random.Random, case_id: int) -> LayoutCase:
+    """A dense draw moved onto 3 or 4 stages of 1F1B or interleaved 1F1B, with ``parallel.split_drain`` drawn
+    (auto / true / false) and an uneven split of the layers over the chunks (empty ends sometimes)."""
+    case = _draw(rng, case_id)
+    pp, schedule = rng.choice((3, 4)), rng.choice(SPLIT_DRAIN_SCHEDULES)
+    v = 2 if schedule == "interleaved_1f1b" else 1  # pp * v <= 8 layers: 2 is the only choice at pp >= 3
+    counts = empty_ends(rng, composition(rng, MODELS[case.model]["num_layers"], pp * v))
+    p = dict(case.parallel, pp=pp, schedule=schedule, virtual_stages=v, pp_layers=counts,
+             split_drain=rng.choice(SPLIT_DRAIN_VALUES))
+    return LayoutCase(case_id, case.model, p, case.train, emulate_nccl=rng.random() < 0.4,
+                      document_mask=case.document_mask)
+
+
+def _drawer(case_id: int, label: str = "") -> Callable[[random.Random, int], LayoutCase]:
+    """The draw of ``case_id`` (or of coverage property ``label``): pipeline, MoE or dense."""
+    if PIPE_BASE <= case_id < MOE_BASE or label.startswith("pipe_"):
+        return _draw_pipe
+    return _draw_moe if case_id >= MOE_BASE or label.startswith("moe_") else _draw
+
+
 def is_valid(case: LayoutCase) -> bool:
     """Whether the config validator accepts ``case`` (the one source of validity)."""
     try:
@@ -311,7 +299,7 @@ def generate_case(case_id: int, where: Callable[[LayoutCase], bool] = lambda c: 
     """The layout of ``case_id``: the first draw of its own RNG within budget, valid and ``where``."""
     rng = random.Random(f"{MATRIX_SEED}:{case_id}")
     cover = list(CI_MUST_COVER)[case_id - COVER_BASE] if 0 <= case_id - COVER_BASE < len(CI_MUST_COVER) else ""
-    draw = _draw_moe if case_id >= MOE_BASE or cover.startswith("moe_") else _draw
+    draw = _drawer(case_id, cover)
     for _ in range(MAX_DRAWS):
         case = draw(rng, case_id)
         if case.world_size <= MAX_WORLD and where(case) and is_valid(case):
@@ -348,7 +336,7 @@ def _cover_draw(k: int, uncovered: list[str]) -> LayoutCase:
     per ``uncovered`` property it meets (the greedy rule for a cheap set cover), then the first drawn."""
     label, where = list(CI_MUST_COVER.items())[k]
     rng = random.Random(f"{MATRIX_SEED}:{COVER_BASE + k}")
-    draw = _draw_moe if label.startswith("moe_") else _draw
+    draw = _drawer(COVER_BASE + k, label)
     ranked = []
     for i in range(MAX_DRAWS):
         case = draw(rng, COVER_BASE + k)
@@ -391,5 +379,6 @@ def case_by_id(case_id: int) -> LayoutCase:
 
 def all_cases() -> list[LayoutCase]:
     cases = {c.case_id: c for c in [*(generate_case(i) for i in range(ALL_CASES)),
-                                     *(generate_case(MOE_BASE + k) for k in range(MOE_CASES)), *ci_sample()]}
+                                     *(generate_case(MOE_BASE + k) for k in range(MOE_CASES)),
+                                     *(generate_case(PIPE_BASE + k) for k in range(PIPE_CASES)), *ci_sample()]}
     return [cases[i] for i in sorted(cases)]

@@ -28,6 +28,7 @@ from parallel3d import config as cfg
 from parallel3d.config import ConfigError, job_from_dict, resolve
 from parallel3d.context_parallel import CP_COMM_VARIANTS
 from tests import layout_matrix as lm
+from tests.layer_splits import composition
 
 FUZZ_SEED = 20261206
 MIN_WORLD, MAX_WORLD = 3, 6  # world sizes 3 to 6: the odd ones and 6 = 2 * 3, on a 2-core machine
@@ -113,7 +114,7 @@ def draw(rng: random.Random, case_id: int) -> ShapeCase:
     layers = shape["num_layers"]
     pp_layers = None
     if pp > 1 and pp * v <= layers + 2 and rng.random() < 0.5:  # uneven, sometimes with empty end chunks
-        counts = lm._composition(rng, layers + 2, pp * v)
+        counts = composition(rng, layers + 2, pp * v)
         pp_layers = [counts[0] - 1, *counts[1:-1], counts[-1] - 1]  # the ends may be 0
     stage = rng.choice(cfg.ZERO_STAGES)
     dims = ["tp", "cp", "dp", "pp"] if not moe else ["tp", "cp", "ep", "dp", "pp"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from parallel3d import config as cfg
+from parallel3d.pipeline.options import SPLIT_DRAIN_SCHEDULES, SPLIT_DRAIN_VALUES, drain_is_split
 from tests import layout_matrix as lm
 from tests import layout_run as lr
 
@@ -55,6 +56,30 @@ def test_ci_sample_runs_every_schedule_zero_stage_offload_mode_and_model_at_pp3_
     assert {c.parallel["offload"] for c in cases} == set(cfg.OFFLOAD_MODES)
     assert {c.model for c in cases if c.parallel["pp"] >= 3 and c.model in lm.MODELS} == set(lm.MODELS)
     assert lm.STEPS >= 4 and lm.EVAL_EVERY < lm.STEPS
+
+
+def test_pipeline_draws_reach_every_split_drain_value_and_both_drains_of_each_schedule():
+    """``parallel.split_drain`` is drawn (the dense draw leaves it at auto): every value the option accepts,
+    and, resolved by the engine's own rule, a split and a plain drain of each schedule it applies to, on 3 or
+    4 uneven stages; reproducible by id."""
+    cases = [lm.generate_case(lm.PIPE_BASE + k) for k in range(lm.PIPE_CASES)]
+    assert {repr(c.parallel["split_drain"]) for c in cases} == {repr(v) for v in SPLIT_DRAIN_VALUES}
+    drains = {(c.parallel["schedule"], drain_is_split(c.parallel["schedule"], c.parallel["split_drain"],
+                                                      c.train["recompute"])) for c in cases}
+    assert drains == {(s, split) for s in SPLIT_DRAIN_SCHEDULES for split in (True, False)}
+    assert all(c.parallel["pp"] in (3, 4) and c.parallel["pp_layers"] is not None for c in cases)
+    assert [lm.generate_case(c.case_id) for c in cases] == cases
+
+
+def test_every_id_from_moe_base_on_stays_a_moe_draw():
+    """The reshard pairs' and the train fuzz's MoE layouts are drawn at ids above ``MOE_BASE``; the pipeline
+    draws live below it (ids 40000 + k once turned the reshard matrix's MoE pairs into dense ones)."""
+    from tests import reshard_matrix as rm
+    from tests import train_fuzz as tf
+
+    for base in (lm.MOE_BASE, tf.MOE_LAYOUT_BASE, rm.MOE_PAIR_BASE, rm.MOE_COVER_BASE):
+        assert lm.generate_case(base).model in lm.MOE_MODELS, base
+    assert lm.generate_case(lm.PIPE_BASE).model in lm.MODELS and lm.PIPE_BASE + lm.PIPE_CASES <= lm.MOE_BASE
 
 
 def test_generator_asks_the_validator():

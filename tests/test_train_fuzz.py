@@ -1,9 +1,9 @@
 """Drawn layouts with drawn training options (bf16 / fp16 / fp32, clipping, decay, warm-up, lr, eval, dropout)
 give the single-process curve with the same options (``tests/train_fuzz.py``: the draws and the tolerance rule).
 
-CI runs ``ci_sample()``: the cheapest of the first ``CI_SCAN`` ids meeting each ``CI_MUST_COVER`` property (a
+CI runs ``ci_sample()``: the cheapest of ``CI_SCAN`` ids meeting each ``CI_MUST_COVER`` property (a
 bf16 tensor-parallel layout with clipping active; an fp16 data-parallel layout at the loss scale
-that overflows: it skips step 1, as the single process does); the
+that overflows: it skips step 1, as the single process does; a bf16 / fp16 gradient reduction over dp > 1); the
 whole fuzz is ``extended`` (``pytest tests/test_train_fuzz.py --extended``) or, as a table,
 ``python scripts/check_train_fuzz.py``.
 """
@@ -26,15 +26,24 @@ CI_MUST_COVER: dict[str, Callable[[tf.TrainCase], bool]] = {
     # dp > 1: the reference starts at dp x the scale (tests/train_fuzz.py), or the skipped steps differ
     "fp16_dp>1_overflowing_scale": lambda c: c.precision == "fp16" and c.parallel["dp"] > 1
     and c.options["loss_scale_init"] == max(tf.LOSS_SCALES),
+    # parallel.grad_reduce_dtype in the half precision, reduced over dp > 1 (drawn since session 41)
+    "half_precision_grad_reduce_dp>1": lambda c: c.precision != "fp32"
+    and c.options["grad_reduce_dtype"] == c.precision and c.parallel["dp"] > 1,
 }
+# Where a property's scan starts (0 unless named): ids 0-29 draw no half-precision reduction over dp > 1.
+CI_SCAN_START = {"half_precision_grad_reduce_dp>1": 90}
 
 
 @functools.lru_cache(maxsize=1)
 def ci_sample() -> tuple[tf.TrainCase, ...]:
-    """Per property, the cheapest (``layout_matrix.ci_cost``) case among ids ``0 .. CI_SCAN - 1``."""
-    cases = [tf.generate(i) for i in range(CI_SCAN)]
-    return tuple(min((c for c in cases if where(c)), key=lambda c: (lm.ci_cost(c), c.case_id))
-                 for where in CI_MUST_COVER.values())
+    """Per property, the cheapest (``layout_matrix.ci_cost``) case among ``CI_SCAN`` ids from its
+    ``CI_SCAN_START`` (0 unless named)."""
+    out = []
+    for label, where in CI_MUST_COVER.items():
+        start = CI_SCAN_START.get(label, 0)
+        cases = [tf.generate(i) for i in range(start, start + CI_SCAN)]
+        out.append(min((c for c in cases if where(c)), key=lambda c: (lm.ci_cost(c), c.case_id)))
+    return tuple(out)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -61,8 +70,31 @@ def test_draws_are_reproducible_by_id_and_cover_every_precision():
     assert {c.precision for c in cases} == set(tf.PRECISIONS)
     assert {c.options["clip_grad"] for c in cases} == set(tf.CLIPS)
     assert any(c.parallel.get("ep", 1) > 1 for c in cases) and any(c.parallel["cp"] > 1 for c in cases)
+    # parallel.grad_reduce_dtype: fp32 main grads and the precision's own, for each half precision
+    assert {(c.precision, c.options["grad_reduce_dtype"]) for c in cases if c.precision != "fp32"} \
+        == {(p, r) for p in tf.PRECISIONS if p != "fp32" for r in ("fp32", p)}
+    assert {c.options["overlap_param_gather"] for c in cases if c.parallel["zero_stage"] in (1, 2)
+            and c.parallel["dp"] > 1} == set(tf.OVERLAP_PARAM_GATHER)
+    for c in ci_sample():  # the drawn options reach the job the ranks and the reference train
+        for values in (c.values("out", "cache"), lm.reference_values(c, "out", "cache")):
+            assert {k: values["parallel"][k] for k in ("grad_reduce_dtype", "overlap_param_gather")} \
+                == {k: c.options[k] for k in ("grad_reduce_dtype", "overlap_param_gather")}, c.name
     for c in ci_sample():
         assert lm.is_valid(c), c.name
+
+
+def test_fp16_overflows_only_where_one_process_holds_the_layouts_values():
+    """One process cannot overflow where the layout does with cp > 1 (its activation gradients are cp times one
+    process's, its weight gradients 1/cp of the tokens') nor with fp16 gradient accumulation over dp > 1 (one
+    process accumulates dp times a rank's micro-batches): tests/train_fuzz.py. So no such case draws the
+    overflowing scale; other dp cases still do (the CI sample's fp16 case)."""
+    cases = [tf.generate(i) for i in range(tf.ALL_CASES + 40)]
+    fp16 = [c for c in cases if c.precision == "fp16"]
+    overflowing = [c for c in fp16 if c.options["loss_scale_init"] > tf.DEFAULT_SCALE]
+    assert any(c.parallel.get("cp", 1) > 1 for c in fp16) and any(c.options["grad_reduce_dtype"] == "fp16" for c in fp16)
+    assert not [c.name for c in overflowing if c.parallel.get("cp", 1) > 1]
+    assert not [c.name for c in overflowing if c.parallel["dp"] > 1 and c.options["grad_reduce_dtype"] != "fp32"]
+    assert any(c.parallel["dp"] > 1 for c in overflowing)
 
 
 def test_half_precision_floor_keeps_the_last_floor_before_a_skipped_step():

@@ -5,7 +5,9 @@ optimizer options. Here ``generate(case_id)`` draws a layout-matrix layout (``la
 tp, pp with every schedule, dp, cp with cp_comm, ep on an MoE model, ZeRO 0-3, offload) together with the
 training options users run: ``train.precision`` (fp32 / bf16 / fp16, from the schema's ``PRECISIONS``),
 ``optimizer.clip_grad`` (off, ``SMALL_CLIP`` which clips at every step, 1.0), weight decay, warm-up, lr, the
-evaluation cadence, dropout, and for fp16 the initial loss scale (``LOSS_SCALES``: 2^20 overflows in 4 steps).
+evaluation cadence, dropout, the gradients' reduction dtype (``parallel.grad_reduce_dtype``: fp32 or the
+precision), ``parallel.overlap_param_gather``, and for fp16 the initial loss scale (``LOSS_SCALES``: 2^20
+overflows in 4 steps).
 Every draw comes from an RNG seeded by ``TRAIN_SEED`` and the id alone: a case is reproduced by its id.
 
 Invariant, per case (``run``):
@@ -25,6 +27,16 @@ Invariant, per case (``run``):
   per dp rank, dp times the single process's. So an fp16 reference runs the case's micro-batch size (as a
   capacity-dropping MoE reference does) from dp times the case's scale; without that, dp=2 and dp=4 layouts
   skipped steps 1 (and 2) that one process did not (cases 9, 26; docs/testing.md, "Training options on drawn layouts").
+  With cp > 1 no reference scale makes the fp16 values one process's: each cp rank's loss is cp times its
+  share (the reduction averages over dp x cp: ``parallel3d/moe_step.py``), so its activation gradients are cp
+  times the single process's while its weight gradients sum 1/cp of the tokens. At 2^20, case 33 (cp=2)
+  skipped steps [2, 4] against one process's [4]; with the reference at cp x the scale, cases 24 and 57
+  skipped [1] vs [1, 2] and [4] vs [2]. So a cp > 1 case runs fp16 at the default scale, which overflows
+  nowhere here (its rounding is still judged); overflow with dp (and ep, tp) keeps its drawn scale.
+  Likewise fp16 gradient accumulation (``parallel.grad_reduce_dtype=fp16``) over dp > 1: the reference's
+  accumulated gradient sums dp times the micro-batches of a rank's (each rank divides by dp before its
+  reduction), so at 2^20 case 36 (dp=2) skipped [1] vs one process's [1, 4]. At the overflowing scale with
+  dp > 1 the gradients reduce in fp32 (``_one_process_overflows_alike``); fp16 reduction is drawn elsewhere.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ EVAL_EVERYS = (0, lm.EVAL_EVERY)  # 0: evaluate at the end only
 DROPOUTS = (0.0, 0.1)
 DEFAULT_SCALE = int(OptimizerOptions.loss_scale_init)
 LOSS_SCALES = (DEFAULT_SCALE, 2**20)  # fp16: the default start (no overflow in 4 steps here), one that overflows
+OVERLAP_PARAM_GATHER = (True, False)  # parallel.overlap_param_gather's two values (ZeRO 1/2)
 ALL_CASES = 30
 MAX_DRAWS = 200
 
@@ -77,6 +90,10 @@ class TrainCase(lm.LayoutCase):
                 f"lr{o['lr']:.0e}", f"ev{o['eval_every']}", f"do{o['dropout']:g}"]
         if o["precision"] == "fp16":
             bits.append(f"ls2^{int(o['loss_scale_init']).bit_length() - 1}")
+        if o["grad_reduce_dtype"] != "fp32":
+            bits.append(f"gr-{o['grad_reduce_dtype']}")
+        if not o["overlap_param_gather"]:
+            bits.append("no-gather-overlap")
         return super().name + "-" + "-".join(bits)
 
     def job(self, parallel: dict, train: dict, out_dir: str, cache_dir: str) -> dict[str, Any]:
@@ -84,6 +101,8 @@ class TrainCase(lm.LayoutCase):
         o = self.options
         values["model"] = dict(values["model"], dropout=o["dropout"])
         values["train"].update(precision=o["precision"], eval_every=o["eval_every"])
+        values["parallel"] = dict(values["parallel"], grad_reduce_dtype=o["grad_reduce_dtype"],
+                                  overlap_param_gather=o["overlap_param_gather"])
         # The backward's seed is loss_scale / (micro-batches per dp rank) (the dp mean is taken by the reduction):
         # a job with fewer dp ranks than the case's starts at a scale that many times larger, so its fp16 values,
         # which decide an overflow, are the case's (a power of two: exact, nothing else changes).
@@ -101,7 +120,8 @@ class TrainCase(lm.LayoutCase):
 
     def in_fp32(self) -> "TrainCase":
         """The same case in fp32 (its single process is the half-precision cases' yardstick)."""
-        return dataclasses.replace(self, options=dict(self.options, precision="fp32", loss_scale_init=DEFAULT_SCALE))
+        return dataclasses.replace(self, options=dict(self.options, precision="fp32", loss_scale_init=DEFAULT_SCALE,
+                                                      grad_reduce_dtype="fp32"))
 
     def at_default_scale(self) -> "TrainCase":
         """The same case at fp16's default start, which overflows in none of these runs: its single process
@@ -111,10 +131,27 @@ class TrainCase(lm.LayoutCase):
 
 def _options(rng: random.Random) -> dict[str, Any]:
     precision = rng.choice(PRECISIONS)
-    return {"precision": precision, "clip_grad": rng.choice(CLIPS), "weight_decay": rng.choice(WEIGHT_DECAYS),
-            "warmup_steps": rng.choice(WARMUPS), "lr": rng.choice(LRS), "eval_every": rng.choice(EVAL_EVERYS),
-            "dropout": rng.choice(DROPOUTS),
-            "loss_scale_init": rng.choice(LOSS_SCALES) if precision == "fp16" else DEFAULT_SCALE}
+    options = {"precision": precision, "clip_grad": rng.choice(CLIPS), "weight_decay": rng.choice(WEIGHT_DECAYS),
+               "warmup_steps": rng.choice(WARMUPS), "lr": rng.choice(LRS), "eval_every": rng.choice(EVAL_EVERYS),
+               "dropout": rng.choice(DROPOUTS),
+               "loss_scale_init": rng.choice(LOSS_SCALES) if precision == "fp16" else DEFAULT_SCALE}
+    # The gradients' reduction dtype (fp32 main grads or the training precision) and ZeRO 1/2's parameter
+    # all-gather overlapped with the next forward or not: from a fork of the RNG, so the draws above and after
+    # keep their values (every case drawn before these existed keeps its layout and its other options).
+    fork = random.Random(repr(rng.getstate()))
+    return dict(options, grad_reduce_dtype=fork.choice(sorted({"fp32", precision})),
+                overlap_param_gather=fork.choice(OVERLAP_PARAM_GATHER))
+
+
+def _one_process_overflows_alike(options: dict[str, Any], layout: lm.LayoutCase) -> dict[str, Any]:
+    """``options`` where one process can hold the layout's fp16 values, so that its overflows must be the
+    layout's (module doc): the default scale with cp > 1; fp32 gradient accumulation at the overflowing scale
+    with dp > 1."""
+    if layout.parallel.get("cp", 1) > 1:
+        options = dict(options, loss_scale_init=DEFAULT_SCALE)
+    if options["loss_scale_init"] > DEFAULT_SCALE and layout.parallel["dp"] > 1:
+        options = dict(options, grad_reduce_dtype="fp32")
+    return options
 
 
 def _affordable(c: lm.LayoutCase) -> bool:
@@ -131,7 +168,7 @@ def generate(case_id: int) -> TrainCase:
     layout = lm.generate_case((MOE_LAYOUT_BASE if moe else LAYOUT_BASE) + case_id, _affordable)
     fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(lm.LayoutCase)}
     for _ in range(MAX_DRAWS):
-        case = TrainCase(**dict(fields, case_id=case_id), options=_options(rng))
+        case = TrainCase(**dict(fields, case_id=case_id), options=_one_process_overflows_alike(_options(rng), layout))
         if lm.is_valid(case):
             return case
     raise RuntimeError(f"train-fuzz case {case_id}: no valid options in {MAX_DRAWS} draws")

@@ -21,6 +21,7 @@ ZBV = "zbv"  # exactly two chunks per stage (its V)
 MULTI_CHUNK = (INTERLEAVED, ZBV)  # the schedules that run more than one model chunk per stage
 SPLIT_DRAIN_SCHEDULES = ("1f1b", INTERLEAVED)  # the schedules ``parallel.split_drain`` applies to (schedules.build_schedule)
 AUTO = "auto"  # parallel.split_drain's default: split wherever ``drain_is_split`` allows it
+SPLIT_DRAIN_VALUES: tuple[bool | str, ...] = (AUTO, True, False)  # what parallel.split_drain accepts
 
 
 def drain_is_split(schedule: str, split_drain: bool | str, recompute: str = "none") -> bool:
@@ -38,7 +39,7 @@ def drain_is_split(schedule: str, split_drain: bool | str, recompute: str = "non
     logits gradient: +3.3% on llama_tiny's last stage, tp 2, bf16; ``planning.split_memory``). The one
     place that resolves the option: the engine, the dry run and the planner's ``Layout`` all build their
     schedule with this answer."""
-    if split_drain != AUTO and not isinstance(split_drain, bool):
+    if split_drain != AUTO and not isinstance(split_drain, bool):  # bools only (1 == True): not `in SPLIT_DRAIN_VALUES`
         raise ConfigError(f"parallel.split_drain={split_drain!r}: must be true, false or {AUTO}")
     applies = schedule in SPLIT_DRAIN_SCHEDULES and recompute != "full"
     if split_drain is True and not applies:
