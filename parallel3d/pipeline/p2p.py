@@ -382,10 +382,14 @@ class PipelineP2P:
         done: list[Action] = []
         still: list[P2PBatch] = []
         start = time.perf_counter() if wait_for_activations else 0.0
+        # gloo's send and recv Works (the direct path's own) say they are done only from wait(): polling
+        # them would only cost a call per op per batch still sending, after every forward (the batches a
+        # last stage's gradient sends pile up in, e.g.); a batch waited for (take, or just above) is complete.
+        polls = self._direct is None
         for batch in self._sending:
             if wait_for_activations and batch.sends_activation and not batch.complete:
                 batch.wait()
-            if batch.poll():
+            if batch.complete or (polls and batch.poll()):
                 done += [a for a, _ in batch.sends]
             else:
                 still.append(batch)
