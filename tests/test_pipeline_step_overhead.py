@@ -2,7 +2,8 @@
 as its simulator). Once the engine is built, a step walks no module tree (each chunk's parameters and
 the tied-embedding copies are listed at construction, where a walk per step cost about 0.3 ms each on
 a 4-layer GPT chunk, on the step's critical path), and on plain gloo it never polls a batch whose
-Works can say they are done only from ``wait()`` (``PipelineP2P.release_sent``). Gradients stay
+Works can say they are done only from ``wait()`` (``PipelineP2P.release_sent``), and a receive posted
+ahead of need goes out by ``PipelineP2P.post_recv``'s lone-receive path. Gradients stay
 those of a step that walks and polls (the reference: the same engine with both restored)."""
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _steps(rank: int, world: int) -> dict:
     counts: dict[str, int] = {}
     installed = [_Counted(nn.Module, name, counts) for name in WALKS]
     installed.append(_Counted(p2p_module.P2PBatch, "poll", counts))
+    installed.append(_Counted(p2p_module.PipelineP2P, "post", counts))
     try:
         engine.run_step(batch)
     finally:
@@ -87,8 +89,10 @@ def _steps(rank: int, world: int) -> dict:
     ref_engine, ref_chunk = _engine(world, pstate, walking=True)
     ref_engine._chunk_params = _Walk(ref_engine.chunks)
     ref_engine.run_step(batch)
+    batches = sum(1 for planned in engine.plan if planned.sends or planned.posts)
     return {"stage": pstate.coord("pp"), "split": engine.split_backward, "direct": engine.p2p.posts_directly,
-            "counts": counts, "grads": grads,
+            "counts": counts, "batches": batches, "ahead": sum(len(planned.ahead) for planned in engine.plan),
+            "grads": grads,
             "ref": {n: p.grad.clone() for n, p in ref_chunk.named_parameters()}}
 
 
@@ -97,6 +101,8 @@ def test_a_step_walks_no_module_tree_and_polls_no_gloo_batch_with_the_same_grads
     assert any(got["split"] for got in ranks)  # the drain split somewhere: a stage lists its undeferred params
     for got in ranks:
         assert got["direct"], got["stage"]  # plain gloo: batches posted op by op
+        # A receive posted ahead of need goes out by post_recv's lone-receive path, not post's general one.
+        assert got["ahead"] > 0 and got["counts"].pop("post", 0) == got["batches"], got
         assert got["counts"] == {}, f"stage {got['stage']}: {got['counts']}"
         assert got["grads"].keys() == got["ref"].keys()
         for name, g in got["grads"].items():
