@@ -40,7 +40,7 @@ core, and numbers are noisy: compare ratios of the same run, never absolute time
 DeepSpeed's step also runs its optimizer step (SGD, tiny here) but no tied-embedding sum (its
 stages are built without ``TiedLayerSpec``); ours and torch's run no optimizer step. Ours
 sums the tied embedding's two gradient copies in its step (``grad_sync.finalize``); torch's step
-is followed by the same call (``sync_tied_embedding_grads``), which a user of it needs for this GPT.
+is followed by the same code (a ``TiedGradFinalizer`` of its chunks), which a user of it needs for this GPT.
 
 Modules: this one (the CLI, rounds and rows); ``bench_pipeline_group`` (the ranks of one
 process group: ours and torch's systems alternating); ``bench_pipeline_bubble`` (measured and

@@ -175,7 +175,7 @@ def _group_round(args, pstate, v: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from parallel3d.pipeline.engine import PipelineEngine
-    from parallel3d.pipeline.tied import sync_tied_embedding_grads
+    from parallel3d.pipeline.tied import TiedGradFinalizer
 
     p, m, s = pstate.size("pp"), args.microbatches, pstate.coord("pp")
     microbatches, inputs, labels = _batch(args, m)
@@ -217,12 +217,13 @@ def _group_round(args, pstate, v: int) -> dict:
                       else ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn))
             first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
 
-            def run_theirs(sched=theirs, first=first, last=last, chunks=chunks) -> None:
+            def run_theirs(sched=theirs, first=first, last=last, tied=TiedGradFinalizer(chunks, pstate)) -> None:
                 sched.step(*((inputs,) if first else ()), **({"target": labels, "losses": []} if last else {}))
                 # torch.pipelining knows nothing of the GPT's tied input/output embedding: a user
                 # training it must sum the two copies' gradients after the step, which our engine
-                # does in its step (grad_sync.finalize). Same work on both sides, same code.
-                sync_tied_embedding_grads(chunks, pstate)
+                # does in its step (grad_sync.finalize). Same work on both sides, same code (our
+                # engine's finaliser, its tied parameters found once).
+                tied.finalize()
 
             name = "torch.pipelining 1f1b" if vs == 1 else f"torch.pipelining interleaved_1f1b v{vs}"
             systems[name] = (run_theirs, chunks, None, None, None)

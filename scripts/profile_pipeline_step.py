@@ -125,6 +125,7 @@ def _instrument(clock: PhaseClock) -> None:
     from parallel3d.pipeline import p2p, step_run, tied
 
     ours = [(step_run.StepRun, "forward", "F (+loss)"), (step_run.StepRun, "backward", "B"),
+            (step_run.StepRun, "weight_grad", "W (+GEMMs)"),
             (step_run.StepRun, "communicate", "p2p post+wait"), (step_run.StepRun, "release_sent", "release sent"),
             (step_run.StepRun, "record_peak", "record peak"), (p2p.PipelineP2P, "wait_sends", "p2p wait sends"),
             (p2p.PipelineP2P, "post", "p2p post"), (p2p.P2PBatch, "wait", "p2p wait"),
@@ -141,8 +142,7 @@ def _instrument(clock: PhaseClock) -> None:
               (schedules.PipelineScheduleSingle, "_split_inputs", "split inputs"),
               (schedules.PipelineScheduleSingle, "_update_losses", "losses"),
               (stage._PipelineStageBase, "clear_runtime_states", "step setup"),
-              (schedules.PipelineScheduleSingle, "_initialize_stage", "step setup"),
-              (tied, "sync_tied_embedding_grads", "tied sum")]
+              (schedules.PipelineScheduleSingle, "_initialize_stage", "step setup")]  # tied sum: ours's wrap
     # Nested in F and B on both sides: the chunk's own forward (ours: with its loss) and autograd's backward.
     from models.transformer import TransformerLM
     both = [(TransformerLM, "forward", "module F"), (torch.autograd, "backward", "autograd B")]
@@ -183,9 +183,11 @@ def _measure(args, world: int, clock: PhaseClock) -> dict:
     stage = PipelineStage(_TorchStage(torch_chunks[0]), s, world, torch.device("cpu"), group=pstate.group("pp"))
     schedule = Schedule1F1B(stage, m, loss_fn=torch_loss_fn(args.vocab))
 
+    torch_tied = tied.TiedGradFinalizer(torch_chunks, pstate)
+
     def run_theirs() -> None:  # as bench_pipeline_group runs it
         schedule.step(*((inputs,) if stage.is_first else ()), **({"target": labels, "losses": []} if stage.is_last else {}))
-        tied.sync_tied_embedding_grads(torch_chunks, pstate)
+        torch_tied.finalize()
 
     systems: dict[str, tuple[Callable[[], Any], list]] = {
         "ours 1f1b": (lambda: engine.run_step(microbatches), ours_chunks),

@@ -5,6 +5,7 @@
 - ``schedules``: ``build_schedule`` (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv) as per-stage
   action lists, ``validate_schedule``, ``simulate`` -> ``Timeline``, printable views.
 - ``p2p``: batched isend/irecv of activations and gradients with config-fixed shapes.
+  (``receive_buffers``: their receive buffers, reused once nothing else uses them).
 - ``engine``: ``PipelineEngine.run_step`` runs one stage's action list for one step
   (compiled once by ``step_plan``, executed by ``step_run``; split backwards: ``backward_split``).
 - ``tied``: ``sync_tied_embedding_grads`` keeps tied embedding copies identical

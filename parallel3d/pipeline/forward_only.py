@@ -118,7 +118,7 @@ class ForwardOnlyRunner:
                 if planned.communicates:
                     p2p.post([(a, outputs.pop(key), peer) for a, key, peer in planned.sends], planned.posts)
                     for recv in planned.ahead:
-                        p2p.post((), (recv,))
+                        p2p.post_recv(*recv)
                     for a in planned.needs:
                         inputs[(a.microbatch, a.chunk)] = p2p.take(a)
                 c = planned.compute

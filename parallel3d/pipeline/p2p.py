@@ -29,13 +29,7 @@ step (``wait_sends``), so a send never blocks the sender's next computation;
 ``release_sent`` forgets the batches already complete (without blocking) so
 sent storage can be freed early.
 
-Receive buffers are preallocated on first need and reused (``ReceiveBuffers``):
-a buffer takes a new receive only once nothing outside the pool shares its
-storage any more (the received activation, saved by autograd for the backward,
-or the received gradient, consumed by it), so reuse never overwrites data the
-stage still needs, whatever the model keeps. On NCCL the receive that refills a
-buffer is enqueued after the compute that last read it (ProcessGroupNCCL orders
-its stream after the current one), so the reuse is stream-safe too.
+Receive buffers are preallocated on first need and reused (``receive_buffers``).
 """
 
 from __future__ import annotations
@@ -50,6 +44,7 @@ import torch.distributed as dist
 from parallel3d import comm
 from parallel3d.pipeline.actions import Action
 from parallel3d.pipeline.placement import ChunkPlacement
+from parallel3d.pipeline.receive_buffers import ReceiveBuffers, _storage_users  # noqa: F401 (tests use both)
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -79,57 +74,6 @@ class MessageSpec:
             )
         local_seq = seq_len // tp_size if sequence_parallel else seq_len
         return cls((micro_batch_size, local_seq, hidden_size), dtype)
-
-
-def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors (and storage handles) share ``t``'s storage right now."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-class ReceiveBuffers:
-    """Receive buffers of one message shape and dtype, reused across receives and steps.
-
-    Invariant: ``acquire`` returns a buffer that is either new or shares its storage with no
-    tensor outside this pool; receivers get a ``detach()``ed alias (``hand_out``), so their
-    tensor (its ``requires_grad``, ``.grad``, saved-for-backward references) keeps the storage
-    busy exactly as long as anything uses it. Holds at most the peak number of receives alive
-    at once (what allocating per receive holds at its peak too).
-    """
-
-    def __init__(self, spec: "MessageSpec", device: torch.device) -> None:
-        self.spec, self.device = spec, device
-        self._buffers: list[torch.Tensor] = []
-        self._posted: set[int] = set()  # ids of buffers a receive is posted into, not yet handed out
-        self._alone: int | None = None  # _storage_users of a buffer nobody else uses
-        self._next = 0  # where the next search starts
-        self.allocated = 0
-
-    def acquire(self) -> torch.Tensor:
-        # Round robin from the one after the last taken: pipelines free receives in about the
-        # order they arrived, so the first buffer looked at is usually free (one use-count check).
-        buffers, posted, alone = self._buffers, self._posted, self._alone
-        n = len(buffers) if alone is not None and alone >= 0 else 0
-        for k in range(self._next, self._next + n):
-            buf = buffers[k % n]
-            if id(buf) not in posted and _storage_users(buf) == alone:
-                posted.add(id(buf))
-                self._next = k % n + 1
-                return buf
-        buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.device)
-        if self._alone is None:
-            try:
-                self._alone = _storage_users(buf)
-            except (AttributeError, RuntimeError):  # no use count in this torch: never reuse
-                self._alone = -1
-        self.allocated += 1
-        self._buffers.append(buf)
-        self._posted.add(id(buf))
-        return buf
-
-    def hand_out(self, buf: torch.Tensor) -> torch.Tensor:
-        """The received tensor for the caller (an alias: the pool can tell when it is dropped)."""
-        self._posted.discard(id(buf))
-        return buf.detach()
 
 
 @dataclass(slots=True)
@@ -190,6 +134,8 @@ class PipelineP2P:
         self._sending: list[P2PBatch] = []  # batches with sends not known complete, in posting order
         self._posted: dict[Action, P2PBatch] = {}  # receives posted and not yet handed out
         self.buffers = ReceiveBuffers(spec, pstate.device)
+        # Bytes of one message: every send is checked to have the spec's shape and dtype.
+        self._message_bytes = torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype).element_size()
         self._peers: dict[tuple[str, int], int] = {}  # (kind, chunk) -> global rank, asked once
         self._group = pstate.group("pp")
         self.wait_time = 0.0  # seconds blocked in waits (take, blocking release_sent, wait_sends)
@@ -239,9 +185,8 @@ class PipelineP2P:
                     f"but the pipeline's messages are {spec_shape} {spec_dtype}"
                 )
             # An alias: the engine may swap the output's data for a placeholder once posted.
-            tensor = tensor.detach().contiguous()
-            kept.append((action, tensor))
-            nbytes += tensor.numel() * tensor.element_size()
+            kept.append((action, tensor.detach().contiguous()))
+            nbytes += self._message_bytes
             activation = activation or action.kind == "SEND_ACT"
         acquire = self.buffers.acquire
         buffers = {action: acquire() for action, _ in recvs}
@@ -264,6 +209,27 @@ class PipelineP2P:
         posted = self._posted
         for action in buffers:
             posted[action] = batch
+
+    def post_recv(self, action: Action, peer: int) -> None:
+        """Post the one receive ``action`` from global rank ``peer`` as a batch of its own (a receive
+        posted ahead of need): ``post((), ((action, peer),))``, stamped alike when traced, without
+        the general path's work for sends and op lists where a lone receive goes out directly (gloo)."""
+        backend = self._direct
+        if backend is None:
+            self.post((), ((action, peer),))
+            return
+        buf = self.buffers.acquire()
+        ranks, trace = self._group_ranks, self.trace
+        began = time.perf_counter() if trace is not None else 0.0
+        try:
+            work = backend.recv([buf], ranks[peer] if peer in ranks else self._group_rank(peer), 0)
+        except RuntimeError as exc:
+            raise self._failed([action], exc) from exc
+        if trace is not None:
+            self._traced_batches += 1
+            trace.append((action.kind, action, peer, began, time.perf_counter(), self._traced_batches))
+            self._traced_batch_of[action] = self._traced_batches
+        self._posted[action] = P2PBatch([work], [], {action: buf})
 
     def _post_batched(self, sends: Sequence[tuple[Action, torch.Tensor, int]], kept: list[tuple[Action, torch.Tensor]],
                       recvs: Sequence[tuple[Action, int]], buffers: dict[Action, torch.Tensor]) -> list[Any]:
@@ -354,7 +320,7 @@ class PipelineP2P:
                   [(a, self.peer(a)) for a in dict.fromkeys(recvs) if a not in self._posted])
         for action in dict.fromkeys(ahead):
             if action not in self._posted and action not in recvs:
-                self.post([], [(action, self.peer(action))])
+                self.post_recv(action, self.peer(action))
         return {action: self.take(action) for action in recvs}
 
     def wait_sends(self) -> None:
@@ -382,10 +348,14 @@ class PipelineP2P:
         done: list[Action] = []
         still: list[P2PBatch] = []
         start = time.perf_counter() if wait_for_activations else 0.0
+        # gloo's send and recv Works (the direct path's own) say they are done only from wait(): polling
+        # them would only cost a call per op per batch still sending, after every forward (the batches a
+        # last stage's gradient sends pile up in, e.g.); a batch waited for (take, or just above) is complete.
+        polls = self._direct is None
         for batch in self._sending:
             if wait_for_activations and batch.sends_activation and not batch.complete:
                 batch.wait()
-            if batch.poll():
+            if batch.complete or (polls and batch.poll()):
                 done += [a for a, _ in batch.sends]
             else:
                 still.append(batch)

@@ -108,7 +108,7 @@ class StepRun:
         if sends or step.posts:
             p2p.post(sends, step.posts)
         for recv in step.ahead:
-            p2p.post((), (recv,))
+            p2p.post_recv(*recv)
         freeable = self.freeable_bytes
         for a, tensor, _ in sends:
             if a.kind == "SEND_ACT" and (a.microbatch, a.chunk) in freeable:
