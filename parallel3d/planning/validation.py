@@ -44,6 +44,7 @@ from parallel3d.option_checks import ConfigError
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.planner import Candidate, evaluate, finest_virtual_stages, plan, schedule_choices
 from parallel3d.planning.request import PlanRequest
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.published_schema import PublishedRun
 from parallel3d.planning.source_frameworks import (interleaved_min_pp, rank_fixed_degrees, run_options,
@@ -188,7 +189,8 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     Why: the search picks v and the micro-batch for every layout it ranks, so pricing the published
     degrees at a default the source never stated (v = 1: a 1F1B bubble) compares a chosen layout with an
     unchosen one."""
-    best = evaluate(config, layout, cluster, options)
+    schedules = ScheduleCache()  # the completions share (p, m, v)s with the layout as written and each other
+    best = evaluate(config, layout, cluster, options, schedules)
     free = set(run.unstated)
     if not free:
         return best
@@ -206,7 +208,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
             try:
                 trial = layout.replace(micro_batch_size=mbs, schedule=schedule, virtual_stages=v)
                 check_fits_model(config, trial)
-                cand = evaluate(config, trial, cluster, options)
+                cand = evaluate(config, trial, cluster, options, schedules)
             except (ConfigError, LayoutError, ValueError):
                 continue
             if cand.peak_bytes <= budget and cand.step.step_time_s < best.step.step_time_s:
