@@ -76,6 +76,12 @@ def test_capped_microbatch_memory_equals_the_full_estimate(schedule, v):
         assert equal
 
 
+def test_gpipe_memory_is_never_capped():
+    # GPipe holds every microbatch's activations until the backwards begin: its peak grows with m.
+    layout = Layout(tp=1, pp=4, dp=1, schedule="gpipe", micro_batch_size=1, seq_len=512, global_batch_size=40)
+    assert estimate_memory(_dense(8), memory_layout(layout)).peak_bytes == estimate_memory(_dense(8), layout).peak_bytes
+
+
 @pytest.mark.parametrize("pp, m", [(3, 40), (3, 41), (4, 41), (4, 43)])
 def test_capped_zbv_memory_keeps_the_drain(pp, m):
     # ZB-V's peak depends on m modulo p (p 3: 1,454,612,480 B at m = 0 mod 3, 1,387,061,248 B otherwise; p 4:

@@ -235,7 +235,9 @@ def memory_layout(layout: Layout) -> Layout:
     A schedule's peak of in-flight activations is reached within its warm-up and first steady round
     (at most 2p microbatches for every runtime schedule, ZB-V's V included), or in its drain, which
     depends on where in its steady round the last microbatch falls: ZB-V's greedy order repeats every
-    p (p 3, 4) or 2p (p 5) microbatches, and its W-pending peak with it (llama 8 layers, h 1024, p 3:
+    p (p 3, 4) or 2p (p 5) microbatches, and its W-pending peak with it (built in exact arithmetic; the
+    engine's float build costs break some ties otherwise at large m: ``tests/test_planning_search.py``'s
+    ``CAP_KNOWN_GAPS``) (llama 8 layers, h 1024, p 3:
     1,454,612,480 B at m = 0 mod 3, 1,387,061,248 B otherwise; p 4: m = 1 mod 4 peaks 2.6% above
     m = 0 mod 4). Keeping m's remainder modulo 2p keeps that drain, so building the schedule for at most
     5p microbatches instead of m gives the same peak (tests compare both) and keeps large searches fast.
