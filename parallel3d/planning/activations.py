@@ -344,4 +344,5 @@ def inflight_chunks(layout: Layout, stage: int, schedules: ScheduleCache | None 
         return min(p, m)
     if layout.schedule == "interleaved_1f1b":
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
-    return peak_in_flight((schedules if schedules is not None else ScheduleCache()).build(layout.schedule, p, m, v))[stage]
+    schedules = schedules if schedules is not None else ScheduleCache()
+    return peak_in_flight(schedules.build(layout.schedule, p, m, v))[stage]
