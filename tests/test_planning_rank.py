@@ -87,7 +87,7 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
         "paper's own Fig. 13, which is bubble-driven at dp 1: tests/test_planning_tp_reference.py)",
     "narayanan21_gpt3_175b_384gpus":
         "rank 11, +5.4%; dp held at 4; published completed as tp=8 pp=12 dp=4 v=8 mbs=1; best tp=4 pp=24 dp=4 v=4 "
-        "mbs=2 zero=0 rc=full: published loses in tp +3.87 s, compute +3.52 s, dp +0.17 s (cost model: tp8 vs tp4, "
+        "mbs=2 zero=0 rc=full: published loses in tp +3.87 s, compute +3.52 s, dp +0.16 s (cost model: tp8 vs tp4, "
         "priced as for 39.1B: at a fixed model-parallel size 96, TP time per GPU grows as layers/pp x (tp-1)/tp, "
         "2.3x from tp4 to tp8, while pp24's extra bubble is small at 384 microbatches; compute: tp8 without sequence "
         "parallelism repeats the layer-norms and dropouts on every tp rank, plus thinner GEMMs at mbs 1. Table 2 "
@@ -102,16 +102,18 @@ KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.plann
         "one layer per chunk, bubble (p - 1) / (v m) 5.7% vs 2.6%; a miss only since the search's top is exact: the "
         "closed-form pre-ranking never simulated these v16 layouts)",
     "folding_qwen2_57b_mcore_64gpus":
-        "rank 17, +10.4%; published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=2; best tp=2 ep=8 etp=1 pp=2 dp=16 v=2 "
-        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.48 s, ep +0.24 s, pp +0.07 s (the row is the "
+        "rank 17, +14.4% (session 41 on 405e7f9; +10.4% at mbs 2 before session 40's memory fixes left mbs 2 "
+        "unfit); published completed as tp=2 ep=4 pp=4 dp=8 v=4 mbs=1; best tp=2 ep=8 etp=1 pp=2 dp=16 v=3 "
+        "mbs=1 zero=1 rc=none sp: published loses in bubble +0.46 s, ep +0.24 s, pp +0.09 s (the row is the "
         "source's unfolded baseline: its own folded layout runs 39.0% vs 35.3% MFU, 10% faster, so no honest "
         "model ranks it within 3%; ETP=2's token gather/scatter is what Megatron-Core's alltoall dispatcher runs. "
-        "The model prices that folded layout only 4.6% faster (4.19 -> 4.01 s) and its own best, pp2 ep8 (3.80 s), 5% "
-        "faster than the folded one at 71.3 of 72 GiB, where the source's search chose pp4 ep4: the pp4 v4 "
-        "completion's chunks hold 1-2 of the 28 layers and the last the head alone, bubble fraction 11.6% vs "
-        "(p - 1) / (v m) = 4.7%)",
+        "Earlier figures, at the mbs 2 completion: the model priced that folded layout only 4.6% faster "
+        "(4.19 -> 4.01 s) and its own best, pp2 ep8 (3.80 s), 5% faster than the folded one at 71.3 of 72 GiB, "
+        "where the source's search chose pp4 ep4: the pp4 v4 completion's chunks hold 1-2 of the 28 layers and "
+        "the last the head alone, bubble fraction 11.6% vs (p - 1) / (v m) = 4.7%)",
     "folding_qwen2_57b_folding_1024gpus":
-        "rank 17, +4.9%; published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; best tp=2 ep=16 etp=1 pp=1 "
+        "rank 17, +5.0% (session 41; +4.9% before); published completed as tp=2 ep=4 etp=1 pp=4 dp=128 v=4 mbs=1; "
+        "best tp=2 ep=16 etp=1 pp=1 "
         "dp=512 mbs=1 zero=1 rc=none sp: published loses in dp +0.17 s, bubble +0.13 s, pp +0.02 s (cost model: "
         "expert ZeRO-1 reduce/gather over 32 nodes, exposed beyond one chunk; Table 4 reuses the 64-GPU mapping "
         "of Table 3 at 1,024 GPUs, so the layout was not chosen for this size)",

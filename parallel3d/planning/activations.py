@@ -25,8 +25,9 @@ from typing import Sequence
 from models.config import ModelConfig
 from models.spec import BlockSpec
 from parallel3d.pipeline.actions import Action, split_backwards
-from parallel3d.pipeline.schedules import build_schedule, peak_in_flight
+from parallel3d.pipeline.schedules import peak_in_flight
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
@@ -294,14 +295,17 @@ def _boundary_tensor_bytes(config: ModelConfig, layout: Layout, assumptions: Act
     return out / layout.tp if layout.sequence_parallel else float(out)
 
 
-def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int,
-                            split_drain: bool = False) -> frozenset[tuple[int, ...]]:
+def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int, split_drain: bool = False,
+                            schedules: ScheduleCache | None = None) -> frozenset[tuple[int, ...]]:
     """The stage's most-loaded moments, per local chunk: the maximal vectors (no other is >= in every
     chunk) of microbatches in flight per chunk, read off the built schedule (a (microbatch, chunk) is in
     flight from its ``F`` to its ``B``, or its ``W`` where that backward is split). The stage's activation
     peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
-    uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s."""
-    return action_in_flight_moments(build_schedule(name, pp, m, v, coalesced_p2p=True, split_drain=split_drain)[stage])
+    uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s;
+    ``schedules``: the search's built schedules (``ScheduleCache``)."""
+    built = (schedules if schedules is not None else ScheduleCache()).build(name, pp, m, v, coalesced_p2p=True,
+                                                                           split_drain=split_drain)
+    return action_in_flight_moments(built[stage])
 
 
 def action_in_flight_moments(actions: Sequence[Action]) -> frozenset[tuple[int, ...]]:
@@ -318,7 +322,7 @@ def action_in_flight_moments(actions: Sequence[Action]) -> frozenset[tuple[int, 
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
-def inflight_chunks(layout: Layout, stage: int) -> int:
+def inflight_chunks(layout: Layout, stage: int, schedules: ScheduleCache | None = None) -> int:
     """Most (microbatch, chunk) forward passes whose activations ``stage`` holds at once.
 
     gpipe: all m microbatches of every chunk. 1F1B: stage i warms up with p - i
@@ -340,4 +344,5 @@ def inflight_chunks(layout: Layout, stage: int) -> int:
         return min(p, m)
     if layout.schedule == "interleaved_1f1b":
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
-    return peak_in_flight(build_schedule(layout.schedule, p, m, v))[stage]
+    schedules = schedules if schedules is not None else ScheduleCache()
+    return peak_in_flight(schedules.build(layout.schedule, p, m, v))[stage]

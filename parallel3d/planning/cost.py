@@ -58,6 +58,7 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
 from parallel3d.planning.params import rank_params, stage_expert_params, stage_layer_indices
 from parallel3d.planning.pipeline_price import PipelineTimes, simulate_pipeline
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
@@ -207,13 +208,14 @@ def chunk_layer_counts(config: ModelConfig, layout: Layout,
 def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
                   options: CostOptions | None = None, stage_layers: list[int] | None = None,
                   pipeline: Callable[..., PipelineTimes] | None = None,
-                  chunk_layers: list[list[int]] | None = None) -> StepEstimate:
+                  chunk_layers: list[list[int]] | None = None,
+                  schedules: ScheduleCache | None = None) -> StepEstimate:
     """Predicted time of one optimizer step of ``layout`` (see the module docstring).
 
     ``pipeline`` times the schedule: ``simulate_pipeline`` (default) or a cheaper
     stand-in with the same signature (the planner's pre-ranking: ``pipeline_lower_bound``). Each chunk is priced by
     its own layers (``chunk_layers``, default ``chunk_layer_counts``) plus the embedding on the
-    first model chunk and the head on the last.
+    first model chunk and the head on the last. ``schedules``: the search's built schedules (``ScheduleCache``).
     """
     options = options or CostOptions()
     if layout.world_size != cluster.gpus:
@@ -254,7 +256,7 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     if pipeline is None:  # zb_h1 as the runtime builds it: the lags its bytes allow (zb_lags)
         lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
         pipe = simulate_pipeline(layout.schedule, p, layout.num_microbatches, v, fwd, bwd, p2p, w_lags=lags,
-                                 split_drain=drain)
+                                 split_drain=drain, schedules=schedules)
     else:
         pipe = pipeline(layout.schedule, p, layout.num_microbatches, v, fwd, bwd, p2p, split_drain=drain)
 

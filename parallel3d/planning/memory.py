@@ -52,6 +52,7 @@ from parallel3d.planning.params import (
 )
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.planning.split_memory import split_peak_bytes, stage_computations
 from parallel3d.planning.zb_lags import zb_h1_w_lags
@@ -207,6 +208,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
 def stage_activation_bytes(
     config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions,
     chunk_layers: Sequence[Sequence[int]] | None = None, w_lags: Sequence[int] | None = None,
+    schedules: ScheduleCache | None = None,
 ) -> tuple[float, int]:
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
@@ -224,9 +226,10 @@ def stage_activation_bytes(
     microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
     planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
     caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
+    ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built.
     """
     ids = stage_layer_ids(config.shape, layers)
-    computations = stage_computations(config, layout, stage, w_lags)
+    computations = stage_computations(config, layout, stage, w_lags, schedules)
     if computations is not None:  # B and W split: held and W-pending bytes per chunk (split_memory)
         v = layout.virtual_stages
         chunks = chunk_layers if chunk_layers is not None and len(chunk_layers) == v \
@@ -246,12 +249,12 @@ def stage_activation_bytes(
             per_chunk[-1] += head_activation_bytes(config, layout, assumptions)
         if len(set(per_chunk)) > 1:
             moments = chunk_in_flight_moments(layout.schedule, layout.pp, layout.num_microbatches,
-                                              layout.virtual_stages, stage, layout.splits_drain)
+                                              layout.virtual_stages, stage, layout.splits_drain, schedules)
             total = max(sum(n * b for n, b in zip(live, per_chunk)) for live in moments)
             inflight = max(sum(live) for live in moments)
             outputs = kept_chunk_outputs(layout, stage, inflight, assumptions)
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
-    inflight = inflight_chunks(layout, stage)
+    inflight = inflight_chunks(layout, stage, schedules)
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
     total = inflight * _layers_bytes(config, layout, ids, assumptions) \
         / layout.virtual_stages
@@ -290,11 +293,12 @@ def estimate_memory(
     layout: Layout,
     assumptions: ActivationAssumptions | None = None,
     stage_layers: list[int] | None = None,
+    schedules: ScheduleCache | None = None,
 ) -> MemoryEstimate:
     """Per-stage memory of ``layout`` running ``config``; ``.worst`` is the rank that decides.
 
     ``stage_layers`` (layers per stage) defaults to the pipeline engine's split;
-    callers that evaluate many layouts pass it to avoid recomputing the split.
+    callers that evaluate many layouts pass it to avoid recomputing the split, and ``schedules`` (theirs).
     """
     check_fits_model(config, layout)
     if assumptions is None:
@@ -306,7 +310,8 @@ def estimate_memory(
                          f"model.num_layers={config.num_layers}")
     ids = stage_layer_indices(config, layout, stage_layers)
     lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
-    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags) for stage in range(layout.pp)]
+    schedules = schedules if schedules is not None else ScheduleCache()  # zbv: one build for all stages
+    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags, schedules) for stage in range(layout.pp)]
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 
 
@@ -346,7 +351,8 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
 
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],
-                  assumptions: ActivationAssumptions, w_lags: Sequence[int] | None = None) -> StageMemory:
+                  assumptions: ActivationAssumptions, w_lags: Sequence[int] | None = None,
+                  schedules: ScheduleCache | None = None) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
     held = rank_params(config, layout.tp, layout.pp, stage, layers).total
@@ -369,7 +375,8 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
         buffers = _add(buffers, states_of(expert_held, edp, layout.expert_zero))
         states = _add(states, states_of(expert_held, edp, layout.expert_zero, gathered=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
-    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions, w_lags=w_lags)
+    activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions, w_lags=w_lags,
+                                                   schedules=schedules)
     workspace = workspace_bytes(config, layout, stage, assumptions, layers)
     if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
         dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense

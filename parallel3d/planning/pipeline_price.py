@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule, simulate
+from parallel3d.planning.schedule_cache import ScheduleCache
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,10 @@ class PipelineTimes:
         return sum(1 - b / self.makespan for b in self.busy) / len(self.busy) if self.makespan > 0 else 0.0
 
 
-def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None,
-                   split_drain: bool = False) -> PipelineTimes:
-    timeline = simulate(build_schedule(name, p, m, v, w_lags=w_lags, split_drain=split_drain), fwd, bwd, p2p)
+def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None, split_drain: bool = False,
+                   schedules: ScheduleCache | None = None) -> PipelineTimes:
+    built = (schedules if schedules is not None else ScheduleCache()).build(name, p, m, v, w_lags=w_lags, split_drain=split_drain)
+    timeline = simulate(built, fwd, bwd, p2p)
     end = [0.0] * p
     first = [float("inf")] * p
     grads = [[0.0] * v for _ in range(p)]
@@ -57,10 +59,12 @@ def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None
 
 
 def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
-                      w_lags: tuple[int, ...] | None = None, split_drain: bool = False) -> PipelineTimes:
+                      w_lags: tuple[int, ...] | None = None, split_drain: bool = False,
+                      schedules: ScheduleCache | None = None) -> PipelineTimes:
     """Simulated step of schedule ``name``; long runs are extrapolated from short ones.
     ``w_lags``: zb_h1's (``build_schedule``; the same at every m >= p, ``planning.zb_lags``); ``split_drain``:
     1f1b's (``build_schedule``; a split drain ``W`` takes half the backward, ``simulate``'s default).
+    ``schedules``: the search's built schedules (a search prices the same (p, m, v) for many layouts).
 
     Once every stage is in its steady state, each further group of p microbatches (interleaved 1F1B's
     count must stay a multiple of p) adds the same time to every stage, so finish times are linear in
@@ -71,17 +75,18 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     so while the steps differ the window moves up by p, up to a full simulation at m. Keeps
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
+    schedules = schedules if schedules is not None else ScheduleCache()
     step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p or so
     base = 2 * p
     a = b = None
     while 3 * (base + step) < m:  # while three short runs cost less than the whole one
-        a = a or _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags, split_drain)
-        b = b or _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags, split_drain)
-        c = _simulate_once(name, p, base + 2 * step, v, fwd, bwd, p2p, w_lags, split_drain)
+        a = a or _simulate_once(name, p, base, v, fwd, bwd, p2p, w_lags, split_drain, schedules)
+        b = b or _simulate_once(name, p, base + step, v, fwd, bwd, p2p, w_lags, split_drain, schedules)
+        c = _simulate_once(name, p, base + 2 * step, v, fwd, bwd, p2p, w_lags, split_drain, schedules)
         if _same_steps(a, b, c):
             return _extend(a, b, (m - base) / step, m / base)
         a, b, base = b, c, base + step
-    return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags, split_drain)
+    return _simulate_once(name, p, m, v, fwd, bwd, p2p, w_lags, split_drain, schedules)
 
 
 def _ends(t: PipelineTimes) -> list[float]:

@@ -47,6 +47,7 @@ from parallel3d.topology import LayoutError, fewest_layers
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.request import RECOMPUTE_ORDER, PlanRequest
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.search_progress import Report, SearchProgress
 
 
@@ -228,15 +229,22 @@ def enumerate_layouts(config: ModelConfig, cluster: ClusterSpec, request: PlanRe
 
 
 def memory_layout(layout: Layout) -> Layout:
-    """``layout`` with at most 3p microbatches, for the memory estimate only.
+    """``layout`` with fewer microbatches, for the memory estimate only: the fewest ``m' >= 3p`` with
+    ``m' = m`` modulo ``2p`` (``m`` itself below ``5p``; GPipe, which holds every microbatch, never).
 
-    A schedule's peak of in-flight activations is reached within its warm-up and first steady
-    round (at most 2p microbatches for every runtime schedule, ZB-V's V included); further
-    microbatches repeat the steady state, so the peak is the same and building the schedule for
-    3p instead of m keeps large searches fast (tests compare both).
+    A schedule's peak of in-flight activations is reached within its warm-up and first steady round
+    (at most 2p microbatches for every runtime schedule, ZB-V's V included), or in its drain, which
+    depends on where in its steady round the last microbatch falls: ZB-V's greedy order repeats every
+    p (p 3, 4) or 2p (p 5) microbatches, and its W-pending peak with it (built in exact arithmetic; the
+    engine's float build costs break some ties otherwise at large m: ``tests/test_planning_search.py``'s
+    ``CAP_KNOWN_GAPS``) (llama 8 layers, h 1024, p 3:
+    1,454,612,480 B at m = 0 mod 3, 1,387,061,248 B otherwise; p 4: m = 1 mod 4 peaks 2.6% above
+    m = 0 mod 4). Keeping m's remainder modulo 2p keeps that drain, so building the schedule for at most
+    5p microbatches instead of m gives the same peak (tests compare both) and keeps large searches fast.
     """
-    cap = 3 * layout.pp
-    if layout.pp == 1 or layout.num_microbatches <= cap:
+    p, m = layout.pp, layout.num_microbatches
+    cap = 3 * p + (m - 3 * p) % (2 * p)
+    if p == 1 or m <= cap or layout.schedule == "gpipe":
         return layout
     return layout.replace(global_batch_size=layout.dp * layout.micro_batch_size * cap)
 
@@ -259,6 +267,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     splits: dict[tuple[int, int], list[int]] = {}
     chunks: dict[tuple[int, int, str], list[list[int]]] = {}  # per (stage, chunk), by schedule placement
     bounded: list[tuple[float, int, Layout, MemoryEstimate]] = []  # (lower bound, base index, setting, memory)
+    schedules = ScheduleCache()  # every (schedule, p, m, v) is built and validated once per search
     bases = enumerate_layouts(config, cluster, request)
     for index, base in enumerate(bases):
         ticker.layouts(index, len(bases), result.fitting)
@@ -279,7 +288,8 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                         continue
                     layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload,
                                           expert_zero_stage=ezero)
-                    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits[key])
+                    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits[key],
+                                             schedules=schedules)
                     if memory.peak_bytes > budget:
                         if result.closest is None or memory.peak_bytes < result.closest[1].peak_bytes:
                             result.closest = (layout, memory)
@@ -304,7 +314,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
             break  # this bound, and every later one, is above the top's last full price
         key = (layout.pp, layout.virtual_stages)
         step = estimate_step(config, layout, cluster, options, splits[key],
-                             chunk_layers=chunks[(*key, layout.schedule)])
+                             chunk_layers=chunks[(*key, layout.schedule)], schedules=schedules)
         result.simulated += 1
         if index not in best or step.step_time_s < best[index].step.step_time_s:
             best[index] = Candidate(layout, memory, step, simulated=True)
@@ -314,12 +324,14 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
 
 
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
-             options: CostOptions | None = None) -> Candidate:
-    """Memory and simulated step time of one given layout (e.g. a published one)."""
+             options: CostOptions | None = None, schedules: ScheduleCache | None = None) -> Candidate:
+    """Memory and simulated step time of one given layout (e.g. a published one); ``schedules``: the
+    caller's built schedules where it evaluates several layouts (``ScheduleCache``)."""
     splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
     options = options or CostOptions()
-    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits)
-    step = estimate_step(config, layout, cluster, options, splits)
+    schedules = schedules if schedules is not None else ScheduleCache()
+    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits, schedules=schedules)
+    step = estimate_step(config, layout, cluster, options, splits, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 from models.config import ModelConfig
 from parallel3d.pipeline.placement import placement_for
-from parallel3d.pipeline.schedules import build_schedule, stage_compute_order
+from parallel3d.pipeline.schedules import stage_compute_order
 from parallel3d.planning.activations import (
     ActivationAssumptions,
     _block,
@@ -27,6 +27,7 @@ from parallel3d.planning.activations import (
     received_input_bytes,
 )
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import local_seq_len
 from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_w_lags
 
@@ -63,16 +64,18 @@ def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[in
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
-def stage_computations(config: ModelConfig, layout: Layout, stage: int,
-                       w_lags: Sequence[int] | None = None) -> list[tuple[str, int, int]] | None:
+def stage_computations(config: ModelConfig, layout: Layout, stage: int, w_lags: Sequence[int] | None = None,
+                       schedules: ScheduleCache | None = None) -> list[tuple[str, int, int]] | None:
     """``stage``'s computations ``(kind, microbatch, local chunk)`` in the order the engine runs them, or None
     where the stage splits none of its backwards. The order ``build_schedule`` lowers (``stage_compute_order``: one
     stage, no messages; zbv: its built action list), with the engine's arguments: zb_h1's lags
     (``w_lags``, else ``zb_h1_w_lags``'s) and the split drain (``Layout.splits_drain``; 1f1b's stage 0
-    keeps its drain whole, so its peak is the plain estimate's)."""
+    keeps its drain whole, so its peak is the plain estimate's). ``schedules``: the search's (``ScheduleCache``):
+    zbv's stages are built together, so its stages share one build."""
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     if layout.schedule == "zbv":
-        order = [(a.kind, a.microbatch, a.chunk) for a in build_schedule("zbv", p, m, v)[stage] if a.is_compute]
+        built = (schedules if schedules is not None else ScheduleCache()).build("zbv", p, m, v)
+        order = [(a.kind, a.microbatch, a.chunk) for a in built[stage] if a.is_compute]
     else:
         lag = (w_lags or zb_h1_w_lags(config, layout))[stage] if layout.schedule == "zb_h1" else None
         order = stage_compute_order(layout.schedule, stage, p, m, v, lag, layout.splits_drain)

@@ -44,6 +44,7 @@ from parallel3d.option_checks import ConfigError
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.planner import Candidate, evaluate, finest_virtual_stages, plan, schedule_choices
 from parallel3d.planning.request import PlanRequest
+from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.published import load_published_runs
 from parallel3d.planning.published_schema import PublishedRun
 from parallel3d.planning.source_frameworks import (interleaved_min_pp, rank_fixed_degrees, run_options,
@@ -178,7 +179,8 @@ def _rank_request(layout: Layout, num_layers: int, fixed: tuple[tuple[str, int],
 
 
 def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, cluster: ClusterSpec,
-                     options: CostOptions, uneven: bool = True, min_interleaved_pp: int = 2) -> Candidate:
+                     options: CostOptions, uneven: bool = True, min_interleaved_pp: int = 2,
+                     schedules: ScheduleCache | None = None) -> Candidate:
     """The published layout as the rank check prices it: each field the source leaves unstated
     (``run.unstated``: virtual stages, schedule, micro-batch) at the planner's best allowed choice
     (the choices ``_rank_request``'s search would try for these degrees, fitting memory), every stated
@@ -187,8 +189,10 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
 
     Why: the search picks v and the micro-batch for every layout it ranks, so pricing the published
     degrees at a default the source never stated (v = 1: a 1F1B bubble) compares a chosen layout with an
-    unchosen one."""
-    best = evaluate(config, layout, cluster, options)
+    unchosen one. ``schedules``: the caller's built schedules (``validate`` shares one over its rows: a
+    schedule depends on (p, m, v, ...) alone, and the rows and their completions share many)."""
+    schedules = schedules if schedules is not None else ScheduleCache()
+    best = evaluate(config, layout, cluster, options, schedules)
     free = set(run.unstated)
     if not free:
         return best
@@ -206,7 +210,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
             try:
                 trial = layout.replace(micro_batch_size=mbs, schedule=schedule, virtual_stages=v)
                 check_fits_model(config, trial)
-                cand = evaluate(config, trial, cluster, options)
+                cand = evaluate(config, trial, cluster, options, schedules)
             except (ConfigError, LayoutError, ValueError):
                 continue
             if cand.peak_bytes <= budget and cand.step.step_time_s < best.step.step_time_s:
@@ -215,7 +219,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
 
 
 def priced_candidate(run: PublishedRun, options: CostOptions | None = None,
-                     cluster: ClusterSpec | None = None) -> Candidate:
+                     cluster: ClusterSpec | None = None, schedules: ScheduleCache | None = None) -> Candidate:
     """The published layout as *both* checks price it (MFU and rank; also the calibration fit):
     ``completed_layout`` with the run's own split rule, i.e. fields the source leaves unstated at the
     planner's best fitting choice, since the source presumably ran a tuned setting it did not report.
@@ -224,7 +228,7 @@ def priced_candidate(run: PublishedRun, options: CostOptions | None = None,
     config, layout = run_config(run), run_layout(run)
     cluster = cluster or run_cluster(run)
     return completed_layout(run, config, layout, cluster, options, uneven_splits_allowed(run, config),
-                            interleaved_min_pp(run))
+                            interleaved_min_pp(run), schedules)
 
 
 def rank_run(run: PublishedRun, options: CostOptions | None = None,
@@ -261,14 +265,15 @@ def unscored_reason(run: PublishedRun) -> str | None:
     return None if run.mfu is not None else "no published MFU or TFLOP/s"
 
 
-def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False) -> RowResult:
+def validate_run(run: PublishedRun, options: CostOptions | None = None, with_rank: bool = False,
+                 schedules: ScheduleCache | None = None) -> RowResult:
     options = options or run_options(run)
     reason = unscored_reason(run)
     if reason is not None:
         return RowResult(run, run.mfu, None, skipped=reason)
     published, config, cluster = run.mfu, run_config(run), run_cluster(run)
     try:
-        cand = priced_candidate(run, options, cluster)
+        cand = priced_candidate(run, options, cluster, schedules)
     except (LayoutError, ValueError) as exc:  # e.g. more chunks than layers: a split the runtime lacks
         return RowResult(run, published, None, skipped=str(exc).split("; ")[0][:90])
     tokens_per_s_gpu = cand.step.tokens_per_s() / cluster.gpus
@@ -284,7 +289,8 @@ def validate_run(run: PublishedRun, options: CostOptions | None = None, with_ran
 def validate(split: str = "held_out", with_rank: bool = False,
              options: CostOptions | None = None) -> list[RowResult]:
     splits = SCORED_SPLITS if split == "all" else (split,)
-    return [validate_run(r, options, with_rank) for r in load_published_runs() if r.split in splits]
+    schedules = ScheduleCache()  # the pricing's schedules, shared by the rows (each rank search keeps its own)
+    return [validate_run(r, options, with_rank, schedules) for r in load_published_runs() if r.split in splits]
 
 
 def summary(rows: list[RowResult]) -> tuple[int, float, float]:

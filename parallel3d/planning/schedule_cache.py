@@ -1,0 +1,44 @@
+"""Built and validated pipeline schedules, kept for one search (issue 26: validation speed).
+
+Invariant: ``ScheduleCache.build(...)`` returns what ``build_schedule(...)`` returns for the same
+arguments. The key is every argument ``build_schedule`` takes (schedule, stages, microbatches, virtual
+stages, ``coalesced_p2p``, zb_h1's ``w_lags``, the split drain), so two calls share a schedule only
+where ``build_schedule`` would build the same one. The cached schedule is shared: callers read it
+(simulate, count moments) and never change it. One cache belongs to one search (``planner.plan``,
+``validation.completed_layout``): a plain dict on the object, dropped with it, never module state.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from parallel3d.pipeline.actions import Schedule
+from parallel3d.pipeline.schedules import build_schedule
+
+__all__ = ["ScheduleCache"]
+
+ScheduleKey = tuple[str, int, int, int, bool, "tuple[int, ...] | None", bool]
+
+
+class ScheduleCache:
+    """``build_schedule`` with memory: each distinct schedule is built and validated once."""
+
+    def __init__(self) -> None:
+        self._built: dict[ScheduleKey, Schedule] = {}
+        self.hits = 0  # calls answered from the dict (what the cache saved)
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+    def build(self, name: str, num_stages: int, num_microbatches: int, num_virtual_stages: int = 1, *,
+              coalesced_p2p: bool = False, w_lags: Sequence[int] | None = None,
+              split_drain: bool = False) -> Schedule:
+        """``build_schedule`` with these arguments (see there), built on the first call only."""
+        key = (name, num_stages, num_microbatches, num_virtual_stages, coalesced_p2p,
+               None if w_lags is None else tuple(w_lags), split_drain)
+        if key in self._built:
+            self.hits += 1
+        else:
+            self._built[key] = build_schedule(name, num_stages, num_microbatches, num_virtual_stages,
+                                              coalesced_p2p=coalesced_p2p, w_lags=w_lags, split_drain=split_drain)
+        return self._built[key]
