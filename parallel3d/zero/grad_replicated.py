@@ -80,6 +80,7 @@ class ReplicatedGradSync(GradSync):
         # Main grads: the params whose next gradient writes (not adds to) its view (every one after zero_grad;
         # the buffer starts zeroed, so writing and adding agree for the first step).
         self._fresh: set[int] = set(self._view_of)
+        self._bucket_count = sum(len(layout.buckets) for layout in layouts)
         self._reset_step()
 
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
@@ -122,14 +123,13 @@ class ReplicatedGradSync(GradSync):
                 view.add_(grad)
             param.grad = None
             return
-        if grad.data_ptr() == view.data_ptr():  # the view under another tensor object: it holds the sum
-            param.grad = view
-            return
         # No transient counted: the gradient autograd hands over is the one it produced in the old
-        # design too (before adding it in place), the planner's zero-copy term.
+        # design too (before adding it in place), the planner's zero-copy term. A ``.grad`` that is the
+        # view's memory under another tensor object is copied (or scaled) onto itself: the same values.
         if self._is_last:  # nothing more will arrive: the copy is also the bucket's 1/n pass
             self.reducer.scale_into(view, grad)
-            self._mark_scaled(group, bucket, key)
+            self._scaled.add(key)
+            self._scaled_count[group][bucket.index] += 1
         else:
             view.copy_(grad)
         param.grad = view
@@ -139,6 +139,9 @@ class ReplicatedGradSync(GradSync):
         self._scaled_count[group][bucket.index] += 1
 
     def _launch_leftovers(self) -> None:
+        if (self.zero_copy and len(self._launched) == self._bucket_count
+                and all(p.grad is v for p, v in self._param_views)):
+            return  # the common step: every bucket launched from the hooks, every .grad still its view
         for g, gb in enumerate(self.grad_bufs):
             for b in gb.layout.buckets:
                 launched = (g, b.index) in self._launched

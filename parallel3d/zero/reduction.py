@@ -114,6 +114,7 @@ class BucketReducer:
         self.as_all_reduce = as_all_reduce
         self.pending = pending
         self._replicas = comm.group_size(pstate, DATA_REPLICAS_KIND)  # fixed for the job: looked up once
+        self._all_reducers: dict[str, comm.AsyncSumAllReduce] = {}  # per kind, prepared once (launched per bucket)
 
     def scale_(self, t: torch.Tensor) -> None:
         """``t`` times ``1/n`` in place (nothing when n == 1)."""
@@ -127,17 +128,23 @@ class BucketReducer:
         else:
             out.copy_(src)
 
+    def _all_reducer(self, kind: str) -> comm.AsyncSumAllReduce:
+        launch = self._all_reducers.get(kind)
+        if launch is None:
+            launch = self._all_reducers[kind] = comm.AsyncSumAllReduce(self.pstate, kind)
+        return launch
+
     def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop, *,
                    scaled: bool = False) -> None:
         """``full`` becomes the sum over the ``kind`` group divided by the data replicas, in place (stage 0);
         ``scaled``: the caller already divided ``full`` (module doc)."""
-        n = comm.group_size(self.pstate, kind)
+        launch = self._all_reducer(kind)
         if not scaled:
             self.scale_(full)
-        if n == 1:
+        if launch.size == 1:
             on_done()
             return
-        self.pending.add(comm.all_reduce(full, self.pstate, kind, async_op=True), on_done, (full,))
+        self.pending.add(launch(full), on_done, (full,))
 
     def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, kind: str, *, accumulate: bool,
                        on_done: Callable[[], None] = _noop, receive_pool: BufferPool | None = None,
@@ -162,7 +169,7 @@ class BucketReducer:
             on_done()
             return
         if self.as_all_reduce:
-            work = comm.all_reduce(full, self.pstate, kind, async_op=True)
+            work = self._all_reducer(kind)(full)
 
             def done_all_reduce() -> None:
                 _deliver(target, mine, accumulate)
