@@ -3,8 +3,8 @@
 Hydra composes ``conf/config.yaml`` against ``JobConfig`` (registered in Hydra's
 ConfigStore as ``job_schema``), so a key that is not a field here is rejected
 while composing and every value is type-checked. The sections are generated from the
-options each package owns (``ParallelDims``, ``PipelineOptions``, ``ZeroOptions``,
-``TrainOptions``, ``CheckpointOptions``, ``StopOptions``, ``OptimizerOptions``,
+options each package owns (``ParallelDims``, ``ContextParallelOptions``, ``PipelineOptions``,
+``ZeroOptions``, ``TrainOptions``, ``CheckpointOptions``, ``StopOptions``, ``OptimizerOptions``,
 ``DataOptions``, ``LoggingOptions``; the model section from ``ModelConfig``), so a key's
 type, default and allowed values are stated once, in its package. ``resolve`` builds
 those options (each checks its own values), checks the rules between sections (batch

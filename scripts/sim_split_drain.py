@@ -3,7 +3,7 @@ zb_h1 at lag 0 (every backward split, each W right after its B), for p in 2 3 4 
 
 Costs per computation: F, a full B, a split B and its W (the split's overhead is B + W - full B); the last
 stage ``--heavy`` times the others. Defaults: F 1, B 2, split 1.1 + 1.0. The measured hidden-128 costs of
-``scripts/profile_pipeline_actions.py`` (README): ``--costs 4.3 8.65 5.30 3.65``.
+``scripts/profile_pipeline_actions.py`` (docs/benchmarks.md): ``--costs 4.3 8.65 5.30 3.65``.
 
     .venv/bin/python scripts/sim_split_drain.py [--costs F B Bsplit W] [--heavy 1.3] [--interleaved]
 

@@ -24,7 +24,7 @@ from tests import layout_matrix as lm
 
 BIG_SEED = 2026120726
 BIG_JOBS = 10
-CI_BIG = (2,)  # the jobs CI dry-runs (chosen for cost: measured in README; big0, 41-75 s, left to --extended in session 39 for CI time: the zero-bubble agreement it showed is checked in CI on llama_tiny, test_planner_agrees_on_zero_bubble_schedules); --extended runs all
+CI_BIG = (2,)  # the jobs CI dry-runs (chosen for cost: measured in docs/dryrun.md, "Drawn layouts no other test names"; big0, 41-75 s, left to --extended in session 39 for CI time: the zero-bubble agreement it showed is checked in CI on llama_tiny, test_planner_agrees_on_zero_bubble_schedules); --extended runs all
 MIN_WORLD, MAX_WORLD = 1024, 16384
 MODELS = ("gpt3_175b", "llama31_405b", "llama3_70b", "mixtral_8x7b", "deepseek_v3_671b", "qwen3_235b_a22b")
 MOE_MODELS = {"mixtral_8x7b": 8, "deepseek_v3_671b": 256, "qwen3_235b_a22b": 128}  # their expert counts

@@ -14,7 +14,7 @@ Why some shapes sit higher: Adam's first updates are ~lr * sign(grad) for tiny g
 router flips an expert choice on a near tie; rounding crosses either threshold in one run and not the
 other. Case 0 (MoE, one kv head; ``scripts/check_layouts.py --shapes --case 0``): the reference with
 another micro-batching moves its step-4 grad norm by 5e-6 to 1.4e-5 (the layout: 1.6e-5 to 1.7e-5),
-and over 10 steps both wander between 2e-7 and 2.5e-5 without a trend (README, "Odd degrees and odd
+and over 10 steps both wander between 2e-7 and 2.5e-5 without a trend (docs/testing.md, "Odd degrees and odd
 model shapes").
 """
 

@@ -118,7 +118,7 @@ def single_process_tolerances(pair: rm.Pair, single: list, out_dir: str, cache_d
     one-process run (``single``, ``rm.single_process_values``) again with one sample per micro-batch gives
     the shape's rounding floor; a floor at ``FLOOR_CAP`` or above fails (no verdict possible). Why: cp3
     layouts of drawn shapes sit at 1e-5-6e-5 from the one-process grad norm by step 2-3, as does the
-    one-process run itself re-batched (README, "Move a run ...: odd pairs")."""
+    one-process run itself re-batched (docs/checkpoints.md, "Odd pairs")."""
     values = rm.single_process_values(pair, out_dir, cache_dir)
     values["train"]["micro_batch_size"] = 1
     floors = nf.floors(lr.train_reference(values, True), single)
@@ -131,7 +131,7 @@ def float64_gaps(pair: rm.Pair, out_dir: str, cache_dir: str) -> dict[int, float
     and its one-process run, both trained in float64 (``tests/float64_run.py``). The verdict on a miss of
     ``single_process_tolerances``: rounding amplified by a threshold (an Adam update of a gradient below
     ``eps``, a top-k near tie) shrinks with the rounding, a wrong term does not. Measured on the one such pair
-    (``any`` 3, h96 MoE dp2 cp3 a2a): fp32 step 4 1.5e-5, float64 <= 2.4e-7 at every step (README)."""
+    (``any`` 3, h96 MoE dp2 cp3 a2a): fp32 step 4 1.5e-5, float64 <= 2.4e-7 at every step (docs/checkpoints.md)."""
     values = rm.job_values(pair, pair.source, os.path.join(out_dir, "source"), cache_dir)
     curve = next(c for c in rm.run(train_float64_on_rank, pair.source.world_size, values) if c)
     single = rm.single_process_values(pair, os.path.join(out_dir, "single"), cache_dir)

@@ -1,9 +1,10 @@
-"""README's commands, read from README itself: every fenced-block line and inline code span that starts
-with a program (python, torchrun, bash, pytest, sbatch, pip, wandb), split into words as the shell would,
-and classified by what it runs. Nothing here is a hand-kept list of commands: a command added to README is
-extracted and checked (``tests/test_readme_commands.py``, ``readme_checks``) without touching this file.
+"""The documentation's commands, read from README.md, docs/*.md and conf/README.md themselves: every
+fenced-block line and inline code span that starts with a program (python, torchrun, bash, pytest, sbatch, pip,
+wandb), split into words as the shell would, and classified by what it runs. Nothing here is a hand-kept list of
+commands: a command added to README, to a docs/ topic file or to conf/README.md is extracted and checked
+(``tests/test_readme_commands.py``, ``readme_checks``) without touching this file.
 
-Invariant: each ``Command`` keeps README's line number and text, so a failing check names where it is.
+Invariant: each ``Command`` keeps its file, line number and text, so a failing check names where it is.
 """
 
 from __future__ import annotations
@@ -16,6 +17,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS_DIR = ROOT / "docs"
+CONF_README = ROOT / "conf" / "README.md"
+
+
+def doc_files() -> list[Path]:
+    """README first (its first command is the newcomer's), then the docs/ topic files in name order, then the
+    config reference (``conf/README.md``), whose commands, paths and keys a newcomer copies too."""
+    return [README, *sorted(DOCS_DIR.glob("*.md")), CONF_README]
+
+
+def doc_name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
 
 PYTHONS = ("python", "python3", ".venv/bin/python", ".venv/bin/python3")
 TORCHRUNS = ("torchrun", ".venv/bin/torchrun")
@@ -28,7 +41,7 @@ PATH_REF = re.compile(r"(?<![\w./-])((?:%s)/(?:[\w./*<>-]|\{[\w.,-]*\})*)" % "|"
 
 @dataclass
 class Command:
-    line: int  # README line the command starts on
+    line: int  # line of ``file`` the command starts on
     text: str  # as README writes it (continuations joined)
     words: list[str] = field(default_factory=list)  # the shell's words, wrapper prefixes and env removed
     env: dict[str, str] = field(default_factory=dict)
@@ -38,9 +51,10 @@ class Command:
     world_size: int = 1  # torchrun --nproc-per-node; sbatch --nodes x GPUS_PER_NODE
     skip: str = ""  # the stated rule that skips it, else ""
     inline: bool = False  # from an inline code span (else a fenced block)
+    file: str = "README.md"  # the documentation file it is written in, relative to the repository
 
     def where(self) -> str:
-        return f"README.md:{self.line}: {self.text}"
+        return f"{self.file}:{self.line}: {self.text}"
 
 
 def _blocks_and_prose(text: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
@@ -144,6 +158,13 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return None
 
 
+# torchrun's options that take a value (the word after them is not the script); both spellings.
+TORCHRUN_VALUE_FLAGS = tuple(f"--{name.replace('_', sep)}"
+                             for name in ("nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint",
+                                          "rdzv_id", "master_addr", "master_port")
+                             for sep in ("-", "_"))
+
+
 def _after_launcher(args: list[str]) -> tuple[str, str, list[str]]:
     """``(kind, target, args)`` of what ``python`` / ``torchrun`` runs: ``-m module`` or a script."""
     i = 0
@@ -153,7 +174,7 @@ def _after_launcher(args: list[str]) -> tuple[str, str, list[str]]:
             return "module", args[i + 1], args[i + 2:]
         if arg == "-c":
             return "python-c", "", args[i + 1:]
-        if arg in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):  # torchrun's options with a value
+        if arg in TORCHRUN_VALUE_FLAGS:  # torchrun's options with a value
             i += 2
             continue
         if arg.startswith("-"):
@@ -181,7 +202,8 @@ def classify(cmd: Command) -> Command:
         kind, cmd.target, cmd.args = _after_launcher(rest)
         cmd.kind = kind
         if program in TORCHRUNS:
-            cmd.world_size = int(_flag_value(rest, "--nproc-per-node", "--nproc_per_node") or 1)
+            cmd.world_size = (int(_flag_value(rest, "--nproc-per-node", "--nproc_per_node") or 1)
+                              * int(_flag_value(rest, "--nnodes") or 1))
         if kind == "python-c":
             cmd.skip = "python -c snippet: compiled only (it reads files an earlier command writes)"
     elif program == "bash":
@@ -253,11 +275,19 @@ def drop_earlier_outputs(cmds: list[Command]) -> None:
         written.update(_outputs(cmd))
 
 
-def readme_commands() -> list[Command]:
-    """README's commands in README's order, classified."""
-    text = README.read_text()
+def file_commands(path: Path) -> list[Command]:
+    """One documentation file's commands in its order, classified, each naming the file."""
+    text = path.read_text()
     cmds = sorted(block_commands(text) + inline_commands(text), key=lambda c: c.line)
-    cmds = [classify(c) for c in cmds]
+    for cmd in cmds:
+        cmd.file = doc_name(path)
+    return [classify(c) for c in cmds]
+
+
+def readme_commands() -> list[Command]:
+    """The commands of README, then of each docs/ file (``doc_files``' order), classified; an input one of
+    them reads that an earlier one writes is dropped across files too."""
+    cmds = [cmd for path in doc_files() for cmd in file_commands(path)]
     drop_earlier_outputs(cmds)
     return cmds
 

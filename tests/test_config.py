@@ -245,7 +245,7 @@ def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
 
 
 def test_moe_pad_to_capacity_reaches_the_dispatcher(tmp_path, monkeypatch):
-    """README's ``model.moe.pad_to_capacity=true`` is a key of the job (it was only a layer option): the built
+    """docs/moe.md's ``model.moe.pad_to_capacity=true`` is a key of the job (it was only a layer option): the built
     MoE layers' all-to-all pads, and without a capacity factor the job is refused in one line."""
     from models import build_model
     from parallel3d.parallel_state import ParallelState

@@ -33,11 +33,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 ACTIVATION_BOUND = 0.05  # test_dryrun_gloo's bound on real vs dry-run activation peaks (CPU kernels' saved scalars)
 
 # Where the planner's activation estimate is known to miss the dry run's measured peak by more than TOLERANCE on drawn
-# layouts (measured 2026-12-07; README "Dry run of the real job on one CPU", findings). Pinned, not skipped (a
+# layouts (measured 2026-12-07; docs/dryrun.md, "Drawn layouts no other test names", findings). Pinned, not skipped (a
 # skip or xfail fails this suite: conftest's NoSilentSkips): on these the test requires the gap to still be
 # there, so a fixed estimator fails it with a message saying which entry to remove. Bytes and messages are
 # checked exactly first, on every case.
-KNOWN_PLANNER_GAPS: dict[int, str] = {}  # none left (session 40: cases 16, 1003, 0, 1002 fixed; README findings)
+KNOWN_PLANNER_GAPS: dict[int, str] = {}  # none left (session 40: cases 16, 1003, 0, 1002 fixed; docs/dryrun.md findings)
 KNOWN_BIG_GAPS: dict[str, str] = {}  # none left (session 40: big7, big4 fixed)
 
 

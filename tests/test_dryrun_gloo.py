@@ -68,7 +68,7 @@ def test_dry_run_bytes_equal_a_real_gloo_run(case, tmp_path):
         assert dry == held, f"rank {rank}: dry run {dry} != real run {held}"
         # Activations: the same engine count, on meta storages. A few meta kernels save tensors of
         # other sizes than the CPU kernels (GQA's repeated kv heads, a 0-d scalar; measured -0.7% to
-        # +3.6% on these cases), so a 5% bound, not equality (README: what is not exact).
+        # +3.6% on these cases), so a 5% bound, not equality (docs/dryrun.md: what is not exact).
         assert real_activations > 0 and abs(report.activation_bytes - real_activations) <= 0.05 * real_activations, \
             f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real {real_activations}"
         assert held["optimizer_state_bytes"] > 0 and held["param_bytes"] > 0

@@ -65,7 +65,7 @@ CI_MAX_GPUS = 128
 # pp > 2 (source_frameworks.interleaved_min_pp: arguments.py, 182841f7d). Re-measured with `--rank`: 29 of 36 pass;
 # narayanan21_gpt_3.6b passes (rank 5, +4.8%: pp 2 interleaving gone from its search), nemotron4_340b_dp32
 # is a new miss (it passed only because the old pre-ranking never simulated its faster layouts).
-# Also tried, not adopted (README "Rank misses, diagnosed"): Megatron-LM 2021's blocking P2P (sender busy
+# Also tried, not adopted (docs/planner.md, "Rank misses, diagnosed"): Megatron-LM 2021's blocking P2P (sender busy
 # for its send): 7.5B +8.7%, 39.1B +10.3%, 175B on 384 / 1,024 GPUs +4.4 / +7.0%, still misses.
 KNOWN_RANK_MISSES: dict[str, str] = {  # measured by `python -m parallel3d.planning.validation --rank`
     "narayanan21_gpt_7.5b":

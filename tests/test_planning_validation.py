@@ -24,7 +24,7 @@ from parallel3d.planning.validation import (MFU_TOLERANCE, _rank_request, format
 from parallel3d.topology import LayoutError
 
 # Held-out rows outside the 10% bar with today's model (measured by
-# `python -m parallel3d.planning.validation`); see README "Planner validation".
+# `python -m parallel3d.planning.validation`); see README "Where issue 26 stands" and docs/planner.md.
 KNOWN_MISSES: dict[str, str] = {  # row -> error and the term the breakdown points at
     # Unstated fields (a row's `unstated`) priced at the planner's best fitting choice, as the rank check
     # does (validation.priced_candidate; '*' in the table); device GEMM curves refitted on the calibration
@@ -40,11 +40,11 @@ KNOWN_MISSES: dict[str, str] = {  # row -> error and the term the breakdown poin
     # (+10.4% -> +5.4%; its --tp-comm-overlap had been priced free).
     # The H100 curve refitted on today's calibration rows (0.623 -> 0.635, knee 187 unchanged; it had not been
     # refitted after the TP-overlap pricing) took MoE Folding Mixtral 8x22B on 128 / 1,024 GPUs inside the bar
-    # (-10.3 / -10.8% -> -8.9 / -9.4%): every H100 row rises about 1.3 points, nothing Mixtral-specific (README).
+    # (-10.3 / -10.8% -> -8.9 / -9.4%): every H100 row rises about 1.3 points, nothing Mixtral-specific (docs/planner.md, "GEMM curve and micro-batch completion, tried").
     "nemotron4_15b_dp288": "+18.8%: same per-rank work as dp96 / dp192 (+7.7 / +9.6%); the published step "
                            "grows 0.57 -> 0.64 s with dp, the priced exposed DP bucket only by ~9 ms (bucket "
                            "197M -> 288M parameters): cross-node collectives at 288 nodes are unpriced; "
-                           "NCCL's ring latency per bucket gives only +15.6% (README)",
+                           "NCCL's ring latency per bucket gives only +15.6% (docs/planner.md)",
 }
 
 

@@ -1,6 +1,6 @@
-"""Every command README shows would start as written: extracted from README (``tests/readme_commands.py``)
-and handed to its entry point's own validation (``tests/readme_checks.py``), never run. Every repository
-path and config key README names exists. Commands not meant to run here (SLURM, pip on a cluster, an external
+"""Every command README.md, docs/*.md and conf/README.md show would start as written: extracted from those files
+(``tests/readme_commands.py``) and handed to its entry point's own validation (``tests/readme_checks.py``),
+never run. Every repository path and config key they name exists. Commands not meant to run here (SLURM, pip on a cluster, an external
 tool) are skipped by a stated rule, printed with ``-rP`` / ``-s``; a ``...`` repeat of an earlier command is
 no command (it starts with no program).
 """
@@ -14,11 +14,12 @@ import re
 import pytest
 
 from tests.readme_checks import check_command
-from tests.readme_commands import README, ROOT, config_key_references, is_placeholder, path_references, readme_commands
+from tests.readme_commands import (ROOT, config_key_references, doc_files, doc_name, is_placeholder, path_references,
+                                   readme_commands)
 
 COMMANDS = readme_commands()
-PATHS = path_references(README.read_text())
-KEYS = config_key_references(README.read_text())
+PATHS = [(doc_name(f), line, path) for f in doc_files() for line, path in path_references(f.read_text())]
+KEYS = [(doc_name(f), line, key, value) for f in doc_files() for line, key, value in config_key_references(f.read_text())]
 
 
 @pytest.fixture
@@ -29,14 +30,17 @@ def in_scratch_dir(tmp_path, monkeypatch):
 
 
 def test_readme_commands_are_found():
-    """The extraction sees README's commands of every kind (a broken extractor would pass everything)."""
+    """The extraction sees the commands of every kind (a broken extractor would pass everything), in README
+    and in the docs/ files (140 commands before README's history moved to docs/, session 41)."""
     kinds = {c.kind for c in COMMANDS}
     assert {"module", "script", "sbatch", "pip"} <= kinds, kinds
-    assert len(COMMANDS) >= 50, len(COMMANDS)
+    assert len(COMMANDS) >= 140, len(COMMANDS)
     assert COMMANDS[0].words[:2] == ["bash", "scripts/pretrain.sh"], COMMANDS[0].where()
+    files = {c.file for c in COMMANDS}
+    assert "README.md" in files and any(f.startswith("docs/") for f in files), files
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"L{c.line}-{c.target or c.kind}" for c in COMMANDS])
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{c.file}:L{c.line}-{c.target or c.kind}" for c in COMMANDS])
 def test_readme_command_would_start(cmd, in_scratch_dir, pytestconfig):
     if cmd.skip:
         print(f"{cmd.where()}\n  rule: {cmd.skip}")
@@ -52,16 +56,16 @@ def _attribute_defined(path: str) -> bool:
                                           re.M) is not None
 
 
-@pytest.mark.parametrize("line,path", PATHS, ids=[f"L{line}-{path}" for line, path in PATHS])
-def test_readme_path_exists(line, path):
+@pytest.mark.parametrize("doc,line,path", PATHS, ids=[f"{doc}:L{line}-{path}" for doc, line, path in PATHS])
+def test_readme_path_exists(doc, line, path):
     if "*" in path:
-        assert glob.glob(str(ROOT / path)), f"README.md:{line}: {path} matches no file"
+        assert glob.glob(str(ROOT / path)), f"{doc}:{line}: {path} matches no file"
         return
     if "<" in path:
-        print(f"README.md:{line}: {path}\n  rule: a placeholder path (<...>): not checked")
+        print(f"{doc}:{line}: {path}\n  rule: a placeholder path (<...>): not checked")
         return
     exists = os.path.exists(ROOT / path) or ("." in path.rsplit("/", 1)[-1] and _attribute_defined(path))
-    assert exists, f"README.md:{line}: {path} does not exist"
+    assert exists, f"{doc}:{line}: {path} does not exist"
 
 
 def _schema_has(key: str) -> bool:
@@ -78,11 +82,11 @@ def _schema_has(key: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("line,key,value", KEYS, ids=[f"L{line}-{key}" for line, key, _ in KEYS])
-def test_readme_config_key_exists(line, key, value):
+@pytest.mark.parametrize("doc,line,key,value", KEYS, ids=[f"{doc}:L{line}-{key}" for doc, line, key, _ in KEYS])
+def test_readme_config_key_exists(doc, line, key, value):
     """A key README names in prose (``train.eval_iters``, ``model=mixtral_tiny``) is one the job accepts; the
     values are not checked (README shows refused values on purpose, and placeholders such as ``N``)."""
-    where = f"README.md:{line}: {key}{'=' + value if value else ''}"
+    where = f"{doc}:{line}: {key}{'=' + value if value else ''}"
     module = ROOT / key.replace(".", "/")
     if not value and (module.with_suffix(".py").is_file() or module.is_dir()):
         print(f"{where}\n  rule: names a module of the repository (it exists), not a config key")

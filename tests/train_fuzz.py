@@ -24,7 +24,7 @@ Invariant, per case (``run``):
   step 2 with 8 samples per micro-batch, step 4 with 1), and the backward's seed is loss_scale / micro-batches
   per dp rank, dp times the single process's. So an fp16 reference runs the case's micro-batch size (as a
   capacity-dropping MoE reference does) from dp times the case's scale; without that, dp=2 and dp=4 layouts
-  skipped steps 1 (and 2) that one process did not (cases 9, 26; README, "Tests").
+  skipped steps 1 (and 2) that one process did not (cases 9, 26; docs/testing.md, "Training options on drawn layouts").
 """
 
 from __future__ import annotations

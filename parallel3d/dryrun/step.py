@@ -121,7 +121,7 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     t, p = rj.job.train, rj.job.parallel
     engine = _engine(rj, chunks, pstate, optimizer, microbatches)
     # No document ids, even with data.document_mask: where documents end is data (the cp block plan reads it),
-    # so every sequence is one document here (README: what the dry run does not model).
+    # so every sequence is one document here (docs/dryrun.md, "Drawn layouts no other test names", finding 5).
     batch = [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in engine.microbatch_keys}
              for _ in range(microbatches)]
     stats = pstate.comm_stats

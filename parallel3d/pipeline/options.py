@@ -54,7 +54,7 @@ class PipelineOptions:
     virtual_stages: int = 1  # model chunks per stage (interleaved_1f1b: >= 2; zbv: 2, its V)
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline chunk; null = balanced split
     # 1f1b, interleaved_1f1b: split the backwards each stage runs after its last forward (not the model's
-    # first chunk's), sending the input gradient before the weight-gradient GEMMs (README "Benchmarks");
+    # first chunk's), sending the input gradient before the weight-gradient GEMMs (docs/benchmarks.md);
     # auto | true | false (drain_is_split).
     split_drain: bool | str = AUTO
 

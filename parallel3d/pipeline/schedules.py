@@ -255,8 +255,9 @@ def build_schedule(
     the module contract); only ``interleaved_1f1b`` places its communication differently.
     ``w_lags`` (``zb_h1`` only; default stage ``s`` lags ``s``): per stage, how many microbatches its
     ``W``s trail its ``B``s (``zero_bubble.zb_h1_lags`` picks them from the stages' bytes).
-    ``split_drain`` (``1f1b`` only; ``options.drain_is_split`` decides it from the config): the
-    backwards after a stage's last forward are split, ``W`` right after ``B`` (module contract).
+    ``split_drain`` (the schedules in ``options.SPLIT_DRAIN_SCHEDULES``; ``options.drain_is_split`` decides it
+    from the config): the backwards after a stage's last forward are split, ``W`` right after ``B``
+    (module contract).
     """
     p, m, v = num_stages, num_microbatches, num_virtual_stages
     _check_args(name, p, m, v)

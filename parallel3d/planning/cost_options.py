@@ -68,7 +68,7 @@ class CostOptions:
         # chunk_grad_sync=False: Megatron-Core also launches each chunk's reduction at its last backward
         # (schedules.py grad_sync_func), but priced so, the r0.8 README rows whose unstated vp the validation
         # completes at 14-16 chunks run +12 to +19% (at vp 1: -5 to -7%); kept at one chunk's overlap until
-        # that completion is settled (README "Planner validation").
+        # that completion is settled (docs/planner.md, "Data-parallel pricing, tried").
         return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
                    grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
                    chunk_grad_sync=False, split_drain=False, tied_grad_whole=True)

@@ -43,7 +43,7 @@ class UbConfig:
     # Price each GEMM slice at its own shape on the GEMM curve. Off: that curve, fitted on whole-layer
     # GEMMs, prices a 512-row slice of a 7,680 x 20,480 GEMM (462B, tp8, 1 x 4,096 tokens) 23% slower,
     # although its 128 x 256 tiles still fill about a wave of 132 SMs; so priced the overlap cost more
-    # than no overlap on the 1-sequence microbatch rows (calibration GPT 314B -9.8%, README).
+    # than no overlap on the 1-sequence microbatch rows (calibration GPT 314B -9.8%, docs/planner.md).
     price_slices: bool = False
 
 
