@@ -47,8 +47,9 @@ def _batch(step: int, micro: int, rank: int, dtype: torch.dtype) -> torch.Tensor
 
 # Per step: which microbatches use ``b``. Step 0: ``b`` first appears in the last microbatch (its slot is written
 # scaled while ``a`` and ``c`` were accumulated: a mixed bucket when they share one); step 1: one microbatch
-# (every slot written scaled: no bucket pass); step 2: ``b`` unused (its view holds step 1's mean).
-SCHEDULE = ((False, True), (True,), (False,))
+# (every slot written scaled: no bucket pass); step 2: ``b`` unused (its view holds step 1's mean); step 3: ``b`` only
+# in the first microbatch (bound, never counted ready: its bucket is launched by ``finalize``).
+SCHEDULE = ((False, True), (True,), (False,), (True, False))
 
 
 def _local_sum(model: nn.Module, step: int, rank: int, dtype: torch.dtype) -> list[torch.Tensor]:

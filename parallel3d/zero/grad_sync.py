@@ -32,8 +32,9 @@ Invariants every strategy keeps:
   zero-copy path where ``.grad`` is a view of its bucket and autograd adds in place;
   stages 0/1 bind it at the step's first gradient, stage 2 at the bucket's staging).
 - Every parameter's main grad (``main_grad``) is a view of its bucket's contiguous
-  buffer, and every reduction runs on that buffer: no gradient is copied on its way
-  to the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
+  buffer, and every reduction runs on that buffer: a gradient reaches it in one pass (autograd's
+  in-place add, or stages 0/1's first write of a step) and is not copied again on its way to
+  the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
 - Collectives are launched from gradient hooks in the order gradients arrive
   (backward order; a split backward's W arrives in its own queue order) and by
   ``finalize`` in bucket order; every DP rank runs the same model and schedule,
