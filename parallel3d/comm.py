@@ -38,7 +38,7 @@ from parallel3d.comm_stats import CommStats
 from parallel3d.p2p_emulation import CoalescedWork, EmulatedP2PStreams
 from parallel3d.parallel_state import ParallelState
 
-__all__ = ["CoalescedWork", "CommStats", "EmulatedP2PStreams", "all_gather_exchange", "all_gather_into_tensor", "all_reduce",
+__all__ = ["AsyncSumAllReduce", "CoalescedWork", "CommStats", "EmulatedP2PStreams", "all_gather_exchange", "all_gather_into_tensor", "all_reduce",
            "all_reduce_world", "batch_isend_irecv", "broadcast", "group_rank", "group_size",
            "reduce_scatter_exchange", "reduce_scatter_tensor"]
 
@@ -48,14 +48,16 @@ def group_size(pstate: ParallelState, kind: str) -> int:
     return len(pstate.ranks(kind)) if pstate.distributed else 1
 
 
+def _failure(pstate: ParallelState, kind: str, op: str, exc: RuntimeError) -> RuntimeError:
+    return RuntimeError(f"rank {pstate.rank}: {op} on the {kind} group {pstate.ranks(kind)} failed: {exc}")
+
+
 @contextmanager
 def _named_failure(pstate: ParallelState, kind: str, op: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:  # gloo/NCCL errors (timeouts, dead peers) are RuntimeErrors
-        raise RuntimeError(
-            f"rank {pstate.rank}: {op} on the {kind} group {pstate.ranks(kind)} failed: {exc}"
-        ) from exc
+        raise _failure(pstate, kind, op, exc) from exc
 
 
 # torch >= 2.13 renamed the tensor collectives (the old names warn on every call);
@@ -87,9 +89,40 @@ def all_reduce(
     n = group_size(pstate, kind)
     if n == 1:
         return None
-    pstate.comm_stats.add(kind, "all_reduce", 2 * _nbytes(tensor) * (n - 1) / n)
+    pstate.comm_stats.add(kind, "all_reduce", _all_reduce_bytes(tensor, n))
     with _named_failure(pstate, kind, "all_reduce"):
         return dist.all_reduce(tensor, op=op, group=pstate.group(kind), async_op=async_op)
+
+
+def _all_reduce_bytes(tensor: torch.Tensor, n: int) -> float:
+    return 2 * _nbytes(tensor) * (n - 1) / n
+
+
+class AsyncSumAllReduce:
+    """``all_reduce(t, pstate, kind, async_op=True)`` for a caller launching many per step from
+    backward hooks (ZeRO's gradient buckets): the group, its size and the options are looked up
+    once, and each call goes to the process group directly, as DDP's C++ reducer does, without
+    ``dist.all_reduce``'s per-call Python (argument checks, complex-tensor and coalescing-context
+    handling: the callers pass dense real tensors, outside any coalescing context). The same
+    collective, byte accounting and error naming as ``all_reduce``; ``__call__`` returns its Work
+    (None when the group has one member)."""
+
+    def __init__(self, pstate: ParallelState, kind: str) -> None:
+        self._pstate, self._kind = pstate, kind
+        self.size = group_size(pstate, kind)
+        self._group = pstate.group(kind) if self.size > 1 else None
+        self._opts = dist.AllreduceOptions()
+        self._opts.reduceOp = dist.ReduceOp.SUM
+        self._opts.asyncOp = True  # what ``dist.all_reduce(async_op=True)`` sets (NCCL: its own stream)
+
+    def __call__(self, tensor: torch.Tensor):
+        if self._group is None:
+            return None
+        self._pstate.comm_stats.add(self._kind, "all_reduce", _all_reduce_bytes(tensor, self.size))
+        try:
+            return self._group.allreduce([tensor], self._opts)
+        except RuntimeError as exc:
+            raise _failure(self._pstate, self._kind, "all_reduce", exc) from exc
 
 
 def all_reduce_world(tensor: torch.Tensor, pstate: ParallelState, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

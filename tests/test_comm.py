@@ -20,6 +20,7 @@ def test_single_process_collectives_are_noops():
     ps = ParallelState.single_process()
     t = torch.arange(4.0)
     assert comm.all_reduce(t, ps, "tp") is None
+    assert comm.AsyncSumAllReduce(ps, "tp")(t) is None
     assert torch.equal(t, torch.arange(4.0))
     out = torch.empty(4)
     comm.all_gather_into_tensor(out, t, ps, "dp")
@@ -49,6 +50,12 @@ def _collectives(rank, world_size):
     # reduce-scatter + all-gather of N bytes cost what one all-reduce of N costs.
     rs_ag = ps.comm_stats.bytes[("dp", "reduce_scatter")] + ps.comm_stats.bytes[("dp", "all_gather")]
     assert rs_ag == 2 * 8 * 4 * (n - 1) // n
+    # The prepared launch (ZeRO's buckets): the same sum and the same bytes as ``all_reduce``.
+    y = torch.full((6,), rank + 0.5)
+    work = comm.AsyncSumAllReduce(ps, "tp")(y)
+    work.wait()
+    assert torch.equal(y, torch.full((6,), sum(r + 0.5 for r in tp_peers)))
+    assert ps.comm_stats.bytes[("tp", "all_reduce")] == 2 * (2 * nbytes * (n - 1) // n)
     return True
 
 

@@ -1,5 +1,6 @@
 """The gradient hook's lean path (``grad_sync.GradSync._hook``, run once per parameter per backward in
-Python): the zero-copy common case does no absorbing call, and the hook itself turns grad mode off only
+Python): in the zero-copy case it writes each gradient once per step (the first after ``zero_grad``) and
+later microbatches accumulate in place with no call, and the hook itself turns grad mode off only
 when backward runs with ``create_graph=True``, so no gradient buffer ever joins the autograd graph.
 Gradients are checked against a plain model's (the same arithmetic: exact)."""
 
@@ -28,24 +29,38 @@ def _optimizer(model: nn.Module, stage: int) -> ZeroOptimizer:
                          clip_grad=None, overlap_param_gather=False, bucket_size_mb=40 * 4 / 2**20)
 
 
-def test_zero_copy_backward_never_calls_absorb(monkeypatch):
+def test_zero_copy_hook_writes_each_gradient_once_then_accumulates_in_place(monkeypatch):
+    """After ``zero_grad`` (``.grad`` None) the first backward's hook writes each gradient into its view
+    (one call per parameter); a later microbatch's gradient is added there by autograd itself (no call)."""
     model, reference = _pair()
     opt = _optimizer(model, 0)
+    params = list(model.parameters())
     calls = []
-    original = ReplicatedGradSync._absorb
-    monkeypatch.setattr(ReplicatedGradSync, "_absorb", lambda self, *a: (calls.append(a[-1]), original(self, *a)))
-    x = torch.randn(3, 8)
-    for _ in range(2):  # the second step starts from zero_grad's rebound views
+    original = ReplicatedGradSync._write
+    monkeypatch.setattr(ReplicatedGradSync, "_write", lambda self, *a: (calls.append(a[-2]), original(self, *a)))
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    for _ in range(2):  # the second step starts from zero_grad's unbound .grads
+        opt.grad_sync.prepare(False)
         model(x).pow(2).sum().backward()
+        assert sorted(map(id, calls)) == sorted(map(id, params)), "one write per parameter in the first backward"
+        calls.clear()
+        opt.grad_sync.prepare(True)
+        model(y).pow(2).sum().backward()
         opt.grad_sync.finalize()
-        assert not calls, f"{len(calls)} absorbing calls in a zero-copy backward"
+        assert not calls, f"{len(calls)} hook writes in a backward accumulating into bound views"
         reference.zero_grad()
         reference(x).pow(2).sum().backward()
-        for p, r in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(opt.grad_sync.main_grad(p), r.grad)
+        reference(y).pow(2).sum().backward()
+        for p, r in zip(params, reference.parameters()):
+            assert p.grad is opt.grad_sync.main_grad(p)
+            assert torch.equal(p.grad, r.grad)
         opt.grad_sync.zero_grad()
-    # a .grad replaced by another tensor is still absorbed (copied into its view)
-    first = next(model.parameters())
+        assert all(p.grad is None for p in params)
+    # a .grad replaced by another tensor is still written (copied into its view)
+    opt.grad_sync.prepare(False)
+    model(x).pow(2).sum().backward()
+    calls.clear()
+    first = params[0]
     first.grad = torch.ones_like(first)
     model(x).pow(2).sum().backward()
     assert calls == [first]

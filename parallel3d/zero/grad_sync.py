@@ -17,7 +17,9 @@ parameters still gathered). It is idempotent per step, so
 Scaling, end to end (nobody else scales gradients): the engine multiplies each
 microbatch's loss by ``loss_scale / num_microbatches`` (the loss side: backward
 must see the scaled loss); ``reduction.BucketReducer`` multiplies each bucket by
-``1/n`` (n = the size of its replica group) right before its collective;
+``1/n`` (n = the size of its replica group) right before its collective (or, stages
+0/1, the first write of each gradient into its bucket does, with the reducer's
+``scale_into``, when nothing more will be added to it: ``grad_replicated``);
 ``ZeroOptimizer.step`` multiplies by ``1/loss_scale`` (folded into the clipping
 coefficient). So after ``finalize``, ``grad_piece(g, b)`` is the replica mean of
 this rank's piece of bucket ``b`` times the loss scale.
@@ -27,10 +29,12 @@ Invariants every strategy keeps:
   bf16/fp16 parameters: every microbatch's half-precision ``.grad`` is added
   into fp32 by a post-accumulate-grad hook and dropped) or the parameter dtype
   (``grad_reduce_dtype`` equal to the precision: half the bytes; this is the
-  zero-copy path where ``.grad`` is a view of its bucket and autograd adds in place).
+  zero-copy path where ``.grad`` is a view of its bucket and autograd adds in place;
+  stages 0/1 bind it at the step's first gradient, stage 2 at the bucket's staging).
 - Every parameter's main grad (``main_grad``) is a view of its bucket's contiguous
-  buffer, and every reduction runs on that buffer: no gradient is copied on its way
-  to the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
+  buffer, and every reduction runs on that buffer: a gradient reaches it in one pass (autograd's
+  in-place add, or stages 0/1's first write of a step) and is not copied again on its way to
+  the collective, and a reduce-scatter's output is the shard or the buffer's own piece.
 - Collectives are launched from gradient hooks in the order gradients arrive
   (backward order; a split backward's W arrives in its own queue order) and by
   ``finalize`` in bucket order; every DP rank runs the same model and schedule,

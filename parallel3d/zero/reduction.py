@@ -8,7 +8,10 @@ dp x cp micro-batch replicas, not over ``edp``). It multiplies each bucket by ``
 before its collective (no pass when n == 1), so every reduced value is already
 the replica *mean* and a half-precision partial sum never exceeds the largest
 per-rank value (fp16 cannot overflow in the reduction at large n just because it
-sums). Nobody downstream scales by n.
+sums). Nobody downstream scales by n. A caller that already wrote a bucket scaled (stage 0/1's
+first write of a gradient into its bucket, ``grad_replicated``: the copy it makes anyway, with
+``scale_into``) says so with ``scaled=True``, and the pass is skipped; ``scale_into`` and ``scale_``
+are the same multiplication by the same factor, so the values are bitwise those of the bucket pass.
 
 Collectives are launched with ``async_op=True`` and completed in launch order by
 ``PendingCollectives``: ``poll`` uses the non-blocking ``is_completed``; ``wait``
@@ -111,26 +114,45 @@ class BucketReducer:
         self.as_all_reduce = as_all_reduce
         self.pending = pending
         self._replicas = comm.group_size(pstate, DATA_REPLICAS_KIND)  # fixed for the job: looked up once
+        self._all_reducers: dict[str, comm.AsyncSumAllReduce] = {}  # per kind, prepared once (launched per bucket)
 
-    def _scale(self, full: torch.Tensor) -> None:
+    def scale_(self, t: torch.Tensor) -> None:
+        """``t`` times ``1/n`` in place (nothing when n == 1)."""
         if self._replicas > 1:
-            full.mul_(1.0 / self._replicas)
+            t.mul_(1.0 / self._replicas)
 
-    def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop) -> None:
-        """``full`` becomes the sum over the ``kind`` group divided by the data replicas, in place (stage 0)."""
-        n = comm.group_size(self.pstate, kind)
-        self._scale(full)
-        if n == 1:
+    def scale_into(self, out: torch.Tensor, src: torch.Tensor) -> None:
+        """``out = src * (1/n)`` in one pass (a copy when n == 1): ``scale_`` of a copy, bitwise."""
+        if self._replicas > 1:
+            torch.mul(src, 1.0 / self._replicas, out=out)
+        else:
+            out.copy_(src)
+
+    def _all_reducer(self, kind: str) -> comm.AsyncSumAllReduce:
+        launch = self._all_reducers.get(kind)
+        if launch is None:
+            launch = self._all_reducers[kind] = comm.AsyncSumAllReduce(self.pstate, kind)
+        return launch
+
+    def all_reduce(self, full: torch.Tensor, kind: str, on_done: Callable[[], None] = _noop, *,
+                   scaled: bool = False) -> None:
+        """``full`` becomes the sum over the ``kind`` group divided by the data replicas, in place (stage 0);
+        ``scaled``: the caller already divided ``full`` (module doc)."""
+        launch = self._all_reducer(kind)
+        if not scaled:
+            self.scale_(full)
+        if launch.size == 1:
             on_done()
             return
-        self.pending.add(comm.all_reduce(full, self.pstate, kind, async_op=True), on_done, (full,))
+        self.pending.add(launch(full), on_done, (full,))
 
     def reduce_scatter(self, full: torch.Tensor, target: torch.Tensor, kind: str, *, accumulate: bool,
-                       on_done: Callable[[], None] = _noop, receive_pool: BufferPool | None = None) -> None:
+                       on_done: Callable[[], None] = _noop, receive_pool: BufferPool | None = None,
+                       scaled: bool = False) -> None:
         """This rank's piece of the mean of ``full`` over the ``kind`` group is written into (or, if
         ``accumulate``, added to) ``target`` (``full.numel() // n`` elements; it may be ``full``'s own
-        piece). ``full`` is scaled in place and must not be touched until ``on_done`` runs; this
-        rank's piece of it may be overwritten by the result.
+        piece). ``full`` is scaled in place (unless ``scaled``: the caller did) and must not be touched
+        until ``on_done`` runs; this rank's piece of it may be overwritten by the result.
 
         No copy on the way: a target that is ``full``'s own piece is reduced in place (the output
         is the input's piece, as NCCL's in-place reduce-scatter, and gloo's, accept); a separate
@@ -140,13 +162,14 @@ class BucketReducer:
         piece = full.numel() // n
         index = comm.group_rank(self.pstate, kind)
         mine = full[index * piece : (index + 1) * piece]
-        self._scale(full)
+        if not scaled:
+            self.scale_(full)
         if n == 1:
             _deliver(target, mine, accumulate)
             on_done()
             return
         if self.as_all_reduce:
-            work = comm.all_reduce(full, self.pstate, kind, async_op=True)
+            work = self._all_reducer(kind)(full)
 
             def done_all_reduce() -> None:
                 _deliver(target, mine, accumulate)
