@@ -128,8 +128,7 @@ class ReplicatedGradSync(GradSync):
         # view's memory under another tensor object is copied (or scaled) onto itself: the same values.
         if self._is_last:  # nothing more will arrive: the copy is also the bucket's 1/n pass
             self.reducer.scale_into(view, grad)
-            self._scaled.add(key)
-            self._scaled_count[group][bucket.index] += 1
+            self._mark_scaled(group, bucket, key)
         else:
             view.copy_(grad)
         param.grad = view
