@@ -129,6 +129,21 @@ def rank_zero_result(worker: Callable, world: int, port: int, args: Any) -> Any:
         sys.exit(1)
 
 
+def rank_zero_item(worker: Callable, world: int, *args: Any) -> Any:
+    """Spawn ``worker(rank, world, port, *args, queue)`` on ``world`` ranks (a fresh 127.0.0.1 port) and
+    return the one item rank 0 puts on ``queue``, after every rank has exited (the profiling scripts)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    item = queue.get()
+    for proc in procs:
+        proc.join()
+    return item
+
+
 # ---- peak memory of rank processes, read by their parent from /proc -----------------------------
 # glibc's malloc keeps freed blocks below its (self-raising) mmap threshold in its heaps, so resident
 # memory would depend on allocation history; a fixed 64 KiB threshold gives every tensor its own

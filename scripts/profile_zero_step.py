@@ -23,12 +23,11 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_zero import METHODS, Runner, _total_norm  # noqa: E402
-from peer_env import cpu_seconds, free_port  # noqa: E402
+from peer_env import cpu_seconds, rank_zero_item  # noqa: E402
 
 PHASES = ("forward", "backward", "norm", "step", "zero_grad")
 COUNTED = ("c10d::allreduce_", "aten::copy_", "aten::add_", "aten::mul_", "aten::mul", "aten::fill_", "aten::zero_",
@@ -97,16 +96,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ddp", "zero0"],
                         choices=[m for m in METHODS if "cpu" not in m and "disk" not in m])
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.dp, port, args.steps, args.methods, queue))
-             for r in range(args.dp)]
-    for p in procs:
-        p.start()
-    out = queue.get()
-    for p in procs:
-        p.join()
+    out = rank_zero_item(_worker, args.dp, args.steps, args.methods)
     print(f"dp {args.dp}, {args.steps} steps per method, rank 0, median ms per step "
           f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f})")
     print(f"{'phase':<12}" + "".join(f"{m + ' thread':>14}{m + ' process':>15}" for m in args.methods))

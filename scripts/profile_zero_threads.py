@@ -19,12 +19,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_zero import METHODS, Runner  # noqa: E402
-from peer_env import free_port  # noqa: E402
+from peer_env import rank_zero_item  # noqa: E402
 
 
 def _threads() -> dict[tuple[int, str], int]:
@@ -73,16 +72,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["ddp", "zero0"],
                         choices=[m for m in METHODS if "cpu" not in m and "disk" not in m])
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.dp, port, args.steps, args.reps, args.methods, queue))
-             for r in range(args.dp)]
-    for p in procs:
-        p.start()
-    main_tid, ms = queue.get()
-    for p in procs:
-        p.join()
+    main_tid, ms = rank_zero_item(_worker, args.dp, args.steps, args.reps, args.methods)
     print(f"dp {args.dp}, {args.reps} x {args.steps} steps per method, rank 0, CPU ms per step per thread "
           f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.1f})")
     keys = sorted(set().union(*(set(v) for v in ms.values())))

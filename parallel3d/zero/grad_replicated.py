@@ -116,12 +116,7 @@ class ReplicatedGradSync(GradSync):
         grad = param.grad
         if not self.zero_copy:  # main grads: cast into the fp32 buffer; the first one after zero_grad writes
             self.memory.transient("gradients", nbytes(grad))
-            if key in self._fresh:
-                self._fresh.discard(key)
-                view.copy_(grad)
-            else:
-                view.add_(grad)
-            param.grad = None
+            self._add_main_grad(key, param, view)
             return
         # No transient counted: the gradient autograd hands over is the one it produced in the old
         # design too (before adding it in place), the planner's zero-copy term. A ``.grad`` that is the
@@ -132,6 +127,16 @@ class ReplicatedGradSync(GradSync):
         else:
             view.copy_(grad)
         param.grad = view
+
+    def _add_main_grad(self, key: int, param: torch.nn.Parameter, view: torch.Tensor) -> None:
+        """Main grads: add ``param.grad`` (one half-precision contribution) into its fp32 ``view`` and drop it;
+        the first contribution since ``zero_grad`` writes instead (the view was not zeroed)."""
+        if key in self._fresh:
+            self._fresh.discard(key)
+            view.copy_(param.grad)
+        else:
+            view.add_(param.grad)
+        param.grad = None
 
     def _mark_scaled(self, group: int, bucket: Bucket, key: int) -> None:
         self._scaled.add(key)
@@ -184,13 +189,8 @@ class ReplicatedGradSync(GradSync):
         if self.zero_copy:
             view.copy_(grad)
             param.grad = view
-        else:  # main grads: a contribution on top of the buffer's sum (the first one since zero_grad writes)
-            if key in self._fresh:
-                self._fresh.discard(key)
-                view.copy_(grad)
-            else:
-                view.add_(grad)
-            param.grad = None
+        else:  # main grads: a contribution on top of the buffer's sum
+            self._add_main_grad(key, param, view)
 
     def _reset_step(self) -> None:
         self._ready: list[list[int]] = [[0] * len(layout.buckets) for layout in self.layouts]  # [group][bucket]
