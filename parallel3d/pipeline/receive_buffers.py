@@ -10,12 +10,16 @@ its stream after the current one), so the reuse is stream-safe too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from parallel3d.pipeline.p2p import MessageSpec
+
+class MessageShape(Protocol):
+    """What a pool needs of ``p2p.MessageSpec`` (named structurally: ``p2p`` imports this module)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _storage_users(t: torch.Tensor) -> int:
@@ -33,7 +37,7 @@ class ReceiveBuffers:
     at once (what allocating per receive holds at its peak too).
     """
 
-    def __init__(self, spec: "MessageSpec", device: torch.device) -> None:
+    def __init__(self, spec: MessageShape, device: torch.device) -> None:
         self.spec, self.device = spec, device
         self._buffers: list[torch.Tensor] = []
         self._posted: set[int] = set()  # ids of buffers a receive is posted into, not yet handed out
