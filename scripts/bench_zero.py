@@ -64,7 +64,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallel3d.parallel_state import ParallelState  # noqa: E402
 from parallel3d.topology import Topology  # noqa: E402
 from parallel3d.zero import ZeroOptimizer  # noqa: E402
-from peer_env import cpu_seconds, deepspeed_python, free_port, run_peer  # noqa: E402
+from peer_env import cpu_seconds, deepspeed_python, rank_zero_item, run_peer  # noqa: E402
 from peer_deepspeed_zero import BATCH, BUCKET_MB, DEPTH, LR, WIDTH, batch_for, make_model  # noqa: E402
 # zeroN: ZeroOptimizer defaults (a true reduce-scatter per bucket: DDP's byte volume);
 # zeroN_ar: reduce_scatter="auto", where gloo reduces each bucket with its faster all-reduce;
@@ -218,16 +217,33 @@ def _rank_mean(values: list[float], n: int) -> list[float]:
     return (total / n).tolist()
 
 
-def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list[str], queue) -> None:
+def warm_runners(rank: int, n: int, port: int, methods: list[str], root: str) -> dict[str, "Runner"]:
+    """This rank's gloo group (one torch thread, 127.0.0.1) and a ``Runner`` per method, each past two warm-up
+    steps (the first steps allocate state and record stage 3's orders). Shared with the profiling scripts."""
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
+    runners = {m: Runner(m, rank, n, root) for m in methods}
+    for runner in runners.values():
+        runner.step()
+        runner.step()
+    return runners
+
+
+def profile_parser(doc: str) -> argparse.ArgumentParser:
+    """The profiling scripts' shared arguments: ``--dp``, ``--steps`` and the in-memory ``--methods``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--methods", nargs="+", default=["ddp", "zero0"],
+                        choices=[m for m in METHODS if "cpu" not in m and "disk" not in m])
+    return parser
+
+
+def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list[str], queue) -> None:
     with tempfile.TemporaryDirectory(prefix=f"p3d-bench-offload-{rank}-") as root:
-        runners = {m: Runner(m, rank, n, root) for m in methods}
-        for runner in runners.values():  # warm-up (first steps allocate state, record stage-3 orders)
-            runner.step()
-            runner.step()
+        runners = warm_runners(rank, n, port, methods, root)
         times: dict[str, list[float]] = {m: [] for m in methods}
         cpu: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(rounds):
@@ -251,16 +267,7 @@ def _worker(rank: int, n: int, port: int, rounds: int, steps: int, methods: list
 
 
 def run_ours(n: int, rounds: int, steps: int, methods: list[str]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, rounds, steps, methods, queue)) for r in range(n)]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-    return result
+    return rank_zero_item(_worker, n, rounds, steps, methods)
 
 
 def run_deepspeed(py: str, n: int, rounds: int, steps: int) -> dict:

@@ -13,7 +13,6 @@ and c10d calls per step by the torch profiler (counts only: its times are not lo
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import statistics
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_zero import METHODS, Runner, _total_norm  # noqa: E402
+from bench_zero import Runner, _total_norm, profile_parser, warm_runners  # noqa: E402
 from peer_env import cpu_seconds, rank_zero_item  # noqa: E402
 
 PHASES = ("forward", "backward", "norm", "step", "zero_grad")
@@ -61,14 +60,7 @@ def _one_step(runner: Runner, thread: dict, proc: dict) -> None:
 
 
 def _worker(rank: int, n: int, port: int, steps: int, methods: list[str], queue) -> None:
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
-    runners = {m: Runner(m, rank, n, "/nonexistent") for m in methods}
-    for runner in runners.values():
-        runner.step()
-        runner.step()
+    runners = warm_runners(rank, n, port, methods, "/nonexistent")
     thread = {m: defaultdict(list) for m in methods}
     proc = {m: defaultdict(list) for m in methods}
     for _ in range(steps):  # methods interleaved step by step
@@ -90,11 +82,7 @@ def _worker(rank: int, n: int, port: int, steps: int, methods: list[str], queue)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--methods", nargs="+", default=["ddp", "zero0"],
-                        choices=[m for m in METHODS if "cpu" not in m and "disk" not in m])
+    parser = profile_parser(__doc__)
     args = parser.parse_args()
     out = rank_zero_item(_worker, args.dp, args.steps, args.methods)
     print(f"dp {args.dp}, {args.steps} steps per method, rank 0, median ms per step "

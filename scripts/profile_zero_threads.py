@@ -12,17 +12,15 @@ group's collectives cost what; the barrier ``Runner.step`` runs before each step
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_zero import METHODS, Runner  # noqa: E402
+from bench_zero import profile_parser, warm_runners  # noqa: E402
 from peer_env import rank_zero_item  # noqa: E402
 
 
@@ -42,14 +40,7 @@ def _threads() -> dict[tuple[int, str], int]:
 
 
 def _worker(rank: int, n: int, port: int, steps: int, reps: int, methods: list[str], queue) -> None:
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=600))
-    runners = {m: Runner(m, rank, n, "/nonexistent") for m in methods}
-    for runner in runners.values():
-        runner.step()
-        runner.step()
+    runners = warm_runners(rank, n, port, methods, "/nonexistent")
     spent: dict[str, dict[tuple[int, str], int]] = {m: {} for m in methods}
     for _ in range(reps):
         for m, runner in runners.items():
@@ -65,12 +56,8 @@ def _worker(rank: int, n: int, port: int, steps: int, reps: int, methods: list[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser = profile_parser(__doc__)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--methods", nargs="+", default=["ddp", "zero0"],
-                        choices=[m for m in METHODS if "cpu" not in m and "disk" not in m])
     args = parser.parse_args()
     main_tid, ms = rank_zero_item(_worker, args.dp, args.steps, args.reps, args.methods)
     print(f"dp {args.dp}, {args.reps} x {args.steps} steps per method, rank 0, CPU ms per step per thread "
