@@ -212,23 +212,17 @@ class PipelineP2P:
 
     def post_recv(self, action: Action, peer: int) -> None:
         """Post the one receive ``action`` from global rank ``peer`` as a batch of its own (a receive
-        posted ahead of need): ``post((), ((action, peer),))``, stamped alike when traced, without
-        the general path's work for sends and op lists where a lone receive goes out directly (gloo)."""
-        backend = self._direct
-        if backend is None:
+        posted ahead of need): ``post((), ((action, peer),))``, without the general path's work for
+        sends and op lists where a lone untraced receive goes out directly (gloo). Traced, it takes
+        ``post``, which stamps it."""
+        if self._direct is None or self.trace is not None:
             self.post((), ((action, peer),))
             return
         buf = self.buffers.acquire()
-        ranks, trace = self._group_ranks, self.trace
-        began = time.perf_counter() if trace is not None else 0.0
         try:
-            work = backend.recv([buf], ranks[peer] if peer in ranks else self._group_rank(peer), 0)
+            work = self._direct.recv([buf], self._rank_in_group(peer), 0)
         except RuntimeError as exc:
             raise self._failed([action], exc) from exc
-        if trace is not None:
-            self._traced_batches += 1
-            trace.append((action.kind, action, peer, began, time.perf_counter(), self._traced_batches))
-            self._traced_batch_of[action] = self._traced_batches
         self._posted[action] = P2PBatch([work], [], {action: buf})
 
     def _post_batched(self, sends: Sequence[tuple[Action, torch.Tensor, int]], kept: list[tuple[Action, torch.Tensor]],
@@ -241,12 +235,12 @@ class PipelineP2P:
     def _post_direct(self, sends: Sequence[tuple[Action, torch.Tensor, int]], kept: list[tuple[Action, torch.Tensor]],
                      recvs: Sequence[tuple[Action, int]], buffers: dict[Action, torch.Tensor]) -> list[Any]:
         """The batch's ops in the batched path's order (sends, then receives), one gloo Work each."""
-        backend, ranks = self._direct, self._group_ranks
+        backend = self._direct
         works = []
         for (_, tensor), (_, _, peer) in zip(kept, sends):
-            works.append(backend.send([tensor], ranks[peer] if peer in ranks else self._group_rank(peer), 0))
+            works.append(backend.send([tensor], self._rank_in_group(peer), 0))
         for action, peer in recvs:
-            works.append(backend.recv([buffers[action]], ranks[peer] if peer in ranks else self._group_rank(peer), 0))
+            works.append(backend.recv([buffers[action]], self._rank_in_group(peer), 0))
         return works
 
     def _post_traced(self, sends: Sequence[tuple[Action, torch.Tensor, int]],
@@ -276,8 +270,11 @@ class PipelineP2P:
         self._traced_batch_of.update((action, n) for action, _ in recvs)
         return works
 
-    def _group_rank(self, peer: int) -> int:
-        rank = self._group_ranks[peer] = dist.get_group_rank(self._group, peer)
+    def _rank_in_group(self, peer: int) -> int:
+        """Global rank ``peer``'s rank in the pp group (asked of torch once per peer)."""
+        rank = self._group_ranks.get(peer)
+        if rank is None:
+            rank = self._group_ranks[peer] = dist.get_group_rank(self._group, peer)
         return rank
 
     def take(self, action: Action) -> torch.Tensor:
