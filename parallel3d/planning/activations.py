@@ -303,7 +303,7 @@ def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int, spli
     peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
     uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s;
     ``schedules``: the search's built schedules (``ScheduleCache``)."""
-    built = (schedules if schedules is not None else ScheduleCache()).build(name, pp, m, v, coalesced_p2p=True,
+    built = ScheduleCache.of(schedules).build(name, pp, m, v, coalesced_p2p=True,
                                                                            split_drain=split_drain)
     return action_in_flight_moments(built[stage])
 
@@ -344,5 +344,5 @@ def inflight_chunks(layout: Layout, stage: int, schedules: ScheduleCache | None 
         return min(p, m)
     if layout.schedule == "interleaved_1f1b":
         return min((p - stage - 1) * 2 + (v - 1) * p + 1, m * v)
-    schedules = schedules if schedules is not None else ScheduleCache()
+    schedules = ScheduleCache.of(schedules)
     return peak_in_flight(schedules.build(layout.schedule, p, m, v))[stage]

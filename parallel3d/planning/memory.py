@@ -310,7 +310,7 @@ def estimate_memory(
                          f"model.num_layers={config.num_layers}")
     ids = stage_layer_indices(config, layout, stage_layers)
     lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
-    schedules = schedules if schedules is not None else ScheduleCache()  # zbv: one build for all stages
+    schedules = ScheduleCache.of(schedules)  # zbv: one build for all stages
     stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags, schedules) for stage in range(layout.pp)]
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 

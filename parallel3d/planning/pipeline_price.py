@@ -39,7 +39,7 @@ class PipelineTimes:
 
 def _simulate_once(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags=None, split_drain: bool = False,
                    schedules: ScheduleCache | None = None) -> PipelineTimes:
-    built = (schedules if schedules is not None else ScheduleCache()).build(name, p, m, v, w_lags=w_lags, split_drain=split_drain)
+    built = ScheduleCache.of(schedules).build(name, p, m, v, w_lags=w_lags, split_drain=split_drain)
     timeline = simulate(built, fwd, bwd, p2p)
     end = [0.0] * p
     first = [float("inf")] * p
@@ -75,7 +75,7 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     so while the steps differ the window moves up by p, up to a full simulation at m. Keeps
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
-    schedules = schedules if schedules is not None else ScheduleCache()
+    schedules = ScheduleCache.of(schedules)
     step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p or so
     base = 2 * p
     a = b = None

@@ -329,7 +329,7 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     caller's built schedules where it evaluates several layouts (``ScheduleCache``)."""
     splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
     options = options or CostOptions()
-    schedules = schedules if schedules is not None else ScheduleCache()
+    schedules = ScheduleCache.of(schedules)
     memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits, schedules=schedules)
     step = estimate_step(config, layout, cluster, options, splits, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)

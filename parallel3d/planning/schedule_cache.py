@@ -27,6 +27,11 @@ class ScheduleCache:
         self._built: dict[ScheduleKey, Schedule] = {}
         self.hits = 0  # calls answered from the dict (what the cache saved)
 
+    @classmethod
+    def of(cls, schedules: "ScheduleCache | None") -> "ScheduleCache":
+        """The caller's cache, or a new one for this call alone (callers that price one layout pass none)."""
+        return schedules if schedules is not None else cls()
+
     def __len__(self) -> int:
         return len(self._built)
 

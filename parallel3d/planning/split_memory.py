@@ -74,7 +74,7 @@ def stage_computations(config: ModelConfig, layout: Layout, stage: int, w_lags: 
     zbv's stages are built together, so its stages share one build."""
     p, m, v = layout.pp, layout.num_microbatches, layout.virtual_stages
     if layout.schedule == "zbv":
-        built = (schedules if schedules is not None else ScheduleCache()).build("zbv", p, m, v)
+        built = ScheduleCache.of(schedules).build("zbv", p, m, v)
         order = [(a.kind, a.microbatch, a.chunk) for a in built[stage] if a.is_compute]
     else:
         lag = (w_lags or zb_h1_w_lags(config, layout))[stage] if layout.schedule == "zb_h1" else None

@@ -191,7 +191,7 @@ def completed_layout(run: PublishedRun, config: ModelConfig, layout: Layout, clu
     degrees at a default the source never stated (v = 1: a 1F1B bubble) compares a chosen layout with an
     unchosen one. ``schedules``: the caller's built schedules (``validate`` shares one over its rows: a
     schedule depends on (p, m, v, ...) alone, and the rows and their completions share many)."""
-    schedules = schedules if schedules is not None else ScheduleCache()
+    schedules = ScheduleCache.of(schedules)
     best = evaluate(config, layout, cluster, options, schedules)
     free = set(run.unstated)
     if not free:
