@@ -49,11 +49,14 @@ def test_ring_collectives_match_closed_forms():
     # tp=8 inside a node: ring all-reduce 2(n-1)/n * N / B_nvlink.
     comm = CommModel(cluster, Topology(tp=8, pp=1, dp=8))
     assert comm.all_reduce(n, "tp") == pytest.approx(2 * 7 / 8 * n / intra)
-    # dp=8, one member per node: every byte crosses the member's own NIC.
-    assert comm.all_reduce(n, "dp") == pytest.approx(2 * 7 / 8 * n / inter)
-    # dp=64 with tp=1: 8 members per node share 8 NICs; inside-node ring plus 1/8 across.
+    # dp=8, one member per node: every byte crosses the member's own NIC, and each of the two ring passes
+    # pays NCCL's ring latency across nodes (tuning.cc ring / Simple: 8.4 us + 14 us per network step).
+    assert comm.all_reduce(n, "dp") == pytest.approx(2 * (7 / 8 * n / inter + (8.4 + 7 * 14.0) * 1e-6))
+    # dp=64 with tp=1: 8 members per node share 8 NICs; inside-node ring plus 1/8 across; 63 ring steps,
+    # 7 over the network, 56 over NVLink (3.4 us each).
     comm = CommModel(cluster, Topology(tp=1, pp=1, dp=64))
-    assert comm.reduce_scatter(n, "dp") == pytest.approx(7 / 8 * n / intra + 7 / 8 * n / 8 / inter)
+    assert comm.reduce_scatter(n, "dp") == pytest.approx(7 / 8 * n / intra + 7 / 8 * n / 8 / inter
+                                                         + (8.4 + 56 * 3.4 + 7 * 14.0) * 1e-6)
     assert CommModel(cluster, Topology(tp=1, pp=1, dp=64)).all_reduce(n, "tp") == 0.0
 
 

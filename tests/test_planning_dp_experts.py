@@ -14,6 +14,7 @@ from models.moe_config import MoEConfig
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost import CostOptions, estimate_step, stage_grad_groups
+from parallel3d.planning.grad_buckets import bucket_count
 from parallel3d.planning.layout import Layout
 
 L, H, F, E, V = 8, 1024, 2048, 8, 32000
@@ -61,7 +62,10 @@ def test_exposed_dp_time_is_the_dense_and_expert_reductions():
     step = estimate_step(config, layout, cluster, options)
     comm = CommModel(cluster, layout.topology)
     dense, expert = _hand_counts(2, 1, 8, 1, 0)
-    want = comm.all_reduce(4 * dense, "dp_cp") + comm.all_reduce(4 * expert, "edp")
+    # one collective call per bucket of parallel3d's runtime (``bucket_count``, checked against the runtime's
+    # buffers in test_planning_grad_buckets), fp32 parameters (the layout's default precision)
+    want = (comm.all_reduce(4 * dense, "dp_cp", bucket_count(dense, 4))
+            + comm.all_reduce(4 * expert, "edp", bucket_count(expert, 4)))
     assert step.dp_exposed_s == pytest.approx(want, rel=1e-12)
     # the edp group (tp*dp/(ep*etp) = 8 ranks) is not the dense dp group
     assert comm.group_size("edp") == 8 and comm.group_size("dp_cp") == 32

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from parallel3d.planning.grad_buckets import largest_grad_piece
+from parallel3d.planning.grad_buckets import bucket_count, largest_grad_piece
 from parallel3d.zero.assembly import FIRST_BUCKET_BYTES
 from parallel3d.zero.buffers import BufferLayout
 
 PARAM_NUMEL = 4096  # small parameters: bucket edges land within one of them
 
 
-def runtime_largest_piece(params: int, owners: int, zero_stage: int, dtype: torch.dtype, bucket_size_mb: float) -> int:
-    """Largest ``piece_size`` of a ``BufferLayout`` of ``params`` elements in PARAM_NUMEL-sized parameters."""
+def runtime_layout(params: int, owners: int, zero_stage: int, dtype: torch.dtype, bucket_size_mb: float) -> BufferLayout:
+    """A ``BufferLayout`` of ``params`` elements in PARAM_NUMEL-sized parameters, as the runtime cuts it."""
     count = math.ceil(params / PARAM_NUMEL)
     named = [(f"p{i}", torch.nn.Parameter(torch.empty(PARAM_NUMEL, dtype=dtype, device="meta"))) for i in range(count)]
     itemsize = dtype.itemsize
@@ -26,7 +26,12 @@ def runtime_largest_piece(params: int, owners: int, zero_stage: int, dtype: torc
     layout = BufferLayout(named, bucket_numel=bucket_numel, reduce_kind="dp_cp", replicas=owners,
                           owner_count=owners if sharded else 1, owner_index=0, count_in_norm=lambda p: True,
                           first_bucket_numel=min(bucket_numel, FIRST_BUCKET_BYTES // itemsize))
-    return max(b.piece_size for b in layout.buckets)
+    return layout
+
+
+def runtime_largest_piece(params: int, owners: int, zero_stage: int, dtype: torch.dtype, bucket_size_mb: float) -> int:
+    """Largest ``piece_size`` of the runtime's layout of ``params`` elements."""
+    return max(b.piece_size for b in runtime_layout(params, owners, zero_stage, dtype, bucket_size_mb).buckets)
 
 
 @pytest.mark.parametrize("params", [40 * PARAM_NUMEL, 100 * PARAM_NUMEL, 1000 * PARAM_NUMEL])
@@ -38,3 +43,13 @@ def test_largest_piece_matches_the_runtime_buckets(params, owners, zero_stage, d
     runtime = runtime_largest_piece(params, owners, zero_stage, dtype, bucket_size_mb)
     slack = math.ceil(PARAM_NUMEL / (owners if zero_stage >= 1 else 1)) + 1
     assert abs(estimate - runtime) <= slack, (estimate, runtime)
+
+
+@pytest.mark.parametrize("params", [100, 40 * PARAM_NUMEL, 300 * PARAM_NUMEL, 1000 * PARAM_NUMEL, 2000 * PARAM_NUMEL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucket_count_is_the_runtime_bucket_count(params, dtype):
+    """The collective calls the cost model charges parallel3d's DP reduction (one per bucket, each paying
+    NCCL's ring latency) are the runtime's buckets (sizes here whole multiples of the bucket edges)."""
+    bucket_size_mb = 2.0
+    runtime = len(runtime_layout(params, 4, 1, dtype, bucket_size_mb).buckets)
+    assert bucket_count(params, dtype.itemsize, bucket_size_mb) == runtime

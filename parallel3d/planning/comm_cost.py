@@ -3,7 +3,8 @@ the context-parallel exchange (ring, all-gather, all-to-all) and the expert toke
 over ep, gather / reduce-scatter over etp).
 
 Invariant: a group's placement (members per node, nodes spanned) comes from the topology's own
-rank order, so a collective runs at NVLink bandwidth only when its group really sits in one node.
+rank order, so a collective runs at NVLink bandwidth only when its group really sits in one node, and
+pays NCCL's ring latency (``ring_latency``, once per collective call) only when it spans nodes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from parallel3d.planning.layout import Layout
 from parallel3d.topology import Topology
 
 P2P_LATENCY_S = 20e-6  # per message: launch + handshake, small next to megabyte payloads
+
+# NCCL's own latency model of a ring collective, Simple protocol (the one it runs for megabyte buckets):
+# NVIDIA/nccl src/graph/tuning.cc, the same from v2.18.1-1 to v2.30.7-1: baseLat[Ring][Simple] 8.4 us,
+# hwLat[NVLINK][Ring][Simple] 3.4 us and hwLat[NET][Ring][Simple] 14.0 us per ring step, and an
+# inter-node ring's in-node steps at least the network post overhead (getNetOverhead: 1 us on x86) x 3
+# for Simple. graph->latencyInter adds nothing on InfiniBand (the IB plugin reports latency 0).
+NCCL_RING_BASE_S = 8.4e-6
+NCCL_RING_NVLINK_STEP_S = 3.4e-6
+NCCL_RING_NET_STEP_S = 14.0e-6
+NCCL_RING_NET_OVERHEAD_S = 3 * 1.0e-6
 
 
 class CommModel:
@@ -48,8 +59,22 @@ class CommModel:
     def group_size(self, kind: str) -> int:
         return self._span(kind)[0]
 
-    def reduce_scatter(self, nbytes: float, kind: str) -> float:
-        """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``.
+    def ring_latency(self, kind: str) -> float:
+        """NCCL's modelled latency of one reduce-scatter (or all-gather) call over the ``kind`` group
+        (constants above): ``n - 1`` ring steps, ``nodes - 1`` of them over the network.
+
+        Zero for a group inside one node: there NCCL's 8.4 + 3.4 x (n - 1) us per call is part of what
+        the GEMM curve, fitted on the calibration rows, already absorbed with the in-node TP collectives;
+        across nodes the per-step 14 us grows with the group, which no fitted constant can follow."""
+        n, nodes, _ = self._span(kind)
+        if nodes == 1:
+            return 0.0
+        in_node = max(NCCL_RING_NVLINK_STEP_S, NCCL_RING_NET_OVERHEAD_S)
+        return NCCL_RING_BASE_S + (n - nodes) * in_node + (nodes - 1) * NCCL_RING_NET_STEP_S
+
+    def reduce_scatter(self, nbytes: float, kind: str, calls: int = 1) -> float:
+        """Time of a reduce-scatter (or all-gather) whose full, unsharded payload is ``nbytes``, cut
+        into ``calls`` collective calls (gradient buckets), each paying ``ring_latency``.
 
         Hierarchical: within each node over NVLink, then across nodes where each of the
         ``per_node`` members drives its own NIC with 1/per_node of the data.
@@ -60,13 +85,17 @@ class CommModel:
         t = (per_node - 1) / per_node * nbytes / self.intra
         if nodes > 1:
             t += (nodes - 1) / nodes * nbytes / per_node / self.inter
-        return t
+        return t + calls * self.ring_latency(kind)
 
-    def all_gather(self, nbytes: float, kind: str) -> float:
-        return self.reduce_scatter(nbytes, kind)
+    def all_gather(self, nbytes: float, kind: str, calls: int = 1) -> float:
+        return self.reduce_scatter(nbytes, kind, calls)
 
-    def all_reduce(self, nbytes: float, kind: str) -> float:
-        return 2.0 * self.reduce_scatter(nbytes, kind)
+    def all_reduce(self, nbytes: float, kind: str, calls: int = 1) -> float:
+        """A reduce-scatter and an all-gather, latency included. (NCCL's ring all-reduce model counts one
+        base and 2 x nodes network steps, this two bases and 2 x (nodes - 1): 12.8 us less, before NCCL's
+        x1.4 large-message factor; NCCL may pick its tree instead. Not refined: across nodes the priced
+        frameworks all-reduce once per step, Megatron-LM 2021's whole buffer or the tied embedding.)"""
+        return 2.0 * self.reduce_scatter(nbytes, kind, calls)
 
     def all_to_all(self, nbytes: float, kind: str) -> float:
         """An all-to-all in which each member sends ``nbytes`` in total, (n-1)/n of it away; the

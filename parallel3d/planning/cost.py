@@ -37,11 +37,14 @@ at ``host_adam_elements_per_s`` while gradients go down and parameters come up t
 host link (and, for ``disk``, the state is read and written at
 ``disk_bytes_per_s``); these overlap, so the slowest of them counts. The slowest
 stage ends the step. Collectives are ring/hierarchical: inside a node at NVLink
-bandwidth, across nodes at the NICs of the group's members on each node.
+bandwidth, across nodes at the NICs of the group's members on each node, plus NCCL's ring latency
+per call for a group that spans nodes (``CommModel.ring_latency``); a DP reduction makes one call per
+gradient bucket of the priced framework (``dp_bucket``, ``dp_calls``, ``bucketed_chunks``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +56,7 @@ from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
 from parallel3d.planning.gemm import GemmCurve, head_seconds
+from parallel3d.planning.grad_buckets import bucket_count
 from parallel3d.planning.layer_time import COST_ATTENTION, LayerTimes, layer_forward_flops, layer_times
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
@@ -158,11 +162,44 @@ def stage_grad_groups(config: ModelConfig, layout: Layout, stage: int, layers: i
 
 
 def _dp_times(comm: CommModel, params: float, kind: str, zero: int, grad_bytes: int,
-              weight_bytes: int) -> tuple[float, float]:
-    """(gradient reduction, parameter all-gather) of ``params`` over the ``kind`` group."""
+              weight_bytes: int, calls: int = 1) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) of ``params`` over the ``kind`` group, in ``calls``
+    collective calls each way."""
     if zero == 0:
-        return comm.all_reduce(params * grad_bytes, kind), 0.0
-    return comm.reduce_scatter(params * grad_bytes, kind), comm.all_gather(params * weight_bytes, kind)
+        return comm.all_reduce(params * grad_bytes, kind, calls), 0.0
+    return (comm.reduce_scatter(params * grad_bytes, kind, calls),
+            comm.all_gather(params * weight_bytes, kind, calls))
+
+
+def dp_bucket(options: CostOptions, dp: int) -> float | None:
+    """Parameters per gradient bucket in the priced framework (``CostOptions.grad_bucket``), None for
+    parallel3d's own. Megatron-Core scales it by the data-parallel size without cp and uses it for the
+    expert buffers too (core_r0.8.0-r0.11.0 ``DistributedDataParallel``: ``get_data_parallel_world_size()``)."""
+    if options.grad_bucket is None:
+        return None
+    low, per_rank = options.grad_bucket
+    return max(low, per_rank * dp)
+
+
+def dp_calls(bucket: float | None, params: float, zero: int, layers: int, weight_bytes: int,
+             bucketed: float = 1.0, whole_chunks: int = 0) -> int:
+    """Collective calls one DP reduction (or gather) of a stage's ``params`` takes: ZeRO-3 one per layer
+    (each unit is gathered and reduced on its own), else one per gradient bucket (``dp_bucket``;
+    parallel3d's own ``bucket_count`` when None) of the ``bucketed`` share of the parameters, plus one per
+    chunk left in a single bucket (``whole_chunks``: ``CostOptions.bucket_first_chunk_only``)."""
+    if zero == 3:
+        return max(1, layers)
+    if bucket is None:
+        return bucket_count(params, weight_bytes)
+    return whole_chunks + (max(1, math.ceil(params * bucketed / bucket)) if bucketed > 0 else 0)
+
+
+def bucketed_chunks(options: CostOptions, stage: int, share: list[float]) -> tuple[float, int]:
+    """(share of a stage's parameters cut into buckets, chunks left whole, one call each), given each chunk's
+    share: all of them bucketed, or with ``CostOptions.bucket_first_chunk_only`` only stage 0's first chunk."""
+    if not options.bucket_first_chunk_only:
+        return 1.0, 0
+    return (share[0], len(share) - 1) if stage == 0 else (0.0, len(share))
 
 
 def _tied_grad_time(config: ModelConfig, layout: Layout, comm: CommModel, options: CostOptions, two_ends: bool,
@@ -266,16 +303,21 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
     reduced: list[float] = []  # each stage's end of its gradient reductions
     after: list[tuple[float, float]] = []  # each stage's exposed parameter all-gather and optimizer update
     emb_params = padded_vocab_size(config.vocab_size, layout.tp) // layout.tp * config.hidden_size
+    bucket = dp_bucket(options, layout.dp)
     for stage in range(p):
         reduce_t = gather_t = hideable_r = hideable_g = opt_t = last_r = first_g = 0.0
-        for params, kind, zero in stage_grad_groups(config, layout, stage, stage_layers[stage]):
-            r, g = _dp_times(comm, params, kind, zero, grad_bytes, pb.weight)
+        end_counts = [((stage, c) == first) + ((stage, c) == last) for c in range(v)]
+        groups = stage_grad_groups(config, layout, stage, stage_layers[stage])
+        held = sum(params for params, _, _ in groups)
+        share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
+        bucketed, whole = bucketed_chunks(options, stage, share)
+        for params, kind, zero in groups:
+            calls = dp_calls(bucket, params, zero, stage_layers[stage], pb.weight, bucketed, whole)
+            r, g = _dp_times(comm, params, kind, zero, grad_bytes, pb.weight, calls)
             br = bg = 0.0
-            if options.grad_bucket is not None and zero != 3:
-                low, per_rank = options.grad_bucket  # a parameter is never split over two buckets
+            if bucket is not None and zero != 3:  # a parameter is never split over two buckets
                 emb = emb_params if (stage, kind) == (0, "dp_cp") else 0.0
-                bucket = max(low, per_rank * comm.group_size(kind), emb)
-                br, bg = _dp_times(comm, min(params, bucket), kind, zero, grad_bytes, pb.weight)
+                br, bg = _dp_times(comm, min(params, max(bucket, emb)), kind, zero, grad_bytes, pb.weight)
             if zero == 3:
                 r, g = _zero3_exposed(layout, r, g, pipe.busy[stage], stage_layers[stage])
                 reduce_t, gather_t = reduce_t + r, gather_t + g
@@ -295,9 +337,6 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
             reduce_t += max(last_r, hideable_r - pipe.stage_end[stage])
             gather_t += first_g
         elif options.chunk_grad_sync and pipe.chunk_grads_done:  # each chunk overlaps from its own pass (dp_overlap)
-            end_counts = [((stage, c) == first) + ((stage, c) == last) for c in range(v)]
-            held = sum(params for params, _, _ in stage_grad_groups(config, layout, stage, stage_layers[stage]))
-            share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
             reduce_t += exposed_reduction([hideable_r * w for w in share], pipe.chunk_grads_done[stage],
                                           [bwd(stage, c) for c in range(v)], pipe.stage_end[stage], last_r)
             gather_t += exposed_gather([hideable_g * w for w in share], pipe.chunk_first_forward[stage],

@@ -6,9 +6,18 @@ published runs it prices, so a row's options follow its source, never the row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from parallel3d.planning.layout import Layout
+
+
+# Megatron-Core's DistributedDataParallel bucket, max(4e7, 1e6 x dp) parameters (``bucket_size`` left None;
+# from Megatron-LM commit 0fda386c04, 2024-04-11, "Tune DDP bucket size to improve speed at large DP counts",
+# "to ensure that chunks used in NCCL ring-reduce implementations are large enough to remain bandwidth-bound
+# rather than latency-bound"). Before it the bucket was a fixed 4e7 (``source_frameworks.FIXED_BUCKET_SOURCES``).
+MCORE_BUCKET_PARAMS = 40e6
+MCORE_BUCKET_PARAMS_PER_DP = 1e6
 
 
 @dataclass(frozen=True)
@@ -34,15 +43,22 @@ class CostOptions:
     # and Megatron do) or "alternate_matmuls" (torchtitan's per-op policy: every second matmul of a
     # layer, the flash attention's output kept; ``gemm.alternate_matmul_seconds``).
     selective_recompute: str = "attention"
-    # Gradient buckets of the overlapped DP reduction, as (fewest parameters, parameters per DP rank):
-    # a bucket's reduce-scatter starts once all its gradients exist, so the last bucket (the first
-    # layers, the embedding on stage 0) runs after the backward, and the parameter all-gather of the
-    # first bucket before the forward, whatever else overlaps. None: no bucket floor.
+    # Gradient buckets of the DP reduction, as (fewest parameters, parameters per DP rank). Each bucket is
+    # one collective call, paying NCCL's ring latency (``CommModel.ring_latency``); overlapped, a bucket's
+    # reduce-scatter starts once all its gradients exist, so the last bucket (the first layers, the
+    # embedding on stage 0) runs after the backward, and the parameter all-gather of the first bucket
+    # before the forward, whatever else overlaps. None: parallel3d's own buckets
+    # (``grad_buckets.bucket_count``), with no bucket floor priced.
     grad_bucket: tuple[float, float] | None = None
     # Each chunk's overlapped reduction starts at its own last backward and its all-gather ends by its own
     # first forward (``dp_overlap``), as parallel3d's engine runs it (``grad_sync.prepare``); False: the
     # stage's whole traffic overlaps one chunk's pass only.
     chunk_grad_sync: bool = True
+    # Only the first pipeline stage's first model chunk is cut into ``grad_bucket`` buckets; every other chunk
+    # is one bucket, one collective call (Megatron-Core's DistributedDataParallel, core_r0.8.0-r0.11.0 and
+    # before: bucket_size None on pipeline ranks > 0, "not on the critical path", and disable_bucketing for
+    # model chunks > 0). False: every chunk is bucketed.
+    bucket_first_chunk_only: bool = False
     # The implementation runs the layout's ``parallel.split_drain`` (``Layout.splits_drain``: 1F1B's drain
     # backwards split, parallel3d's default); False: it has no such option, every 1F1B is plain (Megatron,
     # torchtitan), whatever the layout says. ``runs`` applies it to time and memory alike.
@@ -70,12 +86,14 @@ class CostOptions:
         # completes at 14-16 chunks run +12 to +19% (at vp 1: -5 to -7%); kept at one chunk's overlap until
         # that completion is settled (docs/planner.md, "Data-parallel pricing, tried").
         return cls(overlapped_zero_stages=(1, 2, 3), overlap_param_gather=True, dp_grad_bytes=2,
-                   grad_bucket=(40e6, 1e6),  # DistributedDataParallel's bucket_size: max(4e7, 1e6 x dp)
-                   chunk_grad_sync=False, split_drain=False, tied_grad_whole=True)
+                   grad_bucket=(MCORE_BUCKET_PARAMS, MCORE_BUCKET_PARAMS_PER_DP),
+                   chunk_grad_sync=False, split_drain=False, tied_grad_whole=True, bucket_first_chunk_only=True)
 
     @classmethod
     def megatron_sc21(cls) -> "CostOptions":
         """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
         all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
+        # grad_bucket: one call for the whole buffer (2021 ``DistributedDataParallel.allreduce_gradients``:
+        # one ``all_reduce`` per contiguous gradient buffer, i.e. per dtype).
         return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2,
-                   split_drain=False, tied_grad_whole=True)
+                   grad_bucket=(math.inf, 0.0), split_drain=False, tied_grad_whole=True)

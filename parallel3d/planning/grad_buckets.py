@@ -27,6 +27,14 @@ def largest_grad_piece(params: int, owners: int, zero_stage: int, weight_bytes: 
     return math.ceil(piece / owners) if zero_stage >= 1 else piece
 
 
+def bucket_count(params: float, weight_bytes: int, bucket_size_mb: float = BUCKET_SIZE_MB) -> int:
+    """How many buckets (one collective call each) the runtime cuts ``params`` gradients into: the ~1 MiB
+    first bucket, then ``bucket_size_mb`` each, as ``largest_grad_piece`` sizes them."""
+    first = FIRST_BUCKET_BYTES // weight_bytes
+    bucket = int(bucket_size_mb * 2**20) // weight_bytes
+    return 1 if params <= first else 1 + math.ceil((params - first) / bucket)
+
+
 def reduce_scatter_staging_bytes(groups: list[tuple[int, int, int]], grad_bytes: int,
                                  assumptions: ActivationAssumptions) -> float:
     """Bytes alive at the end of backward while stage-1 reduce-scatters run, for ``(params, owners,

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from models.config import ModelConfig
 from parallel3d.planning.cluster import ClusterSpec
-from parallel3d.planning.cost_options import CostOptions
+from parallel3d.planning.cost_options import MCORE_BUCKET_PARAMS, CostOptions
 from parallel3d.planning.published_schema import PublishedRun
 
 # Sources that measured 2021-22 Megatron-LM (no distributed optimizer, unfused attention, gradients
@@ -23,6 +23,14 @@ MEGATRON_2021_SOURCES: tuple[str, ...] = ("Narayanan et al.", "Korthikanti et al
 # Sources that state they ran Megatron-Core's --tp-comm-overlap (TP collectives behind the GEMMs).
 TP_OVERLAP_SOURCES: tuple[str, ...] = ("NVIDIA Megatron-LM README",)
 
+
+# Sources that measured Megatron-LM before commit 0fda386c04 (2024-04-11, "Tune DDP bucket size to improve speed
+# at large DP counts"): its DistributedDataParallel cut the gradients into buckets of a fixed 40,000,000
+# parameters (the constructor's ``bucket_size`` default, which training.py did not override), each one NCCL
+# ring call whose latency grows with the nodes in the ring; that commit made it max(4e7, 1e6 x dp)
+# (``CostOptions.megatron_core``). The Nemotron-4 15B report is arXiv:2402.16819 v1 of 2024-02-26, so its
+# runs predate the change. (Nemotron-4 340B's report, June 2024, does not date its runs: not listed.)
+FIXED_BUCKET_SOURCES: tuple[str, ...] = ("NVIDIA, Nemotron-4 15B",)
 
 # Sources that measured torchtitan, whose selective checkpointing recomputes every second matmul.
 TORCHTITAN_SOURCES: tuple[str, ...] = ("torchtitan",)
@@ -49,6 +57,8 @@ def run_options(run: PublishedRun) -> CostOptions:
         options = replace(options, tp_comm_overlap=True)
     if any(run.source.citation.startswith(s) for s in TORCHTITAN_SOURCES):
         options = replace(options, selective_recompute="alternate_matmuls")
+    if any(run.source.citation.startswith(s) for s in FIXED_BUCKET_SOURCES):
+        options = replace(options, grad_bucket=(MCORE_BUCKET_PARAMS, 0.0))
     return options
 
 
