@@ -41,7 +41,7 @@ def test_curve_with_the_roofline_knee_is_compute_plus_operand_traffic():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fitted_knee_is_the_datasheet_roofline(family):
-    """Within the fit's own resolution (``FIT_RESOLUTION``; found 2026-12-06: H100 187 against 0.635 x 989 /
+    """Within the fit's own resolution (``FIT_RESOLUTION``; found 2026-12-06: H100 187, 2026-12-07: 180, against 0.635 x 989 /
     3.35 = 187.5, A100 108 against 0.703 x 312 / 2.039 = 107.6). A refit that lands off it means the fitted
     curve stopped being the compute + HBM-traffic time above: say why before moving this bound."""
     fitted = DEVICES[family].gemm_knee
