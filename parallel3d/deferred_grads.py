@@ -92,8 +92,8 @@ class DeferredWeightGrads:
                  owner: "WeightGradDeferral | None" = None) -> None:
         self._queue: list[tuple[Params, GradCompute]] = []
         # The queue's key (``_key_of`` of its parameters, in queued order), built as ``B`` queues: there each
-        # parameter was just read by its layer's input-gradient GEMM; at ``W`` reading them cold cost a fixed
-        # 10-12 us per W (2026-12-07, hidden 128, middle chunk of pp 4, one thread, right after a B).
+        # parameter was just read by its layer's input-gradient GEMM; at ``W``, reading them cold cost about
+        # 12 us per W (2026-12-07, hidden 128, a middle chunk, one thread; docs/benchmarks.md, "A leaner split path").
         self._key: list[int] = []
         self.held: list[torch.Tensor] = []  # what the queued closures keep alive
         self._anchors = anchors if anchors is not None else _Anchors(0)
@@ -237,7 +237,8 @@ class _Anchors:
         self._routes.clear()
 
     def route(self, key: tuple[int, ...], queue: list[tuple[Params, GradCompute]]) -> _Route:
-        """``key``'s route (``key``: the queue's, ``DeferredWeightGrads._key``), worked out once per step while ``keep``."""
+        """``key``'s route (``key``: the queue's, ``DeferredWeightGrads._key``), worked out once per step
+        while ``keep``."""
         known = self._routes.get(key) if self.keep else None
         if known is not None:
             return known[0]

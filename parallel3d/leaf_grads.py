@@ -78,8 +78,8 @@ def accumulate_each(params: Sequence["torch.Tensor | None"], grads: Sequence["to
 
     Why one call per list, not per parameter: a zero-bubble ``W`` hands over one closure's gradients at
     a time, between GEMMs that push the interpreter's own data out of cache, where each Python frame
-    and attribute read costs several times its warm price (2026-12-07, hidden 128, one thread: W's
-    Python 10-20 us per microbatch-chunk, ``scripts/profile_split_backward.py``)."""
+    and attribute read costs several times its warm price (2026-12-07, hidden 128, one thread: docs/benchmarks.md,
+    "A leaner split path")."""
     for p, grad in zip(params, grads):
         if grad is None or p is None or not p.requires_grad:
             continue
