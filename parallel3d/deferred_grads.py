@@ -57,12 +57,14 @@ from __future__ import annotations
 
 import enum
 from contextlib import contextmanager
+from itertools import repeat
+from operator import is_
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from parallel3d.host_heap import retain_freed_memory
-from parallel3d.leaf_grads import accumulate, all_accepted
+from parallel3d.leaf_grads import accumulate_each, all_accepted
 from parallel3d.param_meta import is_wgrad_deferrable
 
 __all__ = ["DeferredWeightGrads", "WeightGradDeferral", "backward_inputs"]
@@ -77,27 +79,57 @@ def backward_inputs(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class DeferredWeightGrads:
-    """The weight-gradient work one ``B`` queued; ``run`` it exactly once (``W``)."""
+    """The weight-gradient work one ``B`` queued; ``run`` it exactly once (``W``).
 
-    def __init__(self, anchors: "_Anchors | None" = None, direct: bool = True) -> None:
+    Also the ``B`` block itself (``WeightGradDeferral.collecting``): entering it opens its deferral
+    on it, leaving closes it. A plain class, not a generator context manager, and slots: a ``B`` pays
+    for every object and frame it makes, at several times their warm price (module doc of ``leaf_grads``).
+    """
+
+    __slots__ = ("_queue", "_key", "held", "_anchors", "direct", "_owner")
+
+    def __init__(self, anchors: "_Anchors | None" = None, direct: bool = True,
+                 owner: "WeightGradDeferral | None" = None) -> None:
         self._queue: list[tuple[Params, GradCompute]] = []
+        # The queue's key (``_key_of`` of its parameters, in queued order), built as ``B`` queues: there each
+        # parameter was just read by its layer's input-gradient GEMM; at ``W``, reading them cold cost about
+        # 12 us per W (2026-12-07, hidden 128, a middle chunk, one thread; docs/benchmarks.md, "A leaner split path").
+        self._key: list[int] = []
         self.held: list[torch.Tensor] = []  # what the queued closures keep alive
         self._anchors = anchors if anchors is not None else _Anchors(0)
         self.direct = direct
+        self._owner = owner  # the deferral this B block opens (collecting)
 
     def __len__(self) -> int:
         return len(self._queue)
 
+    def __enter__(self) -> "DeferredWeightGrads":
+        owner = self._owner
+        if owner is None:
+            raise RuntimeError("a DeferredWeightGrads opened as a B block needs its WeightGradDeferral")
+        if owner._open is not None:
+            raise RuntimeError("WeightGradDeferral.collecting() is already open (B blocks do not nest)")
+        owner._open = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner._open = None  # type: ignore[union-attr]
+
     def add(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> None:
         self._queue.append((params, compute))
+        self._key += _key_of(params)
         self.held.extend(holds)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether a queued closure keeps ``tensor`` itself (the object, not an equal one) alive."""
+        return any(map(is_, self.held, repeat(tensor)))
 
     def run(self) -> None:
         """Compute every queued gradient and accumulate each into its parameter as autograd would
         (hooks fire now): directly where ``leaf_grads`` takes every parameter, else through autograd."""
-        queue, self._queue, self.held = self._queue, [], []
+        queue, key = self._queue, tuple(self._key)
+        self._queue, self._key, self.held = [], [], []
         anchors = self._anchors
-        key = _key(queue)
         route = anchors.route(key, queue)
         if route is _Route.NONE:
             return
@@ -112,10 +144,11 @@ def _params(queue: list[tuple[Params, GradCompute]]) -> list["torch.Tensor | Non
     return [p for ps, _ in reversed(queue) for p in ps]
 
 
-def _key(queue: list[tuple[Params, GradCompute]]) -> tuple[int, ...]:
-    """``_params``' identities and whether each requires grad (0: no parameter; negative: no grad
-    needed): what ``_Anchors`` keys a W's graph and its route on."""
-    return tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for ps, _ in reversed(queue) for p in ps])
+def _key_of(params: Params) -> list[int]:
+    """One closure's part of its queue's key: each parameter's identity and whether it requires grad
+    (0: no parameter; negative: no grad needed). A queue's key, its parts in queued order (``_params``
+    reversed, a bijection), is what ``_Anchors`` keys a W's graph and its route on."""
+    return [0 if p is None else id(p) if p.requires_grad else -id(p) for p in params]
 
 
 class _Route(enum.Enum):
@@ -127,8 +160,8 @@ class _Route(enum.Enum):
     AUTOGRAD = 2
 
 
-def _take(params: Params, compute: GradCompute) -> list["torch.Tensor | None"]:
-    got = list(compute())
+def _take(params: Params, compute: GradCompute) -> Sequence["torch.Tensor | None"]:
+    got = compute()
     if len(got) != len(params):
         raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
     return got
@@ -145,10 +178,8 @@ def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
             params, compute = queue.pop()
             got = _take(params, compute)
             del compute
-            for p, grad in zip(params, got):
-                if grad is not None and p is not None and p.requires_grad:  # autograd: no edge, no gradient
-                    accumulate(p, grad)
-            got = grad = None  # an added (not adopted) gradient's memory is free for the next closure
+            accumulate_each(params, got)
+            got = None  # an added (not adopted) gradient's memory is free for the next closure
 
 
 class _RunQueue(torch.autograd.Function):
@@ -188,7 +219,7 @@ class _Anchors:
     (``leaf_grads.all_accepted`` over every parameter: five attribute reads each) 10-20 us of thread
     CPU time per ``W`` at hidden 128 (2026-12-06, ``scripts/profile_split_backward.py``). Within a step
     a chunk queues the same parameters in the same order every microbatch, so each is worked out once
-    per step. The key (``_key``) is the parameters' identities and whether each requires grad (the
+    per step. The key (``_key_of``) is the parameters' identities and whether each requires grad (the
     edges a graph was built with); a kept graph or route holds its parameters, so an identity cannot
     be reused while cached. Forgotten at the step's end: a
     parameter's ``.data`` set to another dtype, device or layout between steps gets a new
@@ -206,7 +237,8 @@ class _Anchors:
         self._routes.clear()
 
     def route(self, key: tuple[int, ...], queue: list[tuple[Params, GradCompute]]) -> _Route:
-        """``key``'s route (``key`` is ``_key(queue)``), worked out once per step while ``keep``."""
+        """``key``'s route (``key``: the queue's, ``DeferredWeightGrads._key``), worked out once per step
+        while ``keep``."""
         known = self._routes.get(key) if self.keep else None
         if known is not None:
             return known[0]
@@ -218,7 +250,7 @@ class _Anchors:
         return route
 
     def run(self, queue: list[tuple[Params, GradCompute]], key: tuple[int, ...]) -> None:
-        """W through autograd: the queue's graph (``key`` is ``_key(queue)``), kept per step or built now."""
+        """W through autograd: the queue's graph (``key``: the queue's), kept per step or built now."""
         keep = self.keep and self.size > 0
         kept = self._kept.pop(key, None) if keep else None
         if kept is None:
@@ -277,26 +309,21 @@ class WeightGradDeferral:
             self._anchors.keep = False
             self._anchors.forget()
 
-    @contextmanager
-    def collecting(self) -> Iterator[DeferredWeightGrads]:
-        """Queue every deferrable weight gradient of the backwards run inside this block."""
-        if self._open is not None:
-            raise RuntimeError("WeightGradDeferral.collecting() is already open (B blocks do not nest)")
-        work = DeferredWeightGrads(self._anchors, self.direct)
-        self._open = work
-        try:
-            yield work
-        finally:
-            self._open = None
+    def collecting(self) -> DeferredWeightGrads:
+        """``with deferral.collecting() as work:`` queues every deferrable weight gradient of the
+        backwards run inside the block on ``work`` (a ``B``)."""
+        return DeferredWeightGrads(self._anchors, self.direct, self)
 
     def defer(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> bool:
         """Queue ``compute`` for ``params`` if a ``B`` is open and they are deferrable (True); else False."""
-        if self._open is None:
+        work = self._open
+        if work is None:
             return False
         marked = [is_wgrad_deferrable(p) for p in params if p is not None]
-        if not any(marked):
-            return False
-        if not all(marked):  # B accumulates only unmarked parameters: a marked one computed here would be lost
+        if not (marked and all(marked)):
+            if not any(marked):
+                return False
+            # B accumulates only unmarked parameters: a marked one computed here would be lost
             raise ValueError("one deferred weight-gradient computation mixes wgrad_deferrable and other parameters")
-        self._open.add(params, compute, holds)
+        work.add(params, compute, holds)
         return True

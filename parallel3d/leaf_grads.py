@@ -37,7 +37,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["accepts", "accumulate", "all_accepted"]
+__all__ = ["accepts", "accumulate", "accumulate_each", "all_accepted"]
 
 
 def accepts(p: torch.Tensor) -> bool:
@@ -68,30 +68,46 @@ def all_accepted(params: Sequence["torch.Tensor | None"]) -> bool:
 def accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` to ``p.grad`` and call ``p``'s hooks exactly as autograd would (module doc);
     call with grad mode off, on a ``p`` that ``accepts`` admits and that requires grad."""
-    if grad.layout is not torch.strided or grad.shape != p.shape or grad.device != p.device:
-        raise RuntimeError(f"a {grad.layout} gradient of shape {tuple(grad.shape)} on {grad.device} for a "
-                           f"parameter of shape {tuple(p.shape)} on {p.device}")
-    if grad.dtype != p.dtype:
-        grad = grad.to(p.dtype)
-    pre = p._backward_hooks
-    if pre:
-        for hook in tuple(pre.values()):  # a hook may register or remove hooks: iterate a snapshot
-            new = hook(grad)
-            if new is not None:
-                if (not isinstance(new, torch.Tensor) or new.layout is not torch.strided or new.dtype != grad.dtype
-                        or new.shape != grad.shape or new.device != grad.device):
-                    raise RuntimeError("a tensor hook returned a gradient of another type, shape or device")
-                grad = new
-    current = p.grad
-    if current is None:
-        if grad._base is None and grad.stride() == p.stride():
-            p.grad = grad.detach()  # adopt the memory, as AccumulateGrad steals an unshared gradient
+    accumulate_each((p,), (grad,))
+
+
+def accumulate_each(params: Sequence["torch.Tensor | None"], grads: Sequence["torch.Tensor | None"]) -> None:
+    """``accumulate(p, grad)`` for each pair in order, skipping a missing gradient or parameter and a
+    parameter that needs no gradient (autograd: no edge, no gradient). Call with grad mode off; every
+    parameter needing a gradient must be ``accepts``-ed.
+
+    Why one call per list, not per parameter: a zero-bubble ``W`` hands over one closure's gradients at
+    a time, between GEMMs that push the interpreter's own data out of cache, where each Python frame
+    and attribute read costs several times its warm price (2026-12-07, hidden 128, one thread: docs/benchmarks.md,
+    "A leaner split path")."""
+    for p, grad in zip(params, grads):
+        if grad is None or p is None or not p.requires_grad:
+            continue
+        # 1. autograd's check of the producing node's output
+        if grad.layout is not torch.strided or grad.shape != p.shape or grad.device != p.device:
+            raise RuntimeError(f"a {grad.layout} gradient of shape {tuple(grad.shape)} on {grad.device} for a "
+                               f"parameter of shape {tuple(p.shape)} on {p.device}")
+        if grad.dtype != p.dtype:
+            grad = grad.to(p.dtype)
+        pre = p._backward_hooks
+        if pre:  # 2. tensor hooks
+            for hook in tuple(pre.values()):  # a hook may register or remove hooks: iterate a snapshot
+                new = hook(grad)
+                if new is not None:
+                    if (not isinstance(new, torch.Tensor) or new.layout is not torch.strided
+                            or new.dtype != grad.dtype or new.shape != grad.shape or new.device != grad.device):
+                        raise RuntimeError("a tensor hook returned a gradient of another type, shape or device")
+                    grad = new
+        current = p.grad  # 3. AccumulateGrad
+        if current is None:
+            if grad._base is None and grad.stride() == p.stride():
+                p.grad = grad.detach()  # adopt the memory, as AccumulateGrad steals an unshared gradient
+            else:
+                p.grad = grad.new_empty_strided(p.size(), p.stride()).copy_(grad)
         else:
-            p.grad = grad.new_empty_strided(p.size(), p.stride()).copy_(grad)
-    else:
-        current += grad  # in place, as AccumulateGrad outside create_graph: .grad keeps its identity
-    post = p._post_accumulate_grad_hooks
-    if post:
-        for hook in tuple(post.values()):
-            if hook(p) is not None:
-                raise RuntimeError("a post-accumulate-grad hook returned a value (torch requires None)")
+            current += grad  # in place, as AccumulateGrad outside create_graph: .grad keeps its identity
+        post = p._post_accumulate_grad_hooks
+        if post:  # 4. post-accumulate-grad hooks
+            for hook in tuple(post.values()):
+                if hook(p) is not None:
+                    raise RuntimeError("a post-accumulate-grad hook returned a value (torch requires None)")

@@ -8,7 +8,8 @@ model, shapes, alternation of the schedules step by step) with each ``StepRun`` 
 wrapped: CPU time (``time.thread_time``: the executor thread's own, no preemption), minor faults
 (``getrusage(RUSAGE_THREAD)``: pages the kernel zero-filled for it) and the time inside
 ``linear_weight_grads`` (the weight-gradient GEMMs, deferred or not), in ``W``'s direct
-accumulation (``leaf_grads.accumulate``) and in ``torch.autograd.backward`` (the graph walk).
+accumulation (``leaf_grads.accumulate_each``, one call per closure) and in ``torch.autograd.backward``
+(the graph walk).
 Medians per action after the first step (its allocations fault in either way). Prints per stage
 each kind's numbers, (B+W)/B against the plain 1f1b's B (as ``bench_pipeline.py``), and where
 B + W - B goes (``_breakdown``: GEMMs, the rest of the walk, W's accumulation, W's other work, and
@@ -51,7 +52,7 @@ def _instrument() -> None:
     (CPU s, minor faults, GEMM CPU s) per action; written after each step."""
     samples: dict[str, list[tuple[float, int, float, float, float]]] = {}
     in_gemms, in_accumulate, in_autograd = [0.0], [0.0], [0.0]
-    gemms, accumulate = deferrable_linear.linear_weight_grads, deferred_grads.accumulate
+    gemms, accumulate = deferrable_linear.linear_weight_grads, deferred_grads.accumulate_each
     backward = torch.autograd.backward
 
     def timed_gemms(*a):
@@ -61,9 +62,9 @@ def _instrument() -> None:
         finally:
             in_gemms[0] += time.thread_time() - t0
 
-    def timed_accumulate(p, grad) -> None:
+    def timed_accumulate(params, grads) -> None:
         t0 = time.thread_time()
-        accumulate(p, grad)
+        accumulate(params, grads)
         in_accumulate[0] += time.thread_time() - t0
 
     def timed_backward(*a, **k):
@@ -74,7 +75,7 @@ def _instrument() -> None:
             in_autograd[0] += time.thread_time() - t0
 
     deferrable_linear.linear_weight_grads = timed_gemms
-    deferred_grads.accumulate = timed_accumulate
+    deferred_grads.accumulate_each = timed_accumulate
     # every backward in the ranks (1f1b's B, a split B, a first chunk's whole backward at W) goes through it
     torch.autograd.backward = timed_backward
 

@@ -12,6 +12,7 @@ and nothing more (no copies); and ``B`` must free the activations ``W`` does not
 
 from __future__ import annotations
 
+import contextlib
 import random
 import weakref
 from collections import Counter
@@ -319,3 +320,50 @@ def test_w_frees_each_layers_tensors_before_the_next_layers_gemms():
     assert all(r() is None for refs in alive for r in refs)
     for w, g in zip(ws, plain):
         assert torch.equal(w.grad, g)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
+def test_w_key_follows_requires_grad_within_a_step(direct):
+    """W's route and graph are keyed on its parameters and whether each requires grad, the key built as
+    ``B`` queues (``DeferredWeightGrads._key``): a bias frozen for the second microbatch of a step gets
+    a key of its own, so W (direct, or through a graph kept from the first microbatch, whose edge would
+    reach the frozen bias) leaves the frozen bias's gradient as a plain backward does; the weight's is
+    bitwise the plain backward's."""
+    gen = torch.Generator().manual_seed(13)
+    w = set_meta(torch.nn.Parameter(torch.randn(3, 4, generator=gen)), wgrad_deferrable=True)
+    b = set_meta(torch.nn.Parameter(torch.randn(3, generator=gen)), wgrad_deferrable=True)
+    xs = [torch.randn(2, 4, generator=gen) for _ in range(2)]
+
+    def run(deferral: WeightGradDeferral | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w.grad = b.grad = None
+        b.requires_grad_(True)
+        with deferral.reusing_graphs() if deferral is not None else contextlib.nullcontext():
+            for i, x in enumerate(xs):
+                b.requires_grad_(i == 0)
+                if deferral is None:
+                    deferrable_linear(x, w, b, None).tanh().sum().backward()
+                    continue
+                with deferral.collecting() as work:
+                    deferrable_linear(x, w, b, deferral).tanh().sum().backward()
+                work.run()
+            if deferral is not None:
+                assert len(deferral._anchors._routes) == 2  # one key per requires-grad state
+        return w.grad.clone(), b.grad.clone()
+
+    want_w, want_b = run(None)
+    got_w, got_b = run(WeightGradDeferral(direct=direct))
+    assert torch.equal(got_w, want_w) and torch.equal(got_b, want_b)
+
+
+def test_b_block_knows_whether_its_w_holds_a_tensor():
+    """``DeferredWeightGrads.holds``: identity, not equality (the engine keeps a stage input's data for
+    ``W`` only when a closure holds that very tensor, ``step_run``)."""
+    deferral = WeightGradDeferral()
+    w = set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    twin = x.detach().clone().requires_grad_(True)
+    with deferral.collecting() as work:
+        deferrable_linear(x, w, None, deferral).sum().backward(inputs=[x])
+    assert work.holds(x) and not work.holds(twin) and not work.holds(w)
+    work.run()
+    assert not work.holds(x)  # W let go of what it held

@@ -133,3 +133,25 @@ def test_w_without_autograd_checks_and_casts_gradients_as_autograd_does():
         deferrable_linear(x, w, None, deferral).sum().backward(inputs=[x])
     with pytest.raises(RuntimeError, match="hook"):
         work.run()
+
+
+def test_accumulate_each_skips_what_autograd_would_not_accumulate():
+    """``accumulate_each`` over one closure's parameters: a missing gradient, a missing parameter and a
+    parameter needing no gradient are skipped (autograd: no edge, no accumulation); the others end as
+    autograd's accumulation leaves them (first adopted, then added in place), each post hook once."""
+    from parallel3d.leaf_grads import accumulate_each
+
+    gen = torch.Generator().manual_seed(3)
+    frozen = torch.nn.Parameter(torch.randn(2, 3, generator=gen), requires_grad=False)
+    plain, direct = (torch.nn.Parameter(torch.randn(4, 3, generator=gen)) for _ in range(2))
+    direct.data.copy_(plain.data)
+    others = [torch.nn.Parameter(torch.randn(5, generator=gen)) for _ in range(2)]  # their gradient missing
+    grads = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    fired: list[int] = []
+    direct.register_post_accumulate_grad_hook(lambda p: fired.append(len(fired)))
+    for g in grads:
+        (plain * g).sum().backward()  # autograd's AccumulateGrad: d/dp sum(p * g) = g
+        with torch.no_grad():
+            accumulate_each([frozen, None, direct, others[1]], [torch.ones(2, 3), torch.ones(1), g.clone(), None])
+    assert torch.equal(direct.grad, plain.grad) and fired == [0, 1]
+    assert frozen.grad is None and all(p.grad is None for p in others)

@@ -219,7 +219,7 @@ class StepRun:
             self.grads_out[key], work = split_backward(out, grad, inp, e.pstate.weight_grads,
                                                        self.undeferred[c.action.chunk])
             self.weight_work[key] = work
-            if not any(t is inp for t in work.held):  # else W reads the input itself: W frees the graph
+            if not work.holds(inp):  # else W reads the input itself: W frees the graph
                 self._spent(out, inp)
             # the graph's activations are gone; what the queue holds counts instead
             self.stored_bytes[key] = held_bytes(work.held, self.param_storages) if self.account else 0
