@@ -9,7 +9,10 @@ the keys ``pipeline.microbatch.stage_keys`` names). Each batch runs through
 
 Invariant: ``eval_loss`` = mean over the ``eval_iters`` batches of the batch's mean
 per-token loss (mean over DP ranks of the runner's microbatch mean), i.e. what one
-process computes for the same samples; ``eval_ppl = exp(eval_loss)``.
+process computes for the same samples; ``eval_ppl = exp(eval_loss)``. An evaluation that
+``interrupt`` stops (a preemption signal or the time budget, agreed by every rank before each
+batch) reports no loss at all rather than the mean of the batches it ran: a partial mean is
+not comparable with the other evaluations.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float | None  # eval loss on last-stage ranks, None elsewhere
+    loss: float | None  # eval loss on last-stage ranks, None elsewhere (and None when interrupted)
     seconds: float
+    interrupted: str | None = None  # why the evaluation stopped early (the same on every rank), None if it ran whole
+    batches: int = 0  # evaluation batches run
 
     def metrics(self) -> dict[str, float]:
         """The JSONL / W&B keys of the logged step."""
@@ -67,12 +72,19 @@ class Evaluator:
             user_warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "
                                f"train.eval_iters={self.iters} reads {wanted}, so some are read twice")
 
-    def evaluate(self, step: int) -> EvalResult:
-        """Collective: the validation loss of the current weights (``step`` only seeds nothing: dropout is off)."""
+    def evaluate(self, step: int, interrupt: Callable[[], str | None] | None = None) -> EvalResult:
+        """Collective: the validation loss of the current weights (``step`` only seeds nothing: dropout is off).
+
+        ``interrupt`` (collective, the same answer on every rank: ``StopPolicy.should_stop``) is asked before
+        each batch; a reason ends the evaluation there, so a preemption signal or the time budget is not held
+        up by ``eval_iters`` forward passes (the job then saves and stops at this step)."""
         start = time.perf_counter()
         self.batches.load_state_dict({"next_sample": 0}, strict=False)
         total, last_stage = 0.0, False
-        for _ in range(self.iters):
+        for i in range(self.iters):
+            reason = interrupt() if interrupt is not None else None
+            if reason is not None:
+                return EvalResult(None, time.perf_counter() - start, interrupted=reason, batches=i)
             loss = self.runner.run(self.to_device(next(self.batches)), step=step)
             if loss is not None:
                 total += loss
@@ -82,4 +94,4 @@ class Evaluator:
             t = torch.tensor([total / self.iters], dtype=torch.float64, device=self.pstate.device)
             comm.all_reduce(t, self.pstate, "dp_cp")  # token-weighted over cp too (models.transformer's loss)
             mean = t.item() / comm.group_size(self.pstate, "dp_cp")
-        return EvalResult(mean, time.perf_counter() - start)
+        return EvalResult(mean, time.perf_counter() - start, batches=self.iters)

@@ -340,7 +340,11 @@ class Trainer:
         """Collective: evaluate after this step if it is an eval step (``_evaluates_after``)."""
         if not self._evaluates_after(self.step, end):
             return None
-        return self.evaluator.evaluate(self.step)
+        result = self.evaluator.evaluate(self.step, interrupt=lambda: self.stop_policy.should_stop(0.0))
+        if result.interrupted is not None and self.is_logging_rank:
+            print(f"evaluation after step {self.step} stopped after {result.batches} of {self.evaluator.iters} "
+                  f"batches: {result.interrupted}; no eval_loss logged for it", flush=True)
+        return result
 
     def _summary(self, result: TrainResult, clock: RunClock) -> RunSummary | None:
         """Collective (per-rank peak memory); the summary on the logging rank, None elsewhere."""

@@ -135,3 +135,48 @@ def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_p
     assert f"resumed from {newest} at step {stops[-1][0]}" in final.stdout
     assert losses_of(str(out)) == losses_of(str(tmp_path / "ref"))
     print(f"SIGTERM -> all processes gone: mid-step {stops[0][1]:.1f}s, mid-save {stops[1][1]:.1f}s")
+
+
+def test_time_budget_interrupts_a_long_evaluation_and_saves_that_step(tmp_path, cache_dir):
+    """An evaluation of many batches does not hold up the stop: the budget is asked before each evaluation
+    batch, the evaluation ends with no eval_loss logged for it, and the step it followed is saved."""
+    steps = 10_000
+    _train(job_values(str(tmp_path / "warm"), cache_dir, train={"steps": steps, "stop_after": 1}))  # corpus cache
+    out = str(tmp_path / "budget")
+    budget_min = 0.03  # 1.8 s, set-up included
+    values = job_values(out, cache_dir, train={"steps": steps, "max_minutes": budget_min, "eval_every": 1,
+                                               "eval_iters": 20_000},  # unbounded by the budget: minutes here
+                        data={"valid_fraction": 0.1})
+    t0 = time.monotonic()
+    first = _train(values)
+    took = time.monotonic() - t0
+    assert first.stopped is not None and f"train.max_minutes={budget_min}" in first.stopped
+    assert took < budget_min * 60 + 3, f"stopped {took:.1f} s after start: the evaluation held the stop up"
+    assert first.checkpoints == [first.last_step] and 1 <= first.last_step < steps
+    assert all("eval_loss" not in r for r in first.records if r["step"] == first.last_step)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_long_evaluation_stops_and_checkpoints_that_step(tmp_path, cache_dir):
+    """The real CLI: SIGTERM while an evaluation of 100,000 batches runs (or the step before it) ends the
+    job with exit 3 and a checkpoint of the evaluated step, within the same bound as mid-step."""
+    out = tmp_path / "run"
+    args = [*_args(out, cache_dir, 20, "train.save_every=0", "train.eval_every=1", "data.valid_fraction=0.1"),
+            "train.eval_iters=100000"]  # after TINY's eval_iters=0: the later override wins
+    run = Run(args)
+    try:
+        # The banner comes once the handlers are installed; step 1's line only after its evaluation.
+        run.wait_for(r"^parallel3d: ")
+        os.kill(run.proc.pid, signal.SIGTERM)
+        status, seconds = run.finish(timeout=2 * STOP_BOUND_S)
+    finally:
+        run.kill()
+    assert status == EXIT_STOPPED, "\n".join(run.lines[-30:])
+    assert seconds < STOP_BOUND_S
+    stop = [line for line in run.lines if line.startswith("stopping at step")]
+    assert len(stop) == 1 and "received SIGTERM" in stop[0], run.lines[-20:]
+    stopped_at = int(stop[0].split()[3])
+    assert any(line.startswith(f"evaluation after step {stopped_at} stopped after") for line in run.lines), \
+        run.lines[-20:]
+    ckpts = complete_checkpoints(str(out / "checkpoints"))
+    assert [s for s, _ in ckpts] == [stopped_at] and is_loadable(ckpts[0][1])
