@@ -85,7 +85,14 @@ def test_cli_refuses_a_missing_input_or_an_unwritable_prefix_in_one_line(tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: output prefix {str(prefix)!r}: cannot write in {prefix.parent}")
-    assert not list(tmp_path.glob("out*"))
+    directory = f"{tmp_path}/"  # it wrote the hidden files .bin and .idx there
+    code = _script().main(["--input", str(src), "--json-key", "text", *tokenizer, "--output-prefix", directory])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: output prefix {directory!r} names a directory"), err
+    code = _script().main(["--input", str(tmp_path), "--json-key", "text", *tokenizer, "--output-prefix",
+                           str(tmp_path / "out")])
+    assert code == 2 and f"input file {str(tmp_path)!r} is a directory" in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".*"))
 
 
 @pytest.mark.slow

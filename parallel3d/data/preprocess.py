@@ -80,12 +80,17 @@ def check_inputs(paths: Sequence[str | os.PathLike]) -> None:
     """Every input is an existing file (a ``DataError`` naming the first that is not)."""
     for path in paths:
         if not os.path.isfile(path):
-            raise DataError(f"input file {os.fspath(path)!r} does not exist")
+            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            raise DataError(f"input file {os.fspath(path)!r} {what}")
 
 
 def check_output_prefix(output_prefix: str | os.PathLike) -> None:
     """``PREFIX.*`` can be written: its directory exists or is created, and a file can be made there.
-    Probed before any tokenizing or BPE training, so a bad prefix costs nothing."""
+    Probed before any tokenizing or BPE training, so a bad prefix costs nothing. A prefix ending in a
+    separator (``data/``) is refused: it would write the hidden files ``data/.bin`` and ``.idx``."""
+    if os.fspath(output_prefix).endswith(("/", os.sep)):
+        raise DataError(f"output prefix {os.fspath(output_prefix)!r} names a directory: give a file prefix in it, "
+                        f"e.g. {os.path.join(os.fspath(output_prefix), 'my_corpus')!r} (writes my_corpus.bin and .idx)")
     parent = os.path.dirname(os.path.abspath(output_prefix))
     try:
         os.makedirs(parent, exist_ok=True)
