@@ -52,6 +52,19 @@ def check_moe_layout(moe_enabled: bool, tp: int, sequence_parallel: bool) -> Non
                          "(the expert-parallel ranks must hold different tokens)")
 
 
+def check_expert_degrees_need_moe(moe_enabled: bool, ep: int, etp: int | None, tp: int) -> None:
+    """``parallel.ep`` / ``parallel.etp`` split routed experts: on a dense model they would be accepted and do
+    nothing (ep would silently fold into dp), so asking for them there is a ValueError (one line); an etp
+    equal to tp is what null means, so it passes."""
+    if moe_enabled:
+        return
+    for key, value, unset in (("parallel.ep", ep, ep == 1), ("parallel.etp", etp, etp is None or etp == tp)):
+        if not unset:
+            raise ValueError(f"{key}={value}: splits the routed experts of a mixture-of-experts model, and this "
+                             f"model has none (model.moe.num_experts=0): leave {key} at its default or pick a "
+                             f"model with model.moe (e.g. model=mixtral_tiny)")
+
+
 def check_moe_split(moe: MoEOptions, tp: int, ep: int, etp: int) -> None:
     """The experts split over ep, their widths over etp and the shared experts' over tp (ValueError, one
     line): the layers' own checks, asked before any rank starts."""

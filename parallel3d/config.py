@@ -30,7 +30,7 @@ from typing import Any
 from kernels.runtime import BACKENDS as KERNEL_BACKENDS
 from models.config import ModelConfig
 from models.mla import check_latent_layout
-from models.moe_block import check_moe_layout, check_moe_split
+from models.moe_block import check_expert_degrees_need_moe, check_moe_layout, check_moe_split
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
 from parallel3d import preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -240,6 +240,10 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
     world = world_size_from_env() if world_size is None else world_size
     model = build_model_config(job)
     dims = options_of(ParallelDims, job.parallel).with_world(world)
+    try:  # before the topology, whose expert fold would otherwise be the error a dense model's ep gets
+        check_expert_degrees_need_moe(model.moe.enabled, dims.ep, dims.etp, dims.tp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     topo = dims.build_topology()
     pipeline = options_of(PipelineOptions, job.parallel)
     zero = options_of(ZeroOptions, job.parallel)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from parallel3d import comm
+from parallel3d.jsonl_records import read_lines, skipped_message
 from parallel3d.logging_options import WandbOptions
 from parallel3d.parallel_state import ParallelState
 from parallel3d import user_warnings
@@ -211,8 +212,12 @@ class JsonlSink:
         """A resumed run drops records the interrupted run wrote after its checkpoint."""
         if not os.path.exists(self.path):
             return
-        with open(self.path) as fh:
-            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = read_lines(self.path)
+        bad = [number for number, _, record in lines if record is None]
+        if bad:  # the interrupted run was killed mid-write: its checkpoint is intact, so the resume goes on
+            user_warnings.warn(skipped_message(self.path, bad))
+        kept = [line if line.endswith("\n") else line + "\n" for _, line, record in lines
+                if record is not None and record.get("step", 0) <= step]
         with open(self.path, "w") as fh:
             fh.writelines(kept)
 

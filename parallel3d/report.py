@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+from parallel3d.jsonl_records import read_records as read_jsonl_records, skipped_message
 
 # (JSONL key, legend label) of the memory panel; plotted in MiB.
 MEMORY_SERIES = (
@@ -49,8 +50,9 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} does not exist: is {run_dir!r} a run directory (train.out_dir)?")
-    with open(path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+    records, bad = read_jsonl_records(path)
+    if bad:  # a run killed mid-write, or a live run's line being written: draw the rest
+        print(f"warning: {skipped_message(path, bad)}", file=sys.stderr)
     if not records:
         raise ValueError(f"{path} holds no records yet")
     return records

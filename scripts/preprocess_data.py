@@ -31,7 +31,7 @@ from parallel3d.data import (  # noqa: E402  (needs the sys.path entry above)
     train_byte_level_bpe,
     write_tokenized,
 )
-from parallel3d.data.preprocess import count_lines  # noqa: E402
+from parallel3d.data.preprocess import check_inputs, check_output_prefix, count_lines  # noqa: E402
 from parallel3d.progress import progress_bar  # noqa: E402
 
 
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     try:
+        check_inputs(args.input)
+        check_output_prefix(args.output_prefix)
+
         def docs():
             return iter_documents(args.input, args.json_key, args.split_paragraphs)
 

@@ -141,6 +141,9 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("ep:experts", ["model=mixtral_tiny", "parallel.ep=3", "train.global_batch_size=48"], "parallel.ep=3", 3),
         ("etp:expert-width", ["model=mixtral_tiny", "parallel.etp=3", "train.global_batch_size=48"],
          "parallel.etp=3", 3),
+        # ep / etp on a dense model did nothing (ep folded into dp, silently)
+        ("ep:dense-model", ["parallel.ep=2"], "parallel.ep=2: splits the routed experts", 2),
+        ("etp:dense-model", ["parallel.tp=2", "parallel.etp=1"], "parallel.etp=1: splits the routed experts", 2),
         ("resume:empty-dir", [f"train.resume={tmp}/empty"], "train.resume=", 1),
         ("resume:corrupt-meta", [f"train.resume={tmp}/bad_json"], "train.resume=", 1),
         ("resume:meta-not-an-object", [f"train.resume={tmp}/json_list"], "not a complete checkpoint directory", 1),

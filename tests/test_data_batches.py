@@ -97,6 +97,33 @@ def test_errors(dataset, tmp_path):
         it.load_state_dict({})
 
 
+@pytest.mark.parametrize("change, named", [
+    ({"seed": 2}, "train.seed: 1 there, 2 here"),
+    ({"seq_len": SEQ // 2}, f"train.seq_len: {SEQ} there, {SEQ // 2} here"),  # its chunks follow: not named
+    ({"split": "train", "valid_fraction": 0.25}, "data.valid_fraction: None there, 0.25 here"),
+])
+def test_a_refused_resume_names_the_setting_that_changed(dataset, change, named):
+    """A command-line user cannot pass strict=False: the refusal names the config key that differs, as the
+    checkpoint had it and as this run has it, and nothing that only followed from it."""
+    saved = DistributedBatchIterator(dataset, 4, 1).state_dict()
+    kwargs = {"seq_len": SEQ, "seed": 1, **change}
+    changed = GPTDataset(dataset.datasets, None, kwargs.pop("seq_len"), **kwargs)
+    with pytest.raises(DataError) as err:
+        DistributedBatchIterator(changed, 4, 1).load_state_dict(saved)
+    message = str(err.value)
+    assert f"({named})" in message or f"({named};" in message or f"; {named})" in message, message
+    assert "samples per dataset" not in message and "strict=False" not in message
+
+
+def test_a_resume_with_other_data_names_the_data(dataset, tmp_path):
+    saved = DistributedBatchIterator(dataset, 4, 1).state_dict()
+    other = GPTDataset(write_indexed_dataset(tmp_path / "o", [[1, 2, 3, 0] * 30]), None, SEQ, seed=1)
+    with pytest.raises(DataError) as err:
+        DistributedBatchIterator(other, 4, 1).load_state_dict(saved)
+    assert "(samples per dataset (the data: data.paths, " in str(err.value)
+    assert f"{saved['dataset']['chunks']} there, {other.fingerprint()['chunks']} here)" in str(err.value)
+
+
 def test_for_rank_gives_each_stage_the_keys_the_engine_reads(dataset):
     from parallel3d.parallel_state import ParallelState
     from parallel3d.topology import Topology

@@ -69,6 +69,32 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     assert not list(tmp_path.glob("out*"))
 
 
+@pytest.mark.parametrize("tokenizer", [["--tokenizer", "byte"], ["--train-bpe", "300"]])
+def test_cli_refuses_a_missing_input_or_an_unwritable_prefix_in_one_line(tmp_path, capsys, tokenizer):
+    """A missing --input (with the JSONL progress bar, which counts lines first) and an --output-prefix
+    whose directory cannot be made are exit code 2 and one line naming the path, before any work."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    missing = tmp_path / "missing.jsonl"
+    code = _script().main(["--input", str(src), str(missing), "--json-key", "text", *tokenizer,
+                           "--output-prefix", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines()[-1] == f"error: input file {str(missing)!r} does not exist"
+    (tmp_path / "a_file").write_text("not a directory")
+    prefix = tmp_path / "a_file" / "sub" / "out"
+    code = _script().main(["--input", str(src), "--json-key", "text", *tokenizer, "--output-prefix", str(prefix)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: output prefix {str(prefix)!r}: cannot write in {prefix.parent}")
+    directory = f"{tmp_path}/"  # it wrote the hidden files .bin and .idx there
+    code = _script().main(["--input", str(src), "--json-key", "text", *tokenizer, "--output-prefix", directory])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: output prefix {directory!r} names a directory"), err
+    code = _script().main(["--input", str(tmp_path), "--json-key", "text", *tokenizer, "--output-prefix",
+                           str(tmp_path / "out")])
+    assert code == 2 and f"input file {str(tmp_path)!r} is a directory" in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".*"))
+
+
 @pytest.mark.slow
 def test_workers_write_exactly_what_one_worker_writes(tmp_path, capsys):
     """Issue 15: --workers N tokenizes in N processes; the .bin/.idx pair is byte-identical."""

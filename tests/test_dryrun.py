@@ -103,6 +103,13 @@ def test_bad_keys_fail_in_one_line_before_any_rank(args, fragment, capsys):
     assert out == "" and len(err.strip().splitlines()) == 1 and fragment in err, err
 
 
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["model=gpt_tiny", "dryrun.world_size=8", "--help"]])
+def test_help_prints_the_usage_not_a_config_error(args, capsys):
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.strip() == cli.__doc__.strip() and "dryrun.world_size=N" in out
+
+
 def test_disk_offload_is_refused_before_any_file_is_made(tmp_path, capsys):
     """It once failed on every rank with a numpy TypeError, after creating a state directory per rank."""
     state_dir = tmp_path / "offload"

@@ -9,6 +9,10 @@ routers' expert bias), so memory stays at about one shard
 ``model.safetensors.index.json``). A tied output head is not written (transformers ties it).
 In a bf16/fp16 export the tensors transformers always keeps in fp32 stay fp32.
 The tokenizer comes from the run directory (``<out_dir>/tokenizer/``) unless given.
+Invariant: after an export, the weight files in ``out_dir`` are exactly the ones it wrote. Weight
+files of an earlier export there (those names, not written this time) are removed once the new
+ones are complete, as ``save_pretrained`` does: ``from_pretrained`` reads ``model.safetensors``
+before an index, so a stale one would silently load the old weights.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +37,8 @@ from parallel3d.data.run_tokenizer import RUN_TOKENIZER_DIR, load_run_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+# the weight files export_hf writes (one file, or shards and their index): the names transformers gives them
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5}\.safetensors|\.safetensors(\.index\.json)?)")
 
 
 def resolve_checkpoint(source: str) -> str:
@@ -116,7 +123,11 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
                 name = key[len(prefix):]
                 keys_by_unit.setdefault(unit_of(name), {})[name] = key
     keep_fp32 = _fp32_tensors(hf_format(cfg).architecture, torch_dtype)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{out_dir!r} must be a directory that can be made or written "
+                         f"({exc.strerror or exc})") from None
     shards = _plan_shards(cfg, torch_dtype.itemsize, max_shard_bytes)
     files, weight_map, total, params = [], {}, 0, 0
     for i, units in enumerate(shards):
@@ -148,6 +159,9 @@ def export_hf(source: str, out_dir: str, *, dtype: str | None = None, max_shard_
     files.append("config.json")
     if tok_files is not None:
         files += _write_tokenizer(tok_files, out_dir, cfg)
+    for stale in sorted(set(os.listdir(out_dir)) - set(files)):  # see the module doc's invariant
+        if WEIGHT_FILE.fullmatch(stale) and os.path.isfile(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
     return ExportResult(out_dir, checkpoint, int(meta["step"]), files, params, dtype,
                         None if tok_files is None else tok_source)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from parallel3d.data.errors import DataError
-from parallel3d.data.gpt_dataset import GPTDataset
+from parallel3d.data.gpt_dataset import FINGERPRINT_SET_BY, GPTDataset
 from parallel3d.context_parallel.documents import document_ids
 from parallel3d.pipeline.microbatch import (
     ALL_KEYS, DOCUMENT_IDS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, stage_keys,
@@ -138,10 +138,17 @@ class DistributedBatchIterator:
         if "next_sample" not in state:
             raise DataError(f"data state has no 'next_sample' (keys: {sorted(state)})")
         saved = state.get("dataset")
-        if strict and saved is not None and saved != self.dataset.fingerprint():
+        current = self.dataset.fingerprint()
+        if strict and saved is not None and saved != current:
+            keys = [k for k in [*current, *(k for k in saved if k not in current)] if saved.get(k) != current.get(k)]
+            if len(keys) > 1 and "chunks" in keys:  # a consequence of the others (FINGERPRINT_SET_BY)
+                keys.remove("chunks")
+            changed = "; ".join(f"{FINGERPRINT_SET_BY.get(k, k)}: {saved.get(k)} there, {current.get(k)} here"
+                                for k in keys)
             raise DataError(
-                f"the checkpoint's dataset {saved} differs from this run's {self.dataset.fingerprint()}; "
-                "sample ids would mean different samples (pass strict=False to resume anyway)"
+                f"the checkpoint's data order differs from this run's ({changed}), so its sample ids would mean "
+                "other samples: resume with the checkpoint's settings, or start a new run (another "
+                "train.out_dir)"
             )
         next_sample = state["next_sample"]
         if not isinstance(next_sample, int) or next_sample < 0:

@@ -79,6 +79,20 @@ def blend_pattern(weights: Sequence[float], period: int) -> np.ndarray:
     return label[order]
 
 
+# Which setting each ``GPTDataset.fingerprint`` key follows: a resume refused for a mismatch names it.
+# "chunks" also follows seq_len and valid_fraction, so it is named only when nothing else differs.
+FINGERPRINT_SET_BY = {
+    "seq_len": "train.seq_len",
+    "seed": "train.seed",
+    "chunks": "samples per dataset (the data: data.paths, data.corpus, data.tokenizer, model.vocab_size or the "
+              "files)",
+    "weights": "data.weights (the blend)",
+    "blend_period": "data.weights (the blend)",
+    "split": "the split",
+    "valid_fraction": "data.valid_fraction",
+}
+
+
 class GPTDataset:
     """Infinite, deterministic stream of ``seq_len + 1``-token samples; see module doc.
 
@@ -192,7 +206,8 @@ class GPTDataset:
         return int(self.chunks.sum())
 
     def fingerprint(self) -> dict:
-        """What a resumed run must match for a sample id to mean the same sample."""
+        """What a resumed run must match for a sample id to mean the same sample (each key's
+        setting, for a refused resume's message: ``FINGERPRINT_SET_BY``)."""
         out = {
             "seq_len": self.seq_len,
             "seed": self.seed,

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import re
+import tempfile
 from collections import deque
 from itertools import islice
 from typing import Any, Iterable, Iterator, Sequence
@@ -67,9 +68,7 @@ def iter_documents(
     paths: Sequence[str | os.PathLike], json_key: str | None = None, split_paragraphs: bool = False
 ) -> Iterator[str]:
     """Documents of all ``paths`` in order: JSONL when ``json_key`` is given, else raw text."""
-    for path in paths:
-        if not os.path.isfile(path):
-            raise DataError(f"input file {os.fspath(path)!r} does not exist")
+    check_inputs(paths)
     for path in paths:
         if json_key is not None:
             yield from iter_jsonl_documents(path, json_key)
@@ -77,8 +76,34 @@ def iter_documents(
             yield from iter_text_documents(path, split_paragraphs)
 
 
+def check_inputs(paths: Sequence[str | os.PathLike]) -> None:
+    """Every input is an existing file (a ``DataError`` naming the first that is not)."""
+    for path in paths:
+        if not os.path.isfile(path):
+            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            raise DataError(f"input file {os.fspath(path)!r} {what}")
+
+
+def check_output_prefix(output_prefix: str | os.PathLike) -> None:
+    """``PREFIX.*`` can be written: its directory exists or is created, and a file can be made there.
+    Probed before any tokenizing or BPE training, so a bad prefix costs nothing. A prefix ending in a
+    separator (``data/``) is refused: it would write the hidden files ``data/.bin`` and ``.idx``."""
+    if os.fspath(output_prefix).endswith(("/", os.sep)):
+        raise DataError(f"output prefix {os.fspath(output_prefix)!r} names a directory: give a file prefix in it, "
+                        f"e.g. {os.path.join(os.fspath(output_prefix), 'my_corpus')!r} (writes my_corpus.bin and .idx)")
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise DataError(f"output prefix {os.fspath(output_prefix)!r}: cannot write in {parent} "
+                        f"({exc.strerror or exc})") from None
+
+
 def count_lines(paths: Sequence[str | os.PathLike]) -> int:
     """Newlines in ``paths`` (a fast pass over bytes; the total a JSONL progress bar counts towards)."""
+    check_inputs(paths)  # before opening: a missing file is one DataError line, not an OSError
     total = 0
     for path in paths:
         with open(path, "rb") as f:

@@ -1,5 +1,9 @@
 """``python -m parallel3d.dryrun <training keys> dryrun.world_size=N [dryrun.ranks=first,last] [dryrun.json=FILE]``.
 
+Builds the chosen ranks of the real layout on one CPU (fake process groups, meta device) and
+prints each one's memory and step; the training keys are ``python -m parallel3d.train``'s
+(conf/README.md), the method is in docs/dryrun.md. ``-h`` / ``--help`` prints this text.
+
 Exit status: 0 every chosen rank built; 1 some rank failed (its line names it); 2 the config
 (or a ``dryrun.*`` key) is invalid, found before any rank is built.
 """
@@ -38,6 +42,9 @@ def prepare(args: list[str]) -> tuple[ResolvedJob, list[int], DryRunOptions]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(args):  # not a training override: asking for usage is not a config error
+        print(__doc__.strip())
+        return 0
     try:
         rj, ranks, options = prepare(args)
     except (ConfigError, LayoutError, ValueError) as exc:
