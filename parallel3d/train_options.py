@@ -16,6 +16,8 @@ from parallel3d.option_checks import ConfigError, check_choice, check_int, check
 from parallel3d.zero.options import PRECISIONS
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+# What a non-finite gradient norm does (``parallel3d.divergence``): end the job, or skip the step and go on.
+NONFINITE_POLICIES: tuple[str, ...] = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class TrainOptions:
     # only, every eval_every steps (0 = only at the end); eval_iters=0 = no evaluation.
     eval_every: int = 0
     eval_iters: int = 0
+    on_nonfinite: str = "stop"  # stop (exit 1, no checkpoint of the diverged run) | skip (skip the step, go on)
 
     def __post_init__(self) -> None:
         check_int("train.global_batch_size", self.global_batch_size, 1)
@@ -54,6 +57,7 @@ class TrainOptions:
         check_choice("train.device", self.device, DEVICES)
         check_int("train.eval_every", self.eval_every, 0)
         check_int("train.eval_iters", self.eval_iters, 0)
+        check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step per data-parallel rank: global = micro * grad_accum * dp."""

@@ -35,11 +35,12 @@ import torch
 from parallel3d import data, user_warnings
 from parallel3d.checkpoint import step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
-from parallel3d.checkpoint_io.resume import load_training_state, save_request
+from parallel3d.checkpoint_io.resume import layout_record, load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.context_parallel import split_batch_for_cp
 from parallel3d.datasets import build_datasets
+from parallel3d.divergence import DivergenceGuard, TrainingDiverged, stop_line
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.heartbeat import Heartbeat, beat_interval
 from parallel3d.metrics import (
@@ -77,15 +78,6 @@ class TrainResult:
     wall_time: float = 0.0
     summary: RunSummary | None = None  # logging rank only
     stopped: str | None = None  # why the run stopped before its end (signal, time budget), checkpointed
-
-
-def _layout(rj: ResolvedJob) -> dict[str, Any]:
-    """The layout a checkpoint was written with (informational: any other one may resume it)."""
-    p = rj.job.parallel
-    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
-            "schedule": p.schedule,
-            "virtual_stages": p.virtual_stages, "order": p.order,
-            "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
 
 class Trainer:
@@ -141,6 +133,7 @@ class Trainer:
             if self.is_logging_rank else t.peak_tflops,
         )
         self.recorder = StepRecorder(pstate, self.optimizer, self.moe, self.throughput, self.is_logging_rank)
+        self.guard = DivergenceGuard(t.on_nonfinite, self.optimizer.scaler)
         self.step = 0
         self.wandb_id: str | None = None
         self._wandb_dir: str | None = None
@@ -164,7 +157,7 @@ class Trainer:
         """Collective: save this step (in the background with ``train.async_save``); see ``checkpoint_io``."""
         self.checkpoints.save(self.step, *save_request(
             self.optimizer, self.pstate, self._trainer_state() if self.is_logging_rank else None, self.rj.model,
-            _layout(self.rj), self.rj.job.train.precision, self.full_config))
+            layout_record(self.rj), self.rj.job.train.precision, self.full_config))
 
     def _report_saves(self, finished: list[tuple[int, bool]]) -> list[int]:
         """The steps of ``finished`` saves that succeeded; the logging rank prints a line for each
@@ -280,6 +273,7 @@ class Trainer:
             timer.stop()  # synchronises the device so the interval below is honest
             comm_bytes = self.recorder.comm_delta(before)
             self.step += 1
+            self._stop_if_diverged(self.guard.verdict(info), info, step_result.loss, result.checkpoints)
             if heartbeat is not None:
                 heartbeat.completed(self.step)
             interval_steps += 1
@@ -303,6 +297,8 @@ class Trainer:
             saving = (t.save_every and self.step % t.save_every == 0) or self.step == end
             stop = None if self.step == end else self.stop_policy.should_stop(time.perf_counter() - iteration_start)
             if saving or stop is not None:
+                self._stop_if_diverged(self.guard.saving_verdict(self.optimizer, self.pstate), info,
+                                       step_result.loss, result.checkpoints)
                 self._save_started[self.step] = time.perf_counter()
                 self.save_checkpoint()
             result.checkpoints += self._report_saves(self.checkpoints.completed())
@@ -324,6 +320,17 @@ class Trainer:
         if wandb is not None:
             wandb.finish(result.summary.wandb() if result.summary else {})
         return result
+
+    def _stop_if_diverged(self, reason: str | None, info: Any, loss: float | None, saved: list[int]) -> None:
+        """Collective: raise ``TrainingDiverged`` for ``reason`` (``divergence``: every rank has the same one),
+        before anything of this step is saved; a save still in flight (an earlier, good step) finishes first."""
+        if reason is None:
+            return
+        loss = self.recorder.dp_mean_loss(loss)
+        saved = saved + self._report_saves(self.checkpoints.wait())
+        last = step_dir(self.ckpt.root, saved[-1]) if saved else self.ckpt.latest()
+        raise TrainingDiverged(stop_line(self.step, reason, loss, info, last) if self.is_logging_rank else
+                               f"training diverged at step {self.step} (the logging rank's line says why)")
 
     def _evaluates_after(self, step: int, end: int) -> bool:
         """Whether the run evaluates once ``step`` steps are done (every ``eval_every``, and the last)."""

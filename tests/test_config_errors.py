@@ -131,6 +131,7 @@ def hand_cases(tmp: str) -> list[tuple[str, list[str], str, int]]:
         ("beta:one", ["optimizer.beta2=1.0"], "optimizer.beta2=1.0", 1),
         ("loss-scale:zero", ["train.precision=fp16", "optimizer.loss_scale_init=0"], "optimizer.loss_scale_init=0", 1),
         ("steps:zero", ["train.steps=0"], "train.steps=0", 1),
+        ("on-nonfinite:choice", ["train.on_nonfinite=ignore"], "train.on_nonfinite='ignore'", 1),
         ("path:data", ["data=indexed", f"data.paths=[{tmp}/nope]"], "does not exist", 1),
         ("path:valid", ["data=indexed", f"data.paths=[{tmp}/nope]", f"data.valid_paths=[{tmp}/nope2]",
                         "data.valid_fraction=0"],

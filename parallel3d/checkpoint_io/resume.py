@@ -23,8 +23,17 @@ from parallel3d.checkpoint_io.state import read_state
 if TYPE_CHECKING:  # pragma: no cover
     import torch.distributed as dist
 
+    from parallel3d.config import ResolvedJob
     from parallel3d.parallel_state import ParallelState
     from parallel3d.zero.optimizer import ZeroOptimizer
+
+
+def layout_record(rj: "ResolvedJob") -> dict[str, Any]:
+    """The layout a checkpoint was written with (informational: any other one may resume it)."""
+    p = rj.job.parallel
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": rj.topology.dp, "zero_stage": p.zero_stage, "offload": p.offload,
+            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "order": p.order,
+            "pp_layers": None if p.pp_layers is None else list(p.pp_layers)}
 
 
 def save_request(opt: "ZeroOptimizer", pstate: "ParallelState", trainer_state: dict[str, Any] | None,

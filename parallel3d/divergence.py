@@ -1,0 +1,85 @@
+"""Stop a diverged run instead of letting it skip steps and keep checkpointing (``train.on_nonfinite``).
+
+Invariant: every rank reaches the same verdict at the same step, with no communication of its own:
+the verdict reads only ``StepInfo`` (the gradient norm is a global reduction, so ``skipped`` and
+``loss_scale`` are equal on every rank) and the loss scaler's settings. ``stop`` (default) ends the
+job when a skipped step cannot be an fp16 overflow the scaler will absorb:
+
+- without a dynamic loss scale (fp32, bf16): the first non-finite gradient norm;
+- fp16: an overflow at the scaler's floor (``LossScaler.min_scale``: it cannot lower the scale any
+  more), or ``max_consecutive_skips`` skipped steps in a row.
+
+The trainer checks before anything of the step is saved, so no checkpoint of the diverged step (or
+after it) is written and none is rotated out because of it. An update that turns the weights
+non-finite has a finite gradient norm itself (the next step's norm shows it), so a step about to be
+saved also checks its state (``saving_verdict``: one pass over this rank's shard and one world
+all-reduce, at saves only). ``skip`` keeps the old behaviour (skip the step, warn, go on, save).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel3d import comm
+from parallel3d.parallel_state import ParallelState
+from parallel3d.zero.optimizer import StepInfo, ZeroOptimizer
+from parallel3d.zero.owned import STATE_KINDS
+from parallel3d.zero.precision import LossScaler
+
+# fp16: an overflow halves the scale, so the default start (2^16) reaches the floor (1.0) in 16 skips;
+# twice that many in a row means the scale is not what is failing, whatever the floor is set to.
+MAX_CONSECUTIVE_SKIPS = 32
+
+
+class TrainingDiverged(RuntimeError):
+    """The run's gradients became non-finite and ``train.on_nonfinite=stop``: the job ends with status 1."""
+
+
+class DivergenceGuard:
+    """Counts skipped steps and says when the run must stop (see module doc)."""
+
+    def __init__(self, policy: str, scaler: LossScaler, max_consecutive_skips: int = MAX_CONSECUTIVE_SKIPS) -> None:
+        self.policy, self.scaler, self.max_consecutive_skips = policy, scaler, max_consecutive_skips
+        self.consecutive_skips = 0
+
+    def verdict(self, info: StepInfo) -> str | None:
+        """Why the run must stop after the step that returned ``info``, or None to go on."""
+        if not info.skipped:
+            self.consecutive_skips = 0
+            return None
+        self.consecutive_skips += 1
+        if self.policy == "skip":
+            return None
+        if not self.scaler.enabled:
+            return "non-finite gradient norm (no dynamic loss scale to lower: fp32/bf16)"
+        if info.loss_scale <= self.scaler.min_scale:
+            return f"fp16 overflow at the loss scale's floor ({self.scaler.min_scale:g}): it cannot be lowered further"
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            return f"{self.consecutive_skips} consecutive fp16 overflow steps skipped"
+        return None
+
+    def saving_verdict(self, opt: ZeroOptimizer, pstate: ParallelState) -> str | None:
+        """Collective (with ``stop``): why the state about to be saved must not be, or None to save it."""
+        if self.policy == "skip" or state_is_finite(opt, pstate):
+            return None
+        return "the weights or optimizer state after this step are not finite (its update overflowed them)"
+
+
+def state_is_finite(opt: ZeroOptimizer, pstate: ParallelState) -> bool:
+    """Collective over the world: whether every rank's master weights and Adam moments are all finite."""
+    mine = all(bool(torch.isfinite(seg.state(kind)).all()) for seg in opt.owned_segments() for kind in STATE_KINDS)
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=pstate.device)
+    comm.all_reduce_world(flag, pstate, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def stop_line(step: int, reason: str, loss: float | None, info: StepInfo, last_checkpoint: str | None) -> str:
+    """The one line the logging rank's failure shows: the step, loss, grad norm, where to resume, what to try."""
+    loss_text = "n/a" if loss is None else f"{loss:.6g}"
+    resume = (f"the last checkpoint written is {last_checkpoint} (train.resume=auto resumes from it)"
+              if last_checkpoint else "no checkpoint was written")
+    return (f"training diverged at step {step}: {reason}; loss {loss_text}, grad norm {info.grad_norm:.6g}, "
+            f"lr {info.lr:.6g}; stopped without saving; {resume}; try a lower optimizer.lr, optimizer.clip_grad > 0, "
+            f"or train.on_nonfinite=skip to skip such steps instead")
+

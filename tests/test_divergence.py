@@ -1,0 +1,127 @@
+"""``train.on_nonfinite`` (``parallel3d/divergence.py``): a diverged run ends with status 1 and one line, saving
+nothing of the diverged steps and rotating no good checkpoint out; ``skip`` keeps the old behaviour; fp16
+overflows above the loss scale's floor still skip. Real CLI runs (``tests/fault_runs.py``), one and two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+from parallel3d.checkpoint import complete_checkpoints, is_loadable, read_meta
+from parallel3d.checkpoint_verify import damage
+from parallel3d.divergence import DivergenceGuard
+from parallel3d.zero.optimizer import StepInfo
+from parallel3d.zero.precision import LossScaler
+from tests.fault_runs import TINY, run_to_end
+
+pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
+HUGE_LR = "optimizer.lr=1e300"  # the first update overflows the fp32 weights: the user trial's divergence
+LINE = "training diverged at step"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+def _args(out, cache_dir, steps: int, *extra: str) -> list[str]:
+    return [*TINY, f"train.steps={steps}", f"train.out_dir={out}", f"data.cache_dir={cache_dir}", *extra]
+
+
+def _steps_saved(out) -> list[int]:
+    return [step for step, _ in complete_checkpoints(os.path.join(out, "checkpoints"))]
+
+
+def _intact(out, step: int) -> bool:
+    path = dict(complete_checkpoints(os.path.join(out, "checkpoints")))[step]
+    meta = read_meta(path)
+    return is_loadable(path) and damage(path, meta, meta["files"]) is None
+
+
+def _records(out) -> dict[int, dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return {r["step"]: r for r in map(json.loads, fh)}
+
+
+def _info(skipped: bool, scale: float) -> StepInfo:
+    return StepInfo(grad_norm=float("nan") if skipped else 1.0, skipped=skipped, loss_scale=scale, lr=1e-3)
+
+
+def test_guard_stops_at_once_without_a_dynamic_scale_and_never_with_skip():
+    stop = DivergenceGuard("stop", LossScaler(enabled=False))
+    assert stop.verdict(_info(False, 1.0)) is None
+    assert "non-finite gradient norm" in stop.verdict(_info(True, 1.0))
+    skip = DivergenceGuard("skip", LossScaler(enabled=False))
+    assert all(skip.verdict(_info(True, 1.0)) is None for _ in range(100))
+
+
+def test_guard_lets_fp16_overflows_skip_until_the_floor_or_too_many_in_a_row():
+    scaler = LossScaler(scale=8.0, min_scale=1.0)
+    guard = DivergenceGuard("stop", scaler)
+    verdicts = []
+    while not verdicts or verdicts[-1] is None:  # the scaler halves the scale per overflow, as the optimizer does
+        used = scaler.scale
+        scaler.update(overflow=True)
+        verdicts.append(guard.verdict(_info(True, used)))
+    assert len(verdicts) == 4 and "floor" in verdicts[-1]  # 8, 4, 2 skip; an overflow at 1 (the floor) stops
+    many = DivergenceGuard("stop", LossScaler(scale=2.0**16, min_scale=2.0**-100), max_consecutive_skips=3)
+    assert [many.verdict(_info(True, 2.0**16)) is None for _ in range(2)] == [True, True]
+    assert many.verdict(_info(False, 2.0**16)) is None  # a good step resets the count
+    assert [many.verdict(_info(True, 2.0**16)) for _ in range(3)][-1] == "3 consecutive fp16 overflow steps skipped"
+
+
+def test_diverged_run_exits_1_keeps_the_good_checkpoints_and_skip_keeps_saving(tmp_path, cache_dir):
+    good = tmp_path / "good"
+    first = run_to_end(_args(good, cache_dir, 2, "train.save_every=1", "train.keep_last=2"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    skipping = tmp_path / "skipping"
+    shutil.copytree(good, skipping)
+    # Resumed at step 2 with the huge lr: step 3's update overflows the weights; its save is refused.
+    diverged = run_to_end(_args(good, cache_dir, 6, "train.save_every=1", "train.keep_last=2", HUGE_LR))
+    assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-2000:]
+    lines = [ln for ln in diverged.stderr.splitlines() if LINE in ln]
+    assert len(lines) == 1 and f"{LINE} 3:" in lines[0] and "step_00000002" in lines[0], diverged.stderr[-2000:]
+    assert _steps_saved(good) == [1, 2] and _intact(good, 1) and _intact(good, 2)
+    resumed = run_to_end(_args(good, cache_dir, 3))  # the good checkpoint loads and trains on
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout and max(_steps_saved(good)) == 3, \
+        resumed.stderr[-2000:]
+    assert math.isfinite(_records(good)[3]["loss"]) and not _records(good)[3]["skipped"]
+    # skip: today's behaviour: the run "finishes", skipping and saving, and rotates the good checkpoints out.
+    old = run_to_end(_args(skipping, cache_dir, 6, "train.save_every=1", "train.keep_last=2", HUGE_LR,
+                           "train.on_nonfinite=skip"))
+    assert old.returncode == 0, old.stderr[-2000:]
+    assert _steps_saved(skipping) == [5, 6] and all(_records(skipping)[s]["skipped"] for s in (4, 5, 6))
+
+
+def test_non_finite_grad_norm_stops_before_the_final_save(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", HUGE_LR))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stderr.splitlines() if LINE in ln)
+    assert f"{LINE} 2: non-finite gradient norm" in line and "no checkpoint was written" in line
+    assert _steps_saved(out) == []
+
+
+def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir):
+    out = tmp_path / "pp2"
+    proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    full = [ln for ln in proc.stderr.splitlines() if f"{LINE} 2: non-finite gradient norm" in ln]
+    assert len(full) == 1 and full[0].startswith("[rank 1] failed") and "loss nan" in full[0], proc.stderr[-3000:]
+    assert _steps_saved(out) == []
+
+
+def test_fp16_overflow_skips_above_the_floor_and_stops_at_it(tmp_path, cache_dir):
+    out = tmp_path / "fp16"
+    proc = run_to_end(_args(out, cache_dir, 6, "train.save_every=0", "train.precision=fp16",
+                            "optimizer.loss_scale_init=2", HUGE_LR))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"{LINE} 3: fp16 overflow at the loss scale's floor" in proc.stderr, proc.stderr[-2000:]
+    records = _records(out)
+    assert records[2]["skipped"] and records[2]["loss_scale"] == 2.0 and not records[1]["skipped"]
+    assert _steps_saved(out) == []
