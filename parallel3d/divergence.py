@@ -33,7 +33,7 @@ MAX_CONSECUTIVE_SKIPS = 32
 
 
 class TrainingDiverged(RuntimeError):
-    """The run's gradients became non-finite and ``train.on_nonfinite=stop``: the job ends with status 1."""
+    """The run diverged (non-finite gradients or state) under ``train.on_nonfinite=stop``: the job ends with status 1."""
 
 
 class DivergenceGuard:
