@@ -59,6 +59,10 @@ class CostOptions:
     # before: bucket_size None on pipeline ranks > 0, "not on the critical path", and disable_bucketing for
     # model chunks > 0). False: every chunk is bucketed.
     bucket_first_chunk_only: bool = False
+    # ZeRO-3 gathers and reduce-scatters each gather unit (a layer) in one collective call each way (FSDP2's
+    # ``fully_shard`` per block: torchtitan). False: parallel3d's runtime, one call per gradient bucket, a
+    # bucket never spanning two units (``grad_buckets.unit_bucket_count``).
+    zero3_unit_calls: bool = False
     # The implementation runs the layout's ``parallel.split_drain`` (``Layout.splits_drain``: 1F1B's drain
     # backwards split, parallel3d's default); False: it has no such option, every 1F1B is plain (Megatron,
     # torchtitan), whatever the layout says. ``runs`` applies it to time and memory alike.
