@@ -116,3 +116,14 @@ def test_torchtitan_rows_price_one_zero3_call_per_block(run_id):
     layers = run.model.layers
     calls = dp_calls(dp_bucket(options, run.layout.dp), 1e9 * layers, 3, layers, 2, unit_calls=options.zero3_unit_calls)
     assert calls == layers
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_megatron_2021_all_reduces_once_per_model_chunk(stage):
+    """Megatron-LM 2021-22 wraps each interleaved model chunk in its own LocalDDP with one contiguous buffer and
+    ``train_step`` all-reduces them one by one (``for model_module in model: model_module.allreduce_gradients()``):
+    a stage holding 3 chunks makes 3 calls, on every stage."""
+    sc21 = CostOptions.megatron_sc21()
+    share = [0.4, 0.3, 0.3]
+    assert dp_calls(dp_bucket(sc21, 32), 1.2e9, 0, 24, 2, *bucketed_chunks(sc21, stage, share)) == 3
+    assert dp_calls(dp_bucket(sc21, 32), 1.2e9, 0, 24, 2, *bucketed_chunks(sc21, stage, [1.0])) == 1
