@@ -71,6 +71,7 @@ __all__ = ["DeferredWeightGrads", "WeightGradDeferral", "backward_inputs"]
 
 GradCompute = Callable[[], Sequence["torch.Tensor | None"]]
 Params = Sequence["torch.Tensor | None"]
+Key = tuple[tuple[int, ...], ...]  # a queue's key: one ``_key_of`` part per closure, in queued order
 
 
 def backward_inputs(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -94,7 +95,8 @@ class DeferredWeightGrads:
         # The queue's key (``_key_of`` of its parameters, in queued order), built as ``B`` queues: there each
         # parameter was just read by its layer's input-gradient GEMM; at ``W``, reading them cold cost about
         # 12 us per W (2026-12-07, hidden 128, a middle chunk, one thread; docs/benchmarks.md, "A leaner split path").
-        self._key: list[int] = []
+        # One part per closure: the closure boundaries are part of the key (``_key_of``).
+        self._key: list[tuple[int, ...]] = []
         self.held: list[torch.Tensor] = []  # what the queued closures keep alive
         self._anchors = anchors if anchors is not None else _Anchors(0)
         self.direct = direct
@@ -117,7 +119,7 @@ class DeferredWeightGrads:
 
     def add(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> None:
         self._queue.append((params, compute))
-        self._key += _key_of(params)
+        self._key.append(_key_of(params))
         self.held.extend(holds)
 
     def holds(self, tensor: torch.Tensor) -> bool:
@@ -144,11 +146,13 @@ def _params(queue: list[tuple[Params, GradCompute]]) -> list["torch.Tensor | Non
     return [p for ps, _ in reversed(queue) for p in ps]
 
 
-def _key_of(params: Params) -> list[int]:
+def _key_of(params: Params) -> tuple[int, ...]:
     """One closure's part of its queue's key: each parameter's identity and whether it requires grad
-    (0: no parameter; negative: no grad needed). A queue's key, its parts in queued order (``_params``
-    reversed, a bijection), is what ``_Anchors`` keys a W's graph and its route on."""
-    return [0 if p is None else id(p) if p.requires_grad else -id(p) for p in params]
+    (0: no parameter; negative: no grad needed). A queue's key, the tuple of its parts in queued order, is
+    what ``_Anchors`` keys a W's graph and its route on. The parts stay apart because the key must fix
+    ``_params``' order (the last closure first; a kept graph's inputs): ``(a, b)`` in one closure and
+    ``(a,)``, ``(b,)`` in two list the same parameters in queued order but are (a, b) and (b, a) there."""
+    return tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params])
 
 
 class _Route(enum.Enum):
@@ -229,27 +233,27 @@ class _Anchors:
     def __init__(self, size: int) -> None:
         self.size = size
         self.keep = False
-        self._kept: dict[tuple[int, ...], tuple[torch.Tensor, list]] = {}
-        self._routes: dict[tuple[int, ...], tuple[_Route, list]] = {}
+        self._kept: dict[Key, tuple[torch.Tensor, list]] = {}
+        self._routes: dict[Key, tuple[_Route, list]] = {}
 
     def forget(self) -> None:
         self._kept.clear()
         self._routes.clear()
 
-    def route(self, key: tuple[int, ...], queue: list[tuple[Params, GradCompute]]) -> _Route:
+    def route(self, key: Key, queue: list[tuple[Params, GradCompute]]) -> _Route:
         """``key``'s route (``key``: the queue's, ``DeferredWeightGrads._key``), worked out once per step
         while ``keep``."""
         known = self._routes.get(key) if self.keep else None
         if known is not None:
             return known[0]
         params = _params(queue)
-        route = (_Route.NONE if not any(k > 0 for k in key)
+        route = (_Route.NONE if not any(k > 0 for part in key for k in part)
                  else _Route.ACCEPTED if all_accepted(params) else _Route.AUTOGRAD)
         if self.keep:
             self._routes[key] = (route, params)  # holding the parameters keeps their identities unique
         return route
 
-    def run(self, queue: list[tuple[Params, GradCompute]], key: tuple[int, ...]) -> None:
+    def run(self, queue: list[tuple[Params, GradCompute]], key: Key) -> None:
         """W through autograd: the queue's graph (``key``: the queue's), kept per step or built now."""
         keep = self.keep and self.size > 0
         kept = self._kept.pop(key, None) if keep else None

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 import torch.distributed as dist
 
@@ -39,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_zero import profile_parser, warm_runners  # noqa: E402
 from peer_env import rank_zero_item  # noqa: E402
 
-SYSCALLS = {232: "epoll_wait", 281: "epoll_wait", 45: "recv", 20: "writev"}  # x86-64 numbers
+SYSCALLS = MappingProxyType({232: "epoll_wait", 281: "epoll_wait", 45: "recv", 20: "writev"})  # x86-64 numbers
 SPIN_RUN = 3  # more consecutive ready returns than this, with no I/O between: a busy-wait episode
 EVENT = re.compile(r"\s*(\d+)/(\d+)\s+([\d.]+):\s+(\S+):\s*(.*)")
 

@@ -367,3 +367,28 @@ def test_b_block_knows_whether_its_w_holds_a_tensor():
     assert work.holds(x) and not work.holds(twin) and not work.holds(w)
     work.run()
     assert not work.holds(x)  # W let go of what it held
+
+
+def test_w_graph_kept_for_one_closure_split_is_not_reused_for_another():
+    """W's kept graph takes its parameters in ``_params`` order (the last closure first), so its key must
+    tell apart two queues with the same parameters split into closures differently: one closure over
+    ``(a, b)`` queues ``_params`` (a, b), two closures ``(a,)`` then ``(b,)`` queue (b, a). A key that only
+    lists the parameters in queued order gave both the same key and the second W the first one's graph:
+    its gradients landed on each other's parameter (same shape, so silently). Reference: each gradient
+    summed by hand."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (set_meta(torch.nn.Parameter(torch.randn(3, 4, generator=gen)), wgrad_deferrable=True) for _ in range(2))
+    grads = [(torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)) for _ in range(2)]
+    deferral = WeightGradDeferral(direct=False)
+    with deferral.reusing_graphs():
+        (ga, gb) = grads[0]
+        with deferral.collecting() as work:
+            assert deferral.defer((a, b), lambda: (ga.clone(), gb.clone()), ())
+        work.run()
+        (ga2, gb2) = grads[1]
+        with deferral.collecting() as work:
+            assert deferral.defer((a,), lambda: (ga2.clone(),), ())
+            assert deferral.defer((b,), lambda: (gb2.clone(),), ())
+        work.run()
+    assert torch.equal(a.grad, grads[0][0] + grads[1][0])
+    assert torch.equal(b.grad, grads[0][1] + grads[1][1])

@@ -19,6 +19,8 @@ from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost import bucketed_chunks, dp_bucket, dp_calls
 from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.published import load_published_runs
+from parallel3d.planning.source_frameworks import run_options
 
 BASE_US, NVLINK_STEP_US, NET_STEP_US = 8.4, 3.4, 14.0  # tuning.cc ring / Simple
 
@@ -79,9 +81,17 @@ def test_megatron_core_buckets_keep_the_latency_flat_fixed_buckets_let_it_grow()
     assert latency(fixed, 288) == pytest.approx(49 * (BASE_US + 287 * NET_STEP_US) * 1e-6, rel=1e-12)  # 197 ms
 
 
-def test_zero3_calls_once_per_layer_and_sc21_once_per_buffer():
-    assert dp_calls(dp_bucket(CostOptions(), 64), 5e9, 3, 40, 2) == 40
+def test_zero3_calls_once_per_layer_under_fsdp2_and_sc21_once_per_buffer():
+    assert dp_calls(dp_bucket(CostOptions(), 64), 5e9, 3, 40, 2, unit_calls=True) == 40
     assert dp_calls(dp_bucket(CostOptions.megatron_sc21(), 64), 5e9, 0, 40, 2) == 1
+
+
+def test_parallel3d_zero3_calls_once_per_bucket_within_each_layer():
+    """parallel3d's ZeRO-3 gathers and reduce-scatters per bucket (``params_sharded._gather``), 25 MB of bf16 =
+    13,107,200 elements each, a bucket never spanning two layers: 40 layers of 125e6 parameters take
+    ceil(125e6 / 13,107,200) = 10 buckets each, the first layer one more (its ~1 MiB first bucket: 524,288
+    elements, then ceil((125e6 - 524,288) / 13,107,200) = 10). One call per layer priced it 10x too few."""
+    assert dp_calls(dp_bucket(CostOptions(), 64), 5e9, 3, 40, 2) == 39 * 10 + 11
 
 
 def test_megatron_core_buckets_only_the_first_stages_first_chunk():
@@ -95,3 +105,25 @@ def test_megatron_core_buckets_only_the_first_stages_first_chunk():
     # stage 0 of a 3-chunk stage holding 1.2e9 parameters: 0.4 x 1.2e9 / 4.8e7 = 10 buckets, then 2 whole chunks
     assert dp_calls(dp_bucket(mcore, 48), 1.2e9, 1, 24, 2, *bucketed_chunks(mcore, 0, share)) == 12
     assert dp_calls(dp_bucket(mcore, 48), 1.2e9, 1, 24, 2, *bucketed_chunks(mcore, 1, share)) == 3
+
+
+@pytest.mark.parametrize("run_id", ["torchtitan_llama3_8b_a100", "torchtitan_llama3_70b_a100"])
+def test_torchtitan_rows_price_one_zero3_call_per_block(run_id):
+    """torchtitan ``fully_shard``s each TransformerBlock (FSDP2): one all-gather and one reduce-scatter per block,
+    whatever its size, where parallel3d's runtime would cut a 70B block into several buckets."""
+    run = next(r for r in load_published_runs() if r.id == run_id)
+    options = run_options(run)
+    layers = run.model.layers
+    calls = dp_calls(dp_bucket(options, run.layout.dp), 1e9 * layers, 3, layers, 2, unit_calls=options.zero3_unit_calls)
+    assert calls == layers
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_megatron_2021_all_reduces_once_per_model_chunk(stage):
+    """Megatron-LM 2021-22 wraps each interleaved model chunk in its own LocalDDP with one contiguous buffer and
+    ``train_step`` all-reduces them one by one (``for model_module in model: model_module.allreduce_gradients()``):
+    a stage holding 3 chunks makes 3 calls, on every stage."""
+    sc21 = CostOptions.megatron_sc21()
+    share = [0.4, 0.3, 0.3]
+    assert dp_calls(dp_bucket(sc21, 32), 1.2e9, 0, 24, 2, *bucketed_chunks(sc21, stage, share)) == 3
+    assert dp_calls(dp_bucket(sc21, 32), 1.2e9, 0, 24, 2, *bucketed_chunks(sc21, stage, [1.0])) == 1

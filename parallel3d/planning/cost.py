@@ -56,7 +56,7 @@ from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost_options import CostOptions
 from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
 from parallel3d.planning.gemm import GemmCurve, head_seconds
-from parallel3d.planning.grad_buckets import bucket_count
+from parallel3d.planning.grad_buckets import bucket_count, unit_bucket_count
 from parallel3d.planning.layer_time import COST_ATTENTION, LayerTimes, layer_forward_flops, layer_times
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import PrecisionBytes
@@ -182,13 +182,14 @@ def dp_bucket(options: CostOptions, dp: int) -> float | None:
 
 
 def dp_calls(bucket: float | None, params: float, zero: int, layers: int, weight_bytes: int,
-             bucketed: float = 1.0, whole_chunks: int = 0) -> int:
+             bucketed: float = 1.0, whole_chunks: int = 0, *, unit_calls: bool = False) -> int:
     """Collective calls one DP reduction (or gather) of a stage's ``params`` takes: ZeRO-3 one per layer
-    (each unit is gathered and reduced on its own), else one per gradient bucket (``dp_bucket``;
-    parallel3d's own ``bucket_count`` when None) of the ``bucketed`` share of the parameters, plus one per
-    chunk left in a single bucket (``whole_chunks``: ``CostOptions.bucket_first_chunk_only``)."""
+    (each a gather unit) with ``unit_calls`` (``CostOptions.zero3_unit_calls``), else parallel3d's buckets within
+    each unit (``unit_bucket_count``); stages 0-2 one per gradient bucket (``dp_bucket``; parallel3d's own
+    ``bucket_count`` when None) of the ``bucketed`` share of the parameters, plus one per chunk left in a single
+    bucket (``whole_chunks``: ``CostOptions.bucket_first_chunk_only``)."""
     if zero == 3:
-        return max(1, layers)
+        return max(1, layers) if unit_calls else unit_bucket_count(params, layers, weight_bytes)
     if bucket is None:
         return bucket_count(params, weight_bytes)
     return whole_chunks + (max(1, math.ceil(params * bucketed / bucket)) if bucketed > 0 else 0)
@@ -312,7 +313,8 @@ def estimate_step(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
         share = chunk_shares(chunk_layers[stage], end_counts, held, emb_params)
         bucketed, whole = bucketed_chunks(options, stage, share)
         for params, kind, zero in groups:
-            calls = dp_calls(bucket, params, zero, stage_layers[stage], pb.weight, bucketed, whole)
+            calls = dp_calls(bucket, params, zero, stage_layers[stage], pb.weight, bucketed, whole,
+                             unit_calls=options.zero3_unit_calls)
             r, g = _dp_times(comm, params, kind, zero, grad_bytes, pb.weight, calls)
             br = bg = 0.0
             if bucket is not None and zero != 3:  # a parameter is never split over two buckets

@@ -59,6 +59,10 @@ class CostOptions:
     # before: bucket_size None on pipeline ranks > 0, "not on the critical path", and disable_bucketing for
     # model chunks > 0). False: every chunk is bucketed.
     bucket_first_chunk_only: bool = False
+    # ZeRO-3 gathers and reduce-scatters each gather unit (a layer) in one collective call each way (FSDP2's
+    # ``fully_shard`` per block: torchtitan). False: parallel3d's runtime, one call per gradient bucket, a
+    # bucket never spanning two units (``grad_buckets.unit_bucket_count``).
+    zero3_unit_calls: bool = False
     # The implementation runs the layout's ``parallel.split_drain`` (``Layout.splits_drain``: 1F1B's drain
     # backwards split, parallel3d's default); False: it has no such option, every 1F1B is plain (Megatron,
     # torchtitan), whatever the layout says. ``runs`` applies it to time and memory alike.
@@ -94,6 +98,8 @@ class CostOptions:
         """Megatron-LM as Narayanan et al. 2021 ran it: unfused attention, scatter/gather P2P, gradients
         all-reduced after the backward, unoverlapped, in fp16 (the param dtype; fp32 only if bf16 forces it)."""
         # grad_bucket: one call for the whole buffer (2021 ``DistributedDataParallel.allreduce_gradients``:
-        # one ``all_reduce`` per contiguous gradient buffer, i.e. per dtype).
+        # one ``all_reduce`` per contiguous gradient buffer, i.e. per dtype), and one buffer per model chunk: each
+        # interleaved chunk is its own LocalDDP, all-reduced in turn by ``train_step`` (``for model_module in
+        # model``), which ``bucket_first_chunk_only`` with an unbounded bucket prices as one call per chunk.
         return cls(fused_attention=False, p2p_scatter_gather=True, overlapped_zero_stages=(), dp_grad_bytes=2,
-                   grad_bucket=(math.inf, 0.0), split_drain=False, tied_grad_whole=True)
+                   grad_bucket=(math.inf, 0.0), bucket_first_chunk_only=True, split_drain=False, tied_grad_whole=True)

@@ -32,7 +32,8 @@ TP_OVERLAP_SOURCES: tuple[str, ...] = ("NVIDIA Megatron-LM README",)
 # runs predate the change. (Nemotron-4 340B's report, June 2024, does not date its runs: not listed.)
 FIXED_BUCKET_SOURCES: tuple[str, ...] = ("NVIDIA, Nemotron-4 15B",)
 
-# Sources that measured torchtitan, whose selective checkpointing recomputes every second matmul.
+# Sources that measured torchtitan, whose selective checkpointing recomputes every second matmul and whose FSDP2
+# gathers and reduce-scatters each block in one call (``CostOptions.zero3_unit_calls``).
 TORCHTITAN_SOURCES: tuple[str, ...] = ("torchtitan",)
 
 # Sources whose framework split the layers evenly: Megatron-LM asserts num_layers % pp == 0 (and, when
@@ -56,7 +57,7 @@ def run_options(run: PublishedRun) -> CostOptions:
     if any(run.source.citation.startswith(s) for s in TP_OVERLAP_SOURCES):
         options = replace(options, tp_comm_overlap=True)
     if any(run.source.citation.startswith(s) for s in TORCHTITAN_SOURCES):
-        options = replace(options, selective_recompute="alternate_matmuls")
+        options = replace(options, selective_recompute="alternate_matmuls", zero3_unit_calls=True)
     if any(run.source.citation.startswith(s) for s in FIXED_BUCKET_SOURCES):
         options = replace(options, grad_bucket=(MCORE_BUCKET_PARAMS, 0.0))
     return options

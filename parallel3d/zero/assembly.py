@@ -34,8 +34,15 @@ from parallel3d.zero.units import find_units, unit_index_of
 DENSE_REDUCE_KIND = "dp_cp"  # the group holding the replicas of a dense parameter
 EXPERT_REDUCE_KIND = "edp"  # the group holding the replicas of a routed expert's parameter
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: the first reduction starts after ~1 MiB of gradients
-__all__ = ["DENSE_REDUCE_KIND", "EXPERT_REDUCE_KIND", "FIRST_BUCKET_BYTES", "Strategies", "build_layouts",
-           "build_strategies", "make_grad_sync", "named_params"]
+__all__ = ["DENSE_REDUCE_KIND", "EXPERT_REDUCE_KIND", "FIRST_BUCKET_BYTES", "Strategies", "bucket_numels",
+           "build_layouts", "build_strategies", "make_grad_sync", "named_params"]
+
+
+def bucket_numels(bucket_size_mb: float, itemsize: int) -> tuple[int, int]:
+    """(first bucket's, every other bucket's) element limit of ``bucket_size_mb`` buckets of ``itemsize``-byte
+    elements: the first holds DDP's ~1 MiB (never more than a bucket), so the first reduction starts early."""
+    bucket = max(1, int(bucket_size_mb * 2**20) // itemsize)
+    return min(bucket, FIRST_BUCKET_BYTES // itemsize), bucket
 
 
 def named_params(modules: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
@@ -70,8 +77,7 @@ def build_layouts(named: list[tuple[str, torch.nn.Parameter]], pstate: ParallelS
 
     Buckets hold ``bucket_size_mb`` of parameter-dtype bytes (the first one DDP's 1 MiB); at
     stage 3 a bucket never spans two gather units, so a unit is whole buckets."""
-    bucket_numel = max(1, int(bucket_size_mb * 2**20) // dtype.itemsize)
-    first_bucket_numel = min(bucket_numel, FIRST_BUCKET_BYTES // dtype.itemsize)
+    first_bucket_numel, bucket_numel = bucket_numels(bucket_size_mb, dtype.itemsize)
     unit_of = None
     if units is not None:  # ``find_units`` of the modules, given when a stage is 3
         index = unit_index_of(units)
