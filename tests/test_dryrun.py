@@ -88,6 +88,28 @@ def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys
     assert "rank 3: actions" in out and "rank 0: actions" in out
 
 
+def test_a_terminal_sees_each_rank_start_and_end(monkeypatch, capsys):
+    """On a terminal, a line when each rank starts and one when it ends, failed ranks said so (a large rank
+    takes minutes and the table waits for every rank); off a terminal stderr is the failures only (above)."""
+    real_build = rank_report.build_chunks
+
+    def build_failing_on_rank_1(rj, pstate):
+        if pstate.rank == 1:
+            raise RuntimeError("out of parameters")
+        return real_build(rj, pstate)
+
+    monkeypatch.setattr(rank_report, "build_chunks", build_failing_on_rank_1)
+    monkeypatch.setattr(cli, "stderr_is_terminal", lambda: True)
+    code = cli.main(["model=gpt_tiny", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=1",
+                     "dryrun.world_size=4", "dryrun.ranks=3,1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_FAILED
+    assert [line.rsplit(" in ", 1)[0] for line in lines] == [
+        "dry run: rank 3 (1 of 2): building and stepping", "dry run: rank 3 (1 of 2): done",
+        "dry run: rank 1 (2 of 2): building and stepping", "dry run: rank 1 (2 of 2): failed",
+        "dry run failed: rank 1: RuntimeError: out of parameters"], lines
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["dryrun.ranks=0"], "dryrun.world_size: missing"),
     (["dryrun.world_size=0"], "dryrun.world_size='0'"),
