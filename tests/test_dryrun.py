@@ -188,6 +188,22 @@ def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
         assert short.activation_bytes == full.activation_bytes > 0
 
 
+def test_a_stage_whose_messages_are_not_linear_runs_the_full_step(monkeypatch):
+    """ZeRO 3 on ZB-V (gpt_tiny pp 2 v 2, dp 2, 16 microbatches): stage 1's reduce-scatters follow the order of
+    its W actions, so its two reduced steps (8 and 14 microbatches: 11 and 20 calls) are not linear in the count;
+    the dry run once failed there (drawn case 2046 of ``tests/dryrun_fuzz.py``). It runs the full step instead:
+    every rank's messages and peak are the full step's."""
+    rj = resolve(_tiny(["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=3",
+                        "parallel.dp=2", "train.global_batch_size=32"]), world_size=4)
+    reduced = {r: dry_run_rank(rj, r) for r in range(4)}
+    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
+    for rank, short in reduced.items():
+        full = dry_run_rank(rj, rank)
+        assert short.error is None and full.error is None, (short.error, full.error)
+        assert (short.messages, short.activation_bytes) == (full.messages, full.activation_bytes), rank
+    assert reduced[3].step_microbatches == [rj.grad_accum] and len(reduced[0].step_microbatches) == 2
+
+
 def test_dry_run_with_empty_end_chunks():
     """Llama 3 405B's ends at small scale: interleaved pp=2 v=2 with the embedding alone in chunk 0 and
     the head alone in chunk 3. Every rank builds and steps; it holds its layers and the shape module's

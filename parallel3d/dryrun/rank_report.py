@@ -22,7 +22,7 @@ from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state, runs_on_nccl
 from parallel3d.dryrun.messages import Messages
 from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
-from parallel3d.dryrun.step import Counts, extrapolate, reduced_microbatches, run_step
+from parallel3d.dryrun.step import Counts, NotLinear, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
@@ -103,16 +103,21 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
     p, m = rj.job.parallel, rj.grad_accum
     reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage,
                                    rj.pipeline.splits_drain(rj.train.recompute), job_w_lags(rj))
-    if reduced is None:
-        full = run_step(rj, pstate, *first, m)
-        report.step_microbatches = [m]
-        report.activation_bytes = full.peak_activation_bytes
-        return full.messages
-    a = run_step(rj, pstate, *first, reduced[0])
-    b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
-    report.step_microbatches = list(reduced)
-    report.activation_bytes = a.peak_activation_bytes
-    return extrapolate(a, b, m)
+    if reduced is not None:
+        a = run_step(rj, pstate, *first, reduced[0])
+        b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
+        try:
+            counts = extrapolate(a, b, m)
+        except NotLinear:  # the full step then, on fresh chunks (step module doc)
+            first = _build(rj, pstate)
+        else:
+            report.step_microbatches = list(reduced)
+            report.activation_bytes = a.peak_activation_bytes
+            return counts
+    full = run_step(rj, pstate, *first, m)
+    report.step_microbatches = [m]
+    report.activation_bytes = full.peak_activation_bytes
+    return full.messages
 
 
 def _fill(report: RankReport, rj: ResolvedJob, nccl: bool) -> None:
