@@ -161,3 +161,16 @@ def test_planner_agrees_on_zero_bubble_schedules(schedule, v, recompute):
     reports = [dry_run_rank(rj, rank) for rank in (0, 1)]
     assert all(r.error is None for r in reports)
     _expect_planner([off for r in reports if (off := _planner_off(r)) is not None], None)
+
+
+def test_widened_draws_reach_what_the_ids_below_do_not():
+    """``--dryrun-seeds``' ids (``dryrun_fuzz.WIDE_BASE``): fp16 among the precisions, worlds above
+    ``shape_fuzz.MAX_WORLD``, and MoE presets of ``conf/model`` are drawn; a bad range is refused."""
+    from parallel3d import config as cfg
+    from tests import shape_fuzz as sf
+    wide = [df.generate(i) for i in df.seed_range("0:32")]
+    assert {c.train["precision"] for c in wide} == set(cfg.PRECISIONS)
+    assert max(c.world_size for c in wide) > sf.MAX_WORLD
+    assert any(c.shape["name"].split("-")[0] in df.MOE_PRESETS for c in wide)
+    with pytest.raises(ValueError):
+        df.seed_range("5:2")
