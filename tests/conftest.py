@@ -25,6 +25,10 @@ def pytest_addoption(parser):
         "--extended", action="store_true",
         help="also run tests marked `extended` (costly repeats of behaviour CI covers more cheaply)",
     )
+    parser.addoption(
+        "--dryrun-seeds", default=None, metavar="A:B",
+        help="tests/test_dryrun_fuzz.py: also run the widened drawn layouts A..B-1 (tests/dryrun_fuzz.seed_range)",
+    )
 
 
 class NoSilentSkips:

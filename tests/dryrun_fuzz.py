@@ -10,6 +10,11 @@ what ``shape_fuzz`` does not draw taken from a salted fork of the RNG (its draws
 ``PROPERTIES`` over the first ``CI_POOL`` cases and ``MOE_CI_POOL`` MoE cases, the cheapest case per property not
 yet met (``layout_matrix.ci_cost``).
 
+Ids from ``WIDE_BASE`` on (``--dryrun-seeds A:B`` runs a range of them) widen the draw where the ids below keep
+theirs: worlds up to ``WIDE_MAX_WORLD`` ranks, every precision of ``config.PRECISIONS`` (fp16 too), and on MoE draws
+half the time a MoE preset of ``conf/model`` (``MOE_PRESETS``: 8 experts, top-2; DeepSeek's shared expert and dense
+first layer) with ep over its expert count, all from a second salted fork.
+
 ``real_on_rank`` is the ``run_on_ranks`` target: a real ``Trainer`` on gloo, its bytes and one step's messages
 (``real_step.held_and_sent``).
 """
@@ -19,7 +24,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
 
 from parallel3d import config as cfg
 from parallel3d.config import job_from_dict, resolve
@@ -36,6 +44,28 @@ MOE_BASE, MOE_CI_POOL, MOE_CASES = 1000, 8, 12
 MAX_DRAWS = 2000
 PRECISIONS = ("fp32", "bf16")
 ETP_DEGREES = (1, 2, 3)
+# Ids from WIDE_BASE on: the widened draw (module docstring). Up to 8 ranks: the task's bound for a real gloo run here.
+WIDE_BASE, WIDE_MAX_WORLD = 2000, 8
+MOE_PRESETS, PRESET_EP_DEGREES = ("mixtral_tiny", "deepseek_tiny"), (1, 2, 4)
+FP16_LOSS_SCALE = 1.0  # fp16 jobs' first loss scale: one step without overflow on the real side (``values``)
+MODEL_CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+
+
+def _preset(name: str, seq: int) -> dict[str, Any]:
+    """The model section of ``conf/model/<name>.yaml`` at sequence length ``seq`` (its own name kept apart)."""
+    shape = OmegaConf.to_container(OmegaConf.load(MODEL_CONF / f"{name}.yaml"))
+    return dict(shape, name=f"{name}-s{seq}", max_seq_len=max(seq, shape["max_seq_len"]))
+
+
+def _widen(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
+    """A wide id's case (``WIDE_BASE``): any precision, and a MoE draw on a preset half the time."""
+    fork = random.Random(repr(rng.getstate()) + "wide")
+    train = dict(case.train, precision=fork.choice(cfg.PRECISIONS))
+    shape, parallel = case.shape, dict(case.parallel)
+    if "ep" in parallel and fork.random() < 0.5:
+        shape = _preset(fork.choice(MOE_PRESETS), case.seq)
+        parallel["ep"] = fork.choice(PRESET_EP_DEGREES)
+    return dataclasses.replace(case, model=shape["name"], shape=shape, parallel=parallel, train=train)
 
 
 def _extend(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
@@ -53,11 +83,15 @@ def _extend(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
 @functools.lru_cache(maxsize=None)
 def generate(case_id: int) -> sf.ShapeCase:
     rng = random.Random(f"{FUZZ_SEED}:{case_id}")
+    wide = case_id >= WIDE_BASE
+    max_world = WIDE_MAX_WORLD if wide else sf.MAX_WORLD
     for _ in range(MAX_DRAWS):
         case = _extend(rng, sf.draw(rng, case_id))
-        if case_id >= MOE_BASE and "ep" not in case.parallel:
+        if wide:
+            case = _widen(rng, case)
+        elif case_id >= MOE_BASE and "ep" not in case.parallel:
             continue
-        if sf.MIN_WORLD <= case.world_size <= sf.MAX_WORLD and sf.judge(case).error is None:
+        if sf.MIN_WORLD <= case.world_size <= max_world and sf.judge(case).error is None:
             return case
     raise RuntimeError(f"dry-run fuzz case {case_id}: no valid draw in {MAX_DRAWS}")
 
@@ -66,6 +100,10 @@ def values(case: sf.ShapeCase, out_dir: str, cache_dir: str) -> dict:
     """The job: the case's, saving nothing (one step is run by hand)."""
     v = case.values(out_dir, cache_dir)
     v["train"].update(async_save=False, resume="none")
+    if v["train"]["precision"] == "fp16":
+        # The dry run answers the overflow check as a healthy step's (dryrun/meta_values.py); fp16's default first
+        # scale (2^16) overflows these tiny models' gradients, so the real step would skip the update and its sync.
+        v["optimizer"]["loss_scale_init"] = FP16_LOSS_SCALE
     return v
 
 
@@ -109,6 +147,14 @@ def ci_sample() -> tuple[sf.ShapeCase, ...]:
         chosen.append(best)
         uncovered = [k for k in uncovered if not PROPERTIES[k](best)]
     return tuple(sorted({c.case_id: c for c in chosen}.values(), key=lambda c: (c.world_size, c.case_id)))
+
+
+def seed_range(spec: str) -> range:
+    """``--dryrun-seeds A:B``: wide ids ``WIDE_BASE + A`` up to ``WIDE_BASE + B`` (B excluded)."""
+    start, _, stop = spec.partition(":")
+    if not (start.isdigit() and stop.isdigit() and int(start) < int(stop)):
+        raise ValueError(f"--dryrun-seeds {spec!r}: expected A:B with 0 <= A < B")
+    return range(WIDE_BASE + int(start), WIDE_BASE + int(stop))
 
 
 def all_cases() -> list[sf.ShapeCase]:

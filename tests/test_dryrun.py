@@ -88,6 +88,28 @@ def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys
     assert "rank 3: actions" in out and "rank 0: actions" in out
 
 
+def test_a_terminal_sees_each_rank_start_and_end(monkeypatch, capsys):
+    """On a terminal, a line when each rank starts and one when it ends, failed ranks said so (a large rank
+    takes minutes and the table waits for every rank); off a terminal stderr is the failures only (above)."""
+    real_build = rank_report.build_chunks
+
+    def build_failing_on_rank_1(rj, pstate):
+        if pstate.rank == 1:
+            raise RuntimeError("out of parameters")
+        return real_build(rj, pstate)
+
+    monkeypatch.setattr(rank_report, "build_chunks", build_failing_on_rank_1)
+    monkeypatch.setattr(cli, "stderr_is_terminal", lambda: True)
+    code = cli.main(["model=gpt_tiny", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=1",
+                     "dryrun.world_size=4", "dryrun.ranks=3,1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_FAILED
+    assert [line.rsplit(" in ", 1)[0] for line in lines] == [
+        "dry run: rank 3 (1 of 2): building and stepping", "dry run: rank 3 (1 of 2): done",
+        "dry run: rank 1 (2 of 2): building and stepping", "dry run: rank 1 (2 of 2): failed",
+        "dry run failed: rank 1: RuntimeError: out of parameters"], lines
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["dryrun.ranks=0"], "dryrun.world_size: missing"),
     (["dryrun.world_size=0"], "dryrun.world_size='0'"),
@@ -171,6 +193,22 @@ def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
         assert len(short.step_microbatches) == 2 and full.step_microbatches == [rj.grad_accum]
         assert short.messages == full.messages, rank
         assert short.activation_bytes == full.activation_bytes > 0
+
+
+def test_a_stage_whose_messages_are_not_linear_runs_the_full_step(monkeypatch):
+    """ZeRO 3 on ZB-V (gpt_tiny pp 2 v 2, dp 2, 16 microbatches): stage 1's reduce-scatters follow the order of
+    its W actions, so its two reduced steps (8 and 14 microbatches: 11 and 20 calls) are not linear in the count;
+    the dry run once failed there (drawn case 2046 of ``tests/dryrun_fuzz.py``). It runs the full step instead:
+    every rank's messages and peak are the full step's."""
+    rj = resolve(_tiny(["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=3",
+                        "parallel.dp=2", "train.global_batch_size=32"]), world_size=4)
+    reduced = {r: dry_run_rank(rj, r) for r in range(4)}
+    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
+    for rank, short in reduced.items():
+        full = dry_run_rank(rj, rank)
+        assert short.error is None and full.error is None, (short.error, full.error)
+        assert (short.messages, short.activation_bytes) == (full.messages, full.activation_bytes), rank
+    assert reduced[3].step_microbatches == [rj.grad_accum] and len(reduced[0].step_microbatches) == 2
 
 
 def test_dry_run_with_empty_end_chunks():

@@ -27,10 +27,9 @@ from tests import dryrun_fuzz as df
 from tests.dryrun_big_jobs import CI_BIG, BigJob, big_jobs
 from tests.harness import run_on_ranks
 from tests.test_dryrun_estimator import TOLERANCE
-from tests.test_dryrun_gloo import ROUTED_KINDS, ROUTED_TOLERANCE
+from tests.test_dryrun_gloo import ACTIVATION_BOUND, ROUTED_KINDS, ROUTED_TOLERANCE
 
 pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
-ACTIVATION_BOUND = 0.05  # test_dryrun_gloo's bound on real vs dry-run activation peaks (CPU kernels' saved scalars)
 
 # Where the planner's activation estimate is known to miss the dry run's measured peak by more than TOLERANCE on drawn
 # layouts (measured 2026-12-07; docs/dryrun.md, "Drawn layouts no other test names", findings). Pinned, not skipped (a
@@ -54,8 +53,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         ci = df.ci_sample()
         rest = [c for c in df.all_cases() if c.case_id not in {k.case_id for k in ci}] if extended else []
-        metafunc.parametrize("case", [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in rest)],
-                             ids=[c.name for c in (*ci, *rest)])
+        seeds = metafunc.config.getoption("--dryrun-seeds")
+        wide = [df.generate(i) for i in df.seed_range(seeds)] if seeds else []
+        metafunc.parametrize("case", [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in rest), *wide],
+                             ids=[c.name for c in (*ci, *rest, *wide)])
     if "big" in metafunc.fixturenames:
         jobs = big_jobs()
         params = [pytest.param(j, marks=() if i in CI_BIG else pytest.mark.extended)
@@ -84,7 +85,9 @@ def test_dry_run_equals_a_real_gloo_run_on_drawn_layouts(case, tmp_path, cache_d
     dry_routed = real_routed = 0
     bad, planner = [], []
     for rank in range(case.world_size):
-        report = dry_run_rank(rj, rank)
+        # The real ranks' p2p semantics: NCCL's where they emulate it on gloo, else plain gloo's (the job's own,
+        # train.device=cpu); the schedule's order, its messages and when sent outputs are freed follow them.
+        report = dry_run_rank(rj, rank, nccl=case.emulate_nccl)
         assert report.error is None, report.error
         held, sent = real[rank]
         real_activations = held.pop("activation_bytes")
@@ -158,3 +161,16 @@ def test_planner_agrees_on_zero_bubble_schedules(schedule, v, recompute):
     reports = [dry_run_rank(rj, rank) for rank in (0, 1)]
     assert all(r.error is None for r in reports)
     _expect_planner([off for r in reports if (off := _planner_off(r)) is not None], None)
+
+
+def test_widened_draws_reach_what_the_ids_below_do_not():
+    """``--dryrun-seeds``' ids (``dryrun_fuzz.WIDE_BASE``): fp16 among the precisions, worlds above
+    ``shape_fuzz.MAX_WORLD``, and MoE presets of ``conf/model`` are drawn; a bad range is refused."""
+    from parallel3d import config as cfg
+    from tests import shape_fuzz as sf
+    wide = [df.generate(i) for i in df.seed_range("0:32")]
+    assert {c.train["precision"] for c in wide} == set(cfg.PRECISIONS)
+    assert max(c.world_size for c in wide) > sf.MAX_WORLD
+    assert any(c.shape["name"].split("-")[0] in df.MOE_PRESETS for c in wide)
+    with pytest.raises(ValueError):
+        df.seed_range("5:2")

@@ -5,19 +5,23 @@ prints each one's memory and step; the training keys are ``python -m parallel3d.
 (conf/README.md), the method is in docs/dryrun.md. ``-h`` / ``--help`` prints this text.
 
 Exit status: 0 every chosen rank built; 1 some rank failed (its line names it); 2 the config
-(or a ``dryrun.*`` key) is invalid, found before any rank is built.
+(or a ``dryrun.*`` key) is invalid, found before any rank is built. On a terminal, stderr says which
+rank is being built and how long each took (a large rank takes seconds to minutes, and the table
+comes only once every rank is done); off a terminal stderr carries only the failures.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from parallel3d.config import ConfigError, ResolvedJob, resolve
 from parallel3d.dryrun.options import DryRunOptions, parse_ranks, split_args
-from parallel3d.dryrun.rank_report import dry_run_rank
+from parallel3d.dryrun.rank_report import RankReport, dry_run_rank
 from parallel3d.dryrun.table import format_reports, reports_json
 from parallel3d.preflight import check_writable_file
+from parallel3d.progress import format_duration, stderr_is_terminal
 from parallel3d.topology import LayoutError
 from parallel3d.train import compose_job
 from parallel3d.user_warnings import one_line_warnings
@@ -40,6 +44,22 @@ def prepare(args: list[str]) -> tuple[ResolvedJob, list[int], DryRunOptions]:
     return rj, ranks, options
 
 
+def _reports(rj: ResolvedJob, ranks: list[int]) -> list[RankReport]:
+    """Each rank's report, in order, with a progress line per rank on a terminal (module doc)."""
+    show = stderr_is_terminal()
+    reports = []
+    for i, rank in enumerate(ranks, 1):
+        if show:
+            print(f"dry run: rank {rank} ({i} of {len(ranks)}): building and stepping", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        reports.append(dry_run_rank(rj, rank))
+        if show:
+            status = "failed" if reports[-1].error else "done"
+            print(f"dry run: rank {rank} ({i} of {len(ranks)}): {status} in "
+                  f"{format_duration(time.perf_counter() - start)}", file=sys.stderr, flush=True)
+    return reports
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(args):  # not a training override: asking for usage is not a config error
@@ -51,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     with one_line_warnings():
-        reports = [dry_run_rank(rj, rank) for rank in ranks]
+        reports = _reports(rj, ranks)
     print(format_reports(rj, reports))
     if options.json:
         with open(options.json, "w") as fh:

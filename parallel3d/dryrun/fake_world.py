@@ -24,14 +24,21 @@ from parallel3d.topology import Topology
 FAKE_BACKEND = "cpu:fake,meta:fake"
 
 
+def runs_on_nccl(device: str) -> bool:
+    """Whether a job with ``train.device=device`` runs its ranks on NCCL (``rank_build``: cuda) rather than gloo
+    (``cpu``). A dry run of a cluster job happens off its accelerator, so ``auto`` counts as cuda
+    (``meta_kernels.job_runs_fused_kernels`` reads the device the same way)."""
+    return device != "cpu"
+
+
 @contextmanager
-def fake_rank_state(topology: Topology, rank: int) -> Iterator[ParallelState]:
-    """``rank``'s state in ``topology``, every group created on the fake backend, device meta."""
+def fake_rank_state(topology: Topology, rank: int, nccl: bool = True) -> Iterator[ParallelState]:
+    """``rank``'s state in ``topology``, every group created on the fake backend, device meta; ``nccl``: p2p
+    batches complete as one unit, as on NCCL (``ParallelState.p2p_coalesces``), else as on plain gloo."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without torch.distributed initialised")
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=topology.world_size)
     try:
-        # The real job runs on NCCL: p2p batches complete as one unit (``p2p_coalesces``).
-        yield ParallelState(topology, rank=rank, backend=FAKE_BACKEND, device="meta", emulate_nccl=True)
+        yield ParallelState(topology, rank=rank, backend=FAKE_BACKEND, device="meta", emulate_nccl=nccl)
     finally:
         dist.destroy_process_group()

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel3d.config import ResolvedJob
-from parallel3d.dryrun.fake_world import fake_rank_state
+from parallel3d.dryrun.fake_world import fake_rank_state, runs_on_nccl
 from parallel3d.dryrun.messages import Messages
 from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
-from parallel3d.dryrun.step import Counts, extrapolate, reduced_microbatches, run_step
+from parallel3d.dryrun.step import Counts, NotLinear, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
@@ -103,21 +103,26 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
     p, m = rj.job.parallel, rj.grad_accum
     reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage,
                                    rj.pipeline.splits_drain(rj.train.recompute), job_w_lags(rj))
-    if reduced is None:
-        full = run_step(rj, pstate, *first, m)
-        report.step_microbatches = [m]
-        report.activation_bytes = full.peak_activation_bytes
-        return full.messages
-    a = run_step(rj, pstate, *first, reduced[0])
-    b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
-    report.step_microbatches = list(reduced)
-    report.activation_bytes = a.peak_activation_bytes
-    return extrapolate(a, b, m)
+    if reduced is not None:
+        a = run_step(rj, pstate, *first, reduced[0])
+        b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
+        try:
+            counts = extrapolate(a, b, m)
+        except NotLinear:  # the full step then, on fresh chunks (step module doc)
+            first = _build(rj, pstate)
+        else:
+            report.step_microbatches = list(reduced)
+            report.activation_bytes = a.peak_activation_bytes
+            return counts
+    full = run_step(rj, pstate, *first, m)
+    report.step_microbatches = [m]
+    report.activation_bytes = full.peak_activation_bytes
+    return full.messages
 
 
-def _fill(report: RankReport, rj: ResolvedJob) -> None:
+def _fill(report: RankReport, rj: ResolvedJob, nccl: bool) -> None:
     p = rj.job.parallel
-    with fake_rank_state(rj.topology, report.rank) as pstate:
+    with fake_rank_state(rj.topology, report.rank, nccl) as pstate:
         report.coords = {d: pstate.coord(d) for d in ("tp", "cp", "ep", "dp", "pp") if pstate.size(d) > 1}
         stage = pstate.coord("pp")
         chunks, optimizer = _build(rj, pstate)
@@ -127,7 +132,7 @@ def _fill(report: RankReport, rj: ResolvedJob) -> None:
         report.optimizer_state_bytes = held["master_weights"] + held["optimizer_moments"]
         report.offloaded_bytes = held["offload_host"] + held["offload_disk"]
         report.layers = _stage_layers(rj, stage)
-        actions = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=True,
+        actions = build_schedule(p.schedule, p.pp, rj.grad_accum, p.virtual_stages, coalesced_p2p=nccl,
                                  split_drain=rj.pipeline.splits_drain(rj.train.recompute))[stage]
         report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS
                           if any(a.kind == k for a in actions)}
@@ -137,11 +142,12 @@ def _fill(report: RankReport, rj: ResolvedJob) -> None:
                        for (kind, op), (calls, nbytes) in sorted(counts.items())]
 
 
-def dry_run_rank(rj: ResolvedJob, rank: int) -> RankReport:
-    """``rank``'s report; a failure anywhere is caught into ``error`` (one line naming the rank)."""
+def dry_run_rank(rj: ResolvedJob, rank: int, nccl: bool | None = None) -> RankReport:
+    """``rank``'s report; a failure anywhere is caught into ``error`` (one line naming the rank). ``nccl``: the p2p
+    semantics to run the step with (``fake_world.fake_rank_state``); None: the job's own (``runs_on_nccl``)."""
     report = RankReport(rank=rank)
     try:
-        _fill(report, rj)
+        _fill(report, rj, runs_on_nccl(rj.job.train.device) if nccl is None else nccl)
     except Exception as exc:  # noqa: BLE001 - the dry run reports every rank's failure, one line each
         cause = (str(exc).strip().splitlines() or [""])[0]
         report.error = f"rank {rank}: {type(exc).__name__}: {cause}"

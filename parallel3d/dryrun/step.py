@@ -22,7 +22,9 @@ schedule has the same warm-up (the same most-loaded moments: microbatches in fli
 chunks may save different bytes per microbatch). The step runs at
 ``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's in-flight profile) and is
 extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
-number of microbatches in flight as the full step. ``m <= m2``: the full step runs once.
+number of microbatches in flight as the full step. ``m <= m2``: the full step runs once. Where the two
+steps' messages are not linear (``NotLinear``: ZeRO-3's reduce-scatters on a ZB-V stage follow the order
+of its W actions, not the count) the caller runs the full step instead.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from parallel3d.planning.cli import job_w_lags
 from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
+__all__ = ["NotLinear", "StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -145,6 +147,10 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     return StepMeasure(microbatches, result.peak_activation_bytes, counts)
 
 
+class NotLinear(RuntimeError):
+    """Two reduced steps' messages are not ``a + b m`` (module doc): they cannot be extrapolated."""
+
+
 def extrapolate(a: StepMeasure, b: StepMeasure, m: int) -> Counts:
     """Messages at ``m`` microbatches from steps at ``a`` and ``b`` microbatches (linear, exact integers)."""
     out: Counts = {}
@@ -152,7 +158,7 @@ def extrapolate(a: StepMeasure, b: StepMeasure, m: int) -> Counts:
     for key in dict.fromkeys([*a.messages, *b.messages]):
         (ca, ba), (cb, bb) = a.messages.get(key, (0, 0)), b.messages.get(key, (0, 0))
         if (cb - ca) % span or (bb - ba) % span:
-            raise RuntimeError(f"{key}: messages are not linear in the microbatch count "
+            raise NotLinear(f"{key}: messages are not linear in the microbatch count "
                                f"({a.microbatches}: {ca} calls, {b.microbatches}: {cb})")
         k = m - a.microbatches
         out[key] = (ca + (cb - ca) // span * k, ba + (bb - ba) // span * k)
