@@ -40,6 +40,7 @@ from parallel3d.context_parallel.model_attention import ContextParallelAttention
 from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.param_meta import set_meta
 from parallel3d.tensor_parallel import ParallelLMHead, column_parallel_linear, vocab_parallel_cross_entropy
+from parallel3d.tensor_parallel.cross_entropy import runs_vocab_parallel_loss
 from parallel3d.tensor_parallel.dropout import layout_independent_dropout
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 from parallel3d.tensor_parallel.mappings import tp_chunk_start, tp_group_size
@@ -120,8 +121,7 @@ class TransformerLM(nn.Module):
         if self._tp() == 1 and logits.shape[-1] == vocab:
             return self._cp_weighted(dispatch.cross_entropy(logits, labels, backend=backend), labels)
         local = logits.shape[-1]
-        last_shard_start = self.padded_vocab_size - local  # the same on every tp rank
-        if backend == "torch" or last_shard_start >= vocab:  # plain torch ops (also: a shard of padding only)
+        if runs_vocab_parallel_loss(backend, vocab, self.padded_vocab_size, local):
             return self._cp_weighted(vocab_parallel_cross_entropy(logits, labels, self.pstate, vocab_size=vocab),
                                      labels)
         start = tp_chunk_start(local, self.pstate)

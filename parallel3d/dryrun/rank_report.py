@@ -79,13 +79,18 @@ def _stage_layers(rj: ResolvedJob, stage: int) -> int:
     return sum(b - a for a, b in _chunk_ranges(rj, stage))
 
 
-def _activation_bytes(rj: ResolvedJob, stage: int, layers: int) -> int | None:
-    """The planner's estimate for the job's kernels (``meta_kernels.job_runs_fused_kernels``), given this
-    stage's own chunks (exact for uneven ones), or None where the planner has none for this model."""
+def _activation_bytes(rj: ResolvedJob, stage: int, layers: int, nccl: bool) -> int | None:
+    """The planner's estimate for the job's kernels (``meta_kernels.job_runs_fused_kernels``) and the p2p
+    semantics the step runs (``nccl``: a send reported complete without a wait, so interleaved schedules free
+    their sent outputs; ``for_model`` ties that to the kernels, but a CPU job emulating NCCL runs the fused
+    kernels' p2p with the torch ones), given this stage's own chunks (exact for uneven ones), or None where
+    the planner has none for this model."""
     _, layout, _ = layout_from_job(rj.job, ClusterSpec.build(rj.world_size, 1))
     try:
         fused = job_runs_fused_kernels(rj.model.backend, rj.job.train.device)
-        assumptions = ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch")
+        assumptions = dataclasses.replace(
+            ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch"),
+            sends_complete_unwaited=nccl)
         chunks = [list(range(a, b)) for a, b in _chunk_ranges(rj, stage)]
         return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions, chunks)[0])
     except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block
@@ -136,7 +141,7 @@ def _fill(report: RankReport, rj: ResolvedJob, nccl: bool) -> None:
                                  split_drain=rj.pipeline.splits_drain(rj.train.recompute))[stage]
         report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS
                           if any(a.kind == k for a in actions)}
-        report.activation_bytes_planner = _activation_bytes(rj, stage, report.layers)
+        report.activation_bytes_planner = _activation_bytes(rj, stage, report.layers, nccl)
         counts = _step_messages(rj, pstate, stage, report, (chunks, optimizer))
     report.messages = [Messages(f"{kind} {op}", calls, nbytes, "step")
                        for (kind, op), (calls, nbytes) in sorted(counts.items())]

@@ -29,6 +29,7 @@ from parallel3d.pipeline.schedules import peak_in_flight
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
+from parallel3d.tensor_parallel.cross_entropy import runs_vocab_parallel_loss
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # fp32 statistics one norm of each kind keeps per token for backward: LayerNorm mean and rstd, RMSNorm rstd.
@@ -65,7 +66,9 @@ class ActivationAssumptions:
     norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
     small_stats: bool = False  # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids
-    logits_bytes: int = 4  # cross entropy keeps fp32 logits / softmax on the last stage
+    # Bytes per logit the tp = 1 cross entropy keeps on the last stage (fp32 log-softmax, or the fused kernel's
+    # logits in their dtype); at tp > 1 the sharded loss the model runs decides (``loss_logit_bytes``).
+    logits_bytes: int = 4
     # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
     # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
     # the CPU allocator's peak shows in tests/test_planning_measured_cp.py):
@@ -242,15 +245,30 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """Last stage, per in-flight microbatch: final-norm input, head input, fp32 logits of the vocab shard."""
+    """Last stage, per in-flight microbatch: final-norm input, head input, the loss's kept logits of the vocab shard
+    (``loss_logit_bytes``)."""
     s, b, h = local_seq_len(layout), layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
     head_input = float(assumptions.element_bytes * s * b * h)
     norm_and_head_inputs = norm_input + head_input
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
-    logits = assumptions.logits_bytes * s * b * padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
+    local_vocab = padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
+    logits = loss_logit_bytes(config, layout, assumptions) * s * b * local_vocab
     return norm_and_head_inputs + logits
+
+
+def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
+    """Bytes per local logit the loss keeps for backward. tp = 1: the assumptions' ``logits_bytes``. tp > 1:
+    the sharded loss the model runs (``runs_vocab_parallel_loss``, the model's own test): the torch one keeps
+    an fp32 softmax of the shard, the kernels' keeps the logits as they are, in the activation dtype, on
+    every backend but ``torch`` (a CPU job's ``auto`` included, whose other ops are the torch reference's)."""
+    if layout.tp == 1:
+        return assumptions.logits_bytes
+    padded = padded_vocab_size(config.vocab_size, layout.tp)
+    if runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp):
+        return 4  # fp32 softmax (``tensor_parallel.cross_entropy``)
+    return assumptions.element_bytes
 
 
 def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: ActivationAssumptions) -> int:

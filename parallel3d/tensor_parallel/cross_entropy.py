@@ -64,6 +64,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
+def runs_vocab_parallel_loss(backend: str, vocab_size: int, padded_vocab: int, local_vocab: int) -> bool:
+    """Whether a tp > 1 model's loss is this module's (plain torch ops; backward keeps an fp32 softmax of the
+    shard) rather than the kernels' sharded cross entropy (``kernels.dispatch.vocab_sharded_cross_entropy``,
+    on any backend but ``torch``: it keeps the logits in their own dtype and fp32 per-row statistics). This
+    module's runs on the torch backend, and where the last shard (``local_vocab`` columns ending at
+    ``padded_vocab``) is padding only, which the kernels' does not take. ``models.transformer``'s loss and the
+    planner's activation estimate both ask here."""
+    return backend == "torch" or padded_vocab - local_vocab >= vocab_size
+
+
 def vocab_parallel_cross_entropy(
     logits_shard: torch.Tensor,
     targets: torch.Tensor,
