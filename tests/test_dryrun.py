@@ -68,17 +68,22 @@ def test_published_layouts_dry_run(overrides, world, ranks, dp, tmp_path):
         assert r["actions"] == {"F": m, "B": m, **drain}
 
 
-def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):
-    """A rank whose build fails is reported by rank in one line; the fake world is torn down, so
-    the next rank builds; the exit status is 1."""
+def _fail_build_on_rank_1(monkeypatch, message: str) -> None:
+    """Rank 1's model build raises ``RuntimeError(message)``; every other rank builds for real."""
     real_build = rank_report.build_chunks
 
     def build_failing_on_rank_1(rj, pstate):
         if pstate.rank == 1:
-            raise RuntimeError("out of parameters\nsecond line of a deep cause")
+            raise RuntimeError(message)
         return real_build(rj, pstate)
 
     monkeypatch.setattr(rank_report, "build_chunks", build_failing_on_rank_1)
+
+
+def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys):
+    """A rank whose build fails is reported by rank in one line; the fake world is torn down, so
+    the next rank builds; the exit status is 1."""
+    _fail_build_on_rank_1(monkeypatch, "out of parameters\nsecond line of a deep cause")
     code = cli.main(["model=gpt_tiny", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=1",
                      "dryrun.world_size=4", "dryrun.ranks=0,1,3"])
     out, err = capsys.readouterr()
@@ -91,14 +96,7 @@ def test_a_failing_rank_is_one_line_and_the_others_still_run(monkeypatch, capsys
 def test_a_terminal_sees_each_rank_start_and_end(monkeypatch, capsys):
     """On a terminal, a line when each rank starts and one when it ends, failed ranks said so (a large rank
     takes minutes and the table waits for every rank); off a terminal stderr is the failures only (above)."""
-    real_build = rank_report.build_chunks
-
-    def build_failing_on_rank_1(rj, pstate):
-        if pstate.rank == 1:
-            raise RuntimeError("out of parameters")
-        return real_build(rj, pstate)
-
-    monkeypatch.setattr(rank_report, "build_chunks", build_failing_on_rank_1)
+    _fail_build_on_rank_1(monkeypatch, "out of parameters")
     monkeypatch.setattr(cli, "stderr_is_terminal", lambda: True)
     code = cli.main(["model=gpt_tiny", "parallel.tp=2", "train.global_batch_size=8", "train.micro_batch_size=1",
                      "dryrun.world_size=4", "dryrun.ranks=3,1"])

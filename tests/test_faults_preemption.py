@@ -32,6 +32,22 @@ def _args(out, cache_dir, steps: int, *extra: str) -> list[str]:
     return [*TINY, f"train.steps={steps}", f"train.out_dir={out}", f"data.cache_dir={cache_dir}", *extra]
 
 
+def _sigterm_once(run: Run, after: str, timeout: float) -> int:
+    """SIGTERM to ``run`` once a line matches ``after``; asserts exit 3 within ``STOP_BOUND_S`` and one stop line
+    naming the signal; returns the step it stopped at."""
+    try:
+        run.wait_for(after)
+        os.kill(run.proc.pid, signal.SIGTERM)
+        status, seconds = run.finish(timeout=timeout)
+    finally:
+        run.kill()
+    assert status == EXIT_STOPPED, "\n".join(run.lines[-30:])
+    assert seconds < STOP_BOUND_S
+    stop = [line for line in run.lines if line.startswith("stopping at step")]
+    assert len(stop) == 1 and "received SIGTERM" in stop[0], run.lines[-20:]
+    return int(stop[0].split()[3])
+
+
 @pytest.mark.extended  # CI: the torchrun test below checks the same (exit status 3 on the rank, the requeue
 # marker, the stop line, one intact checkpoint, a bit-identical resume) through two ranks
 def test_sigterm_mid_step_checkpoints_exits_3_and_resumes_bit_identically(tmp_path, cache_dir):
@@ -41,18 +57,8 @@ def test_sigterm_mid_step_checkpoints_exits_3_and_resumes_bit_identically(tmp_pa
     out = tmp_path / "run"
     marker = tmp_path / "requeue"
     run = Run(_args(out, cache_dir, steps, "train.save_every=0"), P3D_REQUEUE_FILE=str(marker))
-    try:
-        run.wait_for(r"^step +3/")
-        os.kill(run.proc.pid, signal.SIGTERM)
-        status, seconds = run.finish(timeout=120)
-    finally:
-        run.kill()
-    assert status == EXIT_STOPPED, "\n".join(run.lines[-30:])
-    assert seconds < STOP_BOUND_S
-    stop = [line for line in run.lines if line.startswith("stopping at step")]
-    assert len(stop) == 1 and "received SIGTERM" in stop[0], run.lines[-20:]
+    stopped_at = _sigterm_once(run, r"^step +3/", timeout=120)
     assert "Traceback" not in "\n".join(run.lines)
-    stopped_at = int(stop[0].split()[3])
     assert 3 <= stopped_at < steps
     ckpts = complete_checkpoints(str(out / "checkpoints"))
     assert [s for s, _ in ckpts] == [stopped_at] and is_loadable(ckpts[0][1])
@@ -164,18 +170,8 @@ def test_sigterm_during_a_long_evaluation_stops_and_checkpoints_that_step(tmp_pa
     args = [*_args(out, cache_dir, 20, "train.save_every=0", "train.eval_every=1", "data.valid_fraction=0.1"),
             "train.eval_iters=100000"]  # after TINY's eval_iters=0: the later override wins
     run = Run(args)
-    try:
-        # The banner comes once the handlers are installed; step 1's line only after its evaluation.
-        run.wait_for(r"^parallel3d: ")
-        os.kill(run.proc.pid, signal.SIGTERM)
-        status, seconds = run.finish(timeout=2 * STOP_BOUND_S)
-    finally:
-        run.kill()
-    assert status == EXIT_STOPPED, "\n".join(run.lines[-30:])
-    assert seconds < STOP_BOUND_S
-    stop = [line for line in run.lines if line.startswith("stopping at step")]
-    assert len(stop) == 1 and "received SIGTERM" in stop[0], run.lines[-20:]
-    stopped_at = int(stop[0].split()[3])
+    # The banner comes once the handlers are installed; step 1's line only after its evaluation.
+    stopped_at = _sigterm_once(run, r"^parallel3d: ", timeout=2 * STOP_BOUND_S)
     assert any(line.startswith(f"evaluation after step {stopped_at} stopped after") for line in run.lines), \
         run.lines[-20:]
     ckpts = complete_checkpoints(str(out / "checkpoints"))
