@@ -10,7 +10,9 @@ job when a skipped step cannot be an fp16 overflow the scaler will absorb:
   more), or ``max_consecutive_skips`` skipped steps in a row.
 
 The trainer checks before anything of the step is saved, so no checkpoint of the diverged step (or
-after it) is written and none is rotated out because of it. An update that turns the weights
+after it) is written and none is rotated out because of it. Since every rank raises ``TrainingDiverged``
+at that same step, the ranks can meet once more after printing their failure lines (``exit_together``):
+a launcher stops the job at the first rank that exits, and the logging rank's line says why. An update that turns the weights
 non-finite has a finite gradient norm itself (the next step's norm shows it), so a step about to be
 saved also checks its state (``saving_verdict``: one pass over this rank's shard and one world
 all-reduce, at saves only). ``skip`` keeps the old behaviour (skip the step, warn, go on, save).
@@ -72,6 +74,18 @@ def state_is_finite(opt: ZeroOptimizer, pstate: ParallelState) -> bool:
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=pstate.device)
     comm.all_reduce_world(flag, pstate, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def exit_together(pstate: ParallelState) -> None:
+    """Collective, once this rank printed its ``TrainingDiverged`` line: return when every rank has printed its
+    own. torchrun (srun too) stops the job at the first rank that exits, so without it the logging rank's line,
+    the one naming the cause, was lost whenever another rank got out first (a loaded node)."""
+    if pstate.world_size <= 1:
+        return
+    try:
+        comm.all_reduce_world(torch.zeros(1, device=pstate.device), pstate)
+    except RuntimeError:  # a peer already gone (killed): nothing left to wait for, the job exits 1 anyway
+        pass
 
 
 def stop_line(step: int, reason: str, loss: float | None, info: StepInfo, last_checkpoint: str | None) -> str:

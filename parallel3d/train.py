@@ -37,6 +37,7 @@ from parallel3d import command_line
 from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
+from parallel3d.faults import inject
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG, EXIT_FAILED = 2, 1
@@ -95,6 +96,7 @@ def hydra_app(cfg: DictConfig) -> None:
         rj = resolve(job)
     except ConfigError as exc:
         _config_exit(exc)
+    from parallel3d.divergence import TrainingDiverged, exit_together
     from parallel3d.rank_build import make_parallel_state
     from parallel3d.trainer import train
 
@@ -103,7 +105,10 @@ def hydra_app(cfg: DictConfig) -> None:
         pstate = make_parallel_state(rj)
         result = train(rj, pstate, full_config=plain)
     except Exception as exc:  # noqa: BLE001 - one clear line, non-zero exit, torchrun ends the job
+        inject("train.failure_line", rank)  # tests: a rank slow to report (``faults``)
         print(_failure_line(rank, exc, rj), file=sys.stderr, flush=True)
+        if isinstance(exc, TrainingDiverged):  # every rank is here (divergence module doc)
+            exit_together(pstate)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown

@@ -107,9 +107,16 @@ def test_non_finite_grad_norm_stops_before_the_final_save(tmp_path, cache_dir):
     assert _steps_saved(out) == []
 
 
-def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir):
+# A logging rank slower to print its line than the other rank is to exit (a loaded node): torchrun stops the
+# job at the first exit, so the line must not depend on who gets there first.
+SLOW_LOGGING_RANK = {"as fast": {}, "slow logging rank": {"P3D_FAULT": "train.failure_line@1=sleep:3"}}
+
+
+@pytest.mark.parametrize("env", SLOW_LOGGING_RANK)
+def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir, env):
     out = tmp_path / "pp2"
-    proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2)
+    proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2,
+                      **SLOW_LOGGING_RANK[env])
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     full = [ln for ln in proc.stderr.splitlines() if f"{LINE} 2: non-finite gradient norm" in ln]
     assert len(full) == 1 and full[0].startswith("[rank 1] failed") and "loss nan" in full[0], proc.stderr[-3000:]
