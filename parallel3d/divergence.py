@@ -10,12 +10,12 @@ job when a skipped step cannot be an fp16 overflow the scaler will absorb:
   more), or ``max_consecutive_skips`` skipped steps in a row.
 
 The trainer checks before anything of the step is saved, so no checkpoint of the diverged step (or
-after it) is written and none is rotated out because of it. Since every rank raises ``TrainingDiverged``
-at that same step, the ranks can meet once more after printing their failure lines (``exit_together``):
-a launcher stops the job at the first rank that exits, and the logging rank's line says why. An update that turns the weights
-non-finite has a finite gradient norm itself (the next step's norm shows it), so a step about to be
-saved also checks its state (``saving_verdict``: one pass over this rank's shard and one world
-all-reduce, at saves only). ``skip`` keeps the old behaviour (skip the step, warn, go on, save).
+after it) is written and none is rotated out because of it. Every rank raising ``TrainingDiverged`` at
+that same step, the ranks meet once more after printing their failure lines (``exit_together``): a
+launcher stops the job at the first rank that exits, and the logging rank's line says why. An update
+that turns the weights non-finite has a finite gradient norm itself (the next step's norm shows it),
+so a step about to be saved also checks its state (``saving_verdict``: one pass over this rank's shard
+and one world all-reduce, at saves only). ``skip`` keeps the old behaviour (skip the step, warn, go on, save).
 """
 
 from __future__ import annotations
