@@ -6,7 +6,8 @@ make a directory read-only for one rank only). Actions: ``enospc`` (default: OSE
 space left on device"), ``erofs`` (read-only file system), ``sleep:<seconds>`` (a slow disk).
 ``<rank>`` may be ``*`` (every rank). Points: ``checkpoint.mkdir`` (creating the step
 directory), ``checkpoint.write`` (a rank writing its state), ``checkpoint.commit`` (rank 0
-before the rename), ``train.failure_line`` (a failed rank, before it prints its line). The variable is read at each call; unset, ``inject`` does nothing.
+before the rename), ``train.failure_line`` (a failed rank, before it prints its line),
+``metrics.rewrite`` (a resume rewriting ``metrics.jsonl``; given rank 0, the file's one writer). The variable is read at each call; unset, ``inject`` does nothing.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from parallel3d import comm
+from parallel3d.faults import inject
 from parallel3d.jsonl_records import read_lines, skipped_message
 from parallel3d.logging_options import WandbOptions
 from parallel3d.parallel_state import ParallelState
@@ -218,8 +219,16 @@ class JsonlSink:
             user_warnings.warn(skipped_message(self.path, bad))
         kept = [line if line.endswith("\n") else line + "\n" for _, line, record in lines
                 if record is not None and record.get("step", 0) <= step]
-        with open(self.path, "w") as fh:
-            fh.writelines(kept)
+        # Written aside, then renamed over: a rewrite cut short (a full disk, a kill) keeps the whole history.
+        aside = self.path + ".rewrite"
+        try:
+            with open(aside, "w") as fh:
+                inject("metrics.rewrite", 0)  # tests: a full disk here (``faults``: the one writer, named rank 0)
+                fh.writelines(kept)
+            os.replace(aside, self.path)
+        finally:
+            if os.path.exists(aside):
+                os.remove(aside)
 
     def log(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as fh:

@@ -16,8 +16,10 @@ import pytest
 
 from parallel3d import report
 from parallel3d.checkpoint import step_dir
+from parallel3d.faults import ENV as FAULT_ENV
 from parallel3d.config import job_from_dict, resolve
 from parallel3d.parallel_state import ParallelState
+from parallel3d.metrics import JsonlSink
 from parallel3d.trainer import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
@@ -77,3 +79,17 @@ def test_the_report_draws_a_file_with_a_torn_last_line(uninterrupted, tmp_path, 
     assert records == [json.loads(line) for line in want[:3]]
     assert "skipped 1 line(s)" in capsys.readouterr().err
     assert report.main([killed, "--format", "html"]) == 0
+
+
+def test_a_resume_whose_rewrite_fails_keeps_the_whole_history(uninterrupted, tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl without the records after its checkpoint; a full disk during that
+    rewrite (``P3D_FAULT``'s ENOSPC) fails the resume, but must not leave the file truncated."""
+    run, _ = uninterrupted
+    path = str(tmp_path / "metrics.jsonl")
+    shutil.copy(os.path.join(run, "metrics.jsonl"), path)
+    before = _lines(str(tmp_path))
+    monkeypatch.setenv(FAULT_ENV, "metrics.rewrite@*")
+    with pytest.raises(OSError, match="No space left"):
+        JsonlSink(path, keep_through_step=2)
+    assert _lines(str(tmp_path)) == before and len(before) == 4
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]  # nothing left beside it
