@@ -209,6 +209,24 @@ def test_a_stage_whose_messages_are_not_linear_runs_the_full_step(monkeypatch):
     assert reduced[3].step_microbatches == [rj.grad_accum] and len(reduced[0].step_microbatches) == 2
 
 
+def test_a_job_left_on_device_auto_is_dry_run_as_on_its_accelerator():
+    """``train.device=auto`` (the default) is a cluster job's, dry-run on a machine without its accelerator: its
+    ranks step with NCCL's p2p (``fake_world.runs_on_nccl``) and the fused kernels (``meta_kernels``), as a
+    dry run told ``nccl=True`` does; a job pinned to the CPU steps plain gloo's p2p (more interleaved sends) and
+    the torch ops (other saved bytes). llama_tiny (RMSNorm, SwiGLU), pp 2, v 2: the pp sends and the activation
+    peaks differ on both ranks."""
+    job = ["model=llama_tiny", "train.micro_batch_size=1", "train.seq_len=32", "parallel.pp=2",
+           "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "train.global_batch_size=4"]
+    auto, cpu = (resolve(compose_job([*job, f"train.device={d}"])[0], world_size=2) for d in ("auto", "cpu"))
+    for rank in range(2):
+        on_auto, on_nccl = dry_run_rank(auto, rank), dry_run_rank(auto, rank, nccl=True)
+        cpu_gloo, cpu_nccl = dry_run_rank(cpu, rank), dry_run_rank(cpu, rank, nccl=True)
+        assert not any(r.error for r in (on_auto, on_nccl, cpu_gloo, cpu_nccl)), rank
+        assert (on_auto.messages, on_auto.activation_bytes) == (on_nccl.messages, on_nccl.activation_bytes), rank
+        assert on_auto.messages != cpu_gloo.messages, rank  # p2p semantics
+        assert on_auto.activation_bytes != cpu_nccl.activation_bytes, rank  # kernels
+
+
 def test_dry_run_with_empty_end_chunks():
     """Llama 3 405B's ends at small scale: interleaved pp=2 v=2 with the embedding alone in chunk 0 and
     the head alone in chunk 3. Every rank builds and steps; it holds its layers and the shape module's

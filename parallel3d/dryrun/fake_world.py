@@ -26,8 +26,8 @@ FAKE_BACKEND = "cpu:fake,meta:fake"
 
 def runs_on_nccl(device: str) -> bool:
     """Whether a job with ``train.device=device`` runs its ranks on NCCL (``rank_build``: cuda) rather than gloo
-    (``cpu``). A dry run of a cluster job happens off its accelerator, so ``auto`` counts as cuda
-    (``meta_kernels.job_runs_fused_kernels`` reads the device the same way)."""
+    (``cpu``). A dry run of a cluster job happens off its accelerator, so ``auto`` counts as cuda. The one
+    reading of the device off it: ``meta_kernels.job_runs_fused_kernels`` asks here too."""
     return device != "cpu"
 
 

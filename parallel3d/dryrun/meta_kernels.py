@@ -26,15 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
+from parallel3d.dryrun.fake_world import runs_on_nccl
 
 __all__ = ["fused_kernels_on_meta", "job_runs_fused_kernels"]
 
 
 def job_runs_fused_kernels(backend: str, device: str) -> bool:
-    """Whether the job's kernels are the fused ones: any backend but ``torch``, unless the job is
-    pinned to the CPU (``train.device=cpu``, where ``auto`` means the torch reference ops). A dry
-    run of a cluster job happens on a machine without the accelerator, so ``auto`` counts as it."""
-    return backend != "torch" and device != "cpu"
+    """Whether the job's kernels are the fused ones: any backend but ``torch``, on the accelerator
+    (``fake_world.runs_on_nccl``: not pinned to the CPU, where ``auto`` means the torch reference ops;
+    a dry run of a cluster job happens on a machine without the accelerator, so ``auto`` counts as it)."""
+    return backend != "torch" and runs_on_nccl(device)
 
 
 class _Norm(torch.autograd.Function):
