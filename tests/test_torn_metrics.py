@@ -17,6 +17,7 @@ import pytest
 from parallel3d import report
 from parallel3d.checkpoint import step_dir
 from parallel3d.faults import ENV as FAULT_ENV
+from parallel3d.jsonl_records import read_records
 from parallel3d.config import job_from_dict, resolve
 from parallel3d.parallel_state import ParallelState
 from parallel3d.metrics import JsonlSink
@@ -93,3 +94,14 @@ def test_a_resume_whose_rewrite_fails_keeps_the_whole_history(uninterrupted, tmp
         JsonlSink(path, keep_through_step=2)
     assert _lines(str(tmp_path)) == before and len(before) == 4
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # nothing left beside it
+
+
+def test_a_torn_line_in_the_middle_costs_only_itself(uninterrupted, tmp_path):
+    """A line cut short between whole ones (a crashed node's lost page, then later writes) is skipped and named;
+    the records after it are read, not lost."""
+    lines = _lines(uninterrupted[0])
+    path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as fh:
+        fh.writelines([lines[0], lines[1][:40] + "\n", "\x00" * 16 + "\n", *lines[2:]])
+    records, bad = read_records(path)
+    assert records == [json.loads(line) for line in (lines[0], *lines[2:])] and bad == [2, 3]
