@@ -11,13 +11,21 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from parallel3d.checkpoint import complete_checkpoints, is_loadable, read_meta
+from parallel3d.checkpoint_io.pieces import pieces_to_write
 from parallel3d.checkpoint_verify import damage
-from parallel3d.divergence import DivergenceGuard
+from parallel3d.divergence import DivergenceGuard, state_is_finite
+from parallel3d.parallel_state import ParallelState
+from parallel3d.topology import Topology
+from parallel3d.zero import ZeroOptimizer
 from parallel3d.zero.optimizer import StepInfo
+from parallel3d.zero.owned import STATE_KINDS
 from parallel3d.zero.precision import LossScaler
 from tests.fault_runs import TINY, run_to_end
+from tests.harness import run_on_ranks
+from tests.test_zero_optimizer import TINY_BUCKET_MB, make_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
 HUGE_LR = "optimizer.lr=1e300"  # the first update overflows the fp32 weights: the user trial's divergence
@@ -73,6 +81,39 @@ def test_guard_lets_fp16_overflows_skip_until_the_floor_or_too_many_in_a_row():
     assert [many.verdict(_info(True, 2.0**16)) is None for _ in range(2)] == [True, True]
     assert many.verdict(_info(False, 2.0**16)) is None  # a good step resets the count
     assert [many.verdict(_info(True, 2.0**16)) for _ in range(3)][-1] == "3 consecutive fp16 overflow steps skipped"
+
+
+# Where the saved state lives: replicated (0), sharded on the device (2), offloaded to host memory (1) and to
+# memory-mapped files (3: the parameters sharded too, never gathered by the check).
+STATE_CASES = [(0, "none"), (1, "cpu"), (2, "none"), (3, "disk")]
+
+
+def _verdicts_with_one_poisoned_element(rank, world_size, kind, root):
+    """Per case: (the check before, after rank 0 made one element of ``kind`` NaN; what this rank saves is finite)."""
+    ps = ParallelState(Topology(tp=1, pp=1, dp=world_size))
+    out = {}
+    for stage, offload in STATE_CASES:
+        opt = ZeroOptimizer([make_mlp()], ps, zero_stage=stage, lr=1e-3, bucket_size_mb=TINY_BUCKET_MB,
+                            offload=offload, offload_dir=os.path.join(root, f"s{stage}") if offload == "disk" else None)
+        before = state_is_finite(opt, ps)
+        if rank == 0:  # through the optimizer's own write path; rank 0 writes this piece in a checkpoint at any stage
+            g, b = next((g, b) for g, layout in enumerate(opt.layouts) for b in layout.buckets if b.piece_size)
+            state = [t.clone() for t in opt.read_state_piece(g, b)]
+            state[STATE_KINDS.index(kind)][0] = float("nan")
+            opt.write_state_piece(g, b, *state)
+        saved_finite = all(bool(torch.isfinite(p.data).all()) for p in pieces_to_write(opt, ps))
+        out[(stage, offload)] = (before, state_is_finite(opt, ps), saved_finite)
+    return out
+
+
+@pytest.mark.parametrize("kind", STATE_KINDS)
+def test_the_save_check_reads_every_saved_state_wherever_it_lives(kind, tmp_path):
+    """``state_is_finite`` (the save-time check) against what a checkpoint would write (``pieces_to_write``): one
+    non-finite element on one rank, in any state kind, stage or offload mode, makes every rank refuse the save."""
+    per_rank = run_on_ranks(_verdicts_with_one_poisoned_element, 2, kind, str(tmp_path), timeout=180)
+    for case in STATE_CASES:
+        assert not all(r[case][2] for r in per_rank), case  # the poison reached what would be saved
+        assert [r[case][:2] for r in per_rank] == [(True, False)] * 2, (case, per_rank)
 
 
 def test_diverged_run_exits_1_keeps_the_good_checkpoints_and_skip_keeps_saving(tmp_path, cache_dir):
