@@ -391,8 +391,14 @@ class Trainer:
             flush=True,
         )
         if self.step >= t.steps:
-            print(f"already trained to train.steps={t.steps}: nothing to do (train.resume=none starts over, "
-                  f"or raise train.steps)", flush=True)
+            print(already_trained_line(t.steps, self.step), flush=True)
+
+
+def already_trained_line(steps: int, step: int) -> str:
+    """What a resume that is already at (or past) ``train.steps`` prints. Not ``train.resume=none``: that
+    is refused while ``train.out_dir`` holds checkpoints (``preflight``)."""
+    return (f"already trained to train.steps={steps} (checkpoint at step {step}): nothing to do; raise train.steps "
+            f"to go on, or start over in another train.out_dir")
 
 
 def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dict[str, Any] | None = None) -> TrainResult:
