@@ -251,7 +251,7 @@ def test_the_already_trained_line_advises_only_what_the_config_accepts(tmp_path)
 
     from parallel3d.checkpoint import CheckpointManager
     from parallel3d.parallel_state import ParallelState
-    from parallel3d.trainer import already_trained_line
+    from parallel3d.resume_notes import already_trained_line
 
     out = str(tmp_path / "run")
     CheckpointManager(os.path.join(out, "checkpoints"), ParallelState.single_process()).save(5, lambda d: None, {})
