@@ -19,7 +19,11 @@ Invariants:
   removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
   training goes on.
 - Only after a new checkpoint is complete does rank 0 delete older ones beyond the
-  newest ``keep_last``.
+  newest ``keep_last``. Complete checkpoints of *later* steps than the one just saved are
+  another branch of the run (``train.resume`` named an older step, or ``auto`` fell back past
+  a damaged one): they are renamed ``step_<N>.superseded`` (kept, never resumed by ``auto``)
+  rather than counted, so the save neither deletes itself nor the good checkpoint before it,
+  and ``auto`` continues this run, not the abandoned branch.
 - ``find("auto")`` verifies sizes and checksums (``checkpoint_verify``, spread over the
   ranks) and falls back to the previous complete checkpoint with a warning naming the
   damaged file; an explicit ``train.resume=<dir>`` that is damaged fails in one line.
@@ -48,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
+SUPERSEDED = ".superseded"
 
 
 class CheckpointError(RuntimeError):
@@ -162,6 +167,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
         committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate, self.group)
         if committed and self.pstate.rank == 0:
+            self._set_aside_later(step)
             self._prune()
         if not committed and self.pstate.rank == 0:
             user_warnings.warn(f"checkpoint at step {step} was not saved; keeping the previous ones "
@@ -207,6 +213,25 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001
             user_warnings.warn(f"[rank 0] committing checkpoint at step {step} failed: {exc}")
             return False
+
+    def _set_aside_later(self, saved: int) -> None:
+        """Rename the complete checkpoints of steps after ``saved`` to ``step_<N>.superseded`` (module doc)."""
+        moved = []
+        for step, path in complete_checkpoints(self.root):
+            if step <= saved:
+                continue
+            target, n = path + SUPERSEDED, 1
+            while os.path.exists(target):
+                target, n = f"{path}{SUPERSEDED}{n}", n + 1
+            try:
+                os.replace(path, target)
+                moved.append(os.path.basename(target))
+            except OSError:
+                continue
+        if moved:
+            user_warnings.warn(f"checkpoint step {saved} branches off before the run's later checkpoints: set aside "
+                               f"as {', '.join(moved)} in {self.root} (kept, and loadable with train.resume=<dir>); "
+                               f"train.resume=auto continues this run")
 
     def _prune(self) -> None:
         done = complete_checkpoints(self.root)

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
-from parallel3d import data
+from parallel3d import data, user_warnings
 from parallel3d.config import ResolvedJob
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +41,10 @@ def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDa
     else:
         train = data.GPTDataset(paths, weights, **common)
         valid = data.GPTDataset(valid_paths, valid_weights, **common) if valid_paths else None
+        shared = sorted({os.path.realpath(p) for p in paths} & {os.path.realpath(p) for p in valid_paths})
+        if shared and pstate.rank == 0:
+            user_warnings.warn(f"data.valid_paths shares {shared} with data.paths: the eval loss is measured on "
+                               f"training data (hold out a split with data.valid_fraction, or give other prefixes)")
     for name, dataset in (("training", train), ("validation", valid)):
         if dataset is not None and dataset.samples_per_epoch < t.global_batch_size:
             raise data.DataError(

@@ -30,11 +30,14 @@ STALE_BEATS = 3  # a rank silent for this many intervals is reported as hung or 
 # A killed peer's sockets close while the kernel tears the process down, a moment before it has ended:
 # a rank that failed on the broken connection looks again for this long before it reports no culprit.
 GONE_WAIT_S = 2.0
+# No rank writes its file more often than this (shared filesystems): the floor of the interval, and the
+# least gap between the beats that publish a newly completed step.
+MIN_BEAT_GAP_S = 0.5
 
 
 def beat_interval(timeout_s: float) -> float:
-    """Several beats per collective timeout, but no more than one per 0.5 s (shared filesystems)."""
-    return max(0.5, min(10.0, timeout_s / 5))
+    """Several beats per collective timeout, but no more than one per ``MIN_BEAT_GAP_S``."""
+    return max(MIN_BEAT_GAP_S, min(10.0, timeout_s / 5))
 
 
 def heartbeat_dir(out_dir: str) -> str:
@@ -54,14 +57,17 @@ class Heartbeat:
         self.interval_s = interval_s
         self.step = 0
         self._stop = threading.Event()
+        self._stepped = threading.Event()  # a step completed since the last beat
         self._thread: threading.Thread | None = None
         self._training_thread = threading.get_ident()  # the thread that starts the heartbeat trains
         self._where: tuple[str, bool] | None = None
         self._where_since = time.time()
 
     def completed(self, step: int) -> None:
-        """Record that ``step`` is done (written by the next beat)."""
+        """Record that ``step`` is done; the thread publishes it within ``MIN_BEAT_GAP_S``, not at the
+        next interval (fast steps with a long interval otherwise reported a dead peer's step as 0)."""
         self.step = step
+        self._stepped.set()
 
     def _sample(self) -> dict:
         """Where the training thread is, and since when it has been there (module doc)."""
@@ -85,8 +91,15 @@ class Heartbeat:
             pass  # losing a beat must never stop training
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        last = time.monotonic()  # start() has just written
+        while not self._stop.wait(min(MIN_BEAT_GAP_S, self.interval_s)):
+            # Beat at the interval, or earlier once a step has completed (the gap above has passed).
+            self._stepped.wait(max(0.0, self.interval_s - (time.monotonic() - last)))
+            if self._stop.is_set():
+                return
+            self._stepped.clear()
             self._write()
+            last = time.monotonic()
 
     def start(self) -> None:
         self._write()
@@ -95,6 +108,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._stepped.set()  # wake the thread now rather than at the end of its interval
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 1)
             self._thread = None

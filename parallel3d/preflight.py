@@ -142,7 +142,17 @@ def check_data_files(data: DataOptions) -> None:
     if data.tokenizer_file is not None and not os.path.exists(data.tokenizer_file):
         raise ConfigError(data.tokenizer_file_error())
     (paths, _), (valid_paths, _) = data.blends()
-    for prefix in [*paths, *valid_paths]:
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                raise ConfigError(f"data.paths entry {prefix!r}: file {prefix + ext} does not exist")
+    for key, prefixes in (("data.paths", paths), ("data.valid_paths", valid_paths)):
+        for prefix in prefixes:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ConfigError(f"{key} entry {prefix!r}: file {prefix + ext} does not exist"
+                                      + _prefix_hint(prefix))
+
+
+def _prefix_hint(prefix: str) -> str:
+    """Megatron's entries are prefixes: a user who names ``corpus.bin`` (or ``.idx``) is told so."""
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx"):
+        return f" (entries are prefixes without .bin/.idx: {stem!r})"
+    return ""

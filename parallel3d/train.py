@@ -41,6 +41,7 @@ from parallel3d.faults import inject
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG, EXIT_FAILED = 2, 1
+EXIT_INTERRUPTED = 128 + 2  # the shell's status for a process ended by SIGINT (Ctrl-C)
 CONFIG_EXIT_DELAY_S = 5.0
 
 register_schema()
@@ -112,6 +113,9 @@ def hydra_app(cfg: DictConfig) -> None:
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
+    except KeyboardInterrupt:  # the trainer has already let a save in flight finish
+        _interrupted(rank, rj.job.train.out_dir)
+        os._exit(EXIT_INTERRUPTED)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -125,6 +129,17 @@ def hydra_app(cfg: DictConfig) -> None:
             with open(marker, "w") as fh:
                 fh.write(f"{result.last_step} {result.stopped}\n")
         sys.exit(EXIT_STOPPED)
+
+
+def _interrupted(rank: int, out_dir: str) -> None:
+    """One line for Ctrl-C (SIGINT not in ``train.preempt_signal``) instead of a traceback per rank."""
+    if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
+        import traceback
+
+        traceback.print_exc()
+    print(f"[rank {rank}] interrupted (SIGINT, Ctrl-C): stopped at once without a save; the checkpoints in "
+          f"{os.path.join(out_dir, 'checkpoints')} are kept and train.resume=auto continues from the newest "
+          f"(train.preempt_signal=[SIGTERM,SIGUSR1,SIGINT] makes Ctrl-C save and stop)", file=sys.stderr, flush=True)
 
 
 def _failure_line(rank: int, exc: BaseException, rj: Any) -> str:
@@ -167,7 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]
     with one_line_warnings():
-        hydra_app()
+        try:
+            hydra_app()
+        except KeyboardInterrupt:  # before training (composing, tokenizing the corpus): nothing to keep
+            print(f"[rank {_rank()}] interrupted (SIGINT, Ctrl-C) before training", file=sys.stderr, flush=True)
+            sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

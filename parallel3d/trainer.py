@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from parallel3d import data, user_warnings
-from parallel3d.checkpoint import step_dir
+from parallel3d.checkpoint import read_meta, step_dir
 from parallel3d.checkpoint_io.hf_init import load_hf_weights
 from parallel3d.checkpoint_io.resume import layout_record, load_training_state, save_request
 from parallel3d.checkpoint_io.writer import CheckpointWriter
@@ -59,10 +59,11 @@ from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
+from parallel3d.resume_notes import already_trained_line, lr_schedule, schedule_change
 from parallel3d.rank_build import build_chunks, make_parallel_state
 from parallel3d.step_record import StepRecorder
 from parallel3d.summary import RunSummary, per_rank_values
-from parallel3d.zero import WarmupCosine, ZeroOptimizer
+from parallel3d.zero import ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
 
 
@@ -96,7 +97,7 @@ class Trainer:
             loss_scale_init=o.loss_scale_init,
             # kernels.backend=torch means torch everywhere, the optimizer's fused update included.
             fused_adamw_backend="torch" if rj.model.kernel_backend == "torch" else "auto",
-            lr_schedule=WarmupCosine(max_lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, decay_steps=t.steps),
+            lr_schedule=lr_schedule(o, t.steps),
         )
         self.engine = PipelineEngine(
             self.chunks, pstate, schedule=p.schedule, num_microbatches=rj.grad_accum,
@@ -181,6 +182,10 @@ class Trainer:
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
         self.wandb_id = state.get("wandb_id")
+        note = schedule_change(read_meta(directory).get("config") or {}, self.rj.optimizer,
+                               self.rj.job.train.steps, self.optimizer.iteration)
+        if note and self.is_logging_rank:
+            user_warnings.warn(note)
         if state.get("seed") != self.rj.job.train.seed:
             user_warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
                                f"{self.rj.job.train.seed}: dropout masks and data order change from here")
@@ -391,8 +396,7 @@ class Trainer:
             flush=True,
         )
         if self.step >= t.steps:
-            print(f"already trained to train.steps={t.steps}: nothing to do (train.resume=none starts over, "
-                  f"or raise train.steps)", flush=True)
+            print(already_trained_line(t.steps, self.step), flush=True)
 
 
 def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dict[str, Any] | None = None) -> TrainResult:

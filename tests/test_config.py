@@ -244,6 +244,24 @@ def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
     assert _resolve_fast([f"train.out_dir={out}", "train.resume=auto"]).job.train.resume == "auto"
 
 
+def test_the_already_trained_line_advises_only_what_the_config_accepts(tmp_path):
+    """Session 43: resuming a run already at train.steps advised "train.resume=none starts over", which the
+    check above refuses for that very directory. Every key=value the line names must resolve there."""
+    import re
+
+    from parallel3d.checkpoint import CheckpointManager
+    from parallel3d.parallel_state import ParallelState
+    from parallel3d.resume_notes import already_trained_line
+
+    out = str(tmp_path / "run")
+    CheckpointManager(os.path.join(out, "checkpoints"), ParallelState.single_process()).save(5, lambda d: None, {})
+    line = already_trained_line(4, 5)
+    advice = re.findall(r"\b(\w+\.\w+=\S+?)[,;)]?(?:\s|$)", line)
+    assert advice, line
+    for override in advice:
+        _resolve_fast([f"train.out_dir={out}", "optimizer.warmup_steps=1", override])
+
+
 def test_moe_pad_to_capacity_reaches_the_dispatcher(tmp_path, monkeypatch):
     """docs/moe.md's ``model.moe.pad_to_capacity=true`` is a key of the job (it was only a layer option): the built
     MoE layers' all-to-all pads, and without a capacity factor the job is refused in one line."""

@@ -235,3 +235,20 @@ def test_a_sample_through_real_processes(tmp_config_paths):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (name, out, err)
         _check_output(err, out, cases[name][1])
+
+
+def test_a_missing_data_file_names_its_key_and_a_bin_suffix_gets_the_prefix(tmp_path):
+    """Session 43: a missing validation prefix was reported as a ``data.paths`` entry, and ``data.paths=[x.bin]``
+    (Megatron's entries are prefixes) as "x.bin.bin does not exist" with no hint."""
+    from parallel3d.config import ConfigError
+    from parallel3d.data.options import DataOptions
+    from parallel3d.preflight import check_data_files
+
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"a{ext}").write_bytes(b"")
+    good, missing = str(tmp_path / "a"), str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=rf"^data\.valid_paths entry '{missing}': file {missing}\.bin does not"):
+        check_data_files(DataOptions(source="indexed", paths=(good,), valid_paths=(missing,), valid_fraction=0.0))
+    with pytest.raises(ConfigError, match=rf"entries are prefixes without \.bin/\.idx: '{good}'\)$"):
+        check_data_files(DataOptions(source="indexed", paths=(good + ".bin",)))
+    check_data_files(DataOptions(source="indexed", paths=(good,)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,44 @@ def test_cli_refuses_a_missing_input_or_an_unwritable_prefix_in_one_line(tmp_pat
                            str(tmp_path / "out")])
     assert code == 2 and f"input file {str(tmp_path)!r} is a directory" in capsys.readouterr().err
     assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".*"))
+
+
+@pytest.mark.parametrize("tokenizer", [["--tokenizer", "byte"], ["--train-bpe", "300"]])
+def test_text_that_is_not_utf8_is_one_line_naming_where(tmp_path, capsys, tokenizer):
+    """Session 43: non-UTF-8 bytes (a latin-1 file) and a JSON lone surrogate ("\\udcff", valid JSON that no
+    tokenizer can encode) were a UnicodeDecodeError / UnicodeEncodeError traceback, exit 1; now one line naming
+    the file, line and byte or character, exit 2, no output."""
+    good = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()
+    cases = {
+        "latin1.jsonl": (good + b'{"text": "caf\xe9"}\n', ["--json-key", "text"],
+                         r"latin1\.jsonl:4: byte 0xe9 at column 14: not UTF-8 text"),
+        "latin1.txt": (b"ok line\nna\xefve\n", [], r"latin1\.txt:2: byte 0xef at column 3: not UTF-8 text"),
+        "surrogate.jsonl": (good + b'{"text": "cut \\udcff emoji"}\n', ["--json-key", "text"],
+                            r"surrogate\.jsonl:4: 'text' holds the lone surrogate \\udcff at character 4"),
+    }
+    for name, (raw, key, message) in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        code = _script().main(["--input", str(tmp_path / name), *key, *tokenizer, "--quiet",
+                               "--output-prefix", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and re.search(message, err), (name, err)
+        assert not list(tmp_path.glob("out*"))
+
+
+def test_a_file_that_is_not_a_tokenizer_is_one_line(tmp_path, capsys):
+    """Session 43: --tokenizer naming a JSON file (or a directory's tokenizer.json) that is not a tokenizers
+    file was tokenizers' bare ``Exception`` traceback; it is one line naming the file, exit 2."""
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    (tmp_path / "junk.json").write_text('{"vocab": 1}')
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "tokenizer.json").write_text("not json")
+    for spec in (tmp_path / "junk.json", tmp_path / "dir"):
+        code = _script().main(["--input", str(src), "--json-key", "text", "--tokenizer", str(spec), "--quiet",
+                               "--output-prefix", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "is not a tokenizers tokenizer.json" in err, err
+        with pytest.raises(DataError, match="is not a tokenizers tokenizer.json"):
+            load_tokenizer(spec)
 
 
 @pytest.mark.slow

@@ -118,3 +118,23 @@ def test_the_cli_says_it_in_one_line_before_training(tmp_path):
     assert len(failed) == 1 and f"{prefix}.bin" in failed[0] and expect in failed[0], proc.stderr[-2000:]
     assert all(line in failed or line.startswith("warning: ") for line in lines), proc.stderr[-2000:]
     assert "step " not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_validation_set_that_is_training_data_warns(tmp_path):
+    """Session 43: data.valid_paths naming a training prefix (the same file, also through another spelling of its
+    path) measured the eval loss on training data without a word. It warns; other prefixes do not."""
+    import warnings
+
+    from parallel3d.user_warnings import RunWarning
+
+    train, other = _good(tmp_path), _good(tmp_path, "other")
+    aliases = str(tmp_path / "." / "good")
+    for valid, expect in (([aliases], True), ([other], False)):
+        job = job_from_dict({"data": {"source": "indexed", "paths": [train], "valid_paths": valid, "valid_fraction": 0.0},
+                             "train": {"global_batch_size": 8, "micro_batch_size": 2, "seq_len": 32,
+                                       "out_dir": str(tmp_path / "run")}}, model="gpt_tiny")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build_datasets(resolve(job, 1), ParallelState.single_process())
+        said = [str(w.message) for w in caught if issubclass(w.category, RunWarning) and "training data" in str(w.message)]
+        assert bool(said) == expect, (valid, said)

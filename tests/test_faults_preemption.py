@@ -176,3 +176,27 @@ def test_sigterm_during_a_long_evaluation_stops_and_checkpoints_that_step(tmp_pa
         run.lines[-20:]
     ckpts = complete_checkpoints(str(out / "checkpoints"))
     assert [s for s, _ in ckpts] == [stopped_at] and is_loadable(ckpts[0][1])
+
+
+def test_ctrl_c_is_one_line_per_rank_exit_130_and_keeps_the_checkpoints(tmp_path, cache_dir):
+    """Session 43: Ctrl-C (SIGINT to the process group, as a terminal sends it) printed a 30-line
+    KeyboardInterrupt traceback. It is one line and the shell's status 130; the checkpoint written before
+    it stays loadable, and train.resume=auto continues from it."""
+    from parallel3d.train import EXIT_INTERRUPTED
+
+    out = tmp_path / "run"
+    run = Run(_args(out, cache_dir, 400, "train.save_every=2"))
+    try:
+        run.wait_for(r"^checkpoint step 2:")  # printed a step or two after the step (async save)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        status, seconds = run.finish(timeout=120)
+    finally:
+        run.kill()
+    text = "\n".join(run.lines)
+    assert status == EXIT_INTERRUPTED == 130 and seconds < STOP_BOUND_S, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    lines = [line for line in run.lines if "interrupted" in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] interrupted (SIGINT, Ctrl-C): stopped at once without a "
+                                                   f"save; the checkpoints in {out / 'checkpoints'} are kept"), lines
+    ckpts = complete_checkpoints(str(out / "checkpoints"))
+    assert ckpts and all(is_loadable(path) for _, path in ckpts)

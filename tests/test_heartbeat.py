@@ -16,7 +16,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from parallel3d.heartbeat import Heartbeat, diagnose, diagnose_failure, heartbeat_dir
+from parallel3d.heartbeat import MIN_BEAT_GAP_S, Heartbeat, diagnose, diagnose_failure, heartbeat_dir, read_beats
 from tests.harness import run_on_ranks
 
 
@@ -38,6 +38,25 @@ def test_a_silent_rank_is_named_with_every_ranks_last_step(tmp_path):
     assert "rank 2 (silent for 30s, last completed step 6)" in found and "rank 3 (no heartbeat)" in found
     assert "rank 1 (" not in found and "rank 0 (" not in found
     assert found.endswith("last completed step of every rank: step 6: ranks 2; step 7: ranks 0,1")
+
+
+def test_a_completed_step_is_published_within_the_gap_not_the_interval(tmp_path):
+    """Session 43: a pp 2 run at train.timeout_s=30 (6 s beats) did 15 steps in 2 s; its rank 1 was killed
+    and rank 0's line said "rank 1 (process ... gone, last completed step 0)", every rank at step 0. A
+    completed step now reaches the file within MIN_BEAT_GAP_S, however long the interval."""
+    out = str(tmp_path)
+    beat = Heartbeat(out, 0, interval_s=60.0)
+    beat.start()
+    try:
+        for step in range(1, 16):
+            beat.completed(step)
+            time.sleep(0.02)
+        deadline = time.monotonic() + 4 * MIN_BEAT_GAP_S
+        while time.monotonic() < deadline and read_beats(out, 1)[0]["step"] != 15:
+            time.sleep(0.05)
+        assert read_beats(out, 1)[0]["step"] == 15
+    finally:
+        beat.stop()
 
 
 def test_files_of_another_run_are_not_a_diagnosis(tmp_path):

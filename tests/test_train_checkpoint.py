@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import signal
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from parallel3d.checkpoint import (
     CheckpointError,
     CheckpointManager,
     complete_checkpoints,
+    is_loadable,
     step_dir,
 )
 from parallel3d.parallel_state import ParallelState
@@ -42,6 +44,37 @@ def test_keep_last_and_latest(tmp_path):
     assert meta["step"] == 4 and meta["files"] == ["sub/state.pt"]
     assert torch.load(os.path.join(mgr.latest(), "sub", "state.pt")) == {"step": 4}
     assert not [n for n in os.listdir(root) if n.endswith((".tmp", ".old"))]
+
+
+@pytest.mark.parametrize("later", ["damaged", "intact"])
+def test_a_save_before_later_checkpoints_keeps_itself_and_sets_them_aside(tmp_path, later):
+    """Session 43. keep_last counted checkpoints of later steps than the one just saved: after resume=auto fell
+    back past a damaged step 4 to step 2, keep_last=1 deleted the new step 3 and step 2 and kept only the damaged
+    step 4 (no intact checkpoint left); after train.resume=<step 2> with an intact step 4 there, resume=auto
+    later picked step 4, the abandoned branch. Later steps are now set aside (renamed, still loadable)."""
+    root = str(tmp_path / "ckpt")
+    first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
+    for step in (2, 4):
+        assert first.save(step, _writer({"step": step}), {})
+    if later == "damaged":
+        with open(os.path.join(step_dir(root, 4), "sub", "state.pt"), "r+b") as fh:
+            fh.write(b"\0" * 8)  # same size, another checksum
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)
+    if later == "damaged":
+        with pytest.warns(UserWarning, match="step_00000004 is damaged"):
+            resumed = mgr.find("auto")
+    else:
+        resumed = mgr.find(step_dir(root, 2))
+    assert resumed == step_dir(root, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.save(3, _writer({"step": 3}), {})
+    assert [s for s, _ in complete_checkpoints(root)] == [3]
+    assert mgr.find("auto") == step_dir(root, 3)
+    assert any("set aside as step_00000004.superseded" in str(w.message) for w in caught)
+    assert torch.load(os.path.join(mgr.find("auto"), "sub", "state.pt")) == {"step": 3}
+    aside = step_dir(root, 4) + ".superseded"
+    assert is_loadable(aside) and mgr.find(aside) == aside if later == "intact" else os.path.isdir(aside)
 
 
 def test_half_written_checkpoints_are_never_resumed(tmp_path):

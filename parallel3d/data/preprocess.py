@@ -13,6 +13,7 @@ writes them in input order, so the output is byte-identical to one worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -29,12 +30,13 @@ from parallel3d.data.indexed import IndexedDatasetWriter, token_dtype_for
 from parallel3d.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 _BLANK_LINES = re.compile(r"\n\s*\n")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def iter_jsonl_documents(path: str | os.PathLike, json_key: str) -> Iterator[str]:
     """Texts under ``json_key`` of each non-empty line; errors name the file and line."""
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
+    with _utf8_errors_named(path), open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -48,12 +50,16 @@ def iter_jsonl_documents(path: str | os.PathLike, json_key: str) -> Iterator[str
             text = record[json_key]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{line_no}: {json_key!r} holds a {type(text).__name__}, not text")
+            if bad := _LONE_SURROGATE.search(text):
+                # valid JSON ("\\udcff", e.g. a cut emoji) that no tokenizer can encode as UTF-8
+                raise DataError(f"{path}:{line_no}: {json_key!r} holds the lone surrogate "
+                                f"\\u{ord(bad.group()):04x} at character {bad.start()}, not encodable as UTF-8 text")
             yield text
 
 
 def iter_text_documents(path: str | os.PathLike, split_paragraphs: bool = False) -> Iterator[str]:
     """The whole file as one document, or each blank-line-separated paragraph."""
-    with open(path, encoding="utf-8") as f:
+    with _utf8_errors_named(os.fspath(path)), open(path, encoding="utf-8") as f:
         text = f.read()
     if not split_paragraphs:
         if text.strip():
@@ -62,6 +68,26 @@ def iter_text_documents(path: str | os.PathLike, split_paragraphs: bool = False)
     for paragraph in _BLANK_LINES.split(text):
         if paragraph.strip():
             yield paragraph
+
+
+@contextlib.contextmanager
+def _utf8_errors_named(path: str) -> Iterator[None]:
+    """Turn a ``UnicodeDecodeError`` while reading ``path`` into one ``DataError`` naming the line and byte.
+    The decoder reads ahead in blocks, so its own position says nothing about the line; the file is
+    rescanned line by line in bytes (a newline byte never occurs inside a UTF-8 sequence)."""
+    try:
+        yield
+    except UnicodeDecodeError:
+        where = ""
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    where = f":{line_no}: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                    break
+        raise DataError(f"{path}{where}: not UTF-8 text; convert it first "
+                        f"(e.g. iconv -f latin1 -t utf-8 IN > OUT) or drop the bad bytes (iconv -c)") from None
 
 
 def iter_documents(

@@ -152,9 +152,9 @@ def load_tokenizer(spec: str | os.PathLike, eod_id: int | None = None) -> ByteTo
     if path.is_file():
         if path.suffix == ".json" and _is_byte_marker(path):
             return ByteTokenizer()
-        return HFTokenizer(_Tok.from_file(os.fspath(path)), eod_id, source=os.fspath(path))
+        return HFTokenizer(_read_tokenizer_json(path), eod_id, source=os.fspath(path))
     if (path / "tokenizer.json").is_file():
-        return HFTokenizer(_Tok.from_file(os.fspath(path / "tokenizer.json")), eod_id, source=os.fspath(path))
+        return HFTokenizer(_read_tokenizer_json(path / "tokenizer.json"), eod_id, source=os.fspath(path))
     if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
         from tokenizers import decoders, models, pre_tokenizers
 
@@ -165,6 +165,17 @@ def load_tokenizer(spec: str | os.PathLike, eod_id: int | None = None) -> ByteTo
     raise DataError(
         f"directory {os.fspath(path)!r} has neither tokenizer.json nor vocab.json + merges.txt"
     )
+
+
+def _read_tokenizer_json(path: Path) -> "tokenizers.Tokenizer":
+    """``tokenizers.Tokenizer.from_file``, whose bare ``Exception`` on a file that is not a tokenizer
+    (any JSON, a truncated download, another format) becomes one ``DataError`` naming the file."""
+    from tokenizers import Tokenizer as _Tok
+
+    try:
+        return _Tok.from_file(os.fspath(path))
+    except Exception as exc:  # tokenizers raises plain Exception for every parse failure
+        raise DataError(f"tokenizer file {os.fspath(path)!r} is not a tokenizers tokenizer.json ({exc})") from None
 
 
 def _is_byte_marker(path: Path) -> bool:
