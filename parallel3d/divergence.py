@@ -79,8 +79,9 @@ class DivergenceGuard:
         reason = self.verdict(info)
         if reason is None and info.skipped and self.announce:
             scale = f"; loss scale {info.loss_scale:g} -> {self.scaler.scale:g}" if self.scaler.enabled else ""
-            limit = (f", train.on_nonfinite=stop ends the run at {self.max_consecutive_skips}"
-                     if self.policy == "stop" else ", train.on_nonfinite=skip")
+            limit = (f"; the run stops at {self.max_consecutive_skips} in a row or at an overflow at the loss "
+                     f"scale's floor {self.scaler.min_scale:g}" if self.policy == "stop" else
+                     "; train.on_nonfinite=skip goes on")
             user_warnings.warn(f"step {step} skipped: gradient norm {info.grad_norm:g}{scale} "
                                f"({self.consecutive_skips} in a row{limit})")
         return reason
