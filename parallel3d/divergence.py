@@ -18,7 +18,7 @@ all-reduce, at saves only). ``skip`` keeps the old behaviour (skip the step, war
 The count of skipped steps in a row is trainer state (``state_dict``): a run resumed every N steps
 counts on as one uninterrupted run would, so a run that keeps overflowing still reaches the limit.
 What a user reads: a step the run skips and goes on from is one warning from the logging rank
-(``after_step``); the step it stops on has no such warning, only the stop line (``stop``), which
+(``after_step``); the step it stops on has no such warning, only the stop line (``stop_run``), which
 the CLI prints last (``parallel3d.train``).
 """
 
@@ -70,9 +70,10 @@ class DivergenceGuard:
             self.consecutive_skips = int(trainer_state[SKIPS_KEY])
             return
         self.consecutive_skips = 0
-        user_warnings.warn(f"the checkpoint of step {trainer_state.get('step')} predates the saved skip count: this "
-                           f"run counts consecutive skipped steps from 0 (train.on_nonfinite stops at "
-                           f"{self.max_consecutive_skips} in a row)")
+        if self.announce:  # one note for the job, not one per rank
+            user_warnings.warn(f"the checkpoint of step {trainer_state.get('step')} predates the saved skip count: "
+                               f"this run counts consecutive skipped steps from 0 (train.on_nonfinite stops at "
+                               f"{self.max_consecutive_skips} in a row)")
 
     def after_step(self, step: int, info: StepInfo) -> str | None:
         """``verdict``, and the warning for a skipped step the run goes on from (the logging rank's)."""
@@ -117,8 +118,8 @@ def state_is_finite(opt: ZeroOptimizer, pstate: ParallelState) -> bool:
     return bool(flag.item())
 
 
-def stop(step: int, reason: str, loss: float | None, info: StepInfo, last_checkpoint: str | None,
-         says_why: bool) -> NoReturn:
+def stop_run(step: int, reason: str, loss: float | None, info: StepInfo, last_checkpoint: str | None,
+             says_why: bool) -> NoReturn:
     """End the run on every rank: the full ``stop_line`` where ``says_why`` (the logging rank), a pointer elsewhere."""
     raise TrainingDiverged(stop_line(step, reason, loss, info, last_checkpoint) if says_why else
                            f"training diverged at step {step} (the logging rank's line says why)", says_why)

@@ -40,7 +40,7 @@ from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.context_parallel import split_batch_for_cp
 from parallel3d.datasets import build_datasets
-from parallel3d.divergence import DivergenceGuard, stop
+from parallel3d.divergence import DivergenceGuard, stop_run
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.heartbeat import Heartbeat, beat_interval
 from parallel3d.metrics import (JsonlSink, StepTimer, ThroughputModel, WandbSink, format_console, memory_snapshot,
@@ -322,8 +322,8 @@ class Trainer:
         if reason is not None:
             loss = self.recorder.dp_mean_loss(loss)
             saved = saved + self._report_saves(self.checkpoints.wait())
-            stop(self.step, reason, loss, info, step_dir(self.ckpt.root, saved[-1]) if saved else self.ckpt.latest(),
-                 self.is_logging_rank)
+            last = step_dir(self.ckpt.root, saved[-1]) if saved else self.ckpt.latest()
+            stop_run(self.step, reason, loss, info, last, self.is_logging_rank)
 
     def _evaluates_after(self, step: int, end: int) -> bool:
         """Whether the run evaluates once ``step`` steps are done (every ``eval_every``, and the last)."""

@@ -70,11 +70,17 @@ def test_a_checkpoint_without_the_count_loads_with_0_and_a_note():
         warnings.simplefilter("error")  # a checkpoint that has the count loads without a note
         again.load_state_dict(saved)
     assert again.consecutive_skips == guard.consecutive_skips == 3
-    older = DivergenceGuard("stop", LossScaler(scale=2.0**16, min_scale=2.0**-100))
+    older = DivergenceGuard("stop", LossScaler(scale=2.0**16, min_scale=2.0**-100), announce=True)
     older.consecutive_skips = 5
     with pytest.warns(RunWarning, match="counts consecutive skipped steps from 0"):
         older.load_state_dict({"step": 9})
     assert older.consecutive_skips == 0
+    quiet = DivergenceGuard("stop", LossScaler(scale=2.0**16, min_scale=2.0**-100))  # not the logging rank
+    quiet.consecutive_skips = 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.load_state_dict({"step": 9})
+    assert quiet.consecutive_skips == 0
 
 
 def _after(lines: list[str], line: str) -> list[str]:
