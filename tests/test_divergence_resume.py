@@ -83,6 +83,24 @@ def test_a_checkpoint_without_the_count_loads_with_0_and_a_note():
     assert quiet.consecutive_skips == 0
 
 
+def test_a_run_resumed_from_a_checkpoint_without_the_count_trains_on_with_one_note(tmp_path, cache_dir, monkeypatch):
+    """End to end, in process: a checkpoint written by the real writer without the key (the trainer state
+    as it was before session 43) resumes, with the note, and a checkpoint written now carries the count."""
+    from tests.test_train_e2e import job_values, train_single
+
+    out = str(tmp_path / "run")
+    with monkeypatch.context() as old_format:
+        old_format.setattr(DivergenceGuard, "state_dict", lambda self: {})
+        assert sorted(train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 1}))) == [1]
+    with pytest.warns(RunWarning, match="checkpoint of step 1 predates the saved skip count") as caught:
+        assert sorted(train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 2}))) == [2]
+    assert len([w for w in caught if "predates" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as later:  # step 2's checkpoint has the count: no note
+        warnings.simplefilter("always")
+        assert sorted(train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 3}))) == [3]
+    assert not [w for w in later if "predates" in str(w.message)]
+
+
 def _after(lines: list[str], line: str) -> list[str]:
     return lines[lines.index(line) + 1:]
 
