@@ -9,6 +9,8 @@ Real CLI runs (``tests/fault_runs.py``); the reference for a resumed run is the 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -16,7 +18,8 @@ import pytest
 from parallel3d.divergence import MAX_CONSECUTIVE_SKIPS, DivergenceGuard
 from parallel3d.user_warnings import RunWarning
 from parallel3d.zero.precision import LossScaler
-from tests.fault_runs import Run
+from tests.fault_runs import REPO, Run, cli_env
+from tests.harness import free_port
 from tests.test_divergence import HUGE_LR, LINE, _args, _info, _records, _steps_saved, cache_dir  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
@@ -126,6 +129,25 @@ def test_under_torchrun_the_logging_ranks_line_is_last_and_the_launchers_root_ca
     assert not [ln for ln in _after(lines, stop) if OWN_LINE.search(ln)], "\n".join(lines[-40:])
     root = "\n".join(lines[next(i for i, ln in enumerate(lines) if "Root Cause" in ln):])
     assert "rank      : 1 " in root and f"{LINE} 2: non-finite gradient norm" in root, root
+
+
+def test_without_torchrun_the_other_rank_points_to_the_line_and_names_no_hang(tmp_path, cache_dir):
+    """Ranks started as another launcher would (RANK/WORLD_SIZE/MASTER_*): no torchrun to wait for, so the other
+    rank prints its pointer at once; a divergence is not a hang, so no line carries a heartbeat diagnosis."""
+    port, args = free_port(), _args(tmp_path / "plain", cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR)
+    procs = [subprocess.Popen([sys.executable, "-m", "parallel3d.train", *args], cwd=REPO, text=True,
+                              env=cli_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], errs
+    lines = [[ln for ln in err.splitlines() if ln.startswith("[rank")] for err in errs]
+    assert lines[0] == [f"[rank 0] failed: TrainingDiverged: {LINE} 2 (the logging rank's line says why)"], errs[0]
+    assert len(lines[1]) == 1 and f"{LINE} 2: non-finite gradient norm" in lines[1][0], errs[1]
 
 
 def test_skip_warns_once_per_skipped_step_from_one_rank_with_the_count(tmp_path, cache_dir):
