@@ -16,7 +16,12 @@ Order of events on every rank, so a bad value never hangs a job:
    ``.hydra/``; Hydra never changes the working directory;
 3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1
    (torchrun then stops the job; collectives time out after ``train.timeout_s``, and the
-   line then names the ranks whose heartbeat stopped: ``parallel3d.heartbeat``);
+   line then names the ranks whose heartbeat stopped: ``parallel3d.heartbeat``); the line is
+   also torchrun's cause of that rank's failure (its error file), so the launcher's summary
+   names it instead of a pointer to torchrun's docs. A diverged run (``parallel3d.divergence``)
+   is not a hang: no heartbeat diagnosis, and under torchrun the ranks other than the logging
+   rank leave it the last word (they wait for torchrun to stop them, as for a config error, and
+   print nothing);
 4. a run stopped early by ``train.preempt_signal`` or ``train.max_minutes`` has saved a
    checkpoint and exits with status 3 (``preemption.EXIT_STOPPED``); rank 0 also creates the
    file named by ``$P3D_REQUEUE_FILE``, if set, so a batch script knows to requeue the job.
@@ -24,7 +29,9 @@ Order of events on every rank, so a bad value never hangs a job:
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -60,12 +67,20 @@ def _config_exit(exc: ConfigError) -> None:
     rank 0 is not killed before it prints and no rank is reported killed by a signal."""
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
-    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import signal
-
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CONFIG))
-        time.sleep(CONFIG_EXIT_DELAY_S)
+    _await_launcher_stop(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _await_launcher_stop(status: int) -> None:
+    """Under torchrun with several ranks: wait up to ``CONFIG_EXIT_DELAY_S`` for torchrun's SIGTERM
+    (sent once another rank has exited), exiting ``status`` on it without a word."""
+    if _under_torchrun():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
+        time.sleep(CONFIG_EXIT_DELAY_S)
 
 
 def compose_job(overrides: list[str]) -> tuple[JobConfig, dict[str, Any]]:
@@ -97,7 +112,7 @@ def hydra_app(cfg: DictConfig) -> None:
         rj = resolve(job)
     except ConfigError as exc:
         _config_exit(exc)
-    from parallel3d.divergence import TrainingDiverged, exit_together
+    from parallel3d.divergence import TrainingDiverged
     from parallel3d.rank_build import make_parallel_state
     from parallel3d.trainer import train
 
@@ -106,10 +121,7 @@ def hydra_app(cfg: DictConfig) -> None:
         pstate = make_parallel_state(rj)
         result = train(rj, pstate, full_config=plain)
     except Exception as exc:  # noqa: BLE001 - one clear line, non-zero exit, torchrun ends the job
-        inject("train.failure_line", rank)  # tests: a rank slow to report (``faults``)
-        print(_failure_line(rank, exc, rj), file=sys.stderr, flush=True)
-        if isinstance(exc, TrainingDiverged):  # every rank is here (divergence module doc)
-            exit_together(pstate)
+        _report_failure(rank, exc, rj, pstate if isinstance(exc, TrainingDiverged) else None)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
@@ -142,11 +154,40 @@ def _interrupted(rank: int, out_dir: str) -> None:
           f"(train.preempt_signal=[SIGTERM,SIGUSR1,SIGINT] makes Ctrl-C save and stop)", file=sys.stderr, flush=True)
 
 
-def _failure_line(rank: int, exc: BaseException, rj: Any) -> str:
-    """``[rank R] failed: <type>: <first line>``, plus the ranks whose heartbeat stopped, if any."""
+def _report_failure(rank: int, exc: BaseException, rj: Any, diverged_state: Any = None) -> None:
+    """Print this rank's failure line and hand it to torchrun (module doc, step 3). ``diverged_state`` (the
+    ``ParallelState``, given for a ``TrainingDiverged``, which every rank raises at the same step): the ranks meet
+    once the logging rank has printed its line (``divergence.exit_together``), so no launcher stops the job
+    before the line that says why is out, however slowly that rank prints."""
+    from parallel3d.divergence import exit_together
+
+    diverged = diverged_state is not None
+    if diverged and not exc.says_why and _under_torchrun():
+        exit_together(diverged_state)
+        # The logging rank's stop line is the one to read: the last line, and torchrun's root cause (its
+        # first failure). Silent even after the wait: a SIGTERM that came while the trainer's preemption
+        # handler held the signal (it only notes it) was not lost, just answered late.
+        _await_launcher_stop(EXIT_FAILED)
+        os._exit(EXIT_FAILED)
+    line = _failure_line(rank, exc, rj, diagnose=not diverged)
+    inject("train.failure_line", rank)  # tests: a rank slow to report (``faults``)
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # the format torchrun's summary reads (torch.distributed.elastic.multiprocessing.errors)
+        try:
+            with open(error_file, "w") as fh:
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, fh)
+        except OSError:
+            pass  # the summary then shows torchrun's pointer to its docs: the line above was printed
+    if diverged:
+        exit_together(diverged_state)
+
+
+def _failure_line(rank: int, exc: BaseException, rj: Any, diagnose: bool = True) -> str:
+    """``[rank R] failed: <type>: <first line>``, plus (``diagnose``) the ranks whose heartbeat stopped, if any."""
     cause = (str(exc).strip().splitlines() or [""])[0]
     line = f"[rank {rank}] failed: {type(exc).__name__}: {cause}"
-    if rj.world_size > 1:
+    if diagnose and rj.world_size > 1:
         from parallel3d.heartbeat import diagnose_failure
 
         found = diagnose_failure(rj.job.train.out_dir, rj.world_size, rank)

@@ -40,18 +40,11 @@ from parallel3d.checkpoint_io.writer import CheckpointWriter
 from parallel3d.config import ResolvedJob
 from parallel3d.context_parallel import split_batch_for_cp
 from parallel3d.datasets import build_datasets
-from parallel3d.divergence import DivergenceGuard, TrainingDiverged, stop_line
+from parallel3d.divergence import DivergenceGuard, stop_run
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.heartbeat import Heartbeat, beat_interval
-from parallel3d.metrics import (
-    JsonlSink,
-    StepTimer,
-    ThroughputModel,
-    WandbSink,
-    format_console,
-    memory_snapshot,
-    resolve_peak_tflops,
-)
+from parallel3d.metrics import (JsonlSink, StepTimer, ThroughputModel, WandbSink, format_console, memory_snapshot,
+                                resolve_peak_tflops)
 from parallel3d.moe_step import MoEStep
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
@@ -134,7 +127,7 @@ class Trainer:
             if self.is_logging_rank else t.peak_tflops,
         )
         self.recorder = StepRecorder(pstate, self.optimizer, self.moe, self.throughput, self.is_logging_rank)
-        self.guard = DivergenceGuard(t.on_nonfinite, self.optimizer.scaler)
+        self.guard = DivergenceGuard(t.on_nonfinite, self.optimizer.scaler, announce=self.is_logging_rank)
         self.step = 0
         self.wandb_id: str | None = None
         self._wandb_dir: str | None = None
@@ -149,6 +142,7 @@ class Trainer:
             "adam_step": opt.adam_step,
             "scaler": opt.scaler.state_dict(),  # state only: the scaler's settings come from this run
             "wandb_id": self.wandb_id,
+            **self.guard.state_dict(),  # skipped steps in a row: a resumed run counts on
             # Dropout masks, data order and init derive from (seed, step, sample id, layer): no RNG
             # stream of any rank needs saving, and none depends on the layout.
             "seed": self.rj.job.train.seed,
@@ -181,6 +175,7 @@ class Trainer:
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state)
         self.wandb_id = state.get("wandb_id")
         note = schedule_change(read_meta(directory).get("config") or {}, self.rj.optimizer,
                                self.rj.job.train.steps, self.optimizer.iteration)
@@ -278,7 +273,7 @@ class Trainer:
             timer.stop()  # synchronises the device so the interval below is honest
             comm_bytes = self.recorder.comm_delta(before)
             self.step += 1
-            self._stop_if_diverged(self.guard.verdict(info), info, step_result.loss, result.checkpoints)
+            self._stop_if_diverged(self.guard.after_step(self.step, info), info, step_result.loss, result.checkpoints)
             if heartbeat is not None:
                 heartbeat.completed(self.step)
             interval_steps += 1
@@ -329,13 +324,11 @@ class Trainer:
     def _stop_if_diverged(self, reason: str | None, info: Any, loss: float | None, saved: list[int]) -> None:
         """Collective: raise ``TrainingDiverged`` for ``reason`` (``divergence``: every rank has the same one),
         before anything of this step is saved; a save still in flight (an earlier, good step) finishes first."""
-        if reason is None:
-            return
-        loss = self.recorder.dp_mean_loss(loss)
-        saved = saved + self._report_saves(self.checkpoints.wait())
-        last = step_dir(self.ckpt.root, saved[-1]) if saved else self.ckpt.latest()
-        raise TrainingDiverged(stop_line(self.step, reason, loss, info, last) if self.is_logging_rank else
-                               f"training diverged at step {self.step} (the logging rank's line says why)")
+        if reason is not None:
+            loss = self.recorder.dp_mean_loss(loss)
+            saved = saved + self._report_saves(self.checkpoints.wait())
+            last = step_dir(self.ckpt.root, saved[-1]) if saved else self.ckpt.latest()
+            stop_run(self.step, reason, loss, info, last, self.is_logging_rank)
 
     def _evaluates_after(self, step: int, end: int) -> bool:
         """Whether the run evaluates once ``step`` steps are done (every ``eval_every``, and the last)."""

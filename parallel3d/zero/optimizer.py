@@ -307,8 +307,10 @@ class ZeroOptimizer:
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             self.grad_sync.reset()
-            log.warning("non-finite gradient norm %s: step skipped on all ranks (loss scale -> %s)",
-                        norm, self.scaler.scale)
+            # Debug only: the trainer's DivergenceGuard tells the user, once from the logging rank,
+            # whether the run skips this step or stops on it (parallel3d/divergence.py).
+            log.debug("non-finite gradient norm %s: step skipped on all ranks (loss scale -> %s)",
+                      norm, self.scaler.scale)
             return StepInfo(grad_norm=norm, skipped=True, loss_scale=used_scale, lr=lr)
         coef = inv * clip.clip_coefficient(norm, self.clip_grad)
         self.adam_step += 1
