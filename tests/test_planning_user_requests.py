@@ -164,3 +164,19 @@ def test_zbv_state_bytes_equal_the_dry_run_optimizers():
                  "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=1",
                  "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4"]
     assert not _disagreements(2, overrides)
+
+
+def test_explain_says_when_the_given_layout_does_not_fit():
+    """OLMo-7B on 256 H100 at dp 256, micro-batch 8 (plan.explain) needs 105.3 GiB a rank; explain printed
+    that beside the best's 40.5 GiB and compared step times as if it ran. It must say it does not fit."""
+    cluster = ClusterSpec.build(2, 2, "h100_80gb")
+    model = ModelConfig(arch="llama", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=512, vocab_size=512, max_seq_len=512)
+    from parallel3d.planning.layout import Layout
+    from parallel3d.planning.planner import evaluate
+
+    given = evaluate(model, Layout(dp=2, micro_batch_size=4, seq_len=512, global_batch_size=8), cluster)
+    best = evaluate(model, Layout(dp=2, micro_batch_size=1, seq_len=512, global_batch_size=8), cluster)
+    over = cli.explain(given, best, budget=given.peak_bytes * 0.99)
+    assert "DOES NOT FIT" in over and f"{given.peak_bytes * 0.99 / 2**30:.1f} GiB" in over
+    assert "DOES NOT FIT" not in cli.explain(given, best, budget=given.peak_bytes)

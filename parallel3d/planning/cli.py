@@ -334,13 +334,14 @@ def run_plan(job: PlanningJob) -> str:
                        "layouts": plan_json(result, o.top_k)}, f, indent=2)
     text = format_plan(result, o.top_k)
     if given is not None:
-        text += "\n\n" + explain(given, result.best)
+        text += "\n\n" + explain(given, result.best, budget=cluster.device.memory_bytes * o.memory_fraction)
     return text
 
 
-def explain(given, best) -> str:
+def explain(given, best, budget: Optional[float] = None) -> str:
     """``given`` (a candidate) against ``best``, line by line: the layout keys that differ, then every
-    step-time column with the difference, largest loss first."""
+    step-time column with the difference, largest loss first; with ``budget`` (bytes a rank may use, the
+    search's), a given layout above it is said not to fit (its times are what it would take if it did)."""
     g, b = given.layout.to_dict(), best.layout.to_dict()
     lines = [f"explain: given {given.layout.short()} vs best {best.layout.short()}: "
              f"{given.step.step_time_s:.3f} s vs {best.step.step_time_s:.3f} s per step "
@@ -352,6 +353,9 @@ def explain(given, best) -> str:
     for key in sorted(gb, key=lambda k: bb.get(k, 0.0) - gb[k]):
         lines.append(f"  {key:>9s}: {gb[key]:9.3f} s  best {bb.get(key, 0.0):9.3f} s  ({gb[key] - bb.get(key, 0.0):+.3f})")
     lines.append(f"  memory/rank: {given.peak_bytes / GiB:.1f} GiB vs {best.peak_bytes / GiB:.1f} GiB")
+    if budget is not None and given.peak_bytes > budget:
+        lines.append(f"  the given layout DOES NOT FIT: {given.peak_bytes / GiB:.1f} GiB a rank over the search's "
+                     f"budget of {budget / GiB:.1f} GiB (plan.memory_fraction of the device's memory)")
     return "\n".join(lines)
 
 
