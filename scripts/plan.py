@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel3d.planning.cli import run_app, run_plan  # noqa: E402
+from parallel3d.planning.unread_keys import unread_keys_note  # noqa: E402
 
 if __name__ == "__main__":
-    run_app("plan", run_plan)
+    run_app("plan", run_plan, note=lambda args, job: unread_keys_note(args, job.plan.explain))

@@ -24,11 +24,12 @@ from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.no_fit import nothing_fits
 from parallel3d.planning.params import stage_layer_counts
-from parallel3d.planning.planner import evaluate, Plan, plan
+from parallel3d.planning.planner import Candidate, evaluate, Plan, plan
 from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.preflight import check_writable_file
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import placement_for
 from parallel3d.topology import LayoutError
 from parallel3d.train_options import TrainOptions
 
@@ -76,9 +77,11 @@ def register_planning_schema() -> None:
     ConfigStore.instance().store(name="planning_schema", node=PlanningJob)
 
 
-def run_app(config_name: str, run: Callable[["PlanningJob"], str]) -> None:
+def run_app(config_name: str, run: Callable[["PlanningJob"], str],
+            note: Optional[Callable[[list[str], "PlanningJob"], Optional[str]]] = None) -> None:
     """The scripts' shared Hydra entry: compose ``conf/<config_name>.yaml`` with the command
-    line's overrides, print ``run(job)``; a bad key or layout prints ``error: ...`` and exits 2."""
+    line's overrides, print ``run(job)``; a bad key or layout prints ``error: ...`` and exits 2.
+    ``note(args, job)``: a line printed to stderr before ``run`` (e.g. keys it does not read)."""
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
@@ -91,8 +94,12 @@ def run_app(config_name: str, run: Callable[["PlanningJob"], str]) -> None:
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=config_name)
     def main(cfg: DictConfig) -> None:
+        job = OmegaConf.to_object(cfg)
+        line = note(sys.argv[1:], job) if note else None
+        if line:
+            print(line, file=sys.stderr, flush=True)
         try:
-            print(run(OmegaConf.to_object(cfg)))
+            print(run(job))
         except (ConfigError, LayoutError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
@@ -148,8 +155,13 @@ def cluster_from(cfg: ClusterConfig) -> ClusterSpec:
 def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, Layout, list[int]]:
     """The model, the layout and the layers per stage that training would use on ``cluster``."""
     rj = resolve(job, world_size=cluster.gpus)
+    return rj.model, _layout_of(rj), [sum(chunks) for chunks in job_chunk_layers(rj)]
+
+
+def _layout_of(rj) -> Layout:
+    """Resolved job ``rj``'s layout, as the planner's ``Layout``."""
     dims, pipe, zero, t = rj.dims, rj.pipeline, rj.zero, rj.train
-    layout = Layout(
+    return Layout(
         tp=dims.tp, pp=dims.pp, dp=int(dims.dp), zero_stage=zero.zero_stage, sequence_parallel=dims.sequence_parallel,
         schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split_drain=pipe.split_drain,
         micro_batch_size=t.micro_batch_size,
@@ -159,10 +171,23 @@ def layout_from_job(job: JobConfig, cluster: ClusterSpec) -> tuple[ModelConfig, 
         cp_a2a_size=rj.context_parallel.cp_a2a_size, ep=dims.ep, etp=dims.etp,
         expert_zero_stage=zero.expert_zero_stage,
     )
-    model = rj.model
-    ranges = partition_layers(model, dims.pp, pipe.virtual_stages, pipe.pp_layers, seq_len=t.seq_len)  # as rank_build
-    stage_layers = [sum(b - a for a, b in stage_layer_ranges(ranges, dims.pp, s)) for s in range(dims.pp)]
-    return model, layout, stage_layers
+
+
+def job_chunk_layers(rj) -> list[list[int]]:
+    """Layers of each (stage, local chunk) of resolved job ``rj``, split as ``rank_build`` splits them (its
+    ``parallel.pp_layers``, else balanced at ``train.seq_len``) and placed as its schedule places chunks
+    (zbv's V: stage 0 holds the first and the last model chunk)."""
+    pp, v = rj.dims.pp, rj.pipeline.virtual_stages
+    ranges = partition_layers(rj.model, pp, v, rj.pipeline.pp_layers, seq_len=rj.train.seq_len)
+    placement = placement_for(rj.pipeline.schedule, pp, v)
+    return [[b - a for a, b in stage_layer_ranges(ranges, pp, s, placement)] for s in range(pp)]
+
+
+def job_candidate(job: JobConfig, cluster: ClusterSpec) -> Candidate:
+    """The job's own layout (``parallel.*``, ``train.*``) priced as training would run it, its layer split
+    included (``plan.explain``); a layout training refuses raises the training validator's error."""
+    rj = resolve(job, world_size=cluster.gpus)
+    return evaluate(rj.model, _layout_of(rj), cluster, chunk_layers=job_chunk_layers(rj))
 
 
 def job_w_lags(rj) -> tuple[int, ...] | None:
@@ -299,6 +324,8 @@ def search(job: PlanningJob, progress: Optional[Callable[[str], None]] = None) -
 
 def run_plan(job: PlanningJob) -> str:
     o = job.plan
+    # The job's own layout is checked (and priced) before a search that can take minutes, not after it.
+    given = job_candidate(job, cluster_from(job.cluster)) if o.explain else None
     result = search(job, progress=lambda line: print(line, file=sys.stderr, flush=True))
     model, cluster = result.config, result.cluster
     if o.json:
@@ -306,15 +333,15 @@ def run_plan(job: PlanningJob) -> str:
             json.dump({"model": model.name, "gpus": cluster.gpus, "device": cluster.device.name,
                        "layouts": plan_json(result, o.top_k)}, f, indent=2)
     text = format_plan(result, o.top_k)
-    if o.explain:
-        _, layout, _ = layout_from_job(job, cluster)
-        text += "\n\n" + explain(evaluate(model, layout, cluster), result.best)
+    if given is not None:
+        text += "\n\n" + explain(given, result.best, budget=cluster.device.memory_bytes * o.memory_fraction)
     return text
 
 
-def explain(given, best) -> str:
+def explain(given, best, budget: Optional[float] = None) -> str:
     """``given`` (a candidate) against ``best``, line by line: the layout keys that differ, then every
-    step-time column with the difference, largest loss first."""
+    step-time column with the difference, largest loss first; with ``budget`` (bytes a rank may use, the
+    search's), a given layout above it is said not to fit (its times are what it would take if it did)."""
     g, b = given.layout.to_dict(), best.layout.to_dict()
     lines = [f"explain: given {given.layout.short()} vs best {best.layout.short()}: "
              f"{given.step.step_time_s:.3f} s vs {best.step.step_time_s:.3f} s per step "
@@ -326,6 +353,9 @@ def explain(given, best) -> str:
     for key in sorted(gb, key=lambda k: bb.get(k, 0.0) - gb[k]):
         lines.append(f"  {key:>9s}: {gb[key]:9.3f} s  best {bb.get(key, 0.0):9.3f} s  ({gb[key] - bb.get(key, 0.0):+.3f})")
     lines.append(f"  memory/rank: {given.peak_bytes / GiB:.1f} GiB vs {best.peak_bytes / GiB:.1f} GiB")
+    if budget is not None and given.peak_bytes > budget:
+        lines.append(f"  the given layout DOES NOT FIT: {given.peak_bytes / GiB:.1f} GiB a rank over the search's "
+                     f"budget of {budget / GiB:.1f} GiB (plan.memory_fraction of the device's memory)")
     return "\n".join(lines)
 
 

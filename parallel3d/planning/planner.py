@@ -324,14 +324,18 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
 
 
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
-             options: CostOptions | None = None, schedules: ScheduleCache | None = None) -> Candidate:
+             options: CostOptions | None = None, schedules: ScheduleCache | None = None,
+             chunk_layers: list[list[int]] | None = None) -> Candidate:
     """Memory and simulated step time of one given layout (e.g. a published one); ``schedules``: the
-    caller's built schedules where it evaluates several layouts (``ScheduleCache``)."""
-    splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
+    caller's built schedules where it evaluates several layouts (``ScheduleCache``); ``chunk_layers``: the
+    layers of each (stage, local chunk) where the job splits them itself (``parallel.pp_layers``), else the
+    engine's balanced split."""
+    splits = ([sum(c) for c in chunk_layers] if chunk_layers is not None
+              else stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len))
     options = options or CostOptions()
     schedules = ScheduleCache.of(schedules)
     memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits, schedules=schedules)
-    step = estimate_step(config, layout, cluster, options, splits, schedules=schedules)
+    step = estimate_step(config, layout, cluster, options, splits, chunk_layers=chunk_layers, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)
 
 

@@ -1,8 +1,9 @@
 """What a planner search is asked for (``PlanRequest``): batch, sequence, precision and the options searched.
 
 Invariant: a ``PlanRequest`` that exists is valid; every field is checked on construction against the
-runtime's own allowed values (``ZERO_STAGES``, ``SCHEDULES``, ``RECOMPUTE_MODES``), so the search never
-meets a value the runtime would refuse. Errors name the ``plan.*`` key.
+runtime's own allowed values (``ZERO_STAGES``, ``SCHEDULES``, ``RECOMPUTE_MODES``, ``OFFLOAD_MODES``), so the
+search never meets a value the runtime would refuse, and a value the runtime adds is searchable unless it is
+named here as not searched (``UNSEARCHED_SCHEDULES``, ``UNSEARCHED_OFFLOAD``). Errors name the ``plan.*`` key.
 """
 
 from __future__ import annotations
@@ -11,10 +12,16 @@ from dataclasses import dataclass
 
 from models.transformer import RECOMPUTE_MODES
 from parallel3d.pipeline.options import SCHEDULES
-from parallel3d.zero.options import ZERO_STAGES
+from parallel3d.zero.options import OFFLOAD_MODES, ZERO_STAGES
 
 RECOMPUTE_ORDER: tuple[str, ...] = RECOMPUTE_MODES  # cheapest first
 FIXABLE_DEGREES: tuple[str, ...] = ("tp", "cp", "pp", "dp", "ep")
+# Runtime values the search never tries, and why: GPipe is 1F1B's time with more memory; disk offload needs a
+# directory, and the planner does not model host or disk capacity (it is estimated, not searched).
+UNSEARCHED_SCHEDULES: tuple[str, ...] = ("gpipe",)
+UNSEARCHED_OFFLOAD: tuple[str, ...] = ("disk",)
+SEARCHED_SCHEDULES: tuple[str, ...] = tuple(s for s in SCHEDULES if s not in UNSEARCHED_SCHEDULES)
+SEARCHED_OFFLOAD: tuple[str, ...] = tuple(o for o in OFFLOAD_MODES if o not in UNSEARCHED_OFFLOAD)
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,13 @@ class PlanRequest:
         if not self.zero_stages or bad:
             raise ValueError(f"plan.zero_stages={list(self.zero_stages)!r} must be a non-empty subset of "
                              f"{list(ZERO_STAGES)}")
-        if not self.offload_modes or any(o not in ("none", "cpu") for o in self.offload_modes):
+        if not self.offload_modes or any(o not in SEARCHED_OFFLOAD for o in self.offload_modes):
             raise ValueError(f"plan.offload={list(self.offload_modes)!r} must be a non-empty subset of "
-                             f"['none', 'cpu'] (disk offload is estimated, not searched)")
-        bad_s = [n for n in self.schedules if n not in SCHEDULES or n == "gpipe"]
+                             f"{list(SEARCHED_OFFLOAD)} ({', '.join(UNSEARCHED_OFFLOAD)} offload is estimated, not searched)")
+        bad_s = [n for n in self.schedules if n not in SEARCHED_SCHEDULES]
         if not self.schedules or bad_s:
             raise ValueError(f"plan.schedules={list(self.schedules)!r} must be a non-empty subset of "
-                             f"{[n for n in SCHEDULES if n != 'gpipe']}")
+                             f"{list(SEARCHED_SCHEDULES)}")
         bad_fixed = [(k, v) for k, v in self.fixed_degrees if k not in FIXABLE_DEGREES
                      or isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad_fixed:
