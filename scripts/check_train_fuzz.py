@@ -3,6 +3,7 @@
     python scripts/check_train_fuzz.py              # the whole fuzz (ids 0 .. ALL_CASES - 1)
     python scripts/check_train_fuzz.py --case 3 17  # single cases, by id
     python scripts/check_train_fuzz.py --list       # print the cases without running them
+    python scripts/check_train_fuzz.py --max-world 8 --case 600   # layouts of up to 8 ranks (default 4)
 
 Each case trains through the real Trainer on gloo ranks and is compared with one process with the same
 options and precision (fp32: within RTOL; bf16 / fp16: within 10 x the half-precision single process's own
@@ -32,8 +33,10 @@ def main() -> int:
     parser.add_argument("--json", default="bench_results/train_fuzz.json", help="where to write the results")
     parser.add_argument("--cache-dir", default=".cache/parallel3d", help="corpus cache (built once)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    parser.add_argument("--max-world", type=int, default=tf.MAX_WORLD,
+                        help="the layouts' world budget (another budget draws other cases for the same ids)")
     args = parser.parse_args()
-    cases = [tf.generate(i) for i in args.case] if args.case else tf.all_cases()
+    cases = [tf.generate(i, args.max_world) for i in args.case] if args.case else tf.all_cases()
     if args.list:
         for c in cases:
             print(f"{c.case_id:>4} world={c.world_size}  {c.name}")

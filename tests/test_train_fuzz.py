@@ -97,6 +97,17 @@ def test_fp16_overflows_only_where_one_process_holds_the_layouts_values():
     assert any(c.parallel["dp"] > 1 for c in overflowing)
 
 
+def test_a_wider_world_budget_draws_larger_layouts_and_leaves_the_rest_as_they_were():
+    """``generate(i, max_world)`` (``check_train_fuzz.py --max-world``): the default budget keeps every case within
+    ``MAX_WORLD``; a wider one draws larger layouts for some ids, and an id whose wider draw fits the default
+    budget is the default's case (the same first affordable draw)."""
+    ids = range(600, 612)
+    default, wide = [tf.generate(i) for i in ids], [tf.generate(i, 8) for i in ids]
+    assert all(c.world_size <= tf.MAX_WORLD for c in default)
+    assert all(c.world_size <= 8 for c in wide) and any(c.world_size > tf.MAX_WORLD for c in wide)
+    assert [w for w, d in zip(wide, default) if w.world_size <= tf.MAX_WORLD and w != d] == []
+
+
 def test_half_precision_floor_keeps_the_last_floor_before_a_skipped_step():
     """Steps from the first skipped step on carry the floor measured before it (fp32 skips nothing)."""
     fp32 = [(1, 6.0, 1.0, None), (2, 5.9, 1.1, 5.8), (3, 5.0, 9.0, None)]

@@ -154,18 +154,21 @@ def _one_process_overflows_alike(options: dict[str, Any], layout: lm.LayoutCase)
     return options
 
 
-def _affordable(c: lm.LayoutCase) -> bool:
+def _affordable(c: lm.LayoutCase, max_world: int = MAX_WORLD) -> bool:
     """Within the world budget, no capacity drops (their reference is per micro-batch already; near-tie
     routing flips would need a floor of their own) and CI's microbatch budget."""
-    return c.world_size <= MAX_WORLD and c.capacity is None and lm.affordable_for_ci(c, "")
+    return c.world_size <= max_world and c.capacity is None and lm.affordable_for_ci(c, "")
 
 
 @functools.lru_cache(maxsize=None)
-def generate(case_id: int) -> TrainCase:
-    """Case ``case_id``: a drawn layout (MoE with odds ``MOE_SHARE``) with drawn options the validator accepts."""
+def generate(case_id: int, max_world: int = MAX_WORLD) -> TrainCase:
+    """Case ``case_id``: a drawn layout (MoE with odds ``MOE_SHARE``) with drawn options the validator accepts.
+    ``max_world`` above ``MAX_WORLD`` (``check_train_fuzz.py --max-world``) widens the layouts' world budget: the
+    same id then draws another case wherever its first affordable layout had more ranks than ``MAX_WORLD``."""
     rng = random.Random(f"{TRAIN_SEED}:{case_id}")
     moe = rng.random() < MOE_SHARE
-    layout = lm.generate_case((MOE_LAYOUT_BASE if moe else LAYOUT_BASE) + case_id, _affordable)
+    layout = lm.generate_case((MOE_LAYOUT_BASE if moe else LAYOUT_BASE) + case_id,
+                              lambda c: _affordable(c, max_world))
     fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(lm.LayoutCase)}
     for _ in range(MAX_DRAWS):
         case = TrainCase(**dict(fields, case_id=case_id), options=_one_process_overflows_alike(_options(rng), layout))
