@@ -117,7 +117,7 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
             first = _build(rj, pstate)
         else:
             report.step_microbatches = list(reduced)
-            report.activation_bytes = a.peak_activation_bytes
+            report.activation_bytes = a.peak_at(m)
             return counts
     full = run_step(rj, pstate, *first, m)
     report.step_microbatches = [m]

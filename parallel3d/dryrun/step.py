@@ -22,7 +22,8 @@ schedule has the same warm-up (the same most-loaded moments: microbatches in fli
 chunks may save different bytes per microbatch). The step runs at
 ``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's in-flight profile) and is
 extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
-number of microbatches in flight as the full step. ``m <= m2``: the full step runs once. Where the two
+number of microbatches in flight as the full step, with the step's microbatch tensors at ``m``
+(``StepMeasure.peak_at``: the engine counts all of them, once, for the whole step). ``m <= m2``: the full step runs once. Where the two
 steps' messages are not linear (``NotLinear``: ZeRO-3's reduce-scatters on a ZB-V stage follow the order
 of its W actions, not the count) the caller runs the full step instead.
 """
@@ -42,6 +43,7 @@ from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.actions import splits_backward
+from parallel3d.pipeline.activation_bytes import held_bytes
 from parallel3d.pipeline.engine import PipelineEngine
 from parallel3d.pipeline.microbatch import SAMPLE_IDS
 from parallel3d.pipeline.schedules import build_schedule
@@ -62,6 +64,13 @@ class StepMeasure:
     microbatches: int
     peak_activation_bytes: int
     messages: Counts
+    microbatch_bytes: int  # one microbatch's tensors (every one alike), in the peak once per microbatch of the step
+
+    def peak_at(self, m: int) -> int:
+        """The activation peak of the step at ``m`` microbatches with this step's in-flight profile: the engine
+        counts the step's microbatch tensors once each, for the whole step (``pipeline.step_run``), and the
+        rest of the peak is the in-flight microbatches', the same at either count."""
+        return self.peak_activation_bytes + (m - self.microbatches) * self.microbatch_bytes
 
 
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
@@ -144,7 +153,7 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}
     stats.reset()
     assert result.peak_activation_bytes is not None  # asked for above
-    return StepMeasure(microbatches, result.peak_activation_bytes, counts)
+    return StepMeasure(microbatches, result.peak_activation_bytes, counts, held_bytes(batch[0].values(), set()))
 
 
 class NotLinear(RuntimeError):

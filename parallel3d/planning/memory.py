@@ -40,6 +40,7 @@ from parallel3d.planning.activations import (
     mlp_half_activation_bytes,
     received_input_bytes,
 )
+from parallel3d.planning.batch_tensors import step_batch_bytes
 from parallel3d.planning.grad_buckets import largest_grad_piece, reduce_scatter_staging_bytes
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.params import (
@@ -226,8 +227,17 @@ def stage_activation_bytes(
     microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
     planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
     caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
-    ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built.
+    ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built. Plus, with
+    ``small_stats``, the step's microbatch tensors, once (``batch_tensors``).
     """
+    peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
+    return peak + (step_batch_bytes(layout, stage) if assumptions.small_stats else 0), inflight
+
+
+def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
+                    assumptions: ActivationAssumptions, chunk_layers: Sequence[Sequence[int]] | None,
+                    w_lags: Sequence[int] | None, schedules: ScheduleCache | None) -> tuple[float, int]:
+    """``stage_activation_bytes`` but for the step's microbatch tensors: what the in-flight microbatches hold."""
     ids = stage_layer_ids(config.shape, layers)
     computations = stage_computations(config, layout, stage, w_lags, schedules)
     if computations is not None:  # B and W split: held and W-pending bytes per chunk (split_memory)

@@ -1,0 +1,29 @@
+"""The step's microbatch tensors on one pipeline rank, in the planner's activation estimate.
+
+The trainer hands the engine every microbatch of the step at once (token ids, labels, sample ids; on an
+accelerator copied to it before the first action), and they stay until the step ends. Invariant: counted
+once per step, for all ``m`` microbatches, as the engine counts them (``pipeline.step_run``: never inside a
+forward's saved bytes, whatever autograd saves of them); the keys a stage reads are ``pipeline.microbatch``'s.
+``data.document_mask``'s document ids are not counted (the layout does not say; the dry run has none either).
+"""
+
+from __future__ import annotations
+
+from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
+from parallel3d.pipeline.placement import placement_for
+from parallel3d.planning.layout import Layout
+from parallel3d.planning.sequence_experts import local_seq_len
+
+__all__ = ["step_batch_bytes"]
+
+ID_BYTES = 8  # every microbatch tensor is int64
+
+
+def step_batch_bytes(layout: Layout, stage: int) -> int:
+    """Bytes of the step's microbatch tensors ``stage`` reads: ``[b, s/cp]`` token ids on the stage with the
+    model's first chunk, labels on the one with its last (ZB-V: both on stage 0), ``[b]`` sample ids on all."""
+    placement = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
+    held = placement.chunks_of(stage)
+    keys = stage_keys(0 in held, placement.total - 1 in held)
+    per_row = sum(local_seq_len(layout) if key in TOKEN_KEYS else 1 for key in keys)
+    return ID_BYTES * per_row * layout.micro_batch_size * layout.num_microbatches
