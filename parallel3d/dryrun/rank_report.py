@@ -22,7 +22,7 @@ from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state, runs_on_nccl
 from parallel3d.dryrun.messages import Messages
 from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
-from parallel3d.dryrun.step import Counts, NotLinear, extrapolate, reduced_microbatches, run_step
+from parallel3d.dryrun.step import Counts, NotLinear, batch_on_host, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
@@ -90,7 +90,7 @@ def _activation_bytes(rj: ResolvedJob, stage: int, layers: int, nccl: bool) -> i
         fused = job_runs_fused_kernels(rj.model.backend, rj.job.train.device)
         assumptions = dataclasses.replace(
             ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch"),
-            sends_complete_unwaited=nccl)
+            sends_complete_unwaited=nccl, batch_on_host=batch_on_host(rj))
         chunks = [list(range(a, b)) for a, b in _chunk_ranges(rj, stage)]
         return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions, chunks)[0])
     except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block

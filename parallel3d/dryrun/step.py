@@ -37,6 +37,7 @@ from typing import Sequence
 import torch
 
 from parallel3d.config import ResolvedJob
+from parallel3d.data.batches import split_step
 from parallel3d.dryrun.meta_attention import fused_attention_on_meta
 from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
@@ -45,14 +46,15 @@ from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.activation_bytes import held_bytes
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.microbatch import SAMPLE_IDS
+from parallel3d.pipeline.microbatch import SAMPLE_IDS, TOKEN_KEYS
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import action_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["NotLinear", "StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
+__all__ = ["NotLinear", "StepMeasure", "batch_on_host", "in_flight_profile", "meta_batch", "microbatch_shape",
+           "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -127,14 +129,35 @@ def microbatch_shape(rj: ResolvedJob, key: str) -> tuple[int, ...]:
     return (t.micro_batch_size,) if key == SAMPLE_IDS else (t.micro_batch_size, t.seq_len // p.cp)
 
 
+def batch_on_host(rj: ResolvedJob) -> bool:
+    """Whether the engine gets the data path's own microbatches (``data.batches.split_step``; at micro-batch 1
+    views of one step token buffer): a job on the CPU, whose ``Trainer._to_device`` moves nothing. A device job
+    gets a copy of each tensor on the device, one storage each."""
+    return rj.job.train.device == "cpu"
+
+
+def meta_batch(rj: ResolvedJob, keys: tuple[str, ...], microbatches: int) -> list[dict[str, torch.Tensor]]:
+    """The step's microbatches on meta, laid out as the trainer hands them to the engine: on the host the data
+    path's (``batch_on_host``), without cp (cp cuts each microbatch's tokens into new tensors of its share);
+    else one storage per tensor, of ``microbatch_shape``."""
+    t = rj.job.train
+    if batch_on_host(rj) and rj.job.parallel.cp == 1:
+        rows = microbatches * t.micro_batch_size
+        tokens = torch.zeros((rows, t.seq_len + 1), dtype=torch.long, device="meta") \
+            if any(k in TOKEN_KEYS for k in keys) else None
+        return split_step(tokens, torch.zeros(rows, dtype=torch.long, device="meta"), keys, microbatches,
+                          t.micro_batch_size)
+    return [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in keys}
+            for _ in range(microbatches)]
+
+
 def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> StepMeasure:
     """One step of ``microbatches`` microbatches on this rank (module doc); raises what step 1 would."""
     t, p = rj.job.train, rj.job.parallel
     engine = _engine(rj, chunks, pstate, optimizer, microbatches)
     # No document ids, even with data.document_mask: where documents end is data (the cp block plan reads it),
     # so every sequence is one document here (docs/dryrun.md, "Drawn layouts no other test names", finding 5).
-    batch = [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in engine.microbatch_keys}
-             for _ in range(microbatches)]
+    batch = meta_batch(rj, engine.microbatch_keys, microbatches)
     stats = pstate.comm_stats
     stats.reset()
     moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)
@@ -153,7 +176,9 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}
     stats.reset()
     assert result.peak_activation_bytes is not None  # asked for above
-    return StepMeasure(microbatches, result.peak_activation_bytes, counts, held_bytes(batch[0].values(), set()))
+    # Linear in the count: one storage per tensor, or one step buffer of as many rows as microbatches x their size.
+    step_tensors = held_bytes([x for mb in batch for x in mb.values()], set())
+    return StepMeasure(microbatches, result.peak_activation_bytes, counts, step_tensors // microbatches)
 
 
 class NotLinear(RuntimeError):

@@ -75,6 +75,8 @@ class ActivationAssumptions:
     # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids, the loss's per-token tensors
     # (``loss_token_bytes``) and the step's microbatch tensors (``batch_tensors``): what the paper leaves out
     small_stats: bool = False
+    # A CPU job's microbatches are the data path's own (``batch_tensors.step_batch_bytes``), not device copies.
+    batch_on_host: bool = False
     # Bytes per logit the tp = 1 cross entropy keeps on the last stage (fp32 log-softmax, or the fused kernel's
     # logits in their dtype); at tp > 1 the sharded loss the model runs decides (``loss_logit_bytes``).
     logits_bytes: int = 4

@@ -19,11 +19,17 @@ __all__ = ["step_batch_bytes"]
 ID_BYTES = 8  # every microbatch tensor is int64
 
 
-def step_batch_bytes(layout: Layout, stage: int) -> int:
+def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False) -> int:
     """Bytes of the step's microbatch tensors ``stage`` reads: ``[b, s/cp]`` token ids on the stage with the
-    model's first chunk, labels on the one with its last (ZB-V: both on stage 0), ``[b]`` sample ids on all."""
+    model's first chunk, labels on the one with its last (ZB-V: both on stage 0), ``[b]`` sample ids on all;
+    each its own storage, as a device job's copies are. ``on_host``: a CPU job's, the data path's own
+    (``data.batches.split_step``), which at micro-batch 1 without cp are views of one ``[N, s + 1]`` buffer."""
     placement = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
     held = placement.chunks_of(stage)
-    keys = stage_keys(0 in held, placement.total - 1 in held)
-    per_row = sum(local_seq_len(layout) if key in TOKEN_KEYS else 1 for key in keys)
-    return ID_BYTES * per_row * layout.micro_batch_size * layout.num_microbatches
+    token_keys = [k for k in stage_keys(0 in held, placement.total - 1 in held) if k in TOKEN_KEYS]
+    rows = layout.micro_batch_size * layout.num_microbatches
+    if on_host and token_keys and layout.micro_batch_size == 1 and layout.cp == 1:
+        tokens = rows * (layout.seq_len + 1)
+    else:
+        tokens = rows * local_seq_len(layout) * len(token_keys)
+    return ID_BYTES * (tokens + rows)

@@ -4,12 +4,8 @@ Model states follow the ZeRO paper's arithmetic (Rajbhandari et al. 2020,
 section 3 and Figure 1): with mixed precision and Adam a parameter costs
 2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
 master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
-also the gradients, stage 3 also the weights, plus the gather window: the units
-whole at once (``parallel3d.zero.params_sharded``, ``units``: in ``microbatch``
-mode the stage's root unit (final norm, plus the word embedding when it is tied),
-the largest unit computing (a layer, or an untied embedding or head) and
-``zero3_prefetch`` more layers; every parameter of the stage during a step in
-``step`` mode, the default with pp > 1). Offload moves the K bytes off the device: to host
+also the gradients, stage 3 also the weights, plus the gather window (the units
+whole at once, ``planning.gather_window``). Offload moves the K bytes off the device: to host
 memory (``cpu``) or disk (``disk``), reported as ``host`` / ``disk`` beside the
 device total. ``PrecisionBytes.for_precision`` has the per-precision
 byte counts parallel3d's ZeRO optimizer uses: gradients are fp32 main grads
@@ -41,10 +37,10 @@ from parallel3d.planning.activations import (
     received_input_bytes,
 )
 from parallel3d.planning.batch_tensors import step_batch_bytes
+from parallel3d.planning.gather_window import gather_window_params
 from parallel3d.planning.grad_buckets import largest_grad_piece, reduce_scatter_staging_bytes
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.params import (
-    largest_layer_params,
     largest_tensor,
     rank_params,
     stage_expert_params,
@@ -177,22 +173,6 @@ def offloaded_state_bytes(params: int, dp: int, zero_stage: int, offload: str) -
     return {"host": state if offload == "cpu" else 0.0, "disk": state if offload == "disk" else 0.0}
 
 
-def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
-    """Parameters stage 3 holds whole at its peak on one rank of pipeline ``stage`` (module doc)."""
-    if layout.zero_stage != 3:
-        return 0
-    rp = rank_params(config, layout.tp, layout.pp, stage, layers)
-    if layout.zero3_mode == "step":
-        return rp.total
-    layer = largest_layer_params(config, layout.tp, layers)
-    if config.tie_embeddings:  # the embedding (and its copy on the last stage) live in the root
-        root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
-    else:  # untied embedding and head are units of their own (models.transformer marks them)
-        root, own_units = rp.final_norm, [layer, rp.embedding, rp.head]
-    count = layers if isinstance(layers, int) else len(layers)
-    return root + max(own_units) + min(count, layout.zero3_prefetch) * layer
-
-
 def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Sequence[int]) -> list[list[int]]:
     """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
     own split where the counts are its counts, else consecutive runs of the counts (the stage order
@@ -231,7 +211,7 @@ def stage_activation_bytes(
     ``small_stats``, the step's microbatch tensors, once (``batch_tensors``).
     """
     peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
-    return peak + (step_batch_bytes(layout, stage) if assumptions.small_stats else 0), inflight
+    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host) if assumptions.small_stats else 0), inflight
 
 
 def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
