@@ -327,12 +327,15 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
     return _boundary_tensor_bytes(config, layout, assumptions)
 
 
-def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                         has_layers: bool = True) -> float:
     """A chunk input received from another stage, per in-flight microbatch: the engine holds it until the
     chunk's backward. Counted only where no saved tensor of the layer formulas is that storage: the torch
     RMSNorm keeps fp32 copies of a 16-bit input (``REFERENCE_NORM_KEPT_BYTES``), not the input itself;
-    full recompute's checkpoint, the fused norms and LayerNorm keep the input as it is."""
-    if layout.recompute == "full" or assumptions.norm_kept_bytes is None or assumptions.element_bytes == 4:
+    full recompute's checkpoint (of a chunk ``has_layers``: a head-only chunk has none, its final norm runs
+    as is), the fused norms and LayerNorm keep the input as it is."""
+    if (layout.recompute == "full" and has_layers) or assumptions.norm_kept_bytes is None \
+            or assumptions.element_bytes == 4:
         return 0.0
     return _boundary_tensor_bytes(config, layout, assumptions)
 

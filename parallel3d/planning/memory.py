@@ -231,8 +231,8 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
             and loop:
         per_chunk = [_layers_bytes(config, layout, ids, assumptions) for ids in chunk_layers]
-        received = received_input_bytes(config, layout, assumptions)
-        per_chunk = [b + (received if stage or c else 0.0) for c, b in enumerate(per_chunk)]
+        per_chunk = [b + (received_input_bytes(config, layout, assumptions, bool(chunk_layers[c])) if stage or c
+                          else 0.0) for c, b in enumerate(per_chunk)]
         if stage == 0:
             per_chunk[0] += embedding_activation_bytes(config, layout, assumptions)
         if stage == layout.pp - 1:  # the model's last chunk: the head's, while its microbatch is in flight
@@ -251,7 +251,7 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     # every chunk but the model's first receives its input (on stage 0: all but chunk 0's microbatches)
     received = inflight - (microbatches_in_flight if stage == 0 else 0)
-    total += received * received_input_bytes(config, layout, assumptions)
+    total += received * received_input_bytes(config, layout, assumptions, bool(ids))
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
     return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight
