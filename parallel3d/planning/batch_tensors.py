@@ -19,15 +19,16 @@ __all__ = ["step_batch_bytes"]
 ID_BYTES = 8  # every microbatch tensor is int64
 
 
-def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False) -> int:
+def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False, microbatches: int | None = None) -> int:
     """Bytes of the step's microbatch tensors ``stage`` reads: ``[b, s/cp]`` token ids on the stage with the
     model's first chunk, labels on the one with its last (ZB-V: both on stage 0), ``[b]`` sample ids on all;
     each its own storage, as a device job's copies are. ``on_host``: a CPU job's, the data path's own
-    (``data.batches.split_step``), which at micro-batch 1 without cp are views of one ``[N, s + 1]`` buffer."""
+    (``data.batches.split_step``), which at micro-batch 1 without cp are views of one ``[N, s + 1]`` buffer.
+    ``microbatches``: the step's count (default: the layout's)."""
     placement = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
     held = placement.chunks_of(stage)
     token_keys = [k for k in stage_keys(0 in held, placement.total - 1 in held) if k in TOKEN_KEYS]
-    rows = layout.micro_batch_size * layout.num_microbatches
+    rows = layout.micro_batch_size * (layout.num_microbatches if microbatches is None else microbatches)
     if on_host and token_keys and layout.micro_batch_size == 1 and layout.cp == 1:
         tokens = rows * (layout.seq_len + 1)
     else:

@@ -189,7 +189,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
 def stage_activation_bytes(
     config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int], assumptions: ActivationAssumptions,
     chunk_layers: Sequence[Sequence[int]] | None = None, w_lags: Sequence[int] | None = None,
-    schedules: ScheduleCache | None = None,
+    schedules: ScheduleCache | None = None, step_microbatches: int | None = None,
 ) -> tuple[float, int]:
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
@@ -208,10 +208,12 @@ def stage_activation_bytes(
     planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
     caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
     ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built. Plus, with
-    ``small_stats``, the step's microbatch tensors, once (``batch_tensors``).
+    ``small_stats``, the step's microbatch tensors, once, for ``step_microbatches`` of them (default: the layout's;
+    the search's ``memory_layout`` caps the layout's count, not the step's).
     """
     peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
-    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host) if assumptions.small_stats else 0), inflight
+    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host, step_microbatches)
+                   if assumptions.small_stats else 0), inflight
 
 
 def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
@@ -284,11 +286,13 @@ def estimate_memory(
     assumptions: ActivationAssumptions | None = None,
     stage_layers: list[int] | None = None,
     schedules: ScheduleCache | None = None,
+    step_microbatches: int | None = None,
 ) -> MemoryEstimate:
     """Per-stage memory of ``layout`` running ``config``; ``.worst`` is the rank that decides.
 
     ``stage_layers`` (layers per stage) defaults to the pipeline engine's split;
     callers that evaluate many layouts pass it to avoid recomputing the split, and ``schedules`` (theirs).
+    ``step_microbatches``: the step's count where ``layout``'s is capped (``stage_activation_bytes``).
     """
     check_fits_model(config, layout)
     if assumptions is None:
@@ -301,7 +305,8 @@ def estimate_memory(
     ids = stage_layer_indices(config, layout, stage_layers)
     lags = zb_h1_w_lags(config, layout) if layout.schedule == "zb_h1" else None
     schedules = ScheduleCache.of(schedules)  # zbv: one build for all stages
-    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags, schedules) for stage in range(layout.pp)]
+    stages = [_stage_memory(config, layout, stage, ids[stage], assumptions, lags, schedules, step_microbatches)
+              for stage in range(layout.pp)]
     return MemoryEstimate(config=config, layout=layout, stages=stages)
 
 
@@ -342,7 +347,7 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
 
 def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Sequence[int],
                   assumptions: ActivationAssumptions, w_lags: Sequence[int] | None = None,
-                  schedules: ScheduleCache | None = None) -> StageMemory:
+                  schedules: ScheduleCache | None = None, step_microbatches: int | None = None) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
     held = rank_params(config, layout.tp, layout.pp, stage, layers).total
@@ -366,7 +371,7 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
         states = _add(states, states_of(expert_held, edp, layout.expert_zero, gathered=gathered))
         offloaded = _add(offloaded, offloaded_state_bytes(expert_held, edp, layout.expert_zero, layout.offload))
     activations, inflight = stage_activation_bytes(config, layout, stage, layers, assumptions, w_lags=w_lags,
-                                                   schedules=schedules)
+                                                   schedules=schedules, step_microbatches=step_microbatches)
     workspace = workspace_bytes(config, layout, stage, assumptions, layers)
     if layout.offload == "none":  # the step's temporaries come after backward has freed the activations
         dense_shard = math.ceil(dense / dp_cp) if layout.zero_stage >= 1 else dense
