@@ -102,7 +102,8 @@ def _settings(config, cluster, request):
             for zero in request.zero_stages:
                 for ezero in expert_zero_choices(config, zero, request):
                     layout = base.replace(recompute=recompute, zero_stage=zero, expert_zero_stage=ezero)
-                    if estimate_memory(config, memory_layout(layout), stage_layers=splits).peak_bytes <= budget:
+                    if estimate_memory(config, memory_layout(layout), stage_layers=splits,
+                                       step_microbatches=layout.num_microbatches).peak_bytes <= budget:
                         fits = True
                         out.append((index, layout, splits))
             if fits:

@@ -241,6 +241,8 @@ def memory_layout(layout: Layout) -> Layout:
     1,454,612,480 B at m = 0 mod 3, 1,387,061,248 B otherwise; p 4: m = 1 mod 4 peaks 2.6% above
     m = 0 mod 4). Keeping m's remainder modulo 2p keeps that drain, so building the schedule for at most
     5p microbatches instead of m gives the same peak (tests compare both) and keeps large searches fast.
+    The step's microbatch tensors grow with m itself: the caller passes the step's count
+    (``estimate_memory(step_microbatches=...)``).
     """
     p, m = layout.pp, layout.num_microbatches
     cap = 3 * p + (m - 3 * p) % (2 * p)
@@ -288,8 +290,9 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                         continue
                     layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload,
                                           expert_zero_stage=ezero)
-                    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits[key],
-                                             schedules=schedules)
+                    runs = options.runs(layout)
+                    memory = estimate_memory(config, memory_layout(runs), stage_layers=splits[key],
+                                             schedules=schedules, step_microbatches=runs.num_microbatches)
                     if memory.peak_bytes > budget:
                         if result.closest is None or memory.peak_bytes < result.closest[1].peak_bytes:
                             result.closest = (layout, memory)
@@ -334,7 +337,9 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
               else stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len))
     options = options or CostOptions()
     schedules = ScheduleCache.of(schedules)
-    memory = estimate_memory(config, memory_layout(options.runs(layout)), stage_layers=splits, schedules=schedules)
+    runs = options.runs(layout)
+    memory = estimate_memory(config, memory_layout(runs), stage_layers=splits, schedules=schedules,
+                             step_microbatches=runs.num_microbatches)
     step = estimate_step(config, layout, cluster, options, splits, chunk_layers=chunk_layers, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)
 
