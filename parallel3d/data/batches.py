@@ -110,19 +110,8 @@ class DistributedBatchIterator:
         ids = self.local_sample_ids(self.next_sample)
         needs_tokens = any(k in self.keys for k in TOKEN_KEYS)
         tokens = torch.from_numpy(self.dataset.get_samples(ids)) if needs_tokens else None
-        sample_ids = torch.from_numpy(ids)
-        microbatches = []
-        for j in range(self.num_microbatches):
-            rows = slice(j * self.micro_batch_size, (j + 1) * self.micro_batch_size)
-            mb: Microbatch = {}
-            if INPUT_IDS in self.keys:
-                mb[INPUT_IDS] = tokens[rows, :-1].contiguous()
-            if LABELS in self.keys:
-                mb[LABELS] = tokens[rows, 1:].contiguous()
-            mb[SAMPLE_IDS] = sample_ids[rows].clone()
-            if DOCUMENT_IDS in self.keys:
-                mb[DOCUMENT_IDS] = document_ids(tokens[rows, :-1], self.eod_id)
-            microbatches.append(mb)
+        microbatches = split_step(tokens, torch.from_numpy(ids), self.keys, self.num_microbatches,
+                                  self.micro_batch_size, self.eod_id)
         self.next_sample += self.global_batch_size
         return microbatches
 
@@ -154,3 +143,23 @@ class DistributedBatchIterator:
         if not isinstance(next_sample, int) or next_sample < 0:
             raise DataError(f"data state next_sample={next_sample!r} must be a non-negative int")
         self.next_sample = next_sample
+
+
+def split_step(tokens: torch.Tensor | None, sample_ids: torch.Tensor, keys: tuple[str, ...], num_microbatches: int,
+               micro_batch_size: int, eod_id: int | None = None) -> list[Microbatch]:
+    """One step's token rows ``[N, s+1]`` (None where no token key is read) and sample ids ``[N]`` cut into
+    microbatches of ``keys``. At micro-batch 1 each row slice is contiguous already, so the ids and labels are
+    views of ``tokens`` (the engine counts the storages once per step); the dry run cuts its meta step here too."""
+    microbatches = []
+    for j in range(num_microbatches):
+        rows = slice(j * micro_batch_size, (j + 1) * micro_batch_size)
+        mb: Microbatch = {}
+        if INPUT_IDS in keys:
+            mb[INPUT_IDS] = tokens[rows, :-1].contiguous()
+        if LABELS in keys:
+            mb[LABELS] = tokens[rows, 1:].contiguous()
+        mb[SAMPLE_IDS] = sample_ids[rows].clone()
+        if DOCUMENT_IDS in keys:
+            mb[DOCUMENT_IDS] = document_ids(tokens[rows, :-1], eod_id)
+        microbatches.append(mb)
+    return microbatches

@@ -22,8 +22,8 @@ from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state, runs_on_nccl
 from parallel3d.dryrun.messages import Messages
 from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
-from parallel3d.dryrun.step import Counts, NotLinear, extrapolate, reduced_microbatches, run_step
-from parallel3d.pipeline.actions import COMPUTE_KINDS
+from parallel3d.dryrun.step import Counts, NotLinear, batch_on_host, extrapolate, reduced_microbatches, run_step
+from parallel3d.pipeline.actions import COMPUTE_KINDS, splits_backward
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import build_schedule
@@ -90,7 +90,7 @@ def _activation_bytes(rj: ResolvedJob, stage: int, layers: int, nccl: bool) -> i
         fused = job_runs_fused_kernels(rj.model.backend, rj.job.train.device)
         assumptions = dataclasses.replace(
             ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch"),
-            sends_complete_unwaited=nccl)
+            sends_complete_unwaited=nccl, batch_on_host=batch_on_host(rj))
         chunks = [list(range(a, b)) for a, b in _chunk_ranges(rj, stage)]
         return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions, chunks)[0])
     except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block
@@ -102,12 +102,17 @@ def _build(rj: ResolvedJob, pstate) -> tuple[list[torch.nn.Module], ZeroOptimize
     return chunks, build_optimizer(rj, chunks, pstate)
 
 
-def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, first) -> Counts:
+def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, first, split: bool) -> Counts:
     """Run the step (reduced when ``reduced_microbatches`` allows; ``step`` module doc), fill the
-    report's measured activation peak and step sizes; the step's messages at the full count."""
+    report's measured activation peak and step sizes; the step's messages at the full count. ``split``: the
+    stage's backwards are split (``W`` actions); with gradients reduce-scattered during backward (ZeRO 2 or 3,
+    dense or experts) its reduce-scatters follow the order of its ``W`` actions, which two reduced steps do not
+    tell even when their counts look linear (fuzz case 2084, ZB-V ZeRO 2: 4 and 5 microbatches extrapolate to 84
+    reduce-scatters at 6, the full step sends 88): the full step runs."""
     p, m = rj.job.parallel, rj.grad_accum
-    reduced = reduced_microbatches(p.schedule, p.pp, m, p.virtual_stages, stage,
-                                   rj.pipeline.splits_drain(rj.train.recompute), job_w_lags(rj))
+    order_bound = split and max(rj.zero.zero_stage, rj.zero.expert_zero_stage or 0) >= 2
+    reduced = None if order_bound else reduced_microbatches(
+        p.schedule, p.pp, m, p.virtual_stages, stage, rj.pipeline.splits_drain(rj.train.recompute), job_w_lags(rj))
     if reduced is not None:
         a = run_step(rj, pstate, *first, reduced[0])
         b = run_step(rj, pstate, *_build(rj, pstate), reduced[1])  # fresh, so both are a first step
@@ -117,7 +122,7 @@ def _step_messages(rj: ResolvedJob, pstate, stage: int, report: RankReport, firs
             first = _build(rj, pstate)
         else:
             report.step_microbatches = list(reduced)
-            report.activation_bytes = a.peak_activation_bytes
+            report.activation_bytes = a.peak_at(m)
             return counts
     full = run_step(rj, pstate, *first, m)
     report.step_microbatches = [m]
@@ -142,7 +147,7 @@ def _fill(report: RankReport, rj: ResolvedJob, nccl: bool) -> None:
         report.actions = {k: sum(a.kind == k for a in actions) for k in COMPUTE_KINDS
                           if any(a.kind == k for a in actions)}
         report.activation_bytes_planner = _activation_bytes(rj, stage, report.layers, nccl)
-        counts = _step_messages(rj, pstate, stage, report, (chunks, optimizer))
+        counts = _step_messages(rj, pstate, stage, report, (chunks, optimizer), splits_backward(actions))
     report.messages = [Messages(f"{kind} {op}", calls, nbytes, "step")
                        for (kind, op), (calls, nbytes) in sorted(counts.items())]
 

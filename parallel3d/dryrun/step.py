@@ -22,7 +22,8 @@ schedule has the same warm-up (the same most-loaded moments: microbatches in fli
 chunks may save different bytes per microbatch). The step runs at
 ``m1`` and ``m2 > m1`` microbatches (the two smallest counts with the full step's in-flight profile) and is
 extrapolated linearly to ``m``; the activation peak is the ``m1`` step's, which holds the same
-number of microbatches in flight as the full step. ``m <= m2``: the full step runs once. Where the two
+number of microbatches in flight as the full step, with the step's microbatch tensors at ``m``
+(``StepMeasure.peak_at``: the engine counts all of them, once, for the whole step). ``m <= m2``: the full step runs once. Where the two
 steps' messages are not linear (``NotLinear``: ZeRO-3's reduce-scatters on a ZB-V stage follow the order
 of its W actions, not the count) the caller runs the full step instead.
 """
@@ -36,21 +37,24 @@ from typing import Sequence
 import torch
 
 from parallel3d.config import ResolvedJob
+from parallel3d.data.batches import split_step
 from parallel3d.dryrun.meta_attention import fused_attention_on_meta
 from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
 from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.actions import splits_backward
+from parallel3d.pipeline.activation_bytes import held_bytes
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.microbatch import SAMPLE_IDS
+from parallel3d.pipeline.microbatch import SAMPLE_IDS, TOKEN_KEYS
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import action_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.planning.split_memory import split_moments
 from parallel3d.zero.precision import precision_dtype
 
-__all__ = ["NotLinear", "StepMeasure", "in_flight_profile", "microbatch_shape", "reduced_microbatches", "run_step"]
+__all__ = ["NotLinear", "StepMeasure", "batch_on_host", "in_flight_profile", "meta_batch", "microbatch_shape",
+           "reduced_microbatches", "run_step"]
 
 Counts = dict[tuple[str, str], tuple[int, int]]  # (group kind, op) -> (calls, bytes)
 
@@ -62,6 +66,13 @@ class StepMeasure:
     microbatches: int
     peak_activation_bytes: int
     messages: Counts
+    microbatch_bytes: int  # one microbatch's tensors (every one alike), in the peak once per microbatch of the step
+
+    def peak_at(self, m: int) -> int:
+        """The activation peak of the step at ``m`` microbatches with this step's in-flight profile: the engine
+        counts the step's microbatch tensors once each, for the whole step (``pipeline.step_run``), and the
+        rest of the peak is the in-flight microbatches', the same at either count."""
+        return self.peak_activation_bytes + (m - self.microbatches) * self.microbatch_bytes
 
 
 def in_flight_profile(name: str, pp: int, m: int, v: int, stage: int,
@@ -118,14 +129,35 @@ def microbatch_shape(rj: ResolvedJob, key: str) -> tuple[int, ...]:
     return (t.micro_batch_size,) if key == SAMPLE_IDS else (t.micro_batch_size, t.seq_len // p.cp)
 
 
+def batch_on_host(rj: ResolvedJob) -> bool:
+    """Whether the engine gets the data path's own microbatches (``data.batches.split_step``; at micro-batch 1
+    views of one step token buffer): a job on the CPU, whose ``Trainer._to_device`` moves nothing. A device job
+    gets a copy of each tensor on the device, one storage each."""
+    return rj.job.train.device == "cpu"
+
+
+def meta_batch(rj: ResolvedJob, keys: tuple[str, ...], microbatches: int) -> list[dict[str, torch.Tensor]]:
+    """The step's microbatches on meta, laid out as the trainer hands them to the engine: on the host the data
+    path's (``batch_on_host``), without cp (cp cuts each microbatch's tokens into new tensors of its share);
+    else one storage per tensor, of ``microbatch_shape``."""
+    t = rj.job.train
+    if batch_on_host(rj) and rj.job.parallel.cp == 1:
+        rows = microbatches * t.micro_batch_size
+        tokens = torch.zeros((rows, t.seq_len + 1), dtype=torch.long, device="meta") \
+            if any(k in TOKEN_KEYS for k in keys) else None
+        return split_step(tokens, torch.zeros(rows, dtype=torch.long, device="meta"), keys, microbatches,
+                          t.micro_batch_size)
+    return [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in keys}
+            for _ in range(microbatches)]
+
+
 def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> StepMeasure:
     """One step of ``microbatches`` microbatches on this rank (module doc); raises what step 1 would."""
     t, p = rj.job.train, rj.job.parallel
     engine = _engine(rj, chunks, pstate, optimizer, microbatches)
     # No document ids, even with data.document_mask: where documents end is data (the cp block plan reads it),
     # so every sequence is one document here (docs/dryrun.md, "Drawn layouts no other test names", finding 5).
-    batch = [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in engine.microbatch_keys}
-             for _ in range(microbatches)]
+    batch = meta_batch(rj, engine.microbatch_keys, microbatches)
     stats = pstate.comm_stats
     stats.reset()
     moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)
@@ -144,7 +176,9 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     counts = {key: (stats.calls[key], stats.bytes[key]) for key in stats.bytes}
     stats.reset()
     assert result.peak_activation_bytes is not None  # asked for above
-    return StepMeasure(microbatches, result.peak_activation_bytes, counts)
+    # Linear in the count: one storage per tensor, or one step buffer of as many rows as microbatches x their size.
+    step_tensors = held_bytes([x for mb in batch for x in mb.values()], set())
+    return StepMeasure(microbatches, result.peak_activation_bytes, counts, step_tensors // microbatches)
 
 
 class NotLinear(RuntimeError):

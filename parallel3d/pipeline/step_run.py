@@ -6,7 +6,8 @@ gradients from their arrival to the ``B``; input gradients from the ``B`` to the
 send (or to the ``B`` of the chunk before it on this stage); with split backwards the
 weight-gradient work from ``B`` to ``W``. ``stored_bytes`` has a key per stored
 microbatch-chunk; only a step that accounts its activations (``account``) counts their
-bytes there (``activation_bytes``); the others keep 0s and skip the saved-tensor hooks.
+bytes there (``activation_bytes``); the others keep 0s and skip the saved-tensor hooks. The step's
+microbatch tensors count once, for the whole step (``batch_bytes``), never inside a forward's.
 Everything an action needs beyond these dicts was resolved when
 the plan was compiled (``step_plan``), so nothing is looked up or allocated per action
 but the tensors themselves.
@@ -73,7 +74,14 @@ class StepRun:
         self.microbatches = microbatches
         self.loss_factor = loss_scale / engine.num_microbatches
         self.step = step
-        self.param_storages = param_storages
+        # The step's microbatch tensors (token ids, labels, sample ids) are held by the caller from the first
+        # action to the last, whatever autograd saves of them: counted once, for the whole step (``batch_bytes``),
+        # and left out of each forward's saved bytes like the parameters. Counted per forward, a storage every
+        # microbatch shares (a CPU job's step token buffer, of which each microbatch's ids are views) was counted
+        # once per microbatch in flight, and a rank's peak depended on which ops happen to save the ids.
+        batch = [t for mb in microbatches for t in mb.values() if isinstance(t, torch.Tensor)] if account else []
+        self.batch_bytes = held_bytes(batch, set())
+        self.excluded_storages = param_storages | {storage_key(t) for t in batch}  # not activations
         self.undeferred = undeferred  # split backwards: per chunk, the parameters B accumulates
         self.inputs: dict[Key, torch.Tensor] = {}  # received (or handed-over) activations, requiring grad
         self.outputs: dict[Key, torch.Tensor] = {}  # chunk outputs; the scaled loss on the last chunk
@@ -173,7 +181,7 @@ class StepRun:
             x = self.inputs[key]
         # Saved-tensor hooks only on a step that accounts its activations; on the others whether a sent
         # output may go is read off the output itself (output_saved).
-        saved = SavedBytes(self.param_storages) if self.account else None
+        saved = SavedBytes(self.excluded_storages) if self.account else None
         with saved.recording() if saved is not None else nullcontext():
             out = c.module(x, mb["labels"] if c.last else None, sample_ids=mb["sample_ids"], step=self.step,
                            **document_kwargs(mb))
@@ -199,7 +207,7 @@ class StepRun:
         right after a ``B`` (its microbatch now holds W's tensors; the engine records both)."""
         self.peak_live = max(self.peak_live, len(self.stored_bytes))  # F until B (split: until W)
         if self.account:
-            self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()))
+            self.peak_bytes = max(self.peak_bytes, sum(self.stored_bytes.values()) + self.batch_bytes)
 
     def backward(self, c: PlannedCompute) -> None:
         e, key = self.engine, c.key
@@ -222,7 +230,7 @@ class StepRun:
             if not work.holds(inp):  # else W reads the input itself: W frees the graph
                 self._spent(out, inp)
             # the graph's activations are gone; what the queue holds counts instead
-            self.stored_bytes[key] = held_bytes(work.held, self.param_storages) if self.account else 0
+            self.stored_bytes[key] = held_bytes(work.held, self.excluded_storages) if self.account else 0
             self.freeable_bytes.pop(key, None)
             return
         torch.autograd.backward(out, grad_tensors=grad)

@@ -37,6 +37,13 @@ NORM_STATS_PER_TOKEN: dict[str, int] = {"layernorm": 2, "rmsnorm": 1}
 # Bytes per hidden element the torch reference norm of each kind keeps (None: one activation-dtype copy
 # of its input, as the fused kernels keep): the RMSNorm reference keeps fp32 input and normalised output.
 REFERENCE_NORM_KEPT_BYTES: dict[str, float | None] = {"layernorm": None, "rmsnorm": 8.0}
+# Bytes per local token a loss keeps beside its logits and its targets (the targets are the step's labels,
+# counted with the step's microbatch tensors, ``batch_tensors``): the kernels' sharded cross entropy
+# (``ShardedCrossEntropy``, also the fused full-vocabulary one at tp 1) an fp32 log-sum-exp and a bool valid
+# mask per row; the torch vocab-parallel one (``tensor_parallel.cross_entropy``) its int64 shard-local targets
+# and two bool masks; torch's own cross entropy (tp 1 on the torch path) nothing beyond its log-softmax.
+SHARDED_LOSS_TOKEN_BYTES = 4 + 1
+VOCAB_PARALLEL_LOSS_TOKEN_BYTES = 8 + 1 + 1
 
 
 @dataclass(frozen=True)
@@ -65,10 +72,17 @@ class ActivationAssumptions:
     # input and of its normalised output: 8.
     norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
-    small_stats: bool = False  # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids
+    # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids, the loss's per-token tensors
+    # (``loss_token_bytes``) and the step's microbatch tensors (``batch_tensors``): what the paper leaves out
+    small_stats: bool = False
+    # A CPU job's microbatches are the data path's own (``batch_tensors.step_batch_bytes``), not device copies.
+    batch_on_host: bool = False
     # Bytes per logit the tp = 1 cross entropy keeps on the last stage (fp32 log-softmax, or the fused kernel's
     # logits in their dtype); at tp > 1 the sharded loss the model runs decides (``loss_logit_bytes``).
     logits_bytes: int = 4
+    # Bytes per token the tp = 1 loss keeps beside its logits (``SHARDED_LOSS_TOKEN_BYTES`` for the fused
+    # kernel; torch's none); at tp > 1 the sharded loss the model runs decides (``loss_token_bytes``).
+    loss_token_bytes: int = 0
     # Logit-sized fp32 tensors alive at the loss's backward beyond the kept ones (the torch path: the
     # gradient nll_loss_backward returns and log_softmax_backward's output, both alive at once, as
     # the CPU allocator's peak shows in tests/test_planning_measured_cp.py):
@@ -115,6 +129,7 @@ class ActivationAssumptions:
             # The fused cross entropy (Triton, full or vocab-sharded) keeps the logits in their own
             # dtype (plus fp32 per-row stats); torch's keeps an fp32 log-softmax.
             logits_bytes=4 if reference else (4 if precision == "fp32" else 2),
+            loss_token_bytes=0 if reference else SHARDED_LOSS_TOKEN_BYTES,
             logits_backward_copies=2 if reference else 0,
             reference_attention_blocks=reference,
             reduce_scatter_staging_copies=1 if reference else 0,
@@ -227,12 +242,13 @@ def layer_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Act
 
 
 def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """First stage, per in-flight microbatch: the embedding-output dropout mask, and (``small_stats``) the
-    lookup's saved int64 ids of the rank's tokens (and positions, where learned), with tp > 1 also the bool
-    mask of ids outside its vocabulary shard (``tensor_parallel.layers.vocab_parallel_embedding``; the whole
-    local sequence: the lookup runs before sequence parallel's reduce-scatter)."""
+    """First stage, per in-flight microbatch: the embedding-output dropout mask, and (``small_stats``) with
+    tp > 1 the lookup's saved int64 shard-local ids and the bool mask of ids outside its vocabulary shard
+    (``tensor_parallel.layers.vocab_parallel_embedding``; the whole local sequence: the lookup runs before
+    sequence parallel's reduce-scatter), and learned positions' int64 positions. At tp 1 the lookup saves the
+    microbatch's own ids, counted once per step with the step's tensors (``batch_tensors``)."""
     tokens = local_seq_len(layout) * layout.micro_batch_size
-    lookup = (8 + (1 if layout.tp > 1 else 0)) * tokens if assumptions.small_stats else 0.0
+    lookup = (8 + 1) * tokens if assumptions.small_stats and layout.tp > 1 else 0.0
     if assumptions.small_stats and config.spec.learned_positions:
         # the position lookup's int64 positions, one row for the batch (``models.gpt.Embedding``): the rank's
         # sequence-parallel slice, or cp's whole local positions (the slice is a view of them)
@@ -246,7 +262,7 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input, head input, the loss's kept logits of the vocab shard
-    (``loss_logit_bytes``)."""
+    (``loss_logit_bytes``) and its per-token tensors (``loss_token_bytes``)."""
     s, b, h = local_seq_len(layout), layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
     head_input = float(assumptions.element_bytes * s * b * h)
@@ -255,7 +271,7 @@ def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Acti
         norm_and_head_inputs /= layout.tp
     local_vocab = padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
     logits = loss_logit_bytes(config, layout, assumptions) * s * b * local_vocab
-    return norm_and_head_inputs + logits
+    return norm_and_head_inputs + logits + loss_token_bytes(config, layout, assumptions) * s * b
 
 
 def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
@@ -269,6 +285,20 @@ def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: Activatio
     if runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp):
         return 4  # fp32 softmax (``tensor_parallel.cross_entropy``)
     return assumptions.element_bytes
+
+
+def loss_token_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
+    """Bytes per local token the loss keeps beside its logits and targets. tp = 1: the assumptions'. tp > 1:
+    the sharded loss the model runs (``runs_vocab_parallel_loss``, as ``loss_logit_bytes`` asks). Only with
+    ``small_stats``."""
+    if not assumptions.small_stats:
+        return 0
+    if layout.tp == 1:
+        return assumptions.loss_token_bytes
+    padded = padded_vocab_size(config.vocab_size, layout.tp)
+    if runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp):
+        return VOCAB_PARALLEL_LOSS_TOKEN_BYTES
+    return SHARDED_LOSS_TOKEN_BYTES
 
 
 def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: ActivationAssumptions) -> int:
@@ -297,12 +327,15 @@ def chunk_output_bytes(config: ModelConfig, layout: Layout, assumptions: Activat
     return _boundary_tensor_bytes(config, layout, assumptions)
 
 
-def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
+def received_input_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions,
+                         has_layers: bool = True) -> float:
     """A chunk input received from another stage, per in-flight microbatch: the engine holds it until the
     chunk's backward. Counted only where no saved tensor of the layer formulas is that storage: the torch
     RMSNorm keeps fp32 copies of a 16-bit input (``REFERENCE_NORM_KEPT_BYTES``), not the input itself;
-    full recompute's checkpoint, the fused norms and LayerNorm keep the input as it is."""
-    if layout.recompute == "full" or assumptions.norm_kept_bytes is None or assumptions.element_bytes == 4:
+    full recompute's checkpoint (of a chunk ``has_layers``: a head-only chunk has none, its final norm runs
+    as is), the fused norms and LayerNorm keep the input as it is."""
+    if (layout.recompute == "full" and has_layers) or assumptions.norm_kept_bytes is None \
+            or assumptions.element_bytes == 4:
         return 0.0
     return _boundary_tensor_bytes(config, layout, assumptions)
 

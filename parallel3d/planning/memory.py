@@ -4,12 +4,8 @@ Model states follow the ZeRO paper's arithmetic (Rajbhandari et al. 2020,
 section 3 and Figure 1): with mixed precision and Adam a parameter costs
 2 bytes of 16-bit weight + 2 bytes of 16-bit gradient + K = 12 bytes of fp32
 master weight and two moments. ZeRO stage 1 divides the K bytes by dp, stage 2
-also the gradients, stage 3 also the weights, plus the gather window: the units
-whole at once (``parallel3d.zero.params_sharded``, ``units``: in ``microbatch``
-mode the stage's root unit (final norm, plus the word embedding when it is tied),
-the largest unit computing (a layer, or an untied embedding or head) and
-``zero3_prefetch`` more layers; every parameter of the stage during a step in
-``step`` mode, the default with pp > 1). Offload moves the K bytes off the device: to host
+also the gradients, stage 3 also the weights, plus the gather window (the units
+whole at once, ``planning.gather_window``). Offload moves the K bytes off the device: to host
 memory (``cpu``) or disk (``disk``), reported as ``host`` / ``disk`` beside the
 device total. ``PrecisionBytes.for_precision`` has the per-precision
 byte counts parallel3d's ZeRO optimizer uses: gradients are fp32 main grads
@@ -40,10 +36,11 @@ from parallel3d.planning.activations import (
     mlp_half_activation_bytes,
     received_input_bytes,
 )
+from parallel3d.planning.batch_tensors import step_batch_bytes
+from parallel3d.planning.gather_window import gather_window_params
 from parallel3d.planning.grad_buckets import largest_grad_piece, reduce_scatter_staging_bytes
 from parallel3d.planning.layout import Layout, check_fits_model
 from parallel3d.planning.params import (
-    largest_layer_params,
     largest_tensor,
     rank_params,
     stage_expert_params,
@@ -176,22 +173,6 @@ def offloaded_state_bytes(params: int, dp: int, zero_stage: int, offload: str) -
     return {"host": state if offload == "cpu" else 0.0, "disk": state if offload == "disk" else 0.0}
 
 
-def gather_window_params(config: ModelConfig, layout: Layout, stage: int, layers: int) -> int:
-    """Parameters stage 3 holds whole at its peak on one rank of pipeline ``stage`` (module doc)."""
-    if layout.zero_stage != 3:
-        return 0
-    rp = rank_params(config, layout.tp, layout.pp, stage, layers)
-    if layout.zero3_mode == "step":
-        return rp.total
-    layer = largest_layer_params(config, layout.tp, layers)
-    if config.tie_embeddings:  # the embedding (and its copy on the last stage) live in the root
-        root, own_units = rp.embedding + rp.head + rp.final_norm, [layer]
-    else:  # untied embedding and head are units of their own (models.transformer marks them)
-        root, own_units = rp.final_norm, [layer, rp.embedding, rp.head]
-    count = layers if isinstance(layers, int) else len(layers)
-    return root + max(own_units) + min(count, layout.zero3_prefetch) * layer
-
-
 def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Sequence[int]) -> list[list[int]]:
     """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
     own split where the counts are its counts, else consecutive runs of the counts (the stage order
@@ -226,8 +207,17 @@ def stage_activation_bytes(
     microbatches in flight times its own bytes. That builds the schedule (seconds at m = 128), so the
     planner's search, which passes counts, keeps the mean. ``w_lags``: zb_h1's lags of every stage when the
     caller has them (``zb_h1_w_lags`` prices all stages at once: once per layout, not once per stage).
-    ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built.
+    ``schedules``: the search's built schedules (``ScheduleCache``), where a schedule is built. Plus, with
+    ``small_stats``, the step's microbatch tensors, once (``batch_tensors``).
     """
+    peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
+    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host) if assumptions.small_stats else 0), inflight
+
+
+def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
+                    assumptions: ActivationAssumptions, chunk_layers: Sequence[Sequence[int]] | None,
+                    w_lags: Sequence[int] | None, schedules: ScheduleCache | None) -> tuple[float, int]:
+    """``stage_activation_bytes`` but for the step's microbatch tensors: what the in-flight microbatches hold."""
     ids = stage_layer_ids(config.shape, layers)
     computations = stage_computations(config, layout, stage, w_lags, schedules)
     if computations is not None:  # B and W split: held and W-pending bytes per chunk (split_memory)
@@ -241,8 +231,8 @@ def stage_activation_bytes(
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
             and loop:
         per_chunk = [_layers_bytes(config, layout, ids, assumptions) for ids in chunk_layers]
-        received = received_input_bytes(config, layout, assumptions)
-        per_chunk = [b + (received if stage or c else 0.0) for c, b in enumerate(per_chunk)]
+        per_chunk = [b + (received_input_bytes(config, layout, assumptions, bool(chunk_layers[c])) if stage or c
+                          else 0.0) for c, b in enumerate(per_chunk)]
         if stage == 0:
             per_chunk[0] += embedding_activation_bytes(config, layout, assumptions)
         if stage == layout.pp - 1:  # the model's last chunk: the head's, while its microbatch is in flight
@@ -261,7 +251,7 @@ def stage_activation_bytes(
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     # every chunk but the model's first receives its input (on stage 0: all but chunk 0's microbatches)
     received = inflight - (microbatches_in_flight if stage == 0 else 0)
-    total += received * received_input_bytes(config, layout, assumptions)
+    total += received * received_input_bytes(config, layout, assumptions, bool(ids))
     if stage == 0:
         total += microbatches_in_flight * embedding_activation_bytes(config, layout, assumptions)
     return total + _outputs_and_head(config, layout, stage, inflight, assumptions), inflight

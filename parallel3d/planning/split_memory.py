@@ -121,7 +121,7 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
         if k == 0:
             h += embedding_activation_bytes(config, layout, assumptions)
         elif place.stage_of(k - 1) != stage:  # received, not handed over (that is the previous chunk's output)
-            h += received_input_bytes(config, layout, assumptions)
+            h += received_input_bytes(config, layout, assumptions, bool(ids))
         if k == last:
             h += head_activation_bytes(config, layout, assumptions)
             w += head_weight_grad_input_bytes(config, layout, assumptions)
