@@ -75,7 +75,7 @@ def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int |
     ``placement``: where the runtime puts the model chunks (``Layout.placement``; None: a loop)."""
     first, last = _ends(pp, stage, placement)
     shape, ids = config.shape, _stage_ids(config, pp, stage, layers)
-    if first and last and pp > 1:  # zbv's stage 0: the embedding's and the head's are two chunks
+    if first and last and placement is not None and placement.total > 1:  # zbv's stage 0: two chunks, two ends
         body, head = shape.held_params(tp, ids, True, False), shape.held_params(tp, (), False, True)
         return HeldParams(layers=body.layers, embedding=body.embedding, head=head.head, final_norm=head.final_norm)
     return shape.held_params(tp, ids, first, last)
