@@ -135,14 +135,7 @@ def test_plan_yaml_defaults_are_the_requests():
 # Known gaps found in session 43 in planning/memory.py (another session's file: reported, not fixed here). Pinned,
 # not skipped (a skip or xfail fails the suite: conftest's NoSilentSkips): on these the test requires the gap to
 # still be there, so the fix fails it with a message saying which entry to remove; with no entry it is the invariant.
-KNOWN_GAPS: dict[str, str] = {
-    # gather_window_params takes rank_params(...).total, which holds every routed expert on every rank: Mixtral
-    # 8x7B at ep 8, pp 2, ZeRO-3 gathers 48.75 GiB a rank where the rank holds 6.75 GiB of weights unsharded.
-    "moe_zero3_gather": "ZeRO-3's gather window counts every routed expert whole",
-    # zbv places model chunk 2p - 1 (the head) on stage 0; the estimate (rank_params: stage == pp - 1) puts the
-    # head and final norm on stage p - 1. cli.layout_from_job gives the engine's stage layers ([2, 4] here).
-    "zbv_head": "zbv's head and final norm are counted on stage p - 1, not stage 0",
-}
+KNOWN_GAPS: dict[str, str] = {}  # "moe_zero3_gather" and "zbv_head" were fixed by mem43 (2026-12-07)
 
 
 def _expect(bad: list[str], gap: str) -> None:
@@ -171,12 +164,39 @@ def test_zero3_never_gathers_more_than_the_rank_holds_unsharded(pp):
     _expect(bad, "moe_zero3_gather")
 
 
-def test_zbv_state_bytes_equal_the_dry_run_optimizers():
+@pytest.mark.parametrize("expert_zero", [3, 1])
+def test_zero3_step_window_is_the_built_ranks_gathered_parameters(expert_zero):
+    """In ``step`` mode (pp > 1) ZeRO-3 holds every parameter its stage-3 layouts shard whole during the step: the
+    rank's built chunks (dense tp shards, its ep-local experts only), less the experts when they are not at stage 3."""
+    from parallel3d.config import resolve
+    from parallel3d.dryrun.fake_world import fake_rank_state
+    from parallel3d.param_meta import is_expert_param
+    from parallel3d.rank_build import build_chunks
+    from parallel3d.train import compose_job
+
+    overrides = ["model=mixtral_tiny", "train.seq_len=64", "parallel.pp=2", "parallel.dp=4", "parallel.ep=4",
+                 "parallel.zero_stage=3", f"parallel.expert_zero_stage={expert_zero}", "train.precision=bf16",
+                 "train.micro_batch_size=1", "train.global_batch_size=16"]
+    rj = resolve(compose_job(overrides)[0], world_size=8)
+    model, layout, stage_layers = cli.layout_from_job(rj.job, ClusterSpec.build(8, 8))
+    assert layout.zero3_mode == "step" and layout.expert_zero == expert_zero
+    estimate = estimate_memory(model, layout, stage_layers=stage_layers)
+    for rank in (0, 7):
+        with fake_rank_state(rj.topology, rank) as pstate:
+            params = [p for chunk in build_chunks(rj, pstate) for p in chunk.parameters()]
+            stage = pstate.coord("pp")
+        gathered = sum(2 * p.numel() for p in params if expert_zero == 3 or not is_expert_param(p))  # bf16
+        assert estimate.stages[stage].gathered_weights == gathered, f"rank {rank} (stage {stage})"
+
+
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_zbv_state_bytes_equal_the_dry_run_optimizers(tied):
     from tests.test_planning_states import _disagreements
 
     overrides = ["model=llama_tiny", "model.num_layers=6", "train.seq_len=32", "parallel.pp=2", "parallel.dp=1",
                  "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=1",
-                 "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4"]
+                 "train.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4",
+                 f"model.tie_embeddings={tied}"]  # tied: stage 0's head chunk holds its own copy of the word table
     _expect(_disagreements(2, overrides), "zbv_head")
 
 

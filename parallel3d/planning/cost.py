@@ -153,7 +153,7 @@ def stage_grad_groups(config: ModelConfig, layout: Layout, stage: int, layers: i
     shard them. (``rank_params`` counts every expert whole: reducing that over dp priced an ep=8
     layout's expert gradients 8x too large and over the wrong group.)"""
     ids = stage_layer_indices(config, layout.pp, stage, layers, layout.seq_len)
-    held = rank_params(config, layout.tp, layout.pp, stage, ids)
+    held = rank_params(config, layout.tp, layout.pp, stage, ids, layout.placement)
     whole, expert = stage_expert_params(config, layout.pp, stage, ids, layout.ep, layout.etp or layout.tp)
     groups = [(float(held.total - whole), "dp_cp", layout.zero_stage)]
     if expert:

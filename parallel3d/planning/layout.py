@@ -24,6 +24,7 @@ from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.option_checks import ConfigError, check_choice, check_int
 from parallel3d.parallel_dims import ParallelDims
 from parallel3d.pipeline.options import PipelineOptions
+from parallel3d.pipeline.placement import ChunkPlacement, placement_for
 from parallel3d.topology import LayoutError, Topology
 from parallel3d.train_options import TrainOptions
 from parallel3d.zero.options import ZeroOptions, resolve_reshard
@@ -130,6 +131,11 @@ class Layout:
     def zero3_mode(self) -> str:
         """When stage 3 frees gathered parameters: ``microbatch`` or ``step`` (``auto``: step if pp > 1)."""
         return resolve_reshard(self.zero3_reshard, self.pp)
+
+    @property
+    def placement(self) -> ChunkPlacement:
+        """Which stage runs each model chunk (``pipeline.placement``: zbv's V puts the head on stage 0)."""
+        return placement_for(self.schedule, self.pp, self.virtual_stages)
 
     @property
     def num_chunks(self) -> int:

@@ -350,11 +350,11 @@ def _stage_memory(config: ModelConfig, layout: Layout, stage: int, layers: Seque
                   schedules: ScheduleCache | None = None, step_microbatches: int | None = None) -> StageMemory:
     """One rank of ``stage``: dense states sharded by ZeRO over dp x cp (``dp_cp``), routed experts'
     states over ``edp = tp*cp*dp / (ep*etp)`` at ``layout.expert_zero``, plus activations and workspace."""
-    held = rank_params(config, layout.tp, layout.pp, stage, layers).total
+    held = rank_params(config, layout.tp, layout.pp, stage, layers, layout.placement).total
     etp = layout.etp or layout.tp
     expert_whole, expert_held = stage_expert_params(config, layout.pp, stage, layers, layout.ep, etp)
     dense = held - expert_whole  # rank_params counts every expert whole on every rank
-    largest = largest_tensor(config, layout.tp, layout.pp, stage, layers)
+    largest = largest_tensor(config, layout.tp, layout.pp, stage, layers, layout.placement)
     dp_cp = layout.dp * layout.cp
     edp = layout.tp * layout.cp * layout.dp // (layout.ep * etp)
 

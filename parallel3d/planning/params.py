@@ -1,10 +1,11 @@
 """Parameters per rank of a (tp, pp) layout, read from the model's shape (``models.shape``).
 
 ``ModelConfig.shape`` lists every parameter with its tp sharding class; this module only
-places them on pipeline stages the way ``build_model`` and the pipeline engine do: the first
-stage holds the embedding, the last the final norm and head, and a tied embedding has a copy
-on a last stage that is not also first (not a new parameter of the model, but memory on that
-rank). The vocabulary is padded to a multiple of tp. Cross-checked against meta-device builds
+places them on pipeline stages the way ``build_model`` and the pipeline engine do: the stage
+holding model chunk 0 has the embedding, the one holding the last model chunk the final norm and
+head (``pipeline.placement``: the last stage in a loop, stage 0 in zbv's V), and a tied embedding
+has a copy in a last chunk that is not also the first (not a new parameter of the model, but
+memory on that rank). The vocabulary is padded to a multiple of tp. Cross-checked against meta-device builds
 in tests.
 """
 
@@ -15,6 +16,7 @@ from typing import Sequence
 from models.config import ModelConfig
 from models.shape import HeldParams, ModelShape
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.placement import ChunkPlacement
 
 
 def stage_layer_counts(config: ModelConfig, pp: int, virtual_stages: int = 1, seq_len: int | None = None) -> list[int]:
@@ -56,23 +58,49 @@ def stage_layer_indices(config: ModelConfig, pp: int, stage: int, layers: int | 
     return _stage_ids(config, pp, stage, layers, seq_len)
 
 
-def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> HeldParams:
-    """Parameters on one tp rank of pipeline ``stage``, which holds ``layers`` (a count or the indices)."""
+def _ends(pp: int, stage: int, placement: ChunkPlacement | None) -> tuple[bool, bool]:
+    """(holds model chunk 0: the embedding, holds the last model chunk: final norm and head) for ``stage``,
+    as the runtime places chunks (``placement``; None: a loop, where they are stages 0 and pp - 1)."""
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}")
-    return config.shape.held_params(tp, _stage_ids(config, pp, stage, layers), stage == 0, stage == pp - 1)
+    place = placement or ChunkPlacement(pp)
+    if place.num_stages != pp:
+        raise ValueError(f"{place} does not have pp={pp} stages")
+    return place.stage_of(0) == stage, place.stage_of(place.total - 1) == stage
 
 
-def largest_tensor(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int]) -> int:
+def rank_params(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int],
+                placement: ChunkPlacement | None = None) -> HeldParams:
+    """Parameters on one tp rank of pipeline ``stage``, which holds ``layers`` (a count or the indices);
+    ``placement``: where the runtime puts the model chunks (``Layout.placement``; None: a loop)."""
+    first, last = _ends(pp, stage, placement)
+    shape, ids = config.shape, _stage_ids(config, pp, stage, layers)
+    if first and last and placement is not None and placement.total > 1:  # zbv's stage 0: two chunks, two ends
+        body, head = shape.held_params(tp, ids, True, False), shape.held_params(tp, (), False, True)
+        return HeldParams(layers=body.layers, embedding=body.embedding, head=head.head, final_norm=head.final_norm)
+    return shape.held_params(tp, ids, first, last)
+
+
+def largest_tensor(config: ModelConfig, tp: int, pp: int, stage: int, layers: int | Sequence[int],
+                   placement: ChunkPlacement | None = None) -> int:
     """Elements of the largest single parameter on one tp rank of a stage (its gradient is the
     transient a gradient hook holds before moving it into a main-grad buffer or shard)."""
-    return config.shape.largest_held_tensor(tp, _stage_ids(config, pp, stage, layers), stage == 0, stage == pp - 1)
+    first, last = _ends(pp, stage, placement)
+    return config.shape.largest_held_tensor(tp, _stage_ids(config, pp, stage, layers), first, last)
 
 
-def largest_layer_params(config: ModelConfig, tp: int, layers: int | Sequence[int]) -> int:
-    """Parameters of the largest of the stage's ``layers`` on one tp rank (0 without layers)."""
+def _routed_expert_numel(shape: ModelShape, layer: int) -> int:
+    """Elements of layer ``layer``'s routed experts, every expert whole (``ModelShape`` counts them whole)."""
+    return sum(t.numel for t in shape.layers[layer].tensors if t.expert is not None)
+
+
+def largest_layer_params(config: ModelConfig, tp: int, layers: int | Sequence[int], *,
+                         routed_experts: bool = True) -> int:
+    """Parameters of the largest of the stage's ``layers`` on one tp rank (0 without layers); without its
+    routed experts (which ZeRO lays out and gathers over ``edp``, apart) when not ``routed_experts``."""
     shape = config.shape
-    return max((shape.layers[i].params.per_rank(tp) for i in stage_layer_ids(shape, layers)), default=0)
+    return max((shape.layers[i].params.per_rank(tp) - (0 if routed_experts else _routed_expert_numel(shape, i))
+                for i in stage_layer_ids(shape, layers)), default=0)
 
 
 def stage_expert_params(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[int],
@@ -82,6 +110,5 @@ def stage_expert_params(config: ModelConfig, pp: int, stage: int, layers: int | 
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}")
     shape = config.shape
-    whole = sum(t.numel for i in stage_layer_ids(shape, layers) for t in shape.layers[i].tensors
-                if t.expert is not None)
+    whole = sum(_routed_expert_numel(shape, i) for i in stage_layer_ids(shape, layers))
     return whole, -(-whole // (ep * etp))
