@@ -18,6 +18,8 @@ Invariant, per case (``run``):
   case; fp16: at the default scale, which overflows nowhere here: a power-of-two scale rounds nothing).
   Re-batching the half-precision reference (fp32's floor) is no floor here: bf16 rounds each micro-batch's
   matmuls alike whatever the batching (step 1: 2e-6), while tp rounds its partial sums (step 1: 1.6e-4);
+- an MoE case in half precision that misses passes only as a top-k near tie (``tests/train_fuzz_ties.py``:
+  every flip up to its failing step within the score rounding, and the layout in fp32 agreeing), said so;
 - the layout stays within the same per-step tolerance of the fp32 single process (a broken cast, or fp16
   scaling not undone on some stage, leaves it), up to its first skipped step;
 - fp16: the layout skips (overflow, loss scale halved) the steps the single process skips (a skipped step's
