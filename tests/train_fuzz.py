@@ -18,6 +18,8 @@ Invariant, per case (``run``):
   case; fp16: at the default scale, which overflows nowhere here: a power-of-two scale rounds nothing).
   Re-batching the half-precision reference (fp32's floor) is no floor here: bf16 rounds each micro-batch's
   matmuls alike whatever the batching (step 1: 2e-6), while tp rounds its partial sums (step 1: 1.6e-4);
+- an MoE case in half precision that misses passes only as a top-k near tie (``tests/train_fuzz_ties.py``:
+  every flip up to its failing step within the score rounding, and the layout in fp32 agreeing), said so;
 - the layout stays within the same per-step tolerance of the fp32 single process (a broken cast, or fp16
   scaling not undone on some stage, leaves it), up to its first skipped step;
 - fp16: the layout skips (overflow, loss scale halved) the steps the single process skips (a skipped step's
@@ -190,16 +192,21 @@ class TrainResult:
     skipped: list[int]  # steps the layout skipped (fp16 overflow)
     reference_skipped: list[int]
     floors: dict[int, float]  # step -> the tolerance's measured floor (empty: fp32 met RTOL)
+    # tests/train_fuzz_ties.py: a half-precision MoE miss accepted as a top-k near tie (the verdict), or why not
+    near_tie: str = ""
+    tie_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.same.ok and not self.fp32_problems and self.skipped == self.reference_skipped
+        curve_ok = bool(self.near_tie) or (self.same.ok and not self.fp32_problems)
+        return curve_ok and self.skipped == self.reference_skipped
 
     def problems(self) -> list[str]:
+        """The curve's misses (listed also when accepted as a near tie: ``near_tie`` says so) and the rest."""
         out = list(self.same.problems()) + [f"vs fp32: {p}" for p in self.fp32_problems]
         if self.skipped != self.reference_skipped:
             out.append(f"skipped steps {self.skipped} != the single process's {self.reference_skipped}")
-        return out
+        return out + self.tie_problems
 
 
 def _skipped(records: list[dict]) -> list[int]:
