@@ -193,6 +193,18 @@ def test_reduced_step_extrapolates_to_the_full_step(extra, world, monkeypatch):
         assert short.activation_bytes == full.activation_bytes > 0
 
 
+def _as_the_full_step(rj, monkeypatch) -> dict:
+    """Each rank's dry run as it chose to run it, checked against the full step forced (no reduced steps):
+    the same messages and activation peak on every rank. Returns the reports as run."""
+    ran = {r: dry_run_rank(rj, r) for r in range(rj.world_size)}
+    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
+    for rank, report in ran.items():
+        full = dry_run_rank(rj, rank)
+        assert report.error is None and full.error is None, (report.error, full.error)
+        assert (report.messages, report.activation_bytes) == (full.messages, full.activation_bytes), rank
+    return ran
+
+
 def test_a_stage_whose_messages_are_not_linear_runs_the_full_step(monkeypatch):
     """ZeRO 3 on ZB-V (gpt_tiny pp 2 v 2, dp 2, 16 microbatches): stage 1's reduce-scatters follow the order of
     its W actions, so its two reduced steps (8 and 14 microbatches: 11 and 20 calls) are not linear in the count;
@@ -200,12 +212,7 @@ def test_a_stage_whose_messages_are_not_linear_runs_the_full_step(monkeypatch):
     every rank's messages and peak are the full step's."""
     rj = resolve(_tiny(["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=3",
                         "parallel.dp=2", "train.global_batch_size=32"]), world_size=4)
-    reduced = {r: dry_run_rank(rj, r) for r in range(4)}
-    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
-    for rank, short in reduced.items():
-        full = dry_run_rank(rj, rank)
-        assert short.error is None and full.error is None, (short.error, full.error)
-        assert (short.messages, short.activation_bytes) == (full.messages, full.activation_bytes), rank
+    reduced = _as_the_full_step(rj, monkeypatch)
     # every stage of ZB-V splits its backwards: under ZeRO 3 each runs the full step (rank_report._step_messages;
     # stage 0's reduced steps happened to extrapolate here, stage 1's of a ZeRO 2 job did not: the test below)
     assert all(r.step_microbatches == [rj.grad_accum] for r in reduced.values())
@@ -218,12 +225,7 @@ def test_a_split_stage_under_zero2_runs_the_full_step(monkeypatch):
     every rank's messages and peak are the full step's."""
     rj = resolve(_tiny(["parallel.pp=2", "parallel.schedule=zbv", "parallel.virtual_stages=2", "parallel.zero_stage=2",
                         "parallel.dp=2", "train.global_batch_size=12"]), world_size=4)
-    ran = {r: dry_run_rank(rj, r) for r in range(4)}
-    monkeypatch.setattr(rank_report, "reduced_microbatches", lambda *a: None)
-    for rank, report in ran.items():
-        full = dry_run_rank(rj, rank)
-        assert report.error is None and full.error is None, (report.error, full.error)
-        assert (report.messages, report.activation_bytes) == (full.messages, full.activation_bytes), rank
+    _as_the_full_step(rj, monkeypatch)
 
 
 def test_a_job_left_on_device_auto_is_dry_run_as_on_its_accelerator():
