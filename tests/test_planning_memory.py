@@ -26,7 +26,7 @@ from parallel3d.planning.activations import (
     layer_activation_bytes,
 )
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.memory import estimate_memory, model_state_bytes
+from parallel3d.planning.memory import estimate_memory, model_state_bytes, workspace_bytes
 from parallel3d.topology import LayoutError
 
 GB = 1e9
@@ -233,3 +233,19 @@ def test_ring_cp_layer_activations_are_the_paper_table_at_the_sequence_share(cp,
     local, score = s // cp, 0.0 if selective else 5 * heads * s / h
     want = local * b * h / t * (34 + score) if sp else local * b * h * (10 + 24 / t + score / t)
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_workspace_counts_the_loss_backward_on_the_stage_that_runs_the_loss():
+    """The loss's logit-sized backward is transient memory on the stage holding the model's last chunk: the last
+    stage for the loop placement, stage 0 for zbv's V (``Layout.placement``); the estimate once put it on
+    stage pp - 1 for every schedule. A stage without layers keeps only that term (``workspace_bytes``)."""
+    config = ModelConfig(arch="gpt", num_layers=4, hidden_size=64, num_heads=4, vocab_size=512, max_seq_len=128)
+    assumptions = ActivationAssumptions.for_model(config, kernels="torch")  # the torch loss's logit copies
+    shape = dict(pp=2, virtual_stages=2, micro_batch_size=1, global_batch_size=4, seq_len=128)
+    loop, zbv = Layout(schedule="interleaved_1f1b", **shape), Layout(schedule="zbv", **shape)
+    loss = {}
+    for layout in (loop, zbv):
+        runs_loss = layout.placement.stage_of(layout.num_chunks - 1)
+        loss[layout.schedule] = workspace_bytes(config, layout, runs_loss, assumptions, [])
+        assert workspace_bytes(config, layout, 1 - runs_loss, assumptions, []) == 0, layout.schedule
+    assert loss["zbv"] == loss["interleaved_1f1b"] > 0

@@ -43,6 +43,8 @@ REFERENCE_NORM_KEPT_BYTES: dict[str, float | None] = {"layernorm": None, "rmsnor
 # mask per row; the torch vocab-parallel one (``tensor_parallel.cross_entropy``) its int64 shard-local targets
 # and two bool masks; torch's own cross entropy (tp 1 on the torch path) nothing beyond its log-softmax.
 SHARDED_LOSS_TOKEN_BYTES = 4 + 1
+# The int64 count of valid labels the sharded loss's mean divides by (``models.transformer``), kept by the division.
+SHARDED_LOSS_COUNT_BYTES = 8
 VOCAB_PARALLEL_LOSS_TOKEN_BYTES = 8 + 1 + 1
 
 
@@ -261,17 +263,28 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 
 
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
-    """Last stage, per in-flight microbatch: final-norm input, head input, the loss's kept logits of the vocab shard
-    (``loss_logit_bytes``) and its per-token tensors (``loss_token_bytes``)."""
+    """Last stage, per in-flight microbatch: final-norm input (and, ``small_stats``, its fp32 statistics, as each
+    layer's norms), head input, the loss's kept logits of the vocab shard (``loss_logit_bytes``), its per-token
+    tensors (``loss_token_bytes``) and the sharded loss's token count."""
     s, b, h = local_seq_len(layout), layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
+    if assumptions.small_stats:
+        norm_input += 4 * s * b * NORM_STATS_PER_TOKEN[config.spec.final_norm.kind]
     head_input = float(assumptions.element_bytes * s * b * h)
     norm_and_head_inputs = norm_input + head_input
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
     local_vocab = padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
     logits = loss_logit_bytes(config, layout, assumptions) * s * b * local_vocab
-    return norm_and_head_inputs + logits + loss_token_bytes(config, layout, assumptions) * s * b
+    count = SHARDED_LOSS_COUNT_BYTES if assumptions.small_stats and layout.tp > 1 and not _vocab_parallel_loss(
+        config, layout) else 0
+    return norm_and_head_inputs + logits + loss_token_bytes(config, layout, assumptions) * s * b + count
+
+
+def _vocab_parallel_loss(config: ModelConfig, layout: Layout) -> bool:
+    """tp > 1: the torch vocab-parallel loss runs, else the kernels' sharded one (the model's own test)."""
+    padded = padded_vocab_size(config.vocab_size, layout.tp)
+    return runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp)
 
 
 def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
@@ -281,8 +294,7 @@ def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: Activatio
     every backend but ``torch`` (a CPU job's ``auto`` included, whose other ops are the torch reference's)."""
     if layout.tp == 1:
         return assumptions.logits_bytes
-    padded = padded_vocab_size(config.vocab_size, layout.tp)
-    if runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp):
+    if _vocab_parallel_loss(config, layout):
         return 4  # fp32 softmax (``tensor_parallel.cross_entropy``)
     return assumptions.element_bytes
 
@@ -295,8 +307,7 @@ def loss_token_bytes(config: ModelConfig, layout: Layout, assumptions: Activatio
         return 0
     if layout.tp == 1:
         return assumptions.loss_token_bytes
-    padded = padded_vocab_size(config.vocab_size, layout.tp)
-    if runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp):
+    if _vocab_parallel_loss(config, layout):
         return VOCAB_PARALLEL_LOSS_TOKEN_BYTES
     return SHARDED_LOSS_TOKEN_BYTES
 
@@ -354,8 +365,7 @@ def chunk_in_flight_moments(name: str, pp: int, m: int, v: int, stage: int, spli
     peak is at one of them whatever each chunk's bytes per microbatch (an embedding- or head-only chunk,
     uneven layer counts), which the total in flight alone does not tell. ``split_drain``: ``build_schedule``'s;
     ``schedules``: the search's built schedules (``ScheduleCache``)."""
-    built = ScheduleCache.of(schedules).build(name, pp, m, v, coalesced_p2p=True,
-                                                                           split_drain=split_drain)
+    built = ScheduleCache.of(schedules).build(name, pp, m, v, coalesced_p2p=True, split_drain=split_drain)
     return action_in_flight_moments(built[stage])
 
 

@@ -318,7 +318,7 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
                     layers: Sequence[int] | None = None) -> float:
     """Transient bytes at the step's peak beyond the kept activations.
 
-    Three moments can set the peak: the loss's backward on the last stage (logit-sized gradients, all
+    Three moments can set the peak: the loss's backward on the loss's stage (logit-sized gradients, all
     activations still kept); where the stage's last layer is MoE, its combine's backward (the first of
     the stage's layer backwards, ``moe_combine_backward_bytes``), by which time the last stage has
     freed the head's kept tensors; and the first attention backward with cp (one layer's K/V buffers in
@@ -327,7 +327,7 @@ def workspace_bytes(config: ModelConfig, layout: Layout, stage: int, assumptions
     ``layers``: the stage's global layer indices (its last layer's backward comes first); needed
     where the layers differ.
     """
-    last = stage == layout.pp - 1
+    last = layout.placement.stage_of(layout.num_chunks - 1) == stage  # the loss's stage (zbv's V: stage 0)
     loss = 0.0
     if last:
         logits = local_seq_len(layout) * layout.micro_batch_size * padded_vocab_size(config.vocab_size, layout.tp)

@@ -34,25 +34,30 @@ from parallel3d.planning.zb_lags import head_weight_grad_input_bytes, zb_h1_w_la
 __all__ = ["layer_weight_grad_bytes", "split_moments", "split_peak_bytes", "stage_computations"]
 
 
-def _moments(actions: Sequence[tuple[str, int, int]]) -> Iterator[list[tuple[int, int]]]:
+def _moments(actions: Sequence[tuple[str, int, int]]) -> Iterator[tuple[list[tuple[int, int]], int | None]]:
     """After each ``F`` and ``B`` of ``actions`` (``(kind, microbatch, local chunk)``, one stage's order; where
-    the engine records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is). A
-    backward is split where its ``W`` is in the list (``actions.split_backwards``' rule: the split drain
-    splits only some), else its ``B`` frees all it held."""
+    the engine records its peak): per local chunk, (microbatches whose ``B`` is pending, whose ``W`` is), and
+    the local chunk of the newest ``F`` while its ``B`` is pending (else None: its output is gone or was never
+    this stage's to send). A backward is split where its ``W`` is in the list (``actions.split_backwards``'
+    rule: the split drain splits only some), else its ``B`` frees all it held."""
     split = {(mb, c) for kind, mb, c in actions if kind == "W"}
     chunks = sorted({c for _, _, c in actions})
     pending = {c: [0, 0] for c in chunks}
+    newest: tuple[int, int] | None = None
     for kind, mb, chunk in actions:
         counts = pending[chunk]
         if kind == "F":
             counts[0] += 1
+            newest = (mb, chunk)
         elif kind == "B":
             counts[0] -= 1
             counts[1] += (mb, chunk) in split
+            if newest == (mb, chunk):
+                newest = None
         else:
             counts[1] -= 1
         if kind != "W":
-            yield [(pending[c][0], pending[c][1]) for c in chunks]
+            yield [(pending[c][0], pending[c][1]) for c in chunks], None if newest is None else newest[1]
 
 
 def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[int, ...]]:
@@ -60,7 +65,7 @@ def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[in
     W-pending)`` per chunk after its ``F``s and ``B``s (``actions``: ``(kind, microbatch, local chunk)``).
     Its peak is at one of them whatever the bytes a chunk holds in either state (the dry run's reduced
     step must keep them: ``dryrun.step``)."""
-    seen = {tuple(n for pair in moment for n in pair) for moment in _moments(actions)}
+    seen = {tuple(n for pair in moment for n in pair) for moment, _ in _moments(actions)}
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
@@ -131,13 +136,15 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
     output = chunk_output_bytes(config, layout, assumptions)
     freed = assumptions.sent_outputs_freed and (layout.virtual_stages == 1 or assumptions.sends_complete_unwaited)
     peak, peak_live = 0.0, 0
-    for counts in _moments(actions):
-        # A B-pending chunk keeps its output; a sent one goes once sent where the engine frees them (the
-        # newest not yet sent stays), one handed to the stage's next chunk stays until its B.
+    for counts, newest in _moments(actions):
+        # A B-pending chunk keeps its output; a sent one goes once its send completes where the engine frees
+        # them: then only the newest forward's, not sent before the moment, and only if that forward sends
+        # (after the loss chunk's forward nothing waits to go: fuzz case 2064); one handed to the stage's next
+        # chunk stays until its B.
         sent = sum(n for (n, _), s in zip(counts, sends) if s)
         handed = sum(n for (n, _), s in zip(counts, sends) if s is False)
-        total = sum(n * hb + x * wb for (n, x), hb, wb in zip(counts, held, waiting)) \
-            + ((min(sent, 1) if freed else sent) + handed) * output
+        unsent = int(newest is not None and bool(sends[newest])) if freed else sent
+        total = sum(n * hb + x * wb for (n, x), hb, wb in zip(counts, held, waiting)) + (unsent + handed) * output
         if total > peak:
             peak, peak_live = total, sum(n + x for n, x in counts)
     return peak, peak_live
