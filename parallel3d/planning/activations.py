@@ -27,9 +27,10 @@ from models.spec import BlockSpec
 from parallel3d.pipeline.actions import Action, split_backwards
 from parallel3d.pipeline.schedules import peak_in_flight
 from parallel3d.planning.layout import Layout
+from parallel3d.planning.loss_bytes import (SHARDED_LOSS_COUNT_BYTES, SHARDED_LOSS_TOKEN_BYTES, loss_logit_bytes,
+                                             loss_token_bytes, vocab_parallel_loss)
 from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
-from parallel3d.tensor_parallel.cross_entropy import runs_vocab_parallel_loss
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # fp32 statistics one norm of each kind keeps per token for backward: LayerNorm mean and rstd, RMSNorm rstd.
@@ -37,15 +38,6 @@ NORM_STATS_PER_TOKEN: dict[str, int] = {"layernorm": 2, "rmsnorm": 1}
 # Bytes per hidden element the torch reference norm of each kind keeps (None: one activation-dtype copy
 # of its input, as the fused kernels keep): the RMSNorm reference keeps fp32 input and normalised output.
 REFERENCE_NORM_KEPT_BYTES: dict[str, float | None] = {"layernorm": None, "rmsnorm": 8.0}
-# Bytes per local token a loss keeps beside its logits and its targets (the targets are the step's labels,
-# counted with the step's microbatch tensors, ``batch_tensors``): the kernels' sharded cross entropy
-# (``ShardedCrossEntropy``, also the fused full-vocabulary one at tp 1) an fp32 log-sum-exp and a bool valid
-# mask per row; the torch vocab-parallel one (``tensor_parallel.cross_entropy``) its int64 shard-local targets
-# and two bool masks; torch's own cross entropy (tp 1 on the torch path) nothing beyond its log-softmax.
-SHARDED_LOSS_TOKEN_BYTES = 4 + 1
-# The int64 count of valid labels the sharded loss's mean divides by (``models.transformer``), kept by the division.
-SHARDED_LOSS_COUNT_BYTES = 8
-VOCAB_PARALLEL_LOSS_TOKEN_BYTES = 8 + 1 + 1
 
 
 @dataclass(frozen=True)
@@ -276,40 +268,9 @@ def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Acti
         norm_and_head_inputs /= layout.tp
     local_vocab = padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
     logits = loss_logit_bytes(config, layout, assumptions) * s * b * local_vocab
-    count = SHARDED_LOSS_COUNT_BYTES if assumptions.small_stats and layout.tp > 1 and not _vocab_parallel_loss(
+    count = SHARDED_LOSS_COUNT_BYTES if assumptions.small_stats and layout.tp > 1 and not vocab_parallel_loss(
         config, layout) else 0
     return norm_and_head_inputs + logits + loss_token_bytes(config, layout, assumptions) * s * b + count
-
-
-def _vocab_parallel_loss(config: ModelConfig, layout: Layout) -> bool:
-    """tp > 1: the torch vocab-parallel loss runs, else the kernels' sharded one (the model's own test)."""
-    padded = padded_vocab_size(config.vocab_size, layout.tp)
-    return runs_vocab_parallel_loss(config.backend, config.vocab_size, padded, padded // layout.tp)
-
-
-def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
-    """Bytes per local logit the loss keeps for backward. tp = 1: the assumptions' ``logits_bytes``. tp > 1:
-    the sharded loss the model runs (``runs_vocab_parallel_loss``, the model's own test): the torch one keeps
-    an fp32 softmax of the shard, the kernels' keeps the logits as they are, in the activation dtype, on
-    every backend but ``torch`` (a CPU job's ``auto`` included, whose other ops are the torch reference's)."""
-    if layout.tp == 1:
-        return assumptions.logits_bytes
-    if _vocab_parallel_loss(config, layout):
-        return 4  # fp32 softmax (``tensor_parallel.cross_entropy``)
-    return assumptions.element_bytes
-
-
-def loss_token_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> int:
-    """Bytes per local token the loss keeps beside its logits and targets. tp = 1: the assumptions'. tp > 1:
-    the sharded loss the model runs (``runs_vocab_parallel_loss``, as ``loss_logit_bytes`` asks). Only with
-    ``small_stats``."""
-    if not assumptions.small_stats:
-        return 0
-    if layout.tp == 1:
-        return assumptions.loss_token_bytes
-    if _vocab_parallel_loss(config, layout):
-        return VOCAB_PARALLEL_LOSS_TOKEN_BYTES
-    return SHARDED_LOSS_TOKEN_BYTES
 
 
 def kept_chunk_outputs(layout: Layout, stage: int, inflight: int, assumptions: ActivationAssumptions) -> int:
