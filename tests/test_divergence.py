@@ -19,6 +19,7 @@ from parallel3d.checkpoint_verify import damage
 from parallel3d.divergence import DivergenceGuard, state_is_finite
 from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
+from parallel3d.train import CONFIG_EXIT_DELAY_S
 from parallel3d.zero import ZeroOptimizer
 from parallel3d.zero.optimizer import StepInfo
 from parallel3d.zero.owned import STATE_KINDS
@@ -149,8 +150,10 @@ def test_non_finite_grad_norm_stops_before_the_final_save(tmp_path, cache_dir):
 
 
 # A logging rank slower to print its line than the other rank is to exit (a loaded node): torchrun stops the
-# job at the first exit, so the line must not depend on who gets there first.
-SLOW_LOGGING_RANK = {"as fast": {}, "slow logging rank": {"P3D_FAULT": "train.failure_line@1=sleep:3"}}
+# job at the first exit, so the line must not depend on who gets there first. Slower than the other ranks'
+# own wait for torchrun's stop (``CONFIG_EXIT_DELAY_S``), so only the ranks' meeting (``exit_together``) keeps it.
+SLOW_LOGGING_RANK = {"as fast": {}, "slow logging rank": {
+    "P3D_FAULT": f"train.failure_line@1=sleep:{CONFIG_EXIT_DELAY_S + 3:g}"}}
 
 
 @pytest.mark.parametrize("env", SLOW_LOGGING_RANK)
