@@ -10,7 +10,6 @@ forward's saved bytes, whatever autograd saves of them); the keys a stage reads 
 from __future__ import annotations
 
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
-from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.sequence_experts import local_seq_len
 
@@ -25,7 +24,7 @@ def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False, microbat
     each its own storage, as a device job's copies are. ``on_host``: a CPU job's, the data path's own
     (``data.batches.split_step``), which at micro-batch 1 without cp are views of one ``[N, s + 1]`` buffer.
     ``microbatches``: the step's count (default: the layout's)."""
-    placement = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
+    placement = layout.placement
     held = placement.chunks_of(stage)
     token_keys = [k for k in stage_keys(0 in held, placement.total - 1 in held) if k in TOKEN_KEYS]
     rows = layout.micro_batch_size * (layout.num_microbatches if microbatches is None else microbatches)

@@ -48,7 +48,6 @@ from parallel3d.planning.params import (
     stage_layer_ids,
 )
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
-from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.planning.split_memory import split_peak_bytes, stage_computations
@@ -228,7 +227,7 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
             else [ids[c * len(ids) // v:(c + 1) * len(ids) // v] for c in range(v)]
         return split_peak_bytes(config, layout, stage, computations, chunks, assumptions,
                                 lambda chunk: _layers_bytes(config, layout, chunk, assumptions))
-    loop = placement_for(layout.schedule, layout.pp, layout.virtual_stages).chunks_of(layout.pp - 1)[-1] \
+    loop = layout.placement.chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
             and loop:

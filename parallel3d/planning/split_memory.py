@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from models.config import ModelConfig
-from parallel3d.pipeline.placement import placement_for
 from parallel3d.pipeline.schedules import stage_compute_order
 from parallel3d.planning.activations import (
     ActivationAssumptions,
@@ -116,7 +115,7 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
     computations in order, ``(kind, microbatch, local chunk)``: ``stage_computations``), whose
     local chunk ``c`` holds global layers ``chunk_layers[c]``; ``layers_bytes(ids)`` is one microbatch's
     forward-saved bytes of those layers (the memory estimate's own)."""
-    place = placement_for(layout.schedule, layout.pp, layout.virtual_stages)
+    place = layout.placement
     last = place.total - 1
     held, waiting, sends = [], [], []  # sends: the chunk's output goes to another stage (else handed over here)
     for c, ids in enumerate(chunk_layers):
