@@ -101,7 +101,7 @@ class Trainer:
         )
         self.moe = MoEStep(self.chunks, rj.model, pstate, p.sequence_parallel)
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)
-        self.eod_id = self._document_eod(tokenizer)
+        self.eod_id = data.document_eod_id(rj.data.document_mask, tokenizer)
         keys = self.engine.microbatch_keys + ((DOCUMENT_IDS,) if self.eod_id is not None else ())
         self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
                                                               t.micro_batch_size, keys=keys, eod_id=self.eod_id)
@@ -194,15 +194,6 @@ class Trainer:
         elif t.init_from is not None:
             load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
         return resume_dir
-
-    def _document_eod(self, tokenizer: Any) -> int | None:
-        """The end-of-document id that ``data.document_mask`` cuts documents at (None: no mask)."""
-        if not self.rj.data.document_mask:
-            return None
-        if tokenizer is None:
-            raise data.DataError("data.document_mask=true: needs the data's tokenizer for its end-of-document id "
-                                 "(data.tokenizer_file)")
-        return int(tokenizer.eod_id)
 
     # ---- one step --------------------------------------------------------------------
     def _to_device(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:

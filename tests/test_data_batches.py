@@ -193,3 +193,15 @@ def test_document_ids_reach_every_stage(dataset):
     assert any(int(m["document_ids"].max()) > 0 for m in middle)  # the sample holds document boundaries
     with pytest.raises(DataError, match="eod_id"):
         DistributedBatchIterator(dataset, 16, 2, 0, 1, keys=("sample_ids", "document_ids"))
+
+
+def test_document_mask_takes_the_eod_id_from_the_data_tokenizer():
+    """data.document_mask reads the end-of-document id from the data's tokenizer, and a masked job without one
+    fails with a DataError naming the key to set (not an AttributeError on None)."""
+    from parallel3d.data import ByteTokenizer, document_eod_id
+
+    tok = ByteTokenizer()
+    assert document_eod_id(True, tok) == tok.eod_id
+    assert document_eod_id(False, tok) is None and document_eod_id(False, None) is None
+    with pytest.raises(DataError, match="data.tokenizer_file"):
+        document_eod_id(True, None)

@@ -30,7 +30,7 @@ Contracts:
 - Every bad input raises ``DataError`` (a ``ValueError``) naming the key, value and what is allowed.
 """
 
-from parallel3d.data.batches import DistributedBatchIterator
+from parallel3d.data.batches import DistributedBatchIterator, document_eod_id
 from parallel3d.data.corpus import CORPORA, build_default_corpus, corpus_documents
 from parallel3d.data.errors import DataError
 from parallel3d.data.gpt_dataset import GPTDataset, blend_pattern
@@ -66,6 +66,7 @@ __all__ = [
     "build_default_corpus",
     "check_vocab_fits",
     "corpus_documents",
+    "document_eod_id",
     "indexed_data_tokenizer",
     "indexed_dataset_exists",
     "iter_documents",

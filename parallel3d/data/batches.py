@@ -12,7 +12,7 @@ only ``sample_ids``, which seed dropout, and no token is read for them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     from parallel3d.parallel_state import ParallelState
 
 Microbatch = dict[str, torch.Tensor]
+
+
+def document_eod_id(document_mask: bool, tokenizer: Any) -> int | None:
+    """The end-of-document id ``data.document_mask`` cuts documents at (None: no mask); the data's
+    tokenizer is the only source of that id, so a masked job without one is a ``DataError``."""
+    if not document_mask:
+        return None
+    if tokenizer is None:
+        raise DataError("data.document_mask=true: needs the data's tokenizer for its end-of-document id "
+                        "(data.tokenizer_file)")
+    return int(tokenizer.eod_id)
 
 
 class DistributedBatchIterator:
