@@ -24,6 +24,7 @@ from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.data.options import DataOptions
+from parallel3d.data.run_tokenizer import indexed_tokenizer_path
 from parallel3d.option_checks import ConfigError
 from parallel3d.train_options import TrainOptions
 from parallel3d.zero.options import ZeroOptions
@@ -138,7 +139,8 @@ def resolve_device(train: TrainOptions) -> str:
 
 
 def check_data_files(data: DataOptions) -> None:
-    """Every indexed dataset's ``.bin``/``.idx`` pair and the tokenizer file exist."""
+    """Every indexed dataset's ``.bin``/``.idx`` pair and the tokenizer file exist, and a document mask
+    has a tokenizer to read its end-of-document id from."""
     if data.tokenizer_file is not None and not os.path.exists(data.tokenizer_file):
         raise ConfigError(data.tokenizer_file_error())
     (paths, _), (valid_paths, _) = data.blends()
@@ -148,6 +150,10 @@ def check_data_files(data: DataOptions) -> None:
                 if not os.path.isfile(prefix + ext):
                     raise ConfigError(f"{key} entry {prefix!r}: file {prefix + ext} does not exist"
                                       + _prefix_hint(prefix))
+    if data.source == "indexed" and data.document_mask and indexed_tokenizer_path(data.tokenizer_file, paths) is None:
+        beside = f" (no {paths[0]}.tokenizer.json beside the data either)" if paths else ""
+        raise ConfigError("data.document_mask=true: needs the data's tokenizer for its end-of-document id: set "
+                          f"data.tokenizer_file{beside}")
 
 
 def _prefix_hint(prefix: str) -> str:

@@ -252,3 +252,22 @@ def test_a_missing_data_file_names_its_key_and_a_bin_suffix_gets_the_prefix(tmp_
     with pytest.raises(ConfigError, match=rf"entries are prefixes without \.bin/\.idx: '{good}'\)$"):
         check_data_files(DataOptions(source="indexed", paths=(good + ".bin",)))
     check_data_files(DataOptions(source="indexed", paths=(good,)))
+
+
+def test_a_document_mask_without_a_tokenizer_is_a_config_error_before_any_rank(tmp_path):
+    """Session 44: ``data.document_mask=true`` on indexed data with no tokenizer failed on every rank after the
+    model was built (``[rank 0] failed: DataError``, exit 1); it is now one config line (exit 2) from preflight,
+    found by the same rule the run reads its tokenizer by (``data.tokenizer_file``, else ``<prefix>.tokenizer.json``)."""
+    from parallel3d.config import ConfigError
+    from parallel3d.data.options import DataOptions
+    from parallel3d.preflight import check_data_files
+
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"a{ext}").write_bytes(b"")
+    prefix = str(tmp_path / "a")
+    masked = DataOptions(source="indexed", paths=(prefix,), document_mask=True)
+    with pytest.raises(ConfigError, match=r"^data\.document_mask=true: .*set data\.tokenizer_file"):
+        check_data_files(masked)
+    check_data_files(DataOptions(source="indexed", paths=(prefix,)))  # no mask: no tokenizer needed
+    (tmp_path / "a.tokenizer.json").write_text("{}")  # found beside the data (its content is read by the run)
+    check_data_files(masked)

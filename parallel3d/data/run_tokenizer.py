@@ -91,10 +91,16 @@ def load_run_tokenizer(path: str) -> tuple["tokenizers.Tokenizer", dict]:
                      "vocab_size": wrapped.vocab_size}
 
 
-def indexed_data_tokenizer(tokenizer_file: str | None, prefixes: list[str]) -> ByteTokenizer | HFTokenizer | None:
-    """The tokenizer of indexed data: ``data.tokenizer_file``, else ``<first prefix>.tokenizer.json``
+def indexed_tokenizer_path(tokenizer_file: str | None, prefixes: list[str]) -> str | None:
+    """Where indexed data's tokenizer is: ``data.tokenizer_file``, else ``<first prefix>.tokenizer.json``
     when ``scripts/preprocess_data.py --train-bpe`` wrote one, else None."""
     if tokenizer_file:
-        return load_tokenizer(tokenizer_file)
+        return tokenizer_file
     beside = prefixes[0] + ".tokenizer.json" if prefixes else ""
-    return load_tokenizer(beside) if beside and os.path.isfile(beside) else None
+    return beside if beside and os.path.isfile(beside) else None
+
+
+def indexed_data_tokenizer(tokenizer_file: str | None, prefixes: list[str]) -> ByteTokenizer | HFTokenizer | None:
+    """The tokenizer of indexed data, found by ``indexed_tokenizer_path`` (None: it has none)."""
+    path = indexed_tokenizer_path(tokenizer_file, prefixes)
+    return load_tokenizer(path) if path is not None else None
