@@ -19,11 +19,16 @@ Invariants:
   removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
   training goes on.
 - Only after a new checkpoint is complete does rank 0 delete older ones beyond the
-  newest ``keep_last``. Complete checkpoints of *later* steps than the one just saved are
-  another branch of the run (``train.resume`` named an older step, or ``auto`` fell back past
-  a damaged one): they are renamed ``step_<N>.superseded`` (kept, never resumed by ``auto``)
-  rather than counted, so the save neither deletes itself nor the good checkpoint before it,
-  and ``auto`` continues this run, not the abandoned branch.
+  newest ``keep_last``. Complete checkpoints of the saved step or *later* ones are another
+  branch of the run (``train.resume`` named an older step, or ``auto`` fell back past a
+  damaged one): before the new one is renamed into place they are renamed
+  ``step_<N>.superseded`` (kept, never resumed by ``auto``) rather than counted or replaced,
+  so the save neither deletes itself nor the good checkpoint before it, and ``auto``
+  continues this run, not the abandoned branch. A ``step_<N>.tmp`` holding its ``meta.json``
+  is complete (rank 0 writes it last, once every rank agreed): a job killed among these
+  renames has them finished by the next job's rank 0 (``_recover``), which every rank's
+  ``find`` waits for, so a kill at any point loses no checkpoint and ``auto`` never resumes
+  the abandoned branch once the new checkpoint was complete.
 - ``find("auto")`` verifies sizes and checksums (``checkpoint_verify``, spread over the
   ranks) and falls back to the previous complete checkpoint with a warning naming the
   damaged file; an explicit ``train.resume=<dir>`` that is damaged fails in one line.
@@ -51,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+TMP_DIR = re.compile(r"^step_(\d{8})\.tmp$")
 META = "meta.json"
 SUPERSEDED = ".superseded"
 
@@ -136,7 +142,18 @@ class CheckpointManager:
         self.group = group  # agreement of ``save`` (see module doc); find() uses the pstate's groups
         if pstate.rank == 0:
             os.makedirs(root, exist_ok=True)
+            self._recover()
             self._remove_partial()
+
+    def _recover(self) -> None:
+        """Publish the complete ``.tmp`` directories a kill left among the commit's renames (module doc)."""
+        for name in sorted(os.listdir(self.root)):
+            m = TMP_DIR.match(name)
+            if m and is_loadable(os.path.join(self.root, name)):
+                try:
+                    self._publish(int(m.group(1)))
+                except OSError as exc:
+                    user_warnings.warn(f"checkpoint {name} was complete but could not be renamed into place: {exc}")
 
     def _remove_partial(self) -> None:
         for name in os.listdir(self.root):
@@ -167,7 +184,6 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
         committed = _world_all_true(committed if self.pstate.rank == 0 else True, self.pstate, self.group)
         if committed and self.pstate.rank == 0:
-            self._set_aside_later(step)
             self._prune()
         if not committed and self.pstate.rank == 0:
             user_warnings.warn(f"checkpoint at step {step} was not saved; keeping the previous ones "
@@ -204,21 +220,28 @@ class CheckpointManager:
             body = dict(meta, step=step, files=files, file_bytes=sizes, world_size=self.pstate.world_size)
             atomic_write_bytes(os.path.join(tmp, META), lambda fh: fh.write(json.dumps(body, indent=1).encode()))
             fsync_dir(tmp)
-            if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap it out
-                os.replace(final, final + ".old")
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-            shutil.rmtree(final + ".old", ignore_errors=True)
+            self._publish(step)
             return True
         except Exception as exc:  # noqa: BLE001
             user_warnings.warn(f"[rank 0] committing checkpoint at step {step} failed: {exc}")
             return False
 
-    def _set_aside_later(self, saved: int) -> None:
-        """Rename the complete checkpoints of steps after ``saved`` to ``step_<N>.superseded`` (module doc)."""
+    def _publish(self, step: int) -> None:
+        """Rename the complete ``step_<N>.tmp`` to ``step_<N>`` once the checkpoints of steps from ``N`` on are set
+        aside (module doc). Every rename is one a repeat after a kill finishes (``_recover``)."""
+        final = step_dir(self.root, step)
+        self._set_aside_from(step)
+        if os.path.exists(final):  # a step_<N> without meta.json (not a checkpoint, left aside above): replaced
+            os.replace(final, final + ".old")
+        os.replace(final + ".tmp", final)
+        fsync_dir(self.root)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+
+    def _set_aside_from(self, saved: int) -> None:
+        """Rename the complete checkpoints of step ``saved`` and later to ``step_<N>.superseded`` (module doc)."""
         moved = []
         for step, path in complete_checkpoints(self.root):
-            if step <= saved:
+            if step < saved:
                 continue
             target, n = path + SUPERSEDED, 1
             while os.path.exists(target):
@@ -229,7 +252,7 @@ class CheckpointManager:
             except OSError:
                 continue
         if moved:
-            user_warnings.warn(f"checkpoint step {saved} branches off before the run's later checkpoints: set aside "
+            user_warnings.warn(f"checkpoint step {saved} branches off the run's checkpoints from that step on: set aside "
                                f"as {', '.join(moved)} in {self.root} (kept, and loadable with train.resume=<dir>); "
                                f"train.resume=auto continues this run")
 
@@ -287,6 +310,7 @@ class CheckpointManager:
         Collective: every rank must find the same step (a filesystem that is not
         shared would otherwise desynchronise them silently).
         """
+        _world_all_true(True, self.pstate, self.group)  # after rank 0's ``_recover``: every rank lists the same
         if resume == "none":
             path = None
         elif resume == "auto":

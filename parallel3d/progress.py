@@ -128,10 +128,10 @@ class _LineProgress:
     def set_postfix_str(self, text: str) -> None:
         self.postfix = text
 
-    def close(self) -> None:
+    def close(self, outcome: str = "done,") -> None:
         secs = time.perf_counter() - self.t0
         extra = f", {self.postfix}" if self.postfix else ""
-        print(f"{self.desc}: done, {self.n:,} {self.unit}{extra} in {format_duration(secs)}", file=self.stream,
+        print(f"{self.desc}: {outcome} {self.n:,} {self.unit}{extra} in {format_duration(secs)}", file=self.stream,
               flush=True)
 
 
@@ -149,10 +149,14 @@ def progress_bar(desc: str, *, total: int | None = None, unit: str = "it", enabl
                    mininterval=0.5)
     else:
         bar = _LineProgress(desc, unit, stream)
+    outcome = "done,"
     try:
         yield bar
+    except BaseException:  # an error (its line follows), Ctrl-C, or a consumer that stopped early: not done
+        outcome = "stopped after"
+        raise
     finally:
-        bar.close()
+        bar.close(outcome) if isinstance(bar, _LineProgress) else bar.close()
 
 
 class _Silent:

@@ -10,6 +10,9 @@ runs disagree on. A near tie is a flip whose margin is within the rounding the t
 moves the scores themselves (a larger ``rounding``) or flips tokens with a wide margin.
 
 ``float64=True`` trains in float64 (``tests/float64_run.py``), where a near tie should no longer flip.
+``forced`` (the ``chosen`` experts another run recorded, by ``Key``) makes every router pick those experts instead of
+its own top-k (its scores, combine weights and aux loss computed as ever): one run routed as another, so what is
+left between them is everything but the selection.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from tests.float64_run import float64_training
 
 Key = tuple[int, str, int, int]  # (step, layer global name, global sample id, position in the sequence)
+Chosen = dict[Key, tuple[int, ...]]  # each routed token's top-k expert ids, in the router's order
 
 
 @dataclasses.dataclass
@@ -45,9 +49,12 @@ class StepRouting:
 
 
 @contextlib.contextmanager
-def _recording(records: dict[Key, torch.Tensor], float64: bool) -> Iterator[None]:
-    """Patch the block and the MoE layer classes (restored after: rank workers are reused) to fill ``records``."""
+def _recording(records: dict[Key, torch.Tensor], float64: bool, chosen: Chosen,
+               forced: Chosen | None = None) -> Iterator[None]:
+    """Patch the block and the MoE layer classes (restored after: rank workers are reused) to fill ``records`` and
+    ``chosen``, and (``forced``) to make the routers select those experts (module doc)."""
     from models.blocks import TransformerBlock
+    from parallel3d.moe import router as router_module
     from parallel3d.moe.layer import MoELayer
     from parallel3d.moe.router import TopKRouter
 
@@ -67,12 +74,22 @@ def _recording(records: dict[Key, torch.Tensor], float64: bool) -> Iterator[None
             del where[2:]
 
     def router(self, tokens):  # type: ignore[no-untyped-def]
-        routing = router_forward(self, tokens)
-        if len(where) == 5:
-            samples, step, name, positions, s = where
-            scores = routing.scores.detach().to(torch.float64).cpu()
-            for t in range(scores.shape[0]):
-                records.setdefault((int(step), name, int(samples[t // s]), int(positions[t % s])), scores[t])
+        if len(where) != 5:
+            return router_forward(self, tokens)
+        samples, step, name, positions, s = where
+        keys = [(int(step), name, int(samples[t // s]), int(positions[t % s])) for t in range(tokens.shape[0])]
+        select = router_module.select_experts
+        if forced is not None:
+            want = torch.tensor([forced[k] for k in keys], dtype=torch.long, device=tokens.device)
+            router_module.select_experts = lambda *_: want
+        try:
+            routing = router_forward(self, tokens)
+        finally:
+            router_module.select_experts = select
+        scores, indices = routing.scores.detach().to(torch.float64).cpu(), routing.indices.cpu().tolist()
+        for t, key in enumerate(keys):
+            records.setdefault(key, scores[t])
+            chosen.setdefault(key, tuple(indices[t]))
         return routing
 
     TransformerBlock.forward, MoELayer.forward, TopKRouter.forward = block, layer, router  # type: ignore[method-assign]
@@ -84,9 +101,10 @@ def _recording(records: dict[Key, torch.Tensor], float64: bool) -> Iterator[None
             block_forward, layer_forward, router_forward)
 
 
-def record_on_rank(rank: int, world: int, values: dict, float64: bool = False) -> tuple[list, dict[Key, torch.Tensor]]:
-    """``run_on_ranks`` target (world 1: in this process): this rank's curve (the logging rank's) and its
-    training tokens' router scores ``[E]`` (float64) by ``Key``."""
+def record_on_rank(rank: int, world: int, values: dict, float64: bool = False,
+                   forced: Chosen | None = None) -> tuple[list, dict[Key, torch.Tensor], Chosen]:
+    """``run_on_ranks`` target (world 1: in this process): this rank's curve (the logging rank's), its training
+    tokens' router scores ``[E]`` (float64) and chosen experts by ``Key``; ``forced``: see the module doc."""
     from parallel3d.config import job_from_dict, resolve
     from parallel3d.parallel_state import ParallelState
     from parallel3d.trainer import train
@@ -94,18 +112,21 @@ def record_on_rank(rank: int, world: int, values: dict, float64: bool = False) -
 
     rj = resolve(job_from_dict(values), world)
     records: dict[Key, torch.Tensor] = {}
-    with _recording(records, float64), lr.silenced(True):
+    chosen: Chosen = {}
+    with _recording(records, float64, chosen, forced), lr.silenced(True):
         pstate = ParallelState.single_process() if world == 1 else ParallelState(rj.topology)
         curve = lr.curve_of(train(rj, pstate).records)
-    return curve, records
+    return curve, records, chosen
 
 
-def merged(per_rank: list[tuple[list, dict]]) -> tuple[list, dict[Key, torch.Tensor]]:
-    """The logging rank's curve and every rank's records (ranks that share tokens, e.g. tp, agree on them)."""
+def merged(per_rank: list[tuple[list, dict, Chosen]]) -> tuple[list, dict[Key, torch.Tensor], Chosen]:
+    """The logging rank's curve and every rank's records and choices (ranks that share tokens, e.g. tp, agree)."""
     records: dict[Key, torch.Tensor] = {}
-    for _, r in per_rank:
+    chosen: Chosen = {}
+    for _, r, c in per_rank:
         records.update(r)
-    return next(c for c, _ in per_rank if c), records
+        chosen.update(c)
+    return next(c for c, _, _ in per_rank if c), records, chosen
 
 
 def compare(a: dict[Key, torch.Tensor], b: dict[Key, torch.Tensor], top_k: int) -> list[StepRouting]:

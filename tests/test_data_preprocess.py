@@ -118,6 +118,17 @@ def test_text_that_is_not_utf8_is_one_line_naming_where(tmp_path, capsys, tokeni
         assert not list(tmp_path.glob("out*"))
 
 
+def test_a_failed_run_does_not_report_its_progress_done(tmp_path, capsys):
+    """Review44: without --quiet, the non-UTF-8 error came after "tokenizing into ...: done, 0 doc": the progress
+    line said done for a run that failed. It says where it stopped instead, and the error line is last."""
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps({"text": TEXTS[0]}).encode() + b'\n{"text": "caf\xe9"}\n')
+    code = _script().main(["--input", str(tmp_path / "latin1.jsonl"), "--json-key", "text", "--tokenizer", "byte",
+                           "--output-prefix", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and lines[-1].startswith("error: ") and "not UTF-8 text" in lines[-1], lines
+    assert not any(": done," in line for line in lines) and any(": stopped after " in line for line in lines), lines
+
+
 def test_a_file_that_is_not_a_tokenizer_is_one_line(tmp_path, capsys):
     """Session 43: --tokenizer naming a JSON file (or a directory's tokenizer.json) that is not a tokenizers
     file was tokenizers' bare ``Exception`` traceback; it is one line naming the file, exit 2."""

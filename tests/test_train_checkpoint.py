@@ -148,3 +148,66 @@ def test_disk_full_on_one_rank_fails_the_save_everywhere_and_training_goes_on(tm
         assert (first, second, third) == (True, False, True)
         assert found == step_dir(root, 3)
     assert [s for s, _ in complete_checkpoints(root)] == [1, 3]
+
+
+class _Killed(BaseException):
+    """The process killed here: not an ``Exception``, so no failure handling of the save runs after it."""
+
+
+def _branch_off(root: str, kill_at: int | None) -> list[tuple[str, str]]:
+    """A run resumed from step 2 of a run that saved 2, 4, 6 saves its own step 4 (keep_last=1), killed before
+    the save's ``kill_at``-th ``os.replace`` (None: not killed). Returns the renames the save made."""
+    first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
+    for step in (2, 4, 6):
+        assert first.save(step, _writer({"step": step, "branch": "old"}), {})
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)
+    assert mgr.find(step_dir(root, 2)) == step_dir(root, 2)
+    renames, real_replace = [], os.replace
+
+    def replace(src, dst):
+        if len(renames) == kill_at:
+            raise _Killed
+        renames.append((src, dst))
+        real_replace(src, dst)
+
+    os.replace = replace
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr.save(4, _writer({"step": 4, "branch": "new"}), {})
+    except _Killed:
+        pass
+    finally:
+        os.replace = real_replace
+    return renames
+
+
+def _payloads(root: str) -> list[dict]:
+    """Every loadable checkpoint's state under ``root``, set-aside ones included."""
+    dirs = [os.path.join(root, n) for n in sorted(os.listdir(root))]
+    return [torch.load(os.path.join(d, "sub", "state.pt")) for d in dirs if is_loadable(d)]
+
+
+def test_a_kill_at_any_rename_of_a_branching_save_loses_nothing_and_auto_takes_the_new_branch(tmp_path):
+    """Review44. A save that branches off (resumed from step 2; the old run's 4 and 6 there) renames several
+    directories. Killed before any of them, the restarted job (a new manager, resume=auto) must still hold every
+    old checkpoint (set aside or not) and, once the new step 4 was complete (its meta.json written), resume it,
+    not the old branch. Before: a kill between the swap of the old step 4 and the rename of the new one lost both
+    (the restart deleted the .old and the complete .tmp); a kill before the later step 6 was set aside resumed
+    step 6; and the old branch's step 4 was deleted, not set aside, even without a kill."""
+    renames = _branch_off(str(tmp_path / "count"), None)
+    meta = next(i for i, (_, dst) in enumerate(renames) if os.path.basename(dst) == "meta.json")
+    old = [{"step": s, "branch": "old"} for s in (4, 6)]  # the old branch (step 2, older, keep_last may prune)
+    bad = []
+    for kill_at in [*range(len(renames)), None]:
+        root = str(tmp_path / f"kill{kill_at}")
+        _branch_off(root, kill_at)
+        mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)  # the restart
+        resumed = torch.load(os.path.join(mgr.find("auto"), "sub", "state.pt"))
+        kept = _payloads(root)
+        meta_written = kill_at is None or kill_at > meta
+        expected = {"step": 4, "branch": "new"} if meta_written else old[1]
+        lost = [p for p in [*old, *([expected] if meta_written else [])] if p not in kept]
+        if lost or resumed != expected:
+            bad.append(f"killed at rename {kill_at}: lost {lost}, resumed {resumed}")
+    assert not bad, "\n".join(bad)

@@ -5,13 +5,17 @@ sums), so a token whose k-th and (k+1)-th expert scores are closer than that rou
 one moved token shifts the step's gradients by more than the rounding's floor (case 431: 1 flip of 1,536 routed
 tokens, step-1 grad norm 1.62e-5 against 1.6e-5 allowed; docs/testing.md, "Fresh draws, session 43").
 
-Invariant: such a miss is accepted (``TrainResult.near_tie`` says so, never silently) only when BOTH hold:
+Invariant: such a miss is accepted (``TrainResult.near_tie`` says so, never silently) only when ALL hold:
 (a) the two runs' routing (``tests/routing_flips.compare``, the layout against its same-precision single
 process) flips at least one token up to the last failing step, and every flip there is a near tie: its margin
 within the score rounding the unflipped tokens show; (b) the same layout in fp32 meets the fp32 rule against
-its own single process (``train_fuzz.run``: RTOL, then its noise floor). A wrong term fails (b) (fp32 carries
-it as well) or (a) (no flip to blame, or a flip wider than the rounding); the verdict names each condition
-that failed. Anything else (dense, fp32, an error, different skipped steps) is judged as before.
+its own single process (``train_fuzz.run``: RTOL, then its noise floor); (c) the same-precision single process
+routed as the layout (``routing_flips``' ``forced``: every token to the layout's experts) meets the case's own
+per-step tolerance against the layout: the flips explain the whole miss. A wrong term fails (b) (fp32 carries it
+as well), (c) (a term wrong in the half-precision path only: fp32 agrees, and the flips a moved score brings are
+as narrow as the rounding it inflates) or (a) (no flip to blame, or a flip wider than the rounding); the verdict
+names each condition that failed. Anything else (dense, fp32, an error, different skipped steps) is judged as
+before.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ def failing_steps(result: tf.TrainResult) -> list[int]:
     return sorted({int(m) for p in result.problems() for m in _STEP.findall(p)})
 
 
-def routing_problems(case: tf.TrainCase, upto: int, work_dir: str, cache_dir: str, timeout: float) -> tuple[str, list[str]]:
-    """Condition (a): a summary of the flips up to step ``upto`` and, if it fails, why."""
+def routing_problems(case: tf.TrainCase, result: tf.TrainResult, upto: int, work_dir: str, cache_dir: str,
+                     timeout: float) -> tuple[str, list[str]]:
+    """Conditions (a) and (c): a summary of the flips up to step ``upto`` and, for each that fails, why."""
     from tests.harness import run_on_ranks
 
     out = os.path.join(work_dir, case.name + "-routing")
@@ -51,7 +56,17 @@ def routing_problems(case: tf.TrainCase, upto: int, work_dir: str, cache_dir: st
     curve_steps = [c[0] for c in layout[0]]
     if len(routing) != len(curve_steps):
         raise ValueError(f"{len(routing)} routed steps for a curve of steps {curve_steps}")
-    return routing_verdict([dataclasses.replace(s, step=c) for s, c in zip(routing, curve_steps)], upto)
+    summary, problems = routing_verdict([dataclasses.replace(s, step=c) for s, c in zip(routing, curve_steps)], upto)
+    replay = rf.record_on_rank(0, 1, lm.reference_values(case, out + "-replay", cache_dir), forced=layout[2])[0]
+    return summary, problems + replay_problems(result, replay)
+
+
+def replay_problems(result: tf.TrainResult, replay: list) -> list[str]:
+    """Condition (c): the layout's curve against ``replay`` (the single process routed as the layout) at the
+    result's own per-step tolerance, on the steps the result compared."""
+    steps = {c[0] for c in result.same.curve}
+    check = dataclasses.replace(result.same, reference=[c for c in replay if c[0] in steps], worst={})
+    return [f"(c) routed as the layout, the single process still differs: {p}" for p in check.problems()]
 
 
 def routing_verdict(routing: list[rf.StepRouting], upto: int) -> tuple[str, list[str]]:
@@ -75,7 +90,7 @@ def rejudge(case: tf.TrainCase, result: tf.TrainResult, work_dir: str, cache_dir
     if not applies(case, result):
         return result
     upto = max(failing_steps(result))
-    summary, problems = routing_problems(case, upto, work_dir, cache_dir, timeout)
+    summary, problems = routing_problems(case, result, upto, work_dir, cache_dir, timeout)
     fp32 = tf.run(case.in_fp32(), work_dir, cache_dir, references, timeout=timeout)
     if not fp32.ok:
         problems.append(f"(b) the layout in fp32 misses its single process: {'; '.join(fp32.problems())[:500]}")
@@ -83,7 +98,8 @@ def rejudge(case: tf.TrainCase, result: tf.TrainResult, work_dir: str, cache_dir
         return dataclasses.replace(result, tie_problems=[f"not a near tie ({summary})", *problems])
     worst = fp32.same.worst.get("grad_norm", 0.0)
     return dataclasses.replace(result, near_tie=f"accepted as a top-k near tie: {summary}; "
-                                                f"the layout in fp32 agrees (worst grad norm {worst:.1e})")
+                                                f"the layout in fp32 agrees (worst grad norm {worst:.1e}), and so does the single "
+                                                f"process routed as the layout")
 
 
 def run(case: tf.TrainCase, work_dir: str, cache_dir: str, references: dict, *, timeout: float = 300.0) -> tf.TrainResult:
