@@ -59,7 +59,7 @@ import enum
 from contextlib import contextmanager
 from itertools import repeat
 from operator import is_
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, NoReturn, Sequence
 
 import torch
 
@@ -117,11 +117,6 @@ class DeferredWeightGrads:
     def __exit__(self, *exc: object) -> None:
         self._owner._open = None  # type: ignore[union-attr]
 
-    def add(self, params: Params, compute: GradCompute, holds: Sequence[torch.Tensor]) -> None:
-        self._queue.append((params, compute))
-        self._key.append(_key_of(params))
-        self.held.extend(holds)
-
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether a queued closure keeps ``tensor`` itself (the object, not an equal one) alive."""
         return any(map(is_, self.held, repeat(tensor)))
@@ -146,13 +141,32 @@ def _params(queue: list[tuple[Params, GradCompute]]) -> list["torch.Tensor | Non
     return [p for ps, _ in reversed(queue) for p in ps]
 
 
-def _key_of(params: Params) -> tuple[int, ...]:
+def _key_of(params: Params) -> tuple[int, ...] | None:
     """One closure's part of its queue's key: each parameter's identity and whether it requires grad
-    (0: no parameter; negative: no grad needed). A queue's key, the tuple of its parts in queued order, is
+    (0: no parameter; negative: no grad needed); None where no parameter is ``wgrad_deferrable`` (the
+    layer computes its own gradients). A queue's key, the tuple of its parts in queued order, is
     what ``_Anchors`` keys a W's graph and its route on. The parts stay apart because the key must fix
     ``_params``' order (the last closure first; a kept graph's inputs): ``(a, b)`` in one closure and
-    ``(a,)``, ``(b,)`` in two list the same parameters in queued order but are (a, b) and (b, a) there."""
-    return tuple([0 if p is None else id(p) if p.requires_grad else -id(p) for p in params])
+    ``(a,)``, ``(b,)`` in two list the same parameters in queued order but are (a, b) and (b, a) there.
+
+    One loop for the marks and the key: ``defer`` runs it in ``B``, right after each deferring layer's
+    input-gradient GEMM, where every Python frame costs several times its warm price (a list
+    comprehension is a frame of its own in Python 3.11; docs/benchmarks.md, session 44)."""
+    part = [0] * len(params)
+    present = marked = 0
+    for i, p in enumerate(params):
+        if p is None:
+            continue
+        present += 1
+        if is_wgrad_deferrable(p):
+            marked += 1
+        part[i] = id(p) if p.requires_grad else -id(p)
+    if not marked:
+        return None
+    if marked != present:
+        # B accumulates only unmarked parameters: a marked one computed here would be lost
+        raise ValueError("one deferred weight-gradient computation mixes wgrad_deferrable and other parameters")
+    return tuple(part)
 
 
 class _Route(enum.Enum):
@@ -167,8 +181,12 @@ class _Route(enum.Enum):
 def _take(params: Params, compute: GradCompute) -> Sequence["torch.Tensor | None"]:
     got = compute()
     if len(got) != len(params):
-        raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
+        _mismatch(got, params)
     return got
+
+
+def _mismatch(got: Sequence["torch.Tensor | None"], params: Params) -> NoReturn:
+    raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
 
 
 def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
@@ -180,8 +198,10 @@ def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
             # Off the queue before it runs: its input and output gradient go as soon as its GEMMs are done,
             # and its gradients once accumulated (the next closure reuses that memory).
             params, compute = queue.pop()
-            got = _take(params, compute)
+            got = compute()
             del compute
+            if len(got) != len(params):  # _take's check, without its frame: W runs this per closure, cold
+                _mismatch(got, params)
             accumulate_each(params, got)
             got = None  # an added (not adopted) gradient's memory is free for the next closure
 
@@ -323,11 +343,10 @@ class WeightGradDeferral:
         work = self._open
         if work is None:
             return False
-        marked = [is_wgrad_deferrable(p) for p in params if p is not None]
-        if not (marked and all(marked)):
-            if not any(marked):
-                return False
-            # B accumulates only unmarked parameters: a marked one computed here would be lost
-            raise ValueError("one deferred weight-gradient computation mixes wgrad_deferrable and other parameters")
-        work.add(params, compute, holds)
+        part = _key_of(params)
+        if part is None:
+            return False
+        work._queue.append((params, compute))
+        work._key.append(part)
+        work.held.extend(holds)
         return True

@@ -155,3 +155,19 @@ def test_accumulate_each_skips_what_autograd_would_not_accumulate():
             accumulate_each([frozen, None, direct, others[1]], [torch.ones(2, 3), torch.ones(1), g.clone(), None])
     assert torch.equal(direct.grad, plain.grad) and fired == [0, 1]
     assert frozen.grad is None and all(p.grad is None for p in others)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "graph"])
+@pytest.mark.parametrize("returned", [0, 1, 3])
+def test_w_refuses_a_closure_that_returns_another_number_of_gradients(direct, returned):
+    """Each closure returns one gradient per parameter it queued for (None for one it has none for); W
+    checks the count on either route, before accumulating anything."""
+    deferral = WeightGradDeferral(direct=direct)
+    w = set_meta(torch.nn.Parameter(torch.randn(3, 4)), wgrad_deferrable=True)
+    b = set_meta(torch.nn.Parameter(torch.randn(3)), wgrad_deferrable=True)
+    grads = [torch.ones(3, 4), torch.ones(3), torch.ones(3)][:returned]
+    with deferral.collecting() as work:
+        assert deferral.defer((w, b), lambda: grads, ())
+    with pytest.raises(ValueError, match=f"returned {returned} gradients for 2 parameters"):
+        work.run()
+    assert w.grad is None and b.grad is None
