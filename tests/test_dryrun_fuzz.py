@@ -36,12 +36,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 # skip or xfail fails this suite: conftest's NoSilentSkips): on these the test requires the gap to still be
 # there, so a fixed estimator fails it with a message saying which entry to remove. Bytes and messages are
 # checked exactly first, on every case.
-KNOWN_PLANNER_GAPS: dict[int, str] = {
-    # session 43 (docs/dryrun.md, "2044"): ZB-V on plain gloo, one microbatch; its sent output is freed once its
-    # batch (with the head chunk's receive) is waited, before the head's forward: split_memory counts it (+12,096 B).
-    # +4.9% before the head's norm statistics were counted (504 B, which the dry run holds), +5.1% after.
-    2044: "zbv on gloo: a sent output freed by its batch's receive wait, counted by split_memory",
-}
+KNOWN_PLANNER_GAPS: dict[int, str] = {}  # none left (session 44: 2044, a sent output freed by its batch's wait)
 KNOWN_BIG_GAPS: dict[str, str] = {}  # none left (session 40: big7, big4 fixed)
 
 

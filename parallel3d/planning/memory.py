@@ -226,7 +226,7 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
         chunks = chunk_layers if chunk_layers is not None and len(chunk_layers) == v \
             else [ids[c * len(ids) // v:(c + 1) * len(ids) // v] for c in range(v)]
         return split_peak_bytes(config, layout, stage, computations, chunks, assumptions,
-                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions))
+                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions), schedules)
     loop = layout.placement.chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
