@@ -71,6 +71,8 @@ class ActivationAssumptions:
     small_stats: bool = False
     # A CPU job's microbatches are the data path's own (``batch_tensors.step_batch_bytes``), not device copies.
     batch_on_host: bool = False
+    # The step's microbatches carry ``data.document_mask``'s document ids (``batch_tensors.step_batch_bytes``).
+    document_ids: bool = False
     # Bytes per logit the tp = 1 cross entropy keeps on the last stage (fp32 log-softmax, or the fused kernel's
     # logits in their dtype); at tp > 1 the sharded loss the model runs decides (``loss_logit_bytes``).
     logits_bytes: int = 4

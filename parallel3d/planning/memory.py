@@ -211,8 +211,8 @@ def stage_activation_bytes(
     the search's ``memory_layout`` caps the layout's count, not the step's).
     """
     peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
-    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host, step_microbatches)
-                   if assumptions.small_stats else 0), inflight
+    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host, step_microbatches,
+                                    assumptions.document_ids) if assumptions.small_stats else 0), inflight
 
 
 def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
