@@ -27,7 +27,7 @@ import torch
 from parallel3d import comm, data, user_warnings
 from parallel3d.config import ResolvedJob
 from parallel3d.pipeline.forward_only import ForwardOnlyRunner
-from parallel3d.pipeline.microbatch import DOCUMENT_IDS
+from parallel3d.pipeline.microbatch import with_documents
 from parallel3d.zero.precision import precision_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,10 +63,9 @@ class Evaluator:
             hidden_size=rj.model.hidden_size, dtype=precision_dtype(t.precision), sequence_parallel=p.sequence_parallel,
             schedule=p.schedule,
         )
-        documents = (DOCUMENT_IDS,) if eod_id is not None else ()  # data.document_mask: every stage reads them
         self.batches = data.DistributedBatchIterator.for_rank(dataset, pstate, t.global_batch_size,
                                                               t.micro_batch_size, eod_id=eod_id,
-                                                              keys=self.runner.keys + documents)
+                                                              keys=with_documents(self.runner.keys, eod_id is not None))
         wanted = self.iters * t.global_batch_size
         if wanted > dataset.samples_per_epoch and pstate.rank == 0:
             user_warnings.warn(f"the validation set has {dataset.samples_per_epoch} samples of seq_len={t.seq_len}; "

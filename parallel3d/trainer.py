@@ -48,7 +48,7 @@ from parallel3d.metrics import (JsonlSink, StepTimer, ThroughputModel, WandbSink
 from parallel3d.moe_step import MoEStep
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS, with_documents
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
@@ -102,7 +102,7 @@ class Trainer:
         self.moe = MoEStep(self.chunks, rj.model, pstate, p.sequence_parallel)
         train_set, valid_set, tokenizer = build_datasets(rj, pstate)
         self.eod_id = data.document_eod_id(rj.data.document_mask, tokenizer)
-        keys = self.engine.microbatch_keys + ((DOCUMENT_IDS,) if self.eod_id is not None else ())
+        keys = with_documents(self.engine.microbatch_keys, self.eod_id is not None)
         self.batches = data.DistributedBatchIterator.for_rank(train_set, pstate, t.global_batch_size,
                                                               t.micro_batch_size, keys=keys, eod_id=self.eod_id)
         self.evaluator = (Evaluator(rj, pstate, self.chunks, valid_set, self._to_device, eod_id=self.eod_id)

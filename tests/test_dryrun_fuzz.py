@@ -13,7 +13,8 @@ against the dry run's within ``test_dryrun_estimator.TOLERANCE`` where the plann
 Large (``big_jobs``: MoE with ep / etp, cp, ZB-V, interleaving with uneven stages, 1,024-16,384 ranks): the
 first, a middle and the last rank dry-run without error, report bytes and messages, and the planner's
 activation estimate holds as above. CI runs ``CI_BIG``; ``--extended`` every job. Where the planner is known
-to be off (``KNOWN_PLANNER_GAPS``, ``KNOWN_BIG_GAPS``: findings not fixed yet) the gap is pinned instead.
+to be off (``KNOWN_PLANNER_GAPS``, ``KNOWN_BIG_GAPS``), or the dry run's activation peak off a real rank's
+(``KNOWN_ACTIVATION_GAPS``): findings not fixed yet, the gap is pinned instead.
 """
 
 from __future__ import annotations
@@ -36,21 +37,24 @@ pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 # skip or xfail fails this suite: conftest's NoSilentSkips): on these the test requires the gap to still be
 # there, so a fixed estimator fails it with a message saying which entry to remove. Bytes and messages are
 # checked exactly first, on every case.
-KNOWN_PLANNER_GAPS: dict[int, str] = {
-    # session 43 (docs/dryrun.md, "2044"): ZB-V on plain gloo, one microbatch; its sent output is freed once its
-    # batch (with the head chunk's receive) is waited, before the head's forward: split_memory counts it (+12,096 B).
-    # +4.9% before the head's norm statistics were counted (504 B, which the dry run holds), +5.1% after.
-    2044: "zbv on gloo: a sent output freed by its batch's receive wait, counted by split_memory",
-}
+KNOWN_PLANNER_GAPS: dict[int, str] = {}  # none left (session 44: 2044, a sent output freed by its batch's wait)
 KNOWN_BIG_GAPS: dict[str, str] = {}  # none left (session 40: big7, big4 fixed)
+# Where the dry run's activation peak is known to miss a real rank's by more than ACTIVATION_BOUND, pinned the same way
+# (docs/dryrun.md, "Sent outputs on gloo and document ids").
+KNOWN_ACTIVATION_GAPS: dict[int, str] = {
+    # session 44: rank 0 671,328 B dry vs 708,416 B real (-5.2%; ranks 1 and 2 +0.4% / -1.9%). Not its document mask:
+    # every row of the step holds one document (the corpus' documents are far longer than seq 24), and the real step
+    # with every document id zeroed peaks at the same bytes. Cause open (MoE routing, balanced on meta, is a guess).
+    1001: "MoE, cp 3 allgather, rank 0 -5.2%: not the document mask, cause open",
+}
 
 
-def _expect_planner(bad: list[str], known: str | None) -> None:
-    """No planner disagreement, or, on a known gap, still the gap (module comment above)."""
+def _expect_known(bad: list[str], known: str | None, what: str = "planner") -> None:
+    """No disagreement, or, on a known gap, still the gap (module comment above)."""
     if known is None:
         assert not bad, "\n".join(bad)
     else:
-        assert bad, f"the known planner gap ({known}) is gone: remove its entry from the known gaps"
+        assert bad, f"the known {what} gap ({known}) is gone: remove its entry from the known gaps"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -88,7 +92,7 @@ def test_dry_run_equals_a_real_gloo_run_on_drawn_layouts(case, tmp_path, cache_d
     rj = resolve(job_from_dict(values), case.world_size)
     routed = rj.model.moe.enabled and rj.model.moe.dispatcher == "alltoall"
     dry_routed = real_routed = 0
-    bad, planner = [], []
+    bad, planner, activations = [], [], []
     for rank in range(case.world_size):
         # The real ranks' p2p semantics: NCCL's where they emulate it on gloo, else plain gloo's (the job's own,
         # train.device=cpu); the schedule's order, its messages and when sent outputs are freed follow them.
@@ -99,9 +103,10 @@ def test_dry_run_equals_a_real_gloo_run_on_drawn_layouts(case, tmp_path, cache_d
         dry = {k: getattr(report, k) for k in held}
         if dry != held:
             bad.append(f"rank {rank}: dry run {dry} != real run {held}")
-        # Not with document masks: the dry run's step has no document ids (where documents end is data).
-        if not case.document_mask and abs(report.activation_bytes - real_activations) > ACTIVATION_BOUND * real_activations:
-            bad.append(f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real {real_activations}")
+        # With document masks too: the dry run's step carries one document per sequence (dryrun.step.meta_batch)
+        if abs(report.activation_bytes - real_activations) > ACTIVATION_BOUND * real_activations:
+            activations.append(f"rank {rank}: dry-run activation peak {report.activation_bytes} vs real "
+                               f"{real_activations}")
         dry_msgs = {m.kind: (m.count, m.bytes) for m in report.messages}
         if set(dry_msgs) != set(sent):
             bad.append(f"rank {rank}: kinds {sorted(dry_msgs)} != real {sorted(sent)}")
@@ -118,7 +123,8 @@ def test_dry_run_equals_a_real_gloo_run_on_drawn_layouts(case, tmp_path, cache_d
         if abs(dry_routed / real_routed - 1) > ROUTED_TOLERANCE:
             bad.append(f"token all-to-all bytes over the ranks: balanced {dry_routed}, real {real_routed}")
     assert not bad, "\n".join(bad)
-    _expect_planner(planner, KNOWN_PLANNER_GAPS.get(case.case_id))
+    _expect_known(activations, KNOWN_ACTIVATION_GAPS.get(case.case_id), "dry-run activation")
+    _expect_known(planner, KNOWN_PLANNER_GAPS.get(case.case_id))
 
 
 def test_ci_sample_covers_the_properties():
@@ -150,7 +156,7 @@ def test_large_drawn_jobs_dry_run(big: BigJob):
             assert "ep all_to_all" in kinds or "ep all_gather" in kinds, sorted(kinds)
         if (off := _planner_off(r)) is not None:
             bad.append(off)
-    _expect_planner(bad, KNOWN_BIG_GAPS.get(big.name.split("-")[0]))
+    _expect_known(bad, KNOWN_BIG_GAPS.get(big.name.split("-")[0]))
 
 
 @pytest.mark.parametrize("schedule, v, recompute", [("zbv", 2, "full"), ("zb_h1", 1, "full"), ("zbv", 2, "none"),
@@ -165,7 +171,7 @@ def test_planner_agrees_on_zero_bubble_schedules(schedule, v, recompute):
     rj = resolve(compose_job(ov)[0], world_size=2)
     reports = [dry_run_rank(rj, rank) for rank in (0, 1)]
     assert all(r.error is None for r in reports)
-    _expect_planner([off for r in reports if (off := _planner_off(r)) is not None], None)
+    _expect_known([off for r in reports if (off := _planner_off(r)) is not None], None)
 
 
 def test_widened_draws_reach_what_the_ids_below_do_not():

@@ -90,7 +90,7 @@ def _activation_bytes(rj: ResolvedJob, stage: int, layers: int, nccl: bool) -> i
         fused = job_runs_fused_kernels(rj.model.backend, rj.job.train.device)
         assumptions = dataclasses.replace(
             ActivationAssumptions.for_model(rj.model, layout.precision, "fused" if fused else "torch"),
-            sends_complete_unwaited=nccl, batch_on_host=batch_on_host(rj))
+            sends_complete_unwaited=nccl, batch_on_host=batch_on_host(rj), document_ids=rj.data.document_mask)
         chunks = [list(range(a, b)) for a, b in _chunk_ranges(rj, stage)]
         return int(stage_activation_bytes(rj.model, layout, stage, layers, assumptions, chunks)[0])
     except ValueError:  # e.g. mixed blocks (a MoE model's dense first layers): the estimate assumes one block

@@ -46,7 +46,7 @@ from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.activation_bytes import held_bytes
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.microbatch import SAMPLE_IDS, TOKEN_KEYS
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, key_shape, with_documents
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import action_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
@@ -123,10 +123,9 @@ def _engine(rj: ResolvedJob, chunks, pstate, optimizer, microbatches: int) -> Pi
 
 def microbatch_shape(rj: ResolvedJob, key: str) -> tuple[int, ...]:
     """The shape of key ``key`` of one microbatch on a rank, as the trainer hands it to the engine
-    (``pipeline.microbatch``; ``Trainer._to_device``): one sample id per row (dropout reads them); tokens
-    and labels over the rank's cp share."""
-    t, p = rj.job.train, rj.job.parallel
-    return (t.micro_batch_size,) if key == SAMPLE_IDS else (t.micro_batch_size, t.seq_len // p.cp)
+    (``pipeline.microbatch.key_shape``; ``Trainer._to_device``)."""
+    t = rj.job.train
+    return key_shape(key, t.micro_batch_size, t.seq_len, rj.job.parallel.cp)
 
 
 def batch_on_host(rj: ResolvedJob) -> bool:
@@ -139,25 +138,34 @@ def batch_on_host(rj: ResolvedJob) -> bool:
 def meta_batch(rj: ResolvedJob, keys: tuple[str, ...], microbatches: int) -> list[dict[str, torch.Tensor]]:
     """The step's microbatches on meta, laid out as the trainer hands them to the engine: on the host the data
     path's (``batch_on_host``), without cp (cp cuts each microbatch's tokens into new tensors of its share);
-    else one storage per tensor, of ``microbatch_shape``."""
+    else one storage per tensor, of ``microbatch_shape``; document ids as below."""
     t = rj.job.train
+    tensors = tuple(k for k in keys if k != DOCUMENT_IDS)
     if batch_on_host(rj) and rj.job.parallel.cp == 1:
         rows = microbatches * t.micro_batch_size
         tokens = torch.zeros((rows, t.seq_len + 1), dtype=torch.long, device="meta") \
-            if any(k in TOKEN_KEYS for k in keys) else None
-        return split_step(tokens, torch.zeros(rows, dtype=torch.long, device="meta"), keys, microbatches,
-                          t.micro_batch_size)
-    return [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in keys}
-            for _ in range(microbatches)]
+            if any(k in TOKEN_KEYS for k in tensors) else None
+        batch = split_step(tokens, torch.zeros(rows, dtype=torch.long, device="meta"), tensors, microbatches,
+                           t.micro_batch_size)
+    else:
+        batch = [{k: torch.zeros(microbatch_shape(rj, k), dtype=torch.long, device="meta") for k in tensors}
+                 for _ in range(microbatches)]
+    if DOCUMENT_IDS in keys:
+        # Where documents end is data: every sequence is one document here. On the host, with values, since the
+        # attention's block plan reads them (``context_parallel.blocks``); one storage per microbatch, as
+        # ``split_step`` (a new tensor per microbatch) and a device job's copies give them.
+        for mb in batch:
+            mb[DOCUMENT_IDS] = torch.zeros(microbatch_shape(rj, DOCUMENT_IDS), dtype=torch.long)
+    return batch
 
 
 def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> StepMeasure:
     """One step of ``microbatches`` microbatches on this rank (module doc); raises what step 1 would."""
     t, p = rj.job.train, rj.job.parallel
     engine = _engine(rj, chunks, pstate, optimizer, microbatches)
-    # No document ids, even with data.document_mask: where documents end is data (the cp block plan reads it),
-    # so every sequence is one document here (docs/dryrun.md, "Drawn layouts no other test names", finding 5).
-    batch = meta_batch(rj, engine.microbatch_keys, microbatches)
+    # With data.document_mask, one document per sequence (meta_batch): where documents end is data (docs/dryrun.md,
+    # "Sent outputs on gloo and document ids").
+    batch = meta_batch(rj, with_documents(engine.microbatch_keys, rj.data.document_mask), microbatches)
     stats = pstate.comm_stats
     stats.reset()
     moe = MoEStep(chunks, rj.model, pstate, p.sequence_parallel)

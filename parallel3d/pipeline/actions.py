@@ -127,6 +127,13 @@ class CommStep:
     compute: Action | None
 
 
+def default_prefetch(coalesced: bool) -> int:
+    """Receives the executors post ahead of need unless told (``prefetch_recvs``): 2 where each op progresses on
+    its own (gloo), so their transfer overlaps compute; 0 where a rank's batches run as FIFO units (NCCL), where a
+    receive posted ahead would stall every later batch of the rank, sends included."""
+    return 0 if coalesced else 2
+
+
 def comm_plan(actions: Sequence[Action], prefetch: int = 0) -> list[CommStep]:
     """Group one stage's actions into ``CommStep``s: the comm actions between two computations.
 

@@ -28,14 +28,15 @@ microbatches' saved tensors plus at most the newest output, not every output.
 gloo says a send is done only from a blocking ``wait``, so on single-chunk
 schedules (1f1b, gpipe) the engine waits, after each forward, for the batches
 holding its earlier activation sends; interleaved schedules free a sent output
-only once the backend reports its batch complete on its own (NCCL does).
+only once its batch is known complete: the backend reports it on its own (NCCL does),
+or, on gloo, a receive of the same batch was taken (``sent_release``).
 
 Communication follows ``actions.comm_plan``: the comm actions between two
 computations form one batch; on gloo receives are also posted ``prefetch_recvs``
-(default 2) ahead of need so their transfer overlaps compute. Where a batch
+(default ``actions.default_prefetch``) ahead of need so their transfer overlaps compute. Where a batch
 completes as one unit and a rank's batches run in FIFO order
 (``pstate.p2p_coalesces``: NCCL), a receive posted ahead would stall every later
-batch of the rank, sends included: the default there is 0, and the schedule is
+batch of the rank, sends included (that default is 0 there), and the schedule is
 built for FIFO batches (``build_schedule(coalesced_p2p=True)``). The constructor
 proves the resulting plan, waits included, deadlock-free under the backend's
 semantics (``check_coalesced_progress``) and refuses one that is not.
@@ -90,7 +91,7 @@ import torch.distributed as dist
 from parallel3d import comm
 from parallel3d.deferred_grads import backward_inputs
 from parallel3d.pipeline.activation_bytes import storage_key
-from parallel3d.pipeline.actions import Action, ScheduleError, splits_backward
+from parallel3d.pipeline.actions import Action, ScheduleError, default_prefetch, splits_backward
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, stage_keys
 from parallel3d.pipeline.options import PipelineOptions, drain_is_split
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
@@ -255,7 +256,7 @@ class PipelineEngine:
         held = self.placement.chunks_of(pstate.coord("pp"))
         self.microbatch_keys = stage_keys(0 in held, self.placement.total - 1 in held)
         if prefetch_recvs is None:
-            prefetch_recvs = 0 if coalesces else 2
+            prefetch_recvs = default_prefetch(coalesces)
         if isinstance(prefetch_recvs, bool) or not isinstance(prefetch_recvs, int) or prefetch_recvs < 0:
             raise ValueError(f"prefetch_recvs={prefetch_recvs!r} must be an integer >= 0")
         self.prefetch_recvs = prefetch_recvs

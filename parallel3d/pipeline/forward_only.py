@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-from parallel3d.pipeline.actions import ScheduleError
+from parallel3d.pipeline.actions import ScheduleError, default_prefetch
 from parallel3d.pipeline.engine import send_loss_to_last_stage
 from parallel3d.pipeline.microbatch import TOKEN_KEYS, document_kwargs, stage_keys
 from parallel3d.pipeline.p2p import MessageSpec, PipelineP2P
@@ -77,7 +77,7 @@ class ForwardOnlyRunner:
         coalesces = pstate.p2p_coalesces
         self.placement = placement_for(schedule, p, v)
         full = build_forward_schedule(p, num_microbatches, v, coalesced_p2p=coalesces, placement=self.placement.kind)
-        self.prefetch_recvs = (0 if coalesces else 2) if prefetch_recvs is None else prefetch_recvs
+        self.prefetch_recvs = default_prefetch(coalesces) if prefetch_recvs is None else prefetch_recvs
         try:
             check_coalesced_progress(full, prefetch=self.prefetch_recvs, coalesced=coalesces,
                                      wait_sent_activations=False)

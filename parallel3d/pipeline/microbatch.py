@@ -33,6 +33,23 @@ def document_kwargs(microbatch: dict) -> dict:
     return {DOCUMENT_IDS: microbatch[DOCUMENT_IDS]} if DOCUMENT_IDS in microbatch else {}
 
 
+def key_shape(key: str, micro_batch_size: int, seq_len: int, cp: int = 1) -> tuple[int, ...]:
+    """The shape of ``key`` of one microbatch as the engine gets it on a rank of ``cp`` context-parallel ranks:
+    ``[mb]`` sample ids; ``[mb, s/cp]`` token ids and labels (the rank's share); ``[mb, s]`` document ids (the
+    whole sequence, on every cp rank). The one shape rule: the dry run's meta step and the planner read it."""
+    if key == SAMPLE_IDS:
+        return (micro_batch_size,)
+    if key not in TOKEN_KEYS:
+        raise ValueError(f"{key!r} is not a microbatch key ({ALL_KEYS})")
+    return (micro_batch_size, seq_len if key == DOCUMENT_IDS else seq_len // cp)
+
+
+def with_documents(keys: tuple[str, ...], documents: bool) -> tuple[str, ...]:
+    """The keys the step's microbatches carry: a stage's ``keys`` and, with ``data.document_mask``
+    (``documents``), the document ids, which every stage reads."""
+    return keys + ((DOCUMENT_IDS,) if documents else ())
+
+
 def stage_keys(is_first_stage: bool, is_last_stage: bool) -> tuple[str, ...]:
     """The keys a stage reads, in ``ALL_KEYS`` order."""
     keys = []

@@ -57,9 +57,9 @@ class ActivationAssumptions:
     # The engine frees a sent output's storage (Megatron's trick; single-chunk schedules on
     # gloo): a stage then keeps only its newest, not yet sent, output.
     sent_outputs_freed: bool = False
-    # The backend reports a send complete without a blocking wait (NCCL, and the dry run's fake
-    # backend), so interleaved schedules free their sent outputs too; gloo (the CPU path) does so
-    # only at the end of the step, and there only single-chunk schedules (which wait) free them.
+    # The backend reports a send complete without a blocking wait (NCCL), so interleaved schedules free
+    # their sent outputs too; on gloo (the CPU path) single-chunk schedules wait for them, and the others free
+    # one once a receive of its batch was waited (``pipeline.sent_release``: counted by ``split_memory``).
     sends_complete_unwaited: bool = False
     # Bytes per hidden element one norm keeps for backward; None: one activation-dtype copy
     # of its input (fused kernels). The torch RMSNorm reference keeps fp32 copies of its
@@ -71,6 +71,8 @@ class ActivationAssumptions:
     small_stats: bool = False
     # A CPU job's microbatches are the data path's own (``batch_tensors.step_batch_bytes``), not device copies.
     batch_on_host: bool = False
+    # The step's microbatches carry ``data.document_mask``'s document ids (``batch_tensors.step_batch_bytes``).
+    document_ids: bool = False
     # Bytes per logit the tp = 1 cross entropy keeps on the last stage (fp32 log-softmax, or the fused kernel's
     # logits in their dtype); at tp > 1 the sharded loss the model runs decides (``loss_logit_bytes``).
     logits_bytes: int = 4

@@ -211,8 +211,8 @@ def stage_activation_bytes(
     the search's ``memory_layout`` caps the layout's count, not the step's).
     """
     peak, inflight = _in_flight_peak(config, layout, stage, layers, assumptions, chunk_layers, w_lags, schedules)
-    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host, step_microbatches)
-                   if assumptions.small_stats else 0), inflight
+    return peak + (step_batch_bytes(layout, stage, assumptions.batch_on_host, step_microbatches,
+                                    assumptions.document_ids) if assumptions.small_stats else 0), inflight
 
 
 def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int | Sequence[int],
@@ -226,7 +226,7 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
         chunks = chunk_layers if chunk_layers is not None and len(chunk_layers) == v \
             else [ids[c * len(ids) // v:(c + 1) * len(ids) // v] for c in range(v)]
         return split_peak_bytes(config, layout, stage, computations, chunks, assumptions,
-                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions))
+                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions), schedules)
     loop = layout.placement.chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \

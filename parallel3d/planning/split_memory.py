@@ -9,6 +9,9 @@ under full recompute, so much more than the checkpoint), except on the model's f
 no input gradient to send and keeps the whole graph until ``W`` (``step_run.StepRun.backward``). The engine
 records its peak after every ``F`` and every ``B``; so does ``split_peak_bytes``, counting each chunk's
 microbatches on the stage's own actions, a backward split where its ``W`` is listed (no schedule logic restated).
+A sent output is held until its send is released: on NCCL (and for one chunk a stage) at the next forward but its
+own; on gloo with more chunks once a receive of its batch was waited, read off the stage's batches
+(``pipeline.sent_release`` on ``actions.comm_plan``'s plan, as the engine posts it).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from models.config import ModelConfig
+from parallel3d.pipeline.actions import default_prefetch
 from parallel3d.pipeline.schedules import stage_compute_order
+from parallel3d.pipeline.sent_release import released_sends
 from parallel3d.planning.activations import (
     ActivationAssumptions,
     _block,
@@ -57,6 +62,36 @@ def _moments(actions: Sequence[tuple[str, int, int]]) -> Iterator[tuple[list[tup
             counts[1] -= 1
         if kind != "W":
             yield [(pending[c][0], pending[c][1]) for c in chunks], None if newest is None else newest[1]
+
+
+def _held_sent(actions: Sequence[tuple[str, int, int]], sends: Sequence[bool | None],
+               releases: Sequence[Sequence[tuple[int, int]]]) -> Iterator[int]:
+    """After each ``F`` and ``B`` of ``actions`` (as ``_moments`` yields): the outputs held that go by message,
+    those of sending chunks (``sends``) whose ``B`` is pending and whose send is not released yet (``releases``:
+    per computation, the keys the engine releases after it, ``sent_release.released_sends``)."""
+    held: set[tuple[int, int]] = set()
+    for (kind, mb, c), released in zip(actions, releases, strict=True):
+        if kind == "F" and sends[c]:
+            held.add((mb, c))
+        elif kind == "B":
+            held.discard((mb, c))
+        held.difference_update(released)
+        if kind != "W":
+            yield len(held)
+
+
+def _gloo_releases(layout: Layout, stage: int, actions: Sequence[tuple[str, int, int]],
+                   schedules: ScheduleCache | None) -> list[tuple[tuple[int, int], ...]]:
+    """Per computation of ``stage``'s ``actions``, the sent outputs the engine frees after it on gloo with more
+    than one chunk a stage (``sent_release``): its batches are those of the stage's built action list, messages
+    included, uncoalesced, at the engine's default prefetch (``actions.default_prefetch``)."""
+    built = ScheduleCache.of(schedules).build(layout.schedule, layout.pp, layout.num_microbatches,
+                                              layout.virtual_stages, split_drain=layout.splits_drain)
+    full = built[stage]
+    if [(a.kind, a.microbatch, a.chunk) for a in full if a.is_compute] != list(actions):
+        # not a ValueError: callers read that as "no estimate for this model" (rank_report), this is a bug
+        raise RuntimeError(f"stage {stage}: its computations are not those of its built {layout.schedule} schedule")
+    return released_sends(full, default_prefetch(False))
 
 
 def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[int, ...]]:
@@ -110,11 +145,13 @@ def layer_weight_grad_bytes(config: ModelConfig, layout: Layout, assumptions: Ac
 
 def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: Sequence[tuple[str, int, int]],
                      chunk_layers: Sequence[Sequence[int]], assumptions: ActivationAssumptions,
-                     layers_bytes: Callable[[Sequence[int]], float]) -> tuple[float, int]:
+                     layers_bytes: Callable[[Sequence[int]], float],
+                     schedules: ScheduleCache | None = None) -> tuple[float, int]:
     """(peak activation bytes, (microbatch, chunk)s held then) of ``stage`` running ``actions`` (its
     computations in order, ``(kind, microbatch, local chunk)``: ``stage_computations``), whose
     local chunk ``c`` holds global layers ``chunk_layers[c]``; ``layers_bytes(ids)`` is one microbatch's
-    forward-saved bytes of those layers (the memory estimate's own)."""
+    forward-saved bytes of those layers (the memory estimate's own). ``schedules``: the search's
+    (``ScheduleCache``), where the gloo batches are read off the built schedule."""
     place = layout.placement
     last = place.total - 1
     held, waiting, sends = [], [], []  # sends: the chunk's output goes to another stage (else handed over here)
@@ -134,6 +171,9 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
         sends.append(None if k == last else place.stage_of(k + 1) != stage)  # None: no output (the loss)
     output = chunk_output_bytes(config, layout, assumptions)
     freed = assumptions.sent_outputs_freed and (layout.virtual_stages == 1 or assumptions.sends_complete_unwaited)
+    # gloo, chunks > 1: a sent output goes once a receive of its batch was waited (sent_release; fuzz case 2044)
+    by_batch = assumptions.sent_outputs_freed and not freed
+    held_sent = _held_sent(actions, sends, _gloo_releases(layout, stage, actions, schedules)) if by_batch else None
     peak, peak_live = 0.0, 0
     for counts, newest in _moments(actions):
         # A B-pending chunk keeps its output; a sent one goes once its send completes where the engine frees
@@ -142,7 +182,10 @@ def split_peak_bytes(config: ModelConfig, layout: Layout, stage: int, actions: S
         # chunk stays until its B.
         sent = sum(n for (n, _), s in zip(counts, sends) if s)
         handed = sum(n for (n, _), s in zip(counts, sends) if s is False)
-        unsent = int(newest is not None and bool(sends[newest])) if freed else sent
+        if held_sent is not None:
+            unsent = next(held_sent)
+        else:
+            unsent = int(newest is not None and bool(sends[newest])) if freed else sent
         total = sum(n * hb + x * wb for (n, x), hb, wb in zip(counts, held, waiting)) + (unsent + handed) * output
         if total > peak:
             peak, peak_live = total, sum(n + x for n, x in counts)
