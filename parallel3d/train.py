@@ -11,7 +11,8 @@ Order of events on every rank, so a bad value never hangs a job:
    ``preflight``: directories, checkpoints, data files, CUDA);
    a problem prints ONE line (rank 0) and every rank exits with status 2, before any
    process group exists;
-2. run the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
+2. global rank 0 locks each job's ``train.out_dir`` (``parallel3d.run_lock``: a directory a running job
+   holds is one ``ConfigError``), then runs the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
    rank); ranks other than 0 pass ``hydra.output_subdir=null`` so only rank 0 writes
    ``.hydra/``; Hydra never changes the working directory;
 3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1
@@ -29,6 +30,7 @@ Order of events on every rank, so a bad value never hangs a job:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +42,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from parallel3d import command_line
+from parallel3d import command_line, run_lock
 from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
@@ -222,7 +224,13 @@ def main(argv: list[str] | None = None) -> None:
     if _rank() != 0:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]
-    with one_line_warnings():
+    # Global rank 0 holds each job's run directory from before Hydra writes .hydra/ there to the end.
+    locked = plan.out_dirs if plan is not None and plan.runs and _rank() == 0 else []
+    with one_line_warnings(), contextlib.ExitStack() as held:
+        try:
+            held.enter_context(run_lock.holding(locked))
+        except ConfigError as exc:
+            _config_exit(exc)
         try:
             hydra_app()
         except KeyboardInterrupt:  # before training (composing, tokenizing the corpus): nothing to keep
