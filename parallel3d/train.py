@@ -47,9 +47,10 @@ from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 from parallel3d.faults import inject
+from parallel3d.sweep_status import EXIT_FAILED
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-EXIT_CONFIG, EXIT_FAILED = 2, 1
+EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 128 + 2  # the shell's status for a process ended by SIGINT (Ctrl-C)
 CONFIG_EXIT_DELAY_S = 5.0
 
@@ -105,8 +106,9 @@ def _configure_threads(device: str) -> None:
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def hydra_app(cfg: DictConfig) -> None:
-    """The Hydra entry: validate again (cheap), then train this rank."""
+def hydra_app(cfg: DictConfig) -> int | None:
+    """The Hydra entry: validate again (cheap), then train this rank. A failed job of a one-process sweep
+    returns ``EXIT_FAILED`` so the sweep goes on (``parallel3d.sweep_status``); any other failure ends the process."""
     rank = _rank()
     try:
         job, plain = to_job(cfg)
@@ -126,6 +128,9 @@ def hydra_app(cfg: DictConfig) -> None:
         _report_failure(rank, exc, rj, pstate if isinstance(exc, TrainingDiverged) else None)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
+        if rj.world_size == 1 and _in_sweep():  # no peer waits on this process: on to the next job
+            _leave_process_group()
+            return EXIT_FAILED
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
     except KeyboardInterrupt:  # the trainer has already let a save in flight finish
         _interrupted(rank, rj.job.train.out_dir)
@@ -143,6 +148,21 @@ def hydra_app(cfg: DictConfig) -> None:
             with open(marker, "w") as fh:
                 fh.write(f"{result.last_step} {result.stopped}\n")
         sys.exit(EXIT_STOPPED)
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _leave_process_group() -> None:
+    """A one-process job's group, after its failure: the sweep's next job makes its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _interrupted(rank: int, out_dir: str) -> None:
