@@ -45,13 +45,17 @@ class CommandLine:
     multirun: bool
     extra_config_dir: str | None = None  # ``--config-dir`` as ``file://ABS`` (also first in search_path)
     check: bool = True  # False for shell completion / rerun: nothing is composed from the overrides
+    runs: bool = True  # False for --cfg / --help / --hydra-help / --info: Hydra prints and runs no job
 
 
 @dataclass
 class MultirunPlan:
+    """The jobs a command line runs: one without ``-m``."""
+
     jobs: list[list[str]]  # every job's overrides (job overrides only, hydra.* excluded)
     hydra_subdir: str | None = None  # hydra.sweep.subdir as given or added here; None = the config's (job number)
-    out_dirs: list[str] = field(default_factory=list)
+    out_dirs: list[str] = field(default_factory=list)  # each checked job's train.out_dir, in job order
+    runs: bool = True  # CommandLine.runs: the jobs will run (their directories are then locked: run_lock)
     overrides: list[str] = field(default_factory=list)  # added to the command line before Hydra runs it
 
 
@@ -86,6 +90,7 @@ def parse(args: list[str], default_config_dir: str, default_config_name: str = "
         overrides=overrides, parsed=parsed, config_dir=config_dir, config_name=ns.config_name or default_config_name,
         search_path=search, multirun=bool(ns.multirun), extra_config_dir=extra,
         check=not (ns.shell_completion or ns.experimental_rerun is not None),
+        runs=not (ns.cfg or ns.help or ns.hydra_help or ns.info),
     )
 
 
@@ -137,7 +142,7 @@ def expand_jobs(cmd: CommandLine) -> MultirunPlan:
         else:
             axes.append([raw])
     jobs = [list(combo) for combo in itertools.product(*axes)]
-    plan = MultirunPlan(jobs, hydra_subdir)
+    plan = MultirunPlan(jobs, hydra_subdir, runs=cmd.runs)
     if cmd.multirun and out_dir_swept and hydra_subdir is None:
         plan.overrides.append("hydra.sweep.subdir=.")
         plan.hydra_subdir = "."
@@ -267,7 +272,8 @@ def _check_hydra_dirs(cmd: CommandLine, out_dir: str) -> None:
 
 
 def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan | None:
-    """Compose and resolve every job of ``args`` (raises ConfigError); the multirun plan, or None."""
+    """Compose and resolve every job of ``args`` (raises ConfigError); the plan of its jobs (one without
+    ``-m``), or None when Hydra composes nothing from the overrides (shell completion, rerun)."""
     cmd = parse(args, default_config_dir)
     if cmd is None or not cmd.check:
         return None
@@ -276,7 +282,7 @@ def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan
         job, _ = to_job(compose(cmd, job_overrides))
         if cmd.multirun:
             job.train.out_dir = job_out_dir(job.train.out_dir, num, plan.hydra_subdir)
-            plan.out_dirs.append(job.train.out_dir)
+        plan.out_dirs.append(job.train.out_dir)
         try:
             resolve(job)
             if not cmd.multirun:
@@ -294,4 +300,4 @@ def check_command_line(args: list[str], default_config_dir: str) -> MultirunPlan
                     f"hydra.sweep.subdir at its default (the job number)"
                 )
             seen[out_dir] = num
-    return plan if cmd.multirun else None
+    return plan

@@ -11,7 +11,8 @@ Order of events on every rank, so a bad value never hangs a job:
    ``preflight``: directories, checkpoints, data files, CUDA);
    a problem prints ONE line (rank 0) and every rank exits with status 2, before any
    process group exists;
-2. run the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
+2. global rank 0 locks each job's ``train.out_dir`` (``parallel3d.run_lock``: a directory a running job
+   holds is one ``ConfigError``), then runs the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
    rank); ranks other than 0 pass ``hydra.output_subdir=null`` so only rank 0 writes
    ``.hydra/``; Hydra never changes the working directory;
 3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1
@@ -29,6 +30,7 @@ Order of events on every rank, so a bad value never hangs a job:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,14 +42,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from parallel3d import command_line
+from parallel3d import command_line, run_lock
 from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 from parallel3d.faults import inject
+from parallel3d.sweep_status import EXIT_FAILED
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-EXIT_CONFIG, EXIT_FAILED = 2, 1
+EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 128 + 2  # the shell's status for a process ended by SIGINT (Ctrl-C)
 CONFIG_EXIT_DELAY_S = 5.0
 
@@ -103,8 +106,9 @@ def _configure_threads(device: str) -> None:
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def hydra_app(cfg: DictConfig) -> None:
-    """The Hydra entry: validate again (cheap), then train this rank."""
+def hydra_app(cfg: DictConfig) -> int | None:
+    """The Hydra entry: validate again (cheap), then train this rank. A failed job of a one-process sweep
+    returns ``EXIT_FAILED`` so the sweep goes on (``parallel3d.sweep_status``); any other failure ends the process."""
     rank = _rank()
     try:
         job, plain = to_job(cfg)
@@ -124,6 +128,9 @@ def hydra_app(cfg: DictConfig) -> None:
         _report_failure(rank, exc, rj, pstate if isinstance(exc, TrainingDiverged) else None)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
+        if rj.world_size == 1 and _in_sweep():  # no peer waits on this process: on to the next job
+            _leave_process_group()
+            return EXIT_FAILED
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
     except KeyboardInterrupt:  # the trainer has already let a save in flight finish
         _interrupted(rank, rj.job.train.out_dir)
@@ -141,6 +148,21 @@ def hydra_app(cfg: DictConfig) -> None:
             with open(marker, "w") as fh:
                 fh.write(f"{result.last_step} {result.stopped}\n")
         sys.exit(EXIT_STOPPED)
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _leave_process_group() -> None:
+    """A one-process job's group, after its failure: the sweep's next job makes its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _interrupted(rank: int, out_dir: str) -> None:
@@ -222,7 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     if _rank() != 0:
         args.append("hydra.output_subdir=null")
     sys.argv = [sys.argv[0], *args]
-    with one_line_warnings():
+    # Global rank 0 holds each job's run directory from before Hydra writes .hydra/ there to the end.
+    locked = plan.out_dirs if plan is not None and plan.runs and _rank() == 0 else []
+    with one_line_warnings(), contextlib.ExitStack() as held:
+        try:
+            held.enter_context(run_lock.holding(locked))
+        except ConfigError as exc:
+            _config_exit(exc)
         try:
             hydra_app()
         except KeyboardInterrupt:  # before training (composing, tokenizing the corpus): nothing to keep

@@ -214,4 +214,4 @@ def test_the_command_line_is_parsed_once_and_each_job_once(sweep, jobs, tmp_path
     plan = command_line.check_command_line(args, CONF_DIR)
     assert calls[0] == [a for a in args if a != "-m"]  # the command line's overrides, first
     assert len(calls) == 1 + jobs, calls
-    assert (plan is None) == (jobs == 1) and (plan is None or len(plan.jobs) == jobs)
+    assert len(plan.jobs) == len(plan.out_dirs) == jobs
