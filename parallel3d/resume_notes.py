@@ -10,12 +10,13 @@ here from the same options the trainer builds it from; this module only compares
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
+from typing import Any, get_type_hints
 
 from parallel3d.zero.lr_schedule import WarmupCosine
 from parallel3d.zero.options import OptimizerOptions
 
-# (section, key) of the resolved config that shape the schedule.
+# (section, key) of the resolved config that shape the schedule: every other list of them derives from this.
 SCHEDULE_KEYS = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("train", "steps"))
 
 
@@ -25,21 +26,26 @@ def lr_schedule(optimizer: OptimizerOptions, steps: int) -> WarmupCosine:
                         decay_steps=steps)
 
 
-def _schedule_values(optimizer: OptimizerOptions, steps: int) -> dict[tuple[str, str], Any]:
-    return {("optimizer", "lr"): optimizer.lr, ("optimizer", "min_lr"): optimizer.min_lr,
-            ("optimizer", "warmup_steps"): optimizer.warmup_steps, ("train", "steps"): steps}
+def _schedule_values(config: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    """``config``'s value of each of ``SCHEDULE_KEYS`` (KeyError or TypeError where it does not hold one)."""
+    return {(section, key): config[section][key] for section, key in SCHEDULE_KEYS}
+
+
+def _saved_schedule(saved: dict[tuple[str, str], Any]) -> WarmupCosine:
+    """The schedule of a checkpoint's ``_schedule_values``, each optimizer value read as its option's type."""
+    types = get_type_hints(OptimizerOptions)
+    optimizer = OptimizerOptions(**{key: types[key](value) for (section, key), value in saved.items()
+                                    if section == "optimizer"})
+    return lr_schedule(optimizer, int(saved["train", "steps"]))
 
 
 def schedule_change(saved_config: dict[str, Any], optimizer: OptimizerOptions, steps: int, iteration: int) -> str | None:
     """The warning for a resume at optimizer ``iteration`` whose schedule differs from the one recorded in the
     checkpoint's ``saved_config`` (None: the same, or a config that does not record it)."""
-    now = _schedule_values(optimizer, steps)
+    now = _schedule_values({"optimizer": asdict(optimizer), "train": {"steps": steps}})
     try:
-        saved = {(section, key): saved_config[section][key] for section, key in SCHEDULE_KEYS}
-        before = lr_schedule(OptimizerOptions(lr=float(saved["optimizer", "lr"]),
-                                              min_lr=float(saved["optimizer", "min_lr"]),
-                                              warmup_steps=int(saved["optimizer", "warmup_steps"])),
-                             int(saved["train", "steps"]))(iteration)
+        saved = _schedule_values(saved_config)
+        before = _saved_schedule(saved)(iteration)
     except (KeyError, TypeError, ValueError):
         return None  # a config without these keys (hand-made, or older): nothing to compare
     changed = [f"{section}.{key} {saved[section, key]} -> {now[section, key]}" for section, key in SCHEDULE_KEYS

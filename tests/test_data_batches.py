@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from parallel3d.data import DataError, DistributedBatchIterator, GPTDataset, write_indexed_dataset
-from parallel3d.pipeline.microbatch import stage_keys
+from parallel3d.context_parallel.load_balance import split_batch_for_cp
+from parallel3d.pipeline.microbatch import INPUT_IDS, LABELS, SAMPLE_IDS, ids_share_step_buffer, stage_keys
 from tests.harness import run_on_ranks
 
 SEQ = 8
@@ -205,3 +206,13 @@ def test_document_mask_takes_the_eod_id_from_the_data_tokenizer():
     assert document_eod_id(False, tok) is None and document_eod_id(False, None) is None
     with pytest.raises(DataError, match="data.tokenizer_file"):
         document_eod_id(True, None)
+
+
+@pytest.mark.parametrize("mb,cp", list(itertools.product((1, 2, 3), (1, 2))))
+def test_ids_and_labels_share_the_step_buffer_where_the_rule_says(dataset, mb, cp):
+    """The data path's real storages (cut for cp as ``Trainer._to_device`` cuts them) against
+    ``ids_share_step_buffer``, which the dry run and the planner count by."""
+    step = next(DistributedBatchIterator(dataset, 6 * mb, mb, 0, 1))
+    cut = [split_batch_for_cp(m, cp, cp - 1, keep_whole=(SAMPLE_IDS,)) if cp > 1 else m for m in step]
+    ptrs = {m[k].untyped_storage().data_ptr() for m in cut for k in (INPUT_IDS, LABELS)}
+    assert (len(ptrs) == 1) == ids_share_step_buffer(mb, cp), (mb, cp, len(ptrs))

@@ -46,7 +46,7 @@ from parallel3d.moe_step import MoEStep
 from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.activation_bytes import held_bytes
 from parallel3d.pipeline.engine import PipelineEngine
-from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, key_shape, with_documents
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, ids_share_step_buffer, key_shape, with_documents
 from parallel3d.pipeline.schedules import build_schedule
 from parallel3d.planning.activations import action_in_flight_moments
 from parallel3d.planning.cli import job_w_lags
@@ -129,19 +129,19 @@ def microbatch_shape(rj: ResolvedJob, key: str) -> tuple[int, ...]:
 
 
 def batch_on_host(rj: ResolvedJob) -> bool:
-    """Whether the engine gets the data path's own microbatches (``data.batches.split_step``; at micro-batch 1
-    views of one step token buffer): a job on the CPU, whose ``Trainer._to_device`` moves nothing. A device job
-    gets a copy of each tensor on the device, one storage each."""
+    """Whether the engine gets the data path's own microbatches (``data.batches.split_step``; views of one step
+    token buffer where ``ids_share_step_buffer`` says so): a job on the CPU, whose ``Trainer._to_device`` moves
+    nothing. A device job gets a copy of each tensor on the device, one storage each."""
     return rj.job.train.device == "cpu"
 
 
 def meta_batch(rj: ResolvedJob, keys: tuple[str, ...], microbatches: int) -> list[dict[str, torch.Tensor]]:
     """The step's microbatches on meta, laid out as the trainer hands them to the engine: on the host the data
-    path's (``batch_on_host``), without cp (cp cuts each microbatch's tokens into new tensors of its share);
+    path's (``batch_on_host``) where its ids and labels share the step's buffer (``ids_share_step_buffer``);
     else one storage per tensor, of ``microbatch_shape``; document ids as below."""
     t = rj.job.train
     tensors = tuple(k for k in keys if k != DOCUMENT_IDS)
-    if batch_on_host(rj) and rj.job.parallel.cp == 1:
+    if batch_on_host(rj) and ids_share_step_buffer(t.micro_batch_size, rj.job.parallel.cp):
         rows = microbatches * t.micro_batch_size
         tokens = torch.zeros((rows, t.seq_len + 1), dtype=torch.long, device="meta") \
             if any(k in TOKEN_KEYS for k in tensors) else None

@@ -15,6 +15,9 @@ With ``pp == 1`` one stage is both and reads all three. Middle stages read only
 ``sample_ids`` and never touch the token stream, except with ``data.document_mask``:
 - ``document_ids`` ``[mb, s]`` (every stage, the whole sequence even with context
   parallel): which packed document each token belongs to (attention stays inside it).
+
+On the host, ``input_ids`` and ``labels`` share the step's one ``[N, s+1]`` token buffer exactly when
+``ids_share_step_buffer`` says so; the data path, the dry run and the planner all ask it.
 """
 
 from __future__ import annotations
@@ -59,3 +62,11 @@ def stage_keys(is_first_stage: bool, is_last_stage: bool) -> tuple[str, ...]:
         keys.append(LABELS)
     keys.append(SAMPLE_IDS)
     return tuple(keys)
+
+
+def ids_share_step_buffer(micro_batch_size: int, cp: int) -> bool:
+    """Whether a host microbatch's token ids and labels are views of the step's one ``[N, s+1]`` token buffer
+    (``data.batches.split_step``) rather than storages of their own: a one-row slice is contiguous already, so
+    nothing copies it; wider microbatches are copied to be contiguous, and cp cuts each into new tensors of
+    its share (``Trainer._to_device``)."""
+    return micro_batch_size == 1 and cp == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from math import prod
 
-from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, key_shape, stage_keys
+from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, ids_share_step_buffer, key_shape, stage_keys
 from parallel3d.planning.layout import Layout
 
 __all__ = ["step_batch_bytes"]
@@ -25,8 +25,8 @@ def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False, microbat
     chunk, labels on the one with its last (ZB-V: both on stage 0), sample ids on all, and with ``documents``
     (``data.document_mask``) document ids on all; each its own storage, as a device job's copies are (and a
     document id tensor always: ``data.batches.split_step`` makes one per microbatch). ``on_host``: a CPU job's,
-    the data path's own (``data.batches.split_step``), whose token ids and labels at micro-batch 1 without cp are
-    views of one ``[N, s + 1]`` buffer. ``microbatches``: the step's count (default: the layout's)."""
+    the data path's own (``data.batches.split_step``), whose token ids and labels are views of one ``[N, s + 1]`` buffer
+    where ``ids_share_step_buffer`` says so. ``microbatches``: the step's count (default: the layout's)."""
     placement = layout.placement
     held = placement.chunks_of(stage)
     keys = [*stage_keys(0 in held, placement.total - 1 in held), *((DOCUMENT_IDS,) if documents else ())]
@@ -37,7 +37,7 @@ def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False, microbat
         return prod(key_shape(key, b, layout.seq_len, layout.cp))
 
     shared = [k for k in keys if k in TOKEN_KEYS and k != DOCUMENT_IDS]  # the data path's token rows
-    if on_host and shared and b == 1 and layout.cp == 1:
+    if on_host and shared and ids_share_step_buffer(b, layout.cp):
         tokens = m * b * (layout.seq_len + 1)
     else:
         tokens = m * sum(numel(k) for k in shared)
