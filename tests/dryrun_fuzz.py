@@ -13,7 +13,11 @@ yet met (``layout_matrix.ci_cost``).
 Ids from ``WIDE_BASE`` on (``--dryrun-seeds A:B`` runs a range of them) widen the draw where the ids below keep
 theirs: worlds up to ``WIDE_MAX_WORLD`` ranks, every precision of ``config.PRECISIONS`` (fp16 too), and on MoE draws
 half the time a MoE preset of ``conf/model`` (``MOE_PRESETS``: 8 experts, top-2; DeepSeek's shared expert and dense
-first layer) with ep over its expert count, all from a second salted fork.
+first layer) with ep over its expert count, all from a second salted fork. Ids from ``OPTIONS_BASE`` on
+(``--dryrun-seeds 1000:B``) also draw, from a third fork, what changes a rank's bytes or messages beyond the layout
+(``_draw_options``): the gradients' reduction dtype, ZeRO's parameter all-gather overlap,
+``parallel.split_drain`` and the MoE dispatcher, each over its options module's values (none of them was drawn
+before session 44).
 
 ``real_on_rank`` is the ``run_on_ranks`` target: a real ``Trainer`` on gloo, its bytes and one step's messages
 (``real_step.held_and_sent``).
@@ -30,8 +34,10 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from parallel3d import config as cfg
-from parallel3d.config import job_from_dict, resolve
+from parallel3d.config import ConfigError, job_from_dict, resolve
+from parallel3d.moe.options import DISPATCHERS
 from parallel3d.parallel_state import ParallelState
+from parallel3d.pipeline.options import SPLIT_DRAIN_VALUES, drain_is_split
 from parallel3d.trainer import Trainer
 from tests import layout_matrix as lm
 from tests import shape_fuzz as sf
@@ -47,6 +53,7 @@ ETP_DEGREES = (1, 2, 3)
 # Ids from WIDE_BASE on: the widened draw (module docstring). Up to 8 ranks: the task's bound for a real gloo run here.
 WIDE_BASE, WIDE_MAX_WORLD = 2000, 8
 MOE_PRESETS, PRESET_EP_DEGREES = ("mixtral_tiny", "deepseek_tiny"), (1, 2, 4)
+OPTIONS_BASE = WIDE_BASE + 1000  # the widened draw plus ``_draw_options``
 FP16_LOSS_SCALE = 1.0  # fp16 jobs' first loss scale: one step without overflow on the real side (``values``)
 MODEL_CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -66,6 +73,29 @@ def _widen(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
         shape = _preset(fork.choice(MOE_PRESETS), case.seq)
         parallel["ep"] = fork.choice(PRESET_EP_DEGREES)
     return dataclasses.replace(case, model=shape["name"], shape=shape, parallel=parallel, train=train)
+
+
+def _drain_allowed(schedule: str, split_drain: bool | str, recompute: str) -> bool:
+    """Whether ``parallel.split_drain`` may take this value here (the option's own rule, ``drain_is_split``)."""
+    try:
+        drain_is_split(schedule, split_drain, recompute)
+    except ConfigError:
+        return False
+    return True
+
+
+def _draw_options(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
+    """An options id's case (``OPTIONS_BASE``): the reduction dtype (fp32 or the precision), the all-gather
+    overlap, the split drain and (MoE) the dispatcher. Not disk offload: the dry run refuses it (it would create the
+    real job's state files; ``parallel3d/dryrun/__main__.py``), and host offload counts the same bytes."""
+    fork = random.Random(repr(rng.getstate()) + "options")
+    parallel, shape = dict(case.parallel), case.shape
+    drains = [d for d in SPLIT_DRAIN_VALUES if _drain_allowed(parallel["schedule"], d, case.train["recompute"])]
+    parallel.update(grad_reduce_dtype=fork.choice(sorted({"fp32", case.train["precision"]})),
+                    overlap_param_gather=fork.choice((True, False)), split_drain=fork.choice(drains))
+    if shape.get("moe"):
+        shape = dict(shape, moe=dict(shape["moe"], dispatcher=fork.choice(DISPATCHERS)))
+    return dataclasses.replace(case, parallel=parallel, shape=shape)
 
 
 def _extend(rng: random.Random, case: sf.ShapeCase) -> sf.ShapeCase:
@@ -91,6 +121,8 @@ def generate(case_id: int) -> sf.ShapeCase:
             case = _widen(rng, case)
         elif case_id >= MOE_BASE and "ep" not in case.parallel:
             continue
+        if case_id >= OPTIONS_BASE:
+            case = _draw_options(rng, case)
         if sf.MIN_WORLD <= case.world_size <= max_world and sf.judge(case).error is None:
             return case
     raise RuntimeError(f"dry-run fuzz case {case_id}: no valid draw in {MAX_DRAWS}")

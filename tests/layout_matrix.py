@@ -42,9 +42,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from models.moe_config import MoEConfig
 from parallel3d import config as cfg
 from parallel3d.config import ConfigError, job_from_dict, resolve
 from parallel3d.context_parallel import CP_COMM_VARIANTS
+from parallel3d.moe.options import DISPATCHERS, DROP_POLICIES
 from parallel3d.pipeline.options import AUTO, SPLIT_DRAIN_SCHEDULES, SPLIT_DRAIN_VALUES
 from tests.layer_splits import composition, empty_ends
 from tests.matrix_models import MODELS, MOE_MODELS, SEQ_LEN  # the drawn models (dense, MoE)
@@ -74,7 +76,7 @@ MOE_BASE, MOE_CASES = 30_000, 16  # ids of the MoE draws in the whole matrix (ab
 # from MOE_BASE on stays an MoE draw (tests/reshard_matrix.py and tests/train_fuzz.py draw MoE layouts there).
 PIPE_BASE, PIPE_CASES = 25_000, 16  # above the reshard pairs' 20_000 + 2k
 EP_DEGREES = (1, 2, 4)
-CAPACITY_FACTORS, DROP_POLICIES = (0.5, 1.0), ("probs", "position")  # 0.5: certain drops; 1.0: some
+CAPACITY_FACTORS = (0.5, 1.0)  # 0.5: certain drops; 1.0: some
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ class LayoutCase:
     # MoE capacity (factor, drop policy) or None (dropless). Drops are defined per micro-batch, so the
     # reference then runs the same micro-batches (micro_batch_size), not one.
     capacity: tuple[float, str] | None = None
+    # model.moe.dispatcher of the layout's job (None: the model's own). The reference keeps the model's:
+    # how tokens reach their experts must not change the model.
+    dispatcher: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -130,6 +135,8 @@ class LayoutCase:
             bits.append(f"etp{p['etp']}")
         if self.capacity is not None:
             bits.append(f"cap{self.capacity[0]}-{self.capacity[1]}")
+        if self.dispatcher not in (None, MoEConfig.dispatcher):  # named only where it is not the default
+            bits.append(self.dispatcher)
         return "-".join(bits)
 
     @property
@@ -146,7 +153,10 @@ class LayoutCase:
                                 self.capacity, self.seq_len)
 
     def values(self, out_dir: str, cache_dir: str) -> dict[str, Any]:
-        return self.job(self.parallel, self.train, out_dir, cache_dir)
+        values = self.job(self.parallel, self.train, out_dir, cache_dir)
+        if self.dispatcher is not None:
+            values["model"] = dict(values["model"], moe=dict(values["model"]["moe"], dispatcher=self.dispatcher))
+        return values
 
     def reference_micro_batch_size(self) -> int:
         """The reference's micro-batch: the whole global batch, or with capacity the case's own (drops are
@@ -263,7 +273,10 @@ def _draw_moe(rng: random.Random, case_id: int) -> LayoutCase:
     # its sequence untouched: every layout drawn before capacity existed (and the CI sample) stays as it was.
     fork = random.Random(repr(rng.getstate()))
     capacity = (fork.choice(CAPACITY_FACTORS), fork.choice(DROP_POLICIES)) if fork.random() < 0.4 else None
-    return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl, capacity=capacity)
+    # The dispatcher, from a second fork (the draws above keep their values); the dense draw's document mask.
+    dispatcher = random.Random(repr(rng.getstate()) + "dispatcher").choice(DISPATCHERS)
+    return LayoutCase(case_id, model, p, case.train, emulate_nccl=case.emulate_nccl, capacity=capacity,
+                      document_mask=case.document_mask, dispatcher=dispatcher)
 
 
 def _draw_pipe(rng: random.Random, case_id: int) -> LayoutCase:

@@ -141,6 +141,18 @@ def test_disk_offload_is_refused_before_any_file_is_made(tmp_path, capsys):
     assert not state_dir.exists()
 
 
+def test_dry_run_rank_refuses_disk_offload_in_one_line_before_any_file_is_made(tmp_path):
+    """``dry_run_rank`` itself, as the dry-run fuzz and other callers use it: the command's refusal, not the numpy
+    ``TypeError`` the meta optimizer raised (session 44: six drawn disk cases of ``--dryrun-seeds 1000:1032``)."""
+    state_dir = tmp_path / "offload"
+    job, _ = compose_job(["model=gpt_tiny", "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp=2",
+                          "parallel.zero_stage=1", "parallel.offload=disk", f"parallel.offload_dir={state_dir}"])
+    report = dry_run_rank(resolve(job, world_size=2), 0)
+    assert report.error.startswith("rank 0: ConfigError: parallel.offload=disk: the dry run creates no optimizer state"), \
+        report.error
+    assert not state_dir.exists()
+
+
 def test_parse_ranks_names_and_order():
     assert parse_ranks("last, 0 ,first,3", 8) == [7, 0, 3]
     with pytest.raises(ConfigError):

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import pytest
 
+from models.moe_config import MoEConfig
 from parallel3d import config as cfg
+from parallel3d.config import job_from_dict, resolve
+from parallel3d.moe.options import DISPATCHERS
 from parallel3d.pipeline.options import SPLIT_DRAIN_SCHEDULES, SPLIT_DRAIN_VALUES, drain_is_split
 from tests import layout_matrix as lm
 from tests import layout_run as lr
@@ -116,3 +119,16 @@ def test_layout_matches_single_process(case, tmp_path, cache_dir, references):
     result = lr.run_case(case, str(tmp_path), cache_dir, references)
     assert result.ok, f"{case.name}: " + "; ".join(result.problems())
     assert len(result.curve) == lm.STEPS
+
+
+def test_moe_draws_reach_every_dispatcher_and_a_document_mask():
+    """The whole matrix's MoE draws run every ``model.moe.dispatcher`` (from the options module) and
+    ``data.document_mask`` on and off: until session 44 none ran the all-gather dispatcher or a document mask.
+    The drawn dispatcher reaches the layout's resolved job; its single-process reference keeps the model's own."""
+    cases = [lm.generate_case(lm.MOE_BASE + k) for k in range(lm.MOE_CASES)]
+    drawn = {resolve(job_from_dict(c.values("out", "cache")), c.world_size).model.moe.dispatcher for c in cases}
+    assert drawn == set(DISPATCHERS)
+    assert {c.document_mask for c in cases} == {False, True}
+    for case in cases:
+        reference = resolve(job_from_dict(lm.reference_values(case, "out", "cache")), 1).model.moe
+        assert reference.dispatcher == MoEConfig.dispatcher

@@ -16,6 +16,7 @@ from typing import Callable
 
 import pytest
 
+from parallel3d.pipeline.options import AUTO, SPLIT_DRAIN_VALUES, drain_is_split
 from tests import layout_matrix as lm
 from tests import routing_flips as rf
 from tests import train_fuzz as tf
@@ -78,6 +79,9 @@ def test_draws_are_reproducible_by_id_and_cover_every_precision():
         == {(p, r) for p in tf.PRECISIONS if p != "fp32" for r in ("fp32", p)}
     assert {c.options["overlap_param_gather"] for c in cases if c.parallel["zero_stage"] in (1, 2)
             and c.parallel["dp"] > 1} == set(tf.OVERLAP_PARAM_GATHER)
+    # parallel.split_drain: every value where it applies (drawn since session 44; the dense draw left it at auto)
+    assert {c.parallel.get("split_drain", AUTO) for c in cases
+            if drain_is_split(c.parallel["schedule"], AUTO, c.train["recompute"])} == set(SPLIT_DRAIN_VALUES)
     for c in ci_sample():  # the drawn options reach the job the ranks and the reference train
         for values in (c.values("out", "cache"), lm.reference_values(c, "out", "cache")):
             assert {k: values["parallel"][k] for k in ("grad_reduce_dtype", "overlap_param_gather")} \

@@ -6,8 +6,8 @@ tp, pp with every schedule, dp, cp with cp_comm, ep on an MoE model, ZeRO 0-3, o
 training options users run: ``train.precision`` (fp32 / bf16 / fp16, from the schema's ``PRECISIONS``),
 ``optimizer.clip_grad`` (off, ``SMALL_CLIP`` which clips at every step, 1.0), weight decay, warm-up, lr, the
 evaluation cadence, dropout, the gradients' reduction dtype (``parallel.grad_reduce_dtype``: fp32 or the
-precision), ``parallel.overlap_param_gather``, and for fp16 the initial loss scale (``LOSS_SCALES``: 2^20
-overflows in 4 steps).
+precision), ``parallel.overlap_param_gather``, ``parallel.split_drain`` where it applies (session 44), and for
+fp16 the initial loss scale (``LOSS_SCALES``: 2^20 overflows in 4 steps).
 Every draw comes from an RNG seeded by ``TRAIN_SEED`` and the id alone: a case is reproduced by its id.
 
 Invariant, per case (``run``):
@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from parallel3d.pipeline.options import AUTO, SPLIT_DRAIN_VALUES, drain_is_split
 from parallel3d.zero.options import PRECISIONS, OptimizerOptions
 from tests import layout_matrix as lm
 from tests import layout_run as lr
@@ -156,6 +157,15 @@ def _one_process_overflows_alike(options: dict[str, Any], layout: lm.LayoutCase)
     return options
 
 
+def _with_split_drain(rng: random.Random, layout: lm.LayoutCase) -> dict[str, Any]:
+    """``layout.parallel`` with ``parallel.split_drain`` drawn from all its values where the option applies (where
+    ``auto`` splits: 1F1B or interleaved without full recompute), else as drawn (the matrix's dense draw: auto)."""
+    p = layout.parallel
+    if not drain_is_split(p["schedule"], AUTO, layout.train["recompute"]):
+        return p
+    return dict(p, split_drain=rng.choice(SPLIT_DRAIN_VALUES))
+
+
 def _affordable(c: lm.LayoutCase, max_world: int = MAX_WORLD) -> bool:
     """Within the world budget, no capacity drops (their reference is per micro-batch already; near-tie
     routing flips would need a floor of their own) and CI's microbatch budget."""
@@ -172,6 +182,7 @@ def generate(case_id: int, max_world: int = MAX_WORLD) -> TrainCase:
     layout = lm.generate_case((MOE_LAYOUT_BASE if moe else LAYOUT_BASE) + case_id,
                               lambda c: _affordable(c, max_world))
     fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(lm.LayoutCase)}
+    fields["parallel"] = _with_split_drain(random.Random(f"{TRAIN_SEED}:{case_id}:split_drain"), layout)
     for _ in range(MAX_DRAWS):
         case = TrainCase(**dict(fields, case_id=case_id), options=_one_process_overflows_alike(_options(rng), layout))
         if lm.is_valid(case):

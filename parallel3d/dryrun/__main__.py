@@ -17,7 +17,7 @@ import sys
 import time
 
 from parallel3d.config import ConfigError, ResolvedJob, resolve
-from parallel3d.dryrun.options import DryRunOptions, parse_ranks, split_args
+from parallel3d.dryrun.options import DryRunOptions, check_dry_runnable, parse_ranks, split_args
 from parallel3d.dryrun.rank_report import RankReport, dry_run_rank
 from parallel3d.dryrun.table import format_reports, reports_json
 from parallel3d.preflight import check_writable_file
@@ -35,9 +35,7 @@ def prepare(args: list[str]) -> tuple[ResolvedJob, list[int], DryRunOptions]:
     options, overrides = split_args(args)
     job, _ = compose_job(overrides)
     rj = resolve(job, world_size=options.world_size)  # training's own validation, at the real size
-    if rj.zero.offload == "disk":  # its optimizer would create (sparse) state files of the real job's size
-        raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
-                          "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
+    check_dry_runnable(rj.zero.offload)
     ranks = parse_ranks(options.ranks, options.world_size)
     if options.json:  # written after every rank is built: a bad path must not cost that work
         check_writable_file("dryrun.json", options.json)

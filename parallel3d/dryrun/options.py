@@ -19,6 +19,14 @@ class DryRunOptions:
     json: str | None = None
 
 
+def check_dry_runnable(offload: str) -> None:
+    """What no dry run builds, as one ``ConfigError``: disk offload (``parallel.offload``), whose optimizer would
+    create (sparse) state files of the real job's size. The command and ``dry_run_rank`` both ask here."""
+    if offload == "disk":
+        raise ConfigError("parallel.offload=disk: the dry run creates no optimizer state files; dry-run the "
+                          "layout with parallel.offload=cpu (the same device bytes, the state counted as offloaded)")
+
+
 def parse_ranks(spec: str, world_size: int) -> list[int]:
     """The ranks ``spec`` names, in order, without repeats (raises ConfigError naming the bad item)."""
     out: list[int] = []

@@ -21,6 +21,7 @@ import torch
 from parallel3d.config import ResolvedJob
 from parallel3d.dryrun.fake_world import fake_rank_state, runs_on_nccl
 from parallel3d.dryrun.messages import Messages
+from parallel3d.dryrun.options import check_dry_runnable
 from parallel3d.dryrun.meta_kernels import job_runs_fused_kernels
 from parallel3d.dryrun.step import Counts, NotLinear, batch_on_host, extrapolate, reduced_microbatches, run_step
 from parallel3d.pipeline.actions import COMPUTE_KINDS, splits_backward
@@ -157,6 +158,7 @@ def dry_run_rank(rj: ResolvedJob, rank: int, nccl: bool | None = None) -> RankRe
     semantics to run the step with (``fake_world.fake_rank_state``); None: the job's own (``runs_on_nccl``)."""
     report = RankReport(rank=rank)
     try:
+        check_dry_runnable(rj.zero.offload)
         _fill(report, rj, runs_on_nccl(rj.job.train.device) if nccl is None else nccl)
     except Exception as exc:  # noqa: BLE001 - the dry run reports every rank's failure, one line each
         cause = (str(exc).strip().splitlines() or [""])[0]
