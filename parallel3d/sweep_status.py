@@ -36,3 +36,6 @@ class SweepStatus(Callback):
             print(f"multirun: {len(self.failed)} of {self.jobs} jobs failed: job {', '.join(self.failed)}; its "
                   f"[rank 0] failed: line is above, the other jobs ran", file=sys.stderr, flush=True)
             sys.exit(EXIT_FAILED)
+
+
+SWEEP_STATUS_TARGET = f"{SweepStatus.__module__}.{SweepStatus.__qualname__}"  # as ``hydra.callbacks`` names it

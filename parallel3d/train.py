@@ -47,7 +47,7 @@ from parallel3d.user_warnings import one_line_warnings
 from parallel3d.command_line import to_job
 from parallel3d.config import ConfigError, JobConfig, register_schema, resolve
 from parallel3d.faults import inject
-from parallel3d.sweep_status import EXIT_FAILED
+from parallel3d.sweep_status import EXIT_FAILED, SWEEP_STATUS_TARGET
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG = 2
@@ -151,10 +151,14 @@ def hydra_app(cfg: DictConfig) -> int | None:
 
 
 def _in_sweep() -> bool:
+    """A ``-m`` sweep whose config registers ``SweepStatus``: only that callback reports a failed job at the
+    sweep's end, so a user's own config without it keeps the old rule (the failure ends the sweep, exit 1)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    return HydraConfig.get().mode == RunMode.MULTIRUN
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg.mode == RunMode.MULTIRUN and any(
+        callback.get("_target_") == SWEEP_STATUS_TARGET for callback in (hydra_cfg.callbacks or {}).values())
 
 
 def _leave_process_group() -> None:

@@ -27,3 +27,16 @@ def test_a_failed_job_of_a_one_process_sweep_does_not_end_the_sweep(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stdout.count("run summary: 2 steps this run (0 -> 2 of 2)") == 1  # job 1's
     assert (out / "1" / "checkpoints" / "step_00000002").is_dir() and not list(out.glob("0/checkpoints/step_*"))
+
+
+@pytest.mark.slow
+def test_a_sweep_without_the_status_callback_still_fails_on_a_failed_job(tmp_path):
+    """A config without ``SweepStatus`` (a user's own, or ``~hydra.callbacks.sweep_status``) has nothing to report a
+    failed job at the sweep's end, so the failure ends the sweep with exit 1 as before, never a silent exit 0."""
+    out = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.train", "-m", "optimizer.lr=1e300,0.003", *TINY,
+                           "train.save_every=0", f"train.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
+                           "~hydra.callbacks.sweep_status"],
+                          cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("[rank 0] failed: TrainingDiverged"), proc.stderr[-2000:]
