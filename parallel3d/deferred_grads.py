@@ -59,7 +59,7 @@ import enum
 from contextlib import contextmanager
 from itertools import repeat
 from operator import is_
-from typing import Callable, Iterable, Iterator, NoReturn, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -116,6 +116,13 @@ class DeferredWeightGrads:
 
     def __exit__(self, *exc: object) -> None:
         self._owner._open = None  # type: ignore[union-attr]
+
+    def add(self, params: Params, compute: GradCompute, key_part: tuple[int, ...],
+            holds: Sequence[torch.Tensor]) -> None:
+        """Queue one closure, with its part of the queue's key (``_key_of``) and the tensors it keeps alive."""
+        self._queue.append((params, compute))
+        self._key.append(key_part)
+        self.held.extend(holds)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether a queued closure keeps ``tensor`` itself (the object, not an equal one) alive."""
@@ -181,12 +188,8 @@ class _Route(enum.Enum):
 def _take(params: Params, compute: GradCompute) -> Sequence["torch.Tensor | None"]:
     got = compute()
     if len(got) != len(params):
-        _mismatch(got, params)
+        raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
     return got
-
-
-def _mismatch(got: Sequence["torch.Tensor | None"], params: Params) -> NoReturn:
-    raise ValueError(f"a deferred weight-gradient closure returned {len(got)} gradients for {len(params)} parameters")
 
 
 def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
@@ -198,10 +201,8 @@ def _run_direct(queue: list[tuple[Params, GradCompute]]) -> None:
             # Off the queue before it runs: its input and output gradient go as soon as its GEMMs are done,
             # and its gradients once accumulated (the next closure reuses that memory).
             params, compute = queue.pop()
-            got = compute()
+            got = _take(params, compute)
             del compute
-            if len(got) != len(params):  # _take's check, without its frame: W runs this per closure, cold
-                _mismatch(got, params)
             accumulate_each(params, got)
             got = None  # an added (not adopted) gradient's memory is free for the next closure
 
@@ -346,7 +347,5 @@ class WeightGradDeferral:
         part = _key_of(params)
         if part is None:
             return False
-        work._queue.append((params, compute))
-        work._key.append(part)
-        work.held.extend(holds)
+        work.add(params, compute, part, holds)
         return True
