@@ -21,7 +21,7 @@ from parallel3d.data.errors import DataError
 from parallel3d.data.gpt_dataset import FINGERPRINT_SET_BY, GPTDataset
 from parallel3d.context_parallel.documents import document_ids
 from parallel3d.pipeline.microbatch import (
-    ALL_KEYS, DOCUMENT_IDS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, ids_share_step_buffer, stage_keys,
+    ALL_KEYS, DOCUMENT_IDS, INPUT_IDS, LABELS, SAMPLE_IDS, TOKEN_KEYS, stage_keys,
 )
 
 if TYPE_CHECKING:
@@ -159,18 +159,17 @@ class DistributedBatchIterator:
 def split_step(tokens: torch.Tensor | None, sample_ids: torch.Tensor, keys: tuple[str, ...], num_microbatches: int,
                micro_batch_size: int, eod_id: int | None = None) -> list[Microbatch]:
     """One step's token rows ``[N, s+1]`` (None where no token key is read) and sample ids ``[N]`` cut into
-    microbatches of ``keys``. Where ``ids_share_step_buffer`` says so the ids and labels are views of ``tokens``
-    (the engine counts the storages once per step), else copies; the dry run cuts its meta step here too."""
-    # Whole sequences here: cp cuts its share later (Trainer._to_device).
-    shared = ids_share_step_buffer(micro_batch_size, cp=1)
+    microbatches of ``keys``. ``contiguous`` copies only a slice that is not contiguous already, so the ids and
+    labels are views of ``tokens`` exactly where ``ids_share_step_buffer`` says (the engine counts the storages
+    once per step); the dry run cuts its meta step here too."""
     microbatches = []
     for j in range(num_microbatches):
         rows = slice(j * micro_batch_size, (j + 1) * micro_batch_size)
         mb: Microbatch = {}
         if INPUT_IDS in keys:
-            mb[INPUT_IDS] = tokens[rows, :-1] if shared else tokens[rows, :-1].contiguous()
+            mb[INPUT_IDS] = tokens[rows, :-1].contiguous()
         if LABELS in keys:
-            mb[LABELS] = tokens[rows, 1:] if shared else tokens[rows, 1:].contiguous()
+            mb[LABELS] = tokens[rows, 1:].contiguous()
         mb[SAMPLE_IDS] = sample_ids[rows].clone()
         if DOCUMENT_IDS in keys:
             mb[DOCUMENT_IDS] = document_ids(tokens[rows, :-1], eod_id)
