@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -33,12 +34,21 @@ def run_to_end(args: list[str], nproc: int = 1, timeout: float = 400, **env: str
                           timeout=timeout)
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default in the child, as a job started from a terminal has it. Why: a suite started in
+    the background by a non-interactive shell (``pytest ... &``, nohup) inherits SIGINT ignored, every child
+    too (POSIX keeps SIG_IGN across exec, and Python then installs no KeyboardInterrupt handler), so Ctrl-C
+    tests would see the signal dropped and the run train on to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A training command running in the background, read line by line (stdout and stderr merged)."""
 
     def __init__(self, args: list[str], nproc: int = 1, **env: str) -> None:
         self.proc = subprocess.Popen(train_cmd(args, nproc), cwd=REPO, env=cli_env(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     preexec_fn=_as_from_a_terminal)
         self.lines: list[str] = []
 
     def wait_for(self, pattern: str, timeout: float = 300) -> str:
