@@ -78,6 +78,7 @@ def test_a_second_job_in_a_running_jobs_out_dir_is_one_line_and_exit_2(tmp_path)
     run_lock.acquire(str(out)).close()
 
 
+@pytest.mark.slow
 def test_a_lock_file_that_cannot_be_opened_is_one_line_and_exit_2(tmp_path):
     """Review45: ``<out_dir>/.lock`` that this process cannot open (here a directory of that name; for a user who is
     not root, another user's lock file) was a traceback (IsADirectoryError, exit 1); one config error line now."""
