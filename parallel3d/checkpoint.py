@@ -26,7 +26,8 @@ Invariants:
   so the save neither deletes itself nor the good checkpoint before it, and ``auto``
   continues this run, not the abandoned branch. A run that resumed step ``B`` sets aside those of steps after
   ``B`` already as it starts training (``branch_from``), so a kill before its first save leaves ``auto`` at ``B``,
-  not on the abandoned branch. A ``step_<N>.tmp`` holding its ``meta.json``
+  not on the abandoned branch; a kill among those renames has them finished by the next job's rank 0
+  (``_recover``, from the step recorded in ``root/branch_point`` while they run). A ``step_<N>.tmp`` holding its ``meta.json``
   is complete (rank 0 writes it last, once every rank agreed): a job killed among these
   renames has them finished by the next job's rank 0 (``_recover``), which every rank's
   ``find`` waits for, so a kill at any point loses no checkpoint and ``auto`` never resumes
@@ -61,6 +62,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_DIR = re.compile(r"^step_(\d{8})\.tmp$")
 META = "meta.json"
 SUPERSEDED = ".superseded"
+BRANCH_POINT = "branch_point"  # the step a resumed run set aside later checkpoints from, while it does (branch_from)
 
 
 class CheckpointError(RuntimeError):
@@ -148,7 +150,14 @@ class CheckpointManager:
             self._remove_partial()
 
     def _recover(self) -> None:
-        """Publish the complete ``.tmp`` directories a kill left among the commit's renames (module doc)."""
+        """Finish a ``branch_from`` and publish the complete ``.tmp`` directories a kill left among the renames (module
+        doc)."""
+        marker = os.path.join(self.root, BRANCH_POINT)
+        if os.path.isfile(marker):
+            with open(marker) as fh:
+                step = int(fh.read())
+            self._set_aside_from(step + 1, f"a run resumed from step {step}")
+            os.remove(marker)
         for name in sorted(os.listdir(self.root)):
             m = TMP_DIR.match(name)
             if m and is_loadable(os.path.join(self.root, name)):
@@ -244,7 +253,11 @@ class CheckpointManager:
         doc), so ``auto`` never takes the branch this run abandons, even if it is killed before its first save."""
         if self.pstate.rank == 0:
             step = int(read_meta(resumed)["step"])
+            marker = os.path.join(self.root, BRANCH_POINT)  # the next job's _recover finishes what a kill cuts short
+            atomic_write_bytes(marker, lambda fh: fh.write(str(step).encode()))
+            fsync_dir(self.root)
             self._set_aside_from(step + 1, f"this run, resumed from step {step},")
+            os.remove(marker)
 
     def _set_aside_from(self, first: int, branch: str) -> None:
         """Rename the complete checkpoints of step ``first`` and later to ``step_<N>.superseded`` (module doc);
