@@ -24,7 +24,10 @@ Invariants:
   damaged one): before the new one is renamed into place they are renamed
   ``step_<N>.superseded`` (kept, never resumed by ``auto``) rather than counted or replaced,
   so the save neither deletes itself nor the good checkpoint before it, and ``auto``
-  continues this run, not the abandoned branch. A ``step_<N>.tmp`` holding its ``meta.json``
+  continues this run, not the abandoned branch. A run that resumed step ``B`` sets aside those of steps after
+  ``B`` already as it starts training (``branch_from``), so a kill before its first save leaves ``auto`` at ``B``,
+  not on the abandoned branch; a kill among those renames has them finished by the next job's rank 0
+  (``_recover``, from the step recorded in ``root/branch_point`` while they run). A ``step_<N>.tmp`` holding its ``meta.json``
   is complete (rank 0 writes it last, once every rank agreed): a job killed among these
   renames has them finished by the next job's rank 0 (``_recover``), which every rank's
   ``find`` waits for, so a kill at any point loses no checkpoint and ``auto`` never resumes
@@ -59,6 +62,7 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_DIR = re.compile(r"^step_(\d{8})\.tmp$")
 META = "meta.json"
 SUPERSEDED = ".superseded"
+BRANCH_POINT = "branch_point"  # the step a resumed run set aside later checkpoints from, while it does (branch_from)
 
 
 class CheckpointError(RuntimeError):
@@ -146,7 +150,14 @@ class CheckpointManager:
             self._remove_partial()
 
     def _recover(self) -> None:
-        """Publish the complete ``.tmp`` directories a kill left among the commit's renames (module doc)."""
+        """Finish a ``branch_from`` and publish the complete ``.tmp`` directories a kill left among the renames (module
+        doc)."""
+        marker = os.path.join(self.root, BRANCH_POINT)
+        if os.path.isfile(marker):
+            with open(marker) as fh:
+                step = int(fh.read())
+            self._set_aside_from(step + 1, f"a run resumed from step {step}")
+            os.remove(marker)
         for name in sorted(os.listdir(self.root)):
             m = TMP_DIR.match(name)
             if m and is_loadable(os.path.join(self.root, name)):
@@ -230,18 +241,30 @@ class CheckpointManager:
         """Rename the complete ``step_<N>.tmp`` to ``step_<N>`` once the checkpoints of steps from ``N`` on are set
         aside (module doc). Every rename is one a repeat after a kill finishes (``_recover``)."""
         final = step_dir(self.root, step)
-        self._set_aside_from(step)
+        self._set_aside_from(step, f"checkpoint step {step}")
         if os.path.exists(final):  # a step_<N> without meta.json (not a checkpoint, left aside above): replaced
             os.replace(final, final + ".old")
         os.replace(final + ".tmp", final)
         fsync_dir(self.root)
         shutil.rmtree(final + ".old", ignore_errors=True)
 
-    def _set_aside_from(self, saved: int) -> None:
-        """Rename the complete checkpoints of step ``saved`` and later to ``step_<N>.superseded`` (module doc)."""
+    def branch_from(self, resumed: str) -> None:
+        """Rank 0, as a run that resumed ``resumed`` starts training: set aside the checkpoints of later steps (module
+        doc), so ``auto`` never takes the branch this run abandons, even if it is killed before its first save."""
+        if self.pstate.rank == 0:
+            step = int(read_meta(resumed)["step"])
+            marker = os.path.join(self.root, BRANCH_POINT)  # the next job's _recover finishes what a kill cuts short
+            atomic_write_bytes(marker, lambda fh: fh.write(str(step).encode()))
+            fsync_dir(self.root)
+            self._set_aside_from(step + 1, f"this run, resumed from step {step},")
+            os.remove(marker)
+
+    def _set_aside_from(self, first: int, branch: str) -> None:
+        """Rename the complete checkpoints of step ``first`` and later to ``step_<N>.superseded`` (module doc);
+        ``branch`` names what branches off them, for the warning."""
         moved = []
         for step, path in complete_checkpoints(self.root):
-            if step < saved:
+            if step < first:
                 continue
             target, n = path + SUPERSEDED, 1
             while os.path.exists(target):
@@ -252,8 +275,8 @@ class CheckpointManager:
             except OSError:
                 continue
         if moved:
-            user_warnings.warn(f"checkpoint step {saved} branches off the run's checkpoints from that step on: set aside "
-                               f"as {', '.join(moved)} in {self.root} (kept, and loadable with train.resume=<dir>); "
+            user_warnings.warn(f"{branch} branches off the run's checkpoints from step {first} on: set aside as "
+                               f"{', '.join(moved)} in {self.root} (kept, and loadable with train.resume=<dir>); "
                                f"train.resume=auto continues this run")
 
     def _prune(self) -> None:

@@ -43,7 +43,10 @@ def acquire(out_dir: str) -> IO[str] | None:
     """Lock ``out_dir`` for this process (created if missing); the open lock file, to keep open while the
     job runs, or None where the filesystem cannot lock. Raises ConfigError if another job holds it."""
     os.makedirs(out_dir, exist_ok=True)
-    fh = open(lock_path(out_dir), "a+")  # "a+": never truncate what the holder wrote before we know
+    try:
+        fh = open(lock_path(out_dir), "a+")  # "a+": never truncate what the holder wrote before we know
+    except OSError as exc:  # another user's lock file, a directory of that name: the job's line, not a traceback
+        raise _cannot_lock(out_dir, exc) from None
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -59,13 +62,17 @@ def acquire(out_dir: str) -> IO[str] | None:
             warn(f"train.out_dir={out_dir!r}: this filesystem cannot lock {LOCK_NAME} ({exc.strerror}); "
                  f"nothing stops a second job from starting in this run directory")
             return None
-        raise ConfigError(f"train.out_dir={out_dir!r}: cannot lock {lock_path(out_dir)}: {exc.strerror}") from None
+        raise _cannot_lock(out_dir, exc) from None
     fh.seek(0)
     fh.truncate()
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     fh.write(f"process {os.getpid()} on {socket.gethostname()} since {since}\n")
     fh.flush()
     return fh
+
+
+def _cannot_lock(out_dir: str, exc: OSError) -> ConfigError:
+    return ConfigError(f"train.out_dir={out_dir!r}: cannot lock {lock_path(out_dir)}: {exc.strerror}")
 
 
 @contextlib.contextmanager

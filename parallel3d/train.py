@@ -129,7 +129,7 @@ def hydra_app(cfg: DictConfig) -> int | None:
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":
             raise
         if rj.world_size == 1 and _in_sweep():  # no peer waits on this process: on to the next job
-            _leave_process_group()
+            _end_failed_job()
             return EXIT_FAILED
         os._exit(EXIT_FAILED)  # peers may be blocked in a collective: do not wait for teardown
     except KeyboardInterrupt:  # the trainer has already let a save in flight finish
@@ -161,12 +161,20 @@ def _in_sweep() -> bool:
         callback.get("_target_") == SWEEP_STATUS_TARGET for callback in (hydra_cfg.callbacks or {}).values())
 
 
-def _leave_process_group() -> None:
-    """A one-process job's group, after its failure: the sweep's next job makes its own."""
+def _end_failed_job() -> None:
+    """What a failed one-process job leaves to the sweep's next job: its process group (the next job makes its
+    own) and its W&B run, which the next job's ``wandb.init`` would hand back to it (wandb's ``reinit`` default
+    outside notebooks), logging that job into this one's run: finished here, marked failed."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    wandb = sys.modules.get("wandb")  # imported only where the job logs to W&B
+    if wandb is not None and wandb.run is not None:
+        try:
+            wandb.finish(exit_code=EXIT_FAILED)
+        except Exception as exc:  # noqa: BLE001 - W&B must never stop the sweep (metrics.WandbSink's rule)
+            print(f"W&B: the failed job's run did not finish: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def _interrupted(rank: int, out_dir: str) -> None:

@@ -244,6 +244,8 @@ class Trainer:
             self._wandb_dir = wandb.run_dir
             self._banner(resume_dir)
         end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
+        if resume_dir is not None and self.step < end:  # checkpoints after the one resumed are now another branch
+            self.ckpt.branch_from(resume_dir)
         clock = RunClock(self.step, end, eval_every=t.eval_every, evaluating=self.evaluator is not None)
         timer = StepTimer(self.pstate.device)
         # Throughput is averaged over the whole log interval (data, step, logging and

@@ -179,3 +179,51 @@ def test_a_save_failing_before_dcp_starts_on_one_rank_fails_on_every_rank_at_onc
         kind, message, seconds = result
         assert kind == "StateIOError" and message.startswith("rank 1: _PlanFailure: injected"), (rank, result)
         assert seconds < 30, (rank, seconds)  # not the group's 60 s timeout
+
+
+class _Killed(BaseException):
+    """The process killed here: nothing after it runs (not an ``Exception``, so no failure handling either)."""
+
+
+def _train_killed_at_first_save(rank: int, world: int, values: dict) -> int:
+    """Train on this rank as a job killed just as its first save begins (nothing of the save runs); the step."""
+    from parallel3d.checkpoint_io.writer import CheckpointWriter
+    from parallel3d.trainer import Trainer
+
+    def killed(*_args: object) -> None:
+        raise _Killed
+
+    save, CheckpointWriter.save = CheckpointWriter.save, killed  # restored: rank workers are reused
+    try:
+        rj = resolve(job_from_dict(values, model="gpt_tiny"), world)
+        trainer = Trainer(rj, ParallelState(rj.topology))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+    except _Killed:
+        return trainer.step
+    finally:
+        CheckpointWriter.save = save
+    raise AssertionError("the run ended without a save")
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_an_older_step_and_killed_before_its_first_save_leaves_auto_at_that_step(tmp_path,
+                                                                                                   cache_dir):
+    """Review45. A run that saved steps 2 and 4 is resumed from step 2 (train.resume=<its step_2>), then killed before
+    it saves anything; the next job's resume=auto must continue from step 2, where the last run left it, not from
+    the step 4 it abandoned (which stays loadable, set aside). Before: auto resumed step 4."""
+    out = str(tmp_path / "run")
+    root = os.path.join(out, "checkpoints")
+
+    def values(**train_keys) -> dict:
+        return job_values(out, cache_dir, parallel={"dp": 2, "zero_stage": 1},
+                          train={"steps": 4, "save_every": 2, **train_keys})
+
+    first = run_on_ranks(_train_with_fault, 2, values(), "", timeout=300)
+    assert [r[2] for r in first] == [[2, 4]] * 2
+    killed = run_on_ranks(_train_killed_at_first_save, 2, values(resume=step_dir(root, 2)), timeout=300)
+    assert killed == [4, 4]
+    after = run_on_ranks(_train_with_fault, 2, values(stop_after=3), "", timeout=300)
+    assert [r[:3] for r in after] == [(2, 3, [3])] * 2, "resume=auto took the abandoned branch"
+    assert CheckpointManager(root, ParallelState.single_process()).find(step_dir(root, 4) + ".superseded")

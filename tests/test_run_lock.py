@@ -76,3 +76,18 @@ def test_a_second_job_in_a_running_jobs_out_dir_is_one_line_and_exit_2(tmp_path)
         a.communicate(timeout=60)
     # A died holding the lock: the directory is free at once (the lock went with the process).
     run_lock.acquire(str(out)).close()
+
+
+@pytest.mark.slow
+def test_a_lock_file_that_cannot_be_opened_is_one_line_and_exit_2(tmp_path):
+    """Review45: ``<out_dir>/.lock`` that this process cannot open (here a directory of that name; for a user who is
+    not root, another user's lock file) was a traceback (IsADirectoryError, exit 1); one config error line now."""
+    out = tmp_path / "run"
+    (out / run_lock.LOCK_NAME).mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.train", *TINY, f"train.out_dir={out}",
+                           f"data.cache_dir={tmp_path / 'cache'}"], cwd=str(tmp_path), env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"config error: train.out_dir={str(out)!r}: cannot lock "
+                                                f"{out / run_lock.LOCK_NAME}: Is a directory"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [run_lock.LOCK_NAME]

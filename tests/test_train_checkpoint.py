@@ -211,3 +211,42 @@ def test_a_kill_at_any_rename_of_a_branching_save_loses_nothing_and_auto_takes_t
         if lost or resumed != expected:
             bad.append(f"killed at rename {kill_at}: lost {lost}, resumed {resumed}")
     assert not bad, "\n".join(bad)
+
+
+def test_a_kill_among_the_set_asides_of_a_resumed_run_is_finished_by_the_next_job(tmp_path):
+    """Review45. A run resumed from an older step sets the later checkpoints aside as it starts training
+    (``branch_from``), one rename each. Killed before any of them, the restarted job (resume=auto) must resume the
+    branch point, or, killed before anything changed (before its branch_point record), the newest as before; and
+    lose nothing. Before the record: killed between the set-asides, auto resumed the old branch's step 6."""
+    bad = []
+    for base in (2, 4):
+        for kill_at in range(4):
+            root = str(tmp_path / f"b{base}k{kill_at}")
+            first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
+            for step in (2, 4, 6):
+                assert first.save(step, _writer({"step": step}), {})
+            renames, real_replace = [], os.replace
+
+            def replace(src, dst):
+                if len(renames) == kill_at:
+                    raise _Killed
+                renames.append(dst)
+                real_replace(src, dst)
+
+            os.replace = replace
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    CheckpointManager(root, ParallelState.single_process()).branch_from(step_dir(root, base))
+            except _Killed:
+                pass
+            finally:
+                os.replace = real_replace
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                resumed = torch.load(os.path.join(CheckpointManager(root, ParallelState.single_process()).find("auto"),
+                                                  "sub", "state.pt"))["step"]
+            expected = 6 if not renames else base  # the first rename puts the branch_point record in place
+            if resumed != expected or sorted(p["step"] for p in _payloads(root)) != [2, 4, 6]:
+                bad.append(f"from {base}, killed at rename {kill_at}: resumed {resumed}, kept {_payloads(root)}")
+    assert not bad, "\n".join(bad)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from math import prod
 
-from parallel3d.pipeline.microbatch import DOCUMENT_IDS, TOKEN_KEYS, ids_share_step_buffer, key_shape, stage_keys
+from parallel3d.pipeline.microbatch import (DOCUMENT_IDS, TOKEN_KEYS, ids_share_step_buffer, key_shape, stage_keys,
+                                             with_documents)
 from parallel3d.planning.layout import Layout
 
 __all__ = ["step_batch_bytes"]
@@ -29,7 +30,7 @@ def step_batch_bytes(layout: Layout, stage: int, on_host: bool = False, microbat
     where ``ids_share_step_buffer`` says so. ``microbatches``: the step's count (default: the layout's)."""
     placement = layout.placement
     held = placement.chunks_of(stage)
-    keys = [*stage_keys(0 in held, placement.total - 1 in held), *((DOCUMENT_IDS,) if documents else ())]
+    keys = with_documents(stage_keys(0 in held, placement.total - 1 in held), documents)
     m = layout.num_microbatches if microbatches is None else microbatches
     b = layout.micro_batch_size
 
