@@ -33,7 +33,7 @@ def counts_in_norm(param: torch.Tensor, pstate: ParallelState) -> bool:
     return True
 
 
-# Elements per row of the sum of squares (``counted_sq_sum``): each row is summed in fp32, the rows in fp64.
+# Elements per row of the sum of squares (``piece_sq_sum``): each row is summed in fp32, the rows in fp64.
 NORM_ROW = 256
 # Bytes per gradient element the sum of squares allocates: one fp32 and one fp64 value per row.
 SQ_SUM_TEMPORARY_BYTES = (4 + 8) / NORM_ROW
@@ -60,18 +60,19 @@ def _sq_sum(g: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def counted_sq_sum(grad_piece: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-    """Sum of squares of the counted segments of this rank's piece of ``bucket``, in fp64 (``_sq_sum``).
-    The norm multiplies it by the loss scale's inverse squared (exact for the scaler's powers of two)
-    instead of scaling a copy of the gradients; stages 0/1 take it as each bucket's reduction completes."""
+def piece_sq_sum(grad_piece: torch.Tensor, bucket: Bucket, scale: float) -> torch.Tensor:
+    """Sum of squares of ``scale * grad`` over the counted segments of this rank's piece, in fp64
+    (``_sq_sum``). ``scale`` multiplies the sum (by ``scale**2``, exact for the loss scaler's powers
+    of two) instead of a scaled copy of the gradients."""
+    factor = scale * scale
     if bucket.segments and all(seg.slot.norm_counted for seg in bucket.segments):
-        return _sq_sum(grad_piece)  # padding is zero: the whole piece at once
+        return _sq_sum(grad_piece) * factor  # padding is zero: the whole piece at once
     total = torch.zeros((), dtype=torch.float64, device=grad_piece.device)
     for seg in bucket.segments:
         if seg.slot.norm_counted:
             lo = seg.shard_start - bucket.shard_offset
             total += _sq_sum(grad_piece[lo : lo + seg.length])
-    return total
+    return total * factor
 
 
 def reduce_norm(local_sq: dict[str, torch.Tensor], pstate: ParallelState, *,

@@ -37,23 +37,13 @@ reduce-scatter whose output is this rank's piece of the bucket (stage 1: DDP's b
 no temporary, no copy), overlapping with the backward of the layers before it
 (buckets are in backward order), as DDP does. ``finalize`` launches the rest (e.g.
 buckets of unused parameters).
-
-Each bucket's completion (``PendingCollectives``, stage 0's all-reduce or stage 1's reduce-scatter)
-also takes the norm's sum of squares of this rank's reduced piece (``clip.counted_sq_sum``), so the
-norm's pass over the gradients runs while later buckets are still on the wire where DDP computes
-it after its last all-reduce; ``reduced_sq_sum`` hands it to the step unless a buffer was written
-after ``finalize`` (its version counter moved: the step then reads the piece again). Tied-embedding
-buckets change after their reduction (``GradSync._sum_tied``) and are read at the step.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from parallel3d.parallel_state import ParallelState
-from parallel3d.zero import clip
 from parallel3d.zero.buffers import Bucket, BufferLayout, FlatBuffer
 from parallel3d.zero.grad_sync import GradSync
 from parallel3d.zero.memory import MemoryTracker, nbytes
@@ -91,10 +81,6 @@ class ReplicatedGradSync(GradSync):
         # the buffer starts zeroed, so writing and adding agree for the first step).
         self._fresh: set[int] = set(self._view_of)
         self._bucket_count = sum(len(layout.buckets) for layout in layouts)
-        # What each bucket's reduction runs on completion (module doc): built once, not per launch.
-        self._on_reduced = {(g, b.index): (_nothing if b.tied else partial(self._take_sq_sum, g, b))
-                            for g, layout in enumerate(layouts) for b in layout.buckets}
-        self._final_versions: list[int] = []
         self._reset_step()
 
     def grad_piece(self, group: int, bucket: Bucket) -> torch.Tensor:
@@ -106,19 +92,6 @@ class ReplicatedGradSync(GradSync):
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [gb.data for gb in self.grad_bufs]
-
-    def finalize(self) -> None:
-        if self.finalized:
-            return
-        super().finalize()
-        # Every view shares its buffer's version counter: a write after this voids that buffer's sums.
-        self._final_versions = [gb.data._version for gb in self.grad_bufs]
-
-    def reduced_sq_sum(self, group: int, bucket: Bucket) -> torch.Tensor | None:
-        sq = self._sq_sums.get((group, bucket.index))
-        if sq is None or not self.finalized or self.grad_bufs[group].data._version != self._final_versions[group]:
-            return None
-        return sq
 
     def staging_buffers(self) -> list[torch.Tensor]:
         return [] if self.receive_pool is None else list(self.receive_pool.buffers)
@@ -219,13 +192,7 @@ class ReplicatedGradSync(GradSync):
         else:  # main grads: a contribution on top of the buffer's sum
             self._add_main_grad(key, param, view)
 
-    def _take_sq_sum(self, group: int, bucket: Bucket) -> None:
-        """The bucket's reduction completed: its piece is final for this step (a launched bucket is
-        never written again before ``reset``)."""
-        self._sq_sums[(group, bucket.index)] = clip.counted_sq_sum(self.grad_bufs[group].piece_view(bucket), bucket)
-
     def _reset_step(self) -> None:
-        self._sq_sums: dict[tuple[int, int], torch.Tensor] = {}  # (group, bucket index) -> counted_sq_sum
         self._ready: list[list[int]] = [[0] * len(layout.buckets) for layout in self.layouts]  # [group][bucket]
         self._launched: set[tuple[int, int]] = set()
         # Slots already multiplied by 1/n this step (written scaled, or zeroed), and their count per bucket.
@@ -249,13 +216,8 @@ class ReplicatedGradSync(GradSync):
                 if id(s.param) not in self._scaled:
                     self.reducer.scale_(self._views[(group, bucket.index, i)])
             scaled = True
-        on_done = self._on_reduced[(group, bucket.index)]
         if self.stage == 0:
-            self.reducer.all_reduce(full, gb.layout.reduce_kind, on_done, scaled=scaled)
+            self.reducer.all_reduce(full, gb.layout.reduce_kind, scaled=scaled)
         else:  # in place: this rank's piece of the bucket is the collective's output (no copy, no temporary)
             self.reducer.reduce_scatter(full, gb.piece_view(bucket), gb.layout.reduce_kind, accumulate=False,
-                                        on_done=on_done, receive_pool=self.receive_pool, scaled=scaled)
-
-
-def _nothing() -> None:
-    return None
+                                        receive_pool=self.receive_pool, scaled=scaled)

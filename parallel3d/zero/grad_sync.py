@@ -195,12 +195,6 @@ class GradSync(ABC):
     def staging_buffers(self) -> list[torch.Tensor]:
         return []
 
-    def reduced_sq_sum(self, group: int, bucket: Bucket) -> torch.Tensor | None:
-        """``clip.counted_sq_sum`` of ``grad_piece(group, bucket)`` if this strategy took it when the
-        bucket's reduction completed and the gradients are unchanged since ``finalize``, else None
-        (the norm then reads the piece itself)."""
-        return None
-
     def holds(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param`` lies in one of this strategy's layouts."""
         return id(param) in self._where

@@ -129,10 +129,6 @@ class MixedGradSync:
         k, i = self._index.where[group]
         return self.parts[k].grad_piece(i, bucket)
 
-    def reduced_sq_sum(self, group: int, bucket: Bucket) -> torch.Tensor | None:
-        k, i = self._index.where[group]
-        return self.parts[k].reduced_sq_sum(i, bucket)
-
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.gradient_tensors()]
 

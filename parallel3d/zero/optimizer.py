@@ -42,8 +42,7 @@ so every rank's optimizer state is the same "owned pieces" in shard coordinates
 whatever the stage and offload (``read_state_piece`` / ``write_state_piece``).
 
 A step: finalize the gradients -> scale by ``1/loss_scale`` -> global norm
-(every rank, ``clip``; stages 0/1 took each bucket's sum of squares when its reduction
-completed, ``grad_replicated``) -> skip on every rank if it is not finite (fp16 overflow)
+(every rank, ``clip``) -> skip on every rank if it is not finite (fp16 overflow)
 -> clip -> AdamW where the state lives (on the device: one vectorised update of
 every piece, ``adamw_multi``; offloaded: chunk by chunk) -> the updated pieces go
 into the parameters; stages 1-2 all-gather them, stage 3 gathers at next use.
@@ -303,7 +302,7 @@ class ZeroOptimizer:
         inv = 1.0 / used_scale  # the pieces are DP means already (the reduction divided by dp)
         norm = global_grad_norm(self.layouts, self.grad_sync.grad_piece, self.pstate,
                                 kinds=(DENSE_REDUCE_KIND, EXPERT_REDUCE_KIND), stage_of_kind=self.stage_of_kind,
-                                inv_scale=inv, device=self.device, reduced_sq_sum=self.grad_sync.reduced_sq_sum)
+                                inv_scale=inv, device=self.device)
         self.iteration += 1
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)

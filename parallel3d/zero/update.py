@@ -24,7 +24,6 @@ from parallel3d.zero.buffers import Bucket, BufferLayout, shard_slice
 from parallel3d.zero.states import DeviceStates, OptimizerStates, StateChunk
 
 PieceOf = Callable[[int, Bucket], torch.Tensor]
-SqSumOf = Callable[[int, Bucket], "torch.Tensor | None"]
 __all__ = ["AdamWUpdate", "global_grad_norm", "multi_kind"]
 
 
@@ -41,19 +40,16 @@ def multi_kind(backend: str, device: torch.device) -> str:
 
 def global_grad_norm(layouts: list[BufferLayout], grad_piece: PieceOf, pstate: ParallelState, *,
                      kinds: tuple[str, ...], stage_of_kind: dict[str, int], inv_scale: float,
-                     device: torch.device, reduced_sq_sum: SqSumOf | None = None) -> float:
+                     device: torch.device) -> float:
     """The job's gradient norm (of the unscaled, replica-averaged gradient), inf/nan if any rank
     holds a non-finite element. Every kind in ``kinds`` is reduced on every rank, even one holding
-    no parameter of that kind (a dense pipeline stage, a dense model): its groups span stages.
-    ``reduced_sq_sum(g, b)``: a piece's ``clip.counted_sq_sum`` taken earlier (``GradSync``), or None."""
+    no parameter of that kind (a dense pipeline stage, a dense model): its groups span stages."""
     local_sq = {kind: torch.zeros((), dtype=torch.float64, device=device) for kind in kinds}
-    factor = inv_scale * inv_scale  # the unscaled gradient's sum: each piece's sum times 1/scale**2
     for g, layout in enumerate(layouts):
         sq = local_sq.setdefault(layout.reduce_kind, torch.zeros((), dtype=torch.float64, device=device))
         for b in layout.buckets:
             piece = grad_piece(g, b)
-            counted = None if reduced_sq_sum is None else reduced_sq_sum(g, b)
-            sq += (clip.counted_sq_sum(piece, b) if counted is None else counted) * factor
+            sq += clip.piece_sq_sum(piece, b, inv_scale)
             if not clip.uncounted_all_finite(piece, b):
                 # Also in elements another rank counts in the norm (e.g. TP replicas):
                 # an inf in the sum makes every rank of the job see the overflow.
