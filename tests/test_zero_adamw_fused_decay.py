@@ -64,3 +64,28 @@ def test_matches_torch_fused_adamw_per_decay_group():
         multi_tensor_adamw_(ours, coef=1.0, step=step, kind="fused", **HYPER)
     for i, (p, m) in enumerate(zip(params, ours.masters)):
         assert torch.equal(p.detach(), m), i
+
+
+@pytest.mark.parametrize("steps", [(1, 2, 3, 4), (1, 2, 5, 6), (1, 2, 2, 3)], ids=["consecutive", "jump", "repeat"])
+def test_kept_step_counts_follow_the_step_torch_is_given(steps):
+    """The kernel's step tensors live across calls (``TensorLists.steps``, as torch keeps ``state["step"]``);
+    a step that does not follow the last one (a skipped update, a loaded checkpoint, a retried step) must
+    still use its own count: torch's optimizer told the same count each time, bitwise."""
+    lists = _lists([True, False, True])
+    ours = _clone(lists)
+    for m in ours.exp_avgs + ours.exp_avg_sqs:
+        m.zero_()
+    params = [torch.nn.Parameter(m.clone()) for m in lists.masters]
+    groups = [{"params": [p for p, d in zip(params, lists.decay) if d], "weight_decay": HYPER["weight_decay"]},
+              {"params": [p for p, d in zip(params, lists.decay) if not d], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            fused=True)
+    for step in steps:
+        for p, g in zip(params, lists.grads):
+            p.grad = g.clone()
+            if p in opt.state:
+                opt.state[p]["step"].fill_(float(step - 1))
+        opt.step()
+        multi_tensor_adamw_(ours, coef=1.0, step=step, kind="fused", **HYPER)
+        for i, (p, m) in enumerate(zip(params, ours.masters)):
+            assert torch.equal(p.detach(), m), (step, i)

@@ -50,6 +50,10 @@ class TensorLists:
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     decay: list[bool] = field(default_factory=list)
+    # The fused kernel's step count per run, kept across steps as torch.optim.AdamW keeps state["step"]
+    # (the kernel adds 1 before using it): refilled only when they do not hold the previous step.
+    steps: list[torch.Tensor] = field(default_factory=list)
+    steps_done: int | None = None  # the step count ``steps`` hold (None: not filled)
 
 
 def decay_runs(bucket: Bucket, weight_decay: bool) -> list[tuple[int, int, bool]]:
@@ -113,11 +117,13 @@ def multi_tensor_adamw_(lists: TensorLists, *, coef: float, step: int, lr: float
         if decayed:
             torch._foreach_mul_(decayed, 1.0 - lr * weight_decay)
     if kind == "fused":
+        steps = _step_counts(lists, step)
         for flag in (True, False) if in_kernel else (None,):
             idx = [i for i, d in enumerate(lists.decay) if flag is None or d == flag]
             if idx:
-                _fused(lists, grads, idx, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                _fused(lists, grads, steps, idx, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay if flag else 0.0)
+        lists.steps_done = step  # every run's count was incremented once
         return
     if kind == "foreach":
         torch._foreach_lerp_(lists.exp_avgs, grads, 1.0 - beta1)
@@ -133,15 +139,23 @@ def multi_tensor_adamw_(lists: TensorLists, *, coef: float, step: int, lr: float
             per_tensor(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
 
 
-def _fused(lists: TensorLists, grads: list[torch.Tensor], idx: list[int], *, step: int, lr: float, beta1: float,
-           beta2: float, eps: float, weight_decay: float) -> None:
-    """torch's fused AdamW on the runs ``idx`` of ``lists``."""
+def _step_counts(lists: TensorLists, step: int) -> list[torch.Tensor]:
+    """The runs' step tensors holding ``step - 1`` (the functional form increments each before using it)."""
+    if len(lists.steps) != len(lists.masters):
+        lists.steps = [torch.zeros((), device=m.device) for m in lists.masters]
+        lists.steps_done = None
+    if lists.steps_done != step - 1:  # first use, a skipped or failed update, a loaded checkpoint's count
+        for t in lists.steps:
+            t.fill_(float(step - 1))
+    return lists.steps
+
+
+def _fused(lists: TensorLists, grads: list[torch.Tensor], steps: list[torch.Tensor], idx: list[int], *, lr: float,
+           beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """torch's fused AdamW on the runs ``idx`` of ``lists`` (``steps``: their counts, ``_step_counts``)."""
     def pick(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors if len(idx) == len(tensors) else [tensors[i] for i in idx]
 
-    masters = pick(lists.masters)
-    # The functional form increments each step tensor before using it: pass the count before it.
-    steps = [torch.tensor(float(step - 1), device=masters[0].device) for _ in masters]
-    torch_functional_adamw(masters, pick(grads), pick(lists.exp_avgs), pick(lists.exp_avg_sqs), [], steps,
-                           fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
-                           eps=eps, maximize=False)
+    torch_functional_adamw(pick(lists.masters), pick(grads), pick(lists.exp_avgs), pick(lists.exp_avg_sqs), [],
+                           pick(steps), fused=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+                           weight_decay=weight_decay, eps=eps, maximize=False)
