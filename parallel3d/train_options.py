@@ -59,6 +59,10 @@ class TrainOptions:
         check_int("train.eval_iters", self.eval_iters, 0)
         check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
 
+    def last_step(self) -> int:
+        """The step this run trains to: ``steps``, or ``stop_after`` when it comes first."""
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
+
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step per data-parallel rank: global = micro * grad_accum * dp."""
         gbs, mbs = self.global_batch_size, self.micro_batch_size

@@ -52,7 +52,7 @@ from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS, with_docume
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
-from parallel3d.resume_notes import already_trained_line, lr_schedule, schedule_change
+from parallel3d.resume_notes import lr_schedule, nothing_to_do_line, schedule_change
 from parallel3d.rank_build import build_chunks, make_parallel_state
 from parallel3d.step_record import StepRecorder
 from parallel3d.summary import RunSummary, per_rank_values
@@ -243,7 +243,7 @@ class Trainer:
             self.wandb_id = wandb.run_id
             self._wandb_dir = wandb.run_dir
             self._banner(resume_dir)
-        end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
+        end = self.rj.train.last_step()
         clock = RunClock(self.step, end, eval_every=t.eval_every, evaluating=self.evaluator is not None)
         timer = StepTimer(self.pstate.device)
         # Throughput is averaged over the whole log interval (data, step, logging and
@@ -379,8 +379,8 @@ class Trainer:
                f"weights from {t.init_from}" if t.init_from else "fresh start"),
             flush=True,
         )
-        if self.step >= t.steps:
-            print(already_trained_line(t.steps, self.step), flush=True)
+        if idle := nothing_to_do_line(rj.train, self.step):
+            print(idle, flush=True)
 
 
 def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dict[str, Any] | None = None) -> TrainResult:
