@@ -24,6 +24,7 @@ from models import get_config
 from models.config import ModelConfig
 from parallel3d import train as train_cli
 from parallel3d.checkpoint import CheckpointManager, complete_checkpoints
+from models.params import parameter_shapes
 from parallel3d.checkpoint_io.compat import FORMAT, model_signature
 from parallel3d.config import ConfigError, job_from_dict, resolve
 from parallel3d.parallel_state import ParallelState
@@ -76,24 +77,29 @@ def test_a_resume_that_trains_nothing_says_why_in_one_line(saved, tmp_path, step
         assert said[0].startswith(f"train.stop_after={stop_after} is at or below the checkpoint's step {SAVED}")
 
 
-def _other_models() -> list[tuple[str, ModelConfig, str, dict]]:
-    """``(id, model, preset, model keys)``: gpt_tiny with each int field doubled and each bool flipped, kept where
-    that is a valid model of another shape (``model_signature``: what a resume may not change), and the other
-    tiny presets."""
-    base, hints = get_config("gpt_tiny"), typing.get_type_hints(ModelConfig)
-    out = []
-    for f in dataclasses.fields(ModelConfig):
-        value = getattr(base, f.name)
-        if hints[f.name] not in (int, bool, int | None):
-            continue
-        changed = (not value) if isinstance(value, bool) else 2 * (value or base.hidden_size)
-        try:
-            other = dataclasses.replace(base, **{f.name: changed})
-        except (ValueError, TypeError):
-            continue
-        if model_signature(other) != model_signature(base):
-            out.append((f"{f.name}={changed}", other, "gpt_tiny", {f.name: changed}))
-    return out + [(f"model={name}", get_config(name), name, {}) for name in ("llama_tiny", "mixtral_tiny")]
+def _other_models() -> list[tuple[str, ModelConfig, str, str, dict, str]]:
+    """``(id, model, the job's preset, the model's preset and keys, the setting the line names first)``: gpt_tiny
+    and llama_tiny with each int field doubled and each bool flipped, kept where that is a valid model with other
+    parameters (``model_signature``, or the parameter names and shapes themselves: what a resume may not change),
+    and the other tiny presets."""
+    hints, out = typing.get_type_hints(ModelConfig), []
+    for preset in ("gpt_tiny", "llama_tiny"):
+        base = get_config(preset)
+        for f in dataclasses.fields(ModelConfig):
+            value = getattr(base, f.name)
+            if hints[f.name] not in (int, bool, int | None, bool | None):
+                continue
+            changed = (not value) if hints[f.name] in (bool, bool | None) else 2 * (value or base.hidden_size)
+            try:
+                other = dataclasses.replace(base, **{f.name: changed})
+            except (ValueError, TypeError):
+                continue
+            first = [k for k, v in model_signature(base).items() if model_signature(other).get(k) != v]
+            if first or parameter_shapes(other) != parameter_shapes(base):
+                out.append((f"{preset}:{f.name}={changed}", other, preset, preset, {f.name: changed},
+                            (first or [f.name])[0]))
+    return out + [(f"model={name}", get_config(name), "gpt_tiny", name, {}, "arch")
+                  for name in ("llama_tiny", "mixtral_tiny")]
 
 
 OTHER_MODELS = _other_models()
@@ -101,16 +107,17 @@ OTHER_MODELS = _other_models()
 
 @pytest.mark.parametrize("index", range(len(OTHER_MODELS)), ids=[case[0] for case in OTHER_MODELS])
 def test_resume_auto_onto_another_model_is_a_config_error(tmp_path, index):
-    """The checkpoint's meta.json as a run writes it (format, model); the job is gpt_tiny."""
-    _, other, preset, keys = OTHER_MODELS[index]
+    """The checkpoint's meta.json as a run writes it (format, model); the job is gpt_tiny or llama_tiny. Session 45
+    (user45): a llama checkpoint trained with ``model.qk_norm=true`` resumed with ``false`` silently, its q/k norm
+    weights dropped (the signature left them out, and a load reads only what the new model asks for)."""
+    _, other, job, preset, keys, first = OTHER_MODELS[index]
     out = str(tmp_path / "run")
     CheckpointManager(os.path.join(out, "checkpoints"), ParallelState.single_process()).save(
         3, lambda d: None, {"format": FORMAT, "model": dataclasses.asdict(other)})
     values = {"train": {"out_dir": out, "seq_len": 32}, "data": {"cache_dir": str(tmp_path / "cache")}}
-    differ = [k for k, v in model_signature(get_config("gpt_tiny")).items() if model_signature(other).get(k) != v]
     with pytest.raises(ConfigError, match=rf"^train\.resume=auto: checkpoint .*step_00000003 holds another model "
-                                          rf"\({differ[0]}=.*; resume it with its model, or start over in another"):
-        resolve(job_from_dict(values, model="gpt_tiny"), 1)
+                                          rf"\({first}=.*; resume it with its model, or start over in another"):
+        resolve(job_from_dict(values, model=job), 1)
     resolve(job_from_dict({**values, "model": keys}, model=preset), 1)  # its own model resumes
 
 
