@@ -1,4 +1,4 @@
-"""Exact parameter counts, from a model built on the meta device (no memory, no init)."""
+"""Exact parameter counts and shapes, from a model built on the meta device (no memory, no init)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ def count_parameters(config: ModelConfig, *, verbose: bool = True) -> int:
     if verbose:
         print(f"{config.name or config.arch}: {total:,} parameters")
     return total
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole (tp=1, unpadded) model: its name and shape."""
+    model = build_model(config, ParallelState.single_process(device="meta"), device="meta")
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

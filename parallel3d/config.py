@@ -131,7 +131,7 @@ ParallelConfig = schema_of("ParallelConfig", (ParallelDims, ContextParallelOptio
 TrainConfig = schema_of("TrainConfig", (TrainOptions, CheckpointOptions, StopOptions), order=(
     "steps", "global_batch_size", "micro_batch_size", "seq_len", "seed", "precision", "recompute", "out_dir",
     "save_every", "keep_last", "resume", "device", "timeout_s", "peak_tflops", "stop_after", "async_save",
-    "init_from", "preempt_signal", "max_minutes", "eval_every", "eval_iters", "on_nonfinite"))
+    "init_from", "preempt_signal", "max_minutes", "eval_every", "eval_iters", "eval_only", "on_nonfinite"))
 OptimizerConfig = schema_of("OptimizerConfig", (OptimizerOptions,))
 DataConfig = schema_of("DataConfig", (DataOptions,))
 LoggingConfig = schema_of("LoggingConfig", (LoggingOptions,))

@@ -199,14 +199,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 class JsonlSink:
-    """``metrics.jsonl``: one JSON object per logged step, flushed at once."""
+    """``metrics.jsonl``: one JSON object per logged step, flushed at once. ``keep_through_step``: a resumed run's
+    file, cut after its checkpoint's step; ``append``: an evaluation-only run's, kept whole; else a fresh file."""
 
-    def __init__(self, path: str, *, keep_through_step: int | None = None) -> None:
+    def __init__(self, path: str, *, keep_through_step: int | None = None, append: bool = False) -> None:
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if keep_through_step is not None:
             self._truncate_after(keep_through_step)
-        elif os.path.exists(path):
+        elif os.path.exists(path) and not append:
             os.remove(path)  # a fresh run starts a fresh file
 
     def _truncate_after(self, step: int) -> None:

@@ -2,8 +2,8 @@
 
 The options classes check values; this module checks the environment those values point at:
 directories that must be writable (``train.out_dir``, ``parallel.offload_dir``, ``data.cache_dir``),
-checkpoints (a ``train.resume`` directory complete and of this model; none left over under
-``train.resume=none``), an explicit kernel backend on a CPU run, the
+checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one of
+this model; none left over under ``train.resume=none``), an explicit kernel backend on a CPU run, the
 ``train.init_from`` transformers directory, the data files, and the device (CUDA present,
 bf16 supported). ``config.resolve`` runs it last, so the entry point (``parallel3d.train``,
 ``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
@@ -85,8 +85,9 @@ def check_writable_file(key: str, path: str) -> None:
 
 def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelConfig) -> None:
     """A ``resume`` directory is a complete checkpoint of this model (its files' CRCs are verified by the
-    ranks, spread over them; ``resume=auto`` picks among checkpoints there, skipping damaged ones, so its
-    checks stay the ranks'); ``resume=none`` does not silently mix with old checkpoints."""
+    ranks, spread over them); under ``resume=auto`` the newest checkpoint holds this model (which one passes
+    its CRCs stays the ranks' check: they fall back past a damaged one); ``resume=none`` does not silently
+    mix with old checkpoints."""
     if checkpoint.resume_dir is not None:
         if not os.path.isdir(checkpoint.resume_dir):
             raise ConfigError(f"train.resume={checkpoint.resume!r}: must be auto, none or an existing checkpoint "
@@ -95,6 +96,8 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
             raise ConfigError(f"train.resume={checkpoint.resume!r}: not a complete checkpoint directory (needs a "
                               f"readable meta.json and every file it lists, at its size)")
         _check_resumable(f"train.resume={checkpoint.resume!r}", checkpoint.resume_dir, model)
+    if checkpoint.resume == "auto":
+        _check_newest(out_dir, model)
     if checkpoint.resume == "none":
         old = [step for step, _ in complete_checkpoints(os.path.join(out_dir, "checkpoints"))]
         if old:
@@ -104,14 +107,26 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
             )
 
 
-def _check_resumable(key: str, directory: str, model: ModelConfig) -> None:
+def _check_newest(out_dir: str, model: ModelConfig) -> None:
+    """``resume=auto``: the newest loadable checkpoint (the one the ranks resume unless its CRCs fail) holds this
+    model, so a changed model is one line here rather than every rank's failure after the spawn. A ``meta.json``
+    without a model section was not written by a run (the ranks judge it, as a damaged checkpoint)."""
+    for _, path in reversed(complete_checkpoints(os.path.join(out_dir, "checkpoints"))):
+        if is_loadable(path):
+            if isinstance(read_meta(path).get("model"), dict):
+                _check_resumable("train.resume=auto", path, model, "start over in another train.out_dir")
+            return
+
+
+def _check_resumable(key: str, directory: str, model: ModelConfig, otherwise: str | None = None) -> None:
     """The checkpoint's format is readable and its model has this job's parameter shapes."""
     try:
         meta = read_meta(directory)
         compat.check_format(directory, meta)
         compat.check_same_model(directory, meta, model)
     except (CheckpointError, OSError, ValueError, TypeError) as exc:  # TypeError: a model section of other keys
-        raise ConfigError(f"{key}: {exc}") from None
+        raise ConfigError(f"{key}: {exc}" + (f"; resume it with its model, or {otherwise}" if otherwise else "")) \
+            from None
 
 
 def check_kernels(model: ModelConfig, device: str) -> None:

@@ -15,12 +15,14 @@ smoothed.
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import math
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from parallel3d.jsonl_records import read_records as read_jsonl_records, skipped_message
 
@@ -227,9 +229,33 @@ def write_html(records: list[dict[str, Any]], run_dir: str, path: str) -> str:
     return path
 
 
+class UnwritableOutput(OSError):
+    """The report's file cannot be written; the message names it and what to do."""
+
+
+def _writing(path: str, run_dir: str, given: bool, write: Callable[[str], Any] | None = None) -> str:
+    """Probe that ``path`` can be written, then ``write(path)`` (when given). A failure (a read-only run directory,
+    a missing folder, a directory, a full disk) is one line naming ``path`` and the way out: another ``--out``."""
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
+            pass  # permission bits do not bind root: only a real write tells
+        if write is not None:
+            write(path)
+    except OSError as exc:
+        instead = "another --out FILE" if given else \
+            f"--out FILE in a writable directory (python -m parallel3d.report {run_dir} --out /tmp/report.png)"
+        raise UnwritableOutput(f"cannot write the report to {path} ({exc.strerror or exc}): pass {instead}") from None
+    return path
+
+
 def write_report(run_dir: str, out: str | None = None, fmt: str = "auto") -> str:
-    """Render ``run_dir``'s report; returns the written path (PNG, or HTML without matplotlib)."""
+    """Render ``run_dir``'s report; returns the written path (PNG, or HTML without matplotlib). The output's
+    place is probed before the figure is drawn (the PNG and HTML defaults share ``run_dir``)."""
     records = read_records(run_dir)
+    default = lambda ext: os.path.join(run_dir, f"report.{ext}")  # noqa: E731
+    _writing(out or default("png"), run_dir, out is not None)
     if fmt in ("auto", "png"):
         try:
             fig = build_figure(records, run_dir)
@@ -239,10 +265,11 @@ def write_report(run_dir: str, out: str | None = None, fmt: str = "auto") -> str
             print("matplotlib is not installed (pip install 'parallel3d[report]'): writing HTML instead",
                   file=sys.stderr)
         else:
-            path = out or os.path.join(run_dir, "report.png")
-            fig.savefig(path)
-            return path
-    return write_html(records, run_dir, out or os.path.join(run_dir, "report.html"))
+            path = out or default("png")
+            if not os.path.splitext(path)[1]:  # matplotlib adds ".png" to such a name: print where the file is
+                path += ".png"
+            return _writing(path, run_dir, out is not None, fig.savefig)
+    return _writing(out or default("html"), run_dir, out is not None, lambda path: write_html(records, run_dir, path))
 
 
 def main(argv: list[str] | None = None) -> int:

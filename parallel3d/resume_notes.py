@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, get_type_hints
 
+from parallel3d.train_options import TrainOptions
 from parallel3d.zero.lr_schedule import WarmupCosine
 from parallel3d.zero.options import OptimizerOptions
 
@@ -56,6 +57,18 @@ def schedule_change(saved_config: dict[str, Any], optimizer: OptimizerOptions, s
     return (f"resuming with another learning-rate schedule than the checkpoint's run ({', '.join(changed)}): the "
             f"next step's lr is {after:.3g} where the checkpoint's schedule gives {before:.3g}; this run's values "
             f"apply from here (as Megatron's --override-opt_param-scheduler)")
+
+
+def nothing_to_do_line(train: TrainOptions, step: int) -> str | None:
+    """What a run resumed at ``step`` prints when it will train no step (None when it trains): it is at
+    ``train.steps``, or at or past ``train.stop_after`` (``TrainOptions.last_step``). It exits 0, as Megatron-LM
+    does from a checkpoint at ``--train-iters``; the line says why, rather than a summary of 0 steps alone."""
+    if step >= train.steps:
+        return already_trained_line(train.steps, step)
+    if step >= train.last_step():
+        return (f"train.stop_after={train.stop_after} is at or below the checkpoint's step {step}: nothing to do; "
+                f"raise train.stop_after, or set train.stop_after=null to train on to train.steps={train.steps}")
+    return None
 
 
 def already_trained_line(steps: int, step: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.transformer import RECOMPUTE_MODES
-from parallel3d.option_checks import ConfigError, check_choice, check_int, check_path, check_range
+from parallel3d.option_checks import ConfigError, check_bool, check_choice, check_int, check_path, check_range
 from parallel3d.zero.options import PRECISIONS
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -38,6 +38,9 @@ class TrainOptions:
     # only, every eval_every steps (0 = only at the end); eval_iters=0 = no evaluation.
     eval_every: int = 0
     eval_iters: int = 0
+    # Megatron's --skip-train (parallel3d/eval_only.py): evaluate the weights train.resume / train.init_from give
+    # (or the seed's init) once, log it like a training run's evaluation, and stop; nothing trained or saved.
+    eval_only: bool = False
     on_nonfinite: str = "stop"  # stop (exit 1, no checkpoint of the diverged run) | skip (skip the step, go on)
 
     def __post_init__(self) -> None:
@@ -57,7 +60,14 @@ class TrainOptions:
         check_choice("train.device", self.device, DEVICES)
         check_int("train.eval_every", self.eval_every, 0)
         check_int("train.eval_iters", self.eval_iters, 0)
+        check_bool("train.eval_only", self.eval_only)
+        if self.eval_only and not self.eval_iters:
+            raise ConfigError("train.eval_only=true: needs train.eval_iters > 0, the validation batches to evaluate")
         check_choice("train.on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+
+    def last_step(self) -> int:
+        """The step this run trains to: ``steps``, or ``stop_after`` when it comes first."""
+        return self.steps if self.stop_after is None else min(self.steps, self.stop_after)
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step per data-parallel rank: global = micro * grad_accum * dp."""

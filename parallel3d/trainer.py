@@ -15,11 +15,11 @@ logging rank (last stage, tp=0, dp=0: it has the loss) writes metrics.jsonl,
 W&B and the console line. Steps are numbered from 1 (the record of step k
 describes the k-th optimizer step).
 
-Evaluation (``parallel3d/eval.py``) runs every ``train.eval_every`` steps and at the
-end, forward only through the pipeline; a step with an evaluation is always logged,
-its record carrying ``eval_loss`` / ``eval_ppl``. Console lines carry elapsed time and
-ETA (``progress.RunClock``), a line per saved checkpoint, and the run ends with a
-summary (``summary.RunSummary``).
+Evaluation (``parallel3d/eval.py``) runs every ``train.eval_every`` steps and at the end, forward only
+through the pipeline; a step with an evaluation is always logged, its record carrying ``eval_loss`` /
+``eval_ppl``. ``train.eval_only`` runs it once instead of training (``parallel3d/eval_only.py``; restored
+with ``strict_data=False``: no training batch is read). Console lines carry elapsed time and ETA
+(``progress.RunClock``), a line per saved checkpoint, and the run ends with a summary (``summary.RunSummary``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from parallel3d.context_parallel import split_batch_for_cp
 from parallel3d.datasets import build_datasets
 from parallel3d.divergence import DivergenceGuard, stop_run
 from parallel3d.eval import EvalResult, Evaluator
+from parallel3d.eval_only import evaluate_once
 from parallel3d.heartbeat import Heartbeat, beat_interval
 from parallel3d.metrics import (JsonlSink, StepTimer, ThroughputModel, WandbSink, format_console, memory_snapshot,
                                 resolve_peak_tflops)
@@ -52,7 +53,7 @@ from parallel3d.pipeline.microbatch import DOCUMENT_IDS, SAMPLE_IDS, with_docume
 from parallel3d.planning.cli import job_w_lags
 from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
-from parallel3d.resume_notes import already_trained_line, lr_schedule, schedule_change
+from parallel3d.resume_notes import lr_schedule, nothing_to_do_line, schedule_change
 from parallel3d.rank_build import build_chunks, make_parallel_state
 from parallel3d.step_record import StepRecorder
 from parallel3d.summary import RunSummary, per_rank_values
@@ -167,11 +168,11 @@ class Trainer:
                 print(checkpoint_line(step, step_dir(self.ckpt.root, step), time.perf_counter() - started), flush=True)
         return done
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Collective: restore weights, optimizer and trainer state written at any layout."""
+    def load_checkpoint(self, directory: str, strict_data: bool = True) -> None:
+        """Collective: restore weights, optimizer and trainer state written at any layout (``strict_data``: restore)."""
         state = load_training_state(directory, self.optimizer, self.pstate, self.rj.model, self.checkpoints.group)
         self.step = int(state["step"])
-        self.batches.load_state_dict(state["data"])
+        self.batches.load_state_dict(state["data"], strict=strict_data)
         self.optimizer.iteration = int(state["iteration"])
         self.optimizer.adam_step = int(state["adam_step"])
         self.optimizer.scaler.load_state_dict(state["scaler"])
@@ -185,12 +186,12 @@ class Trainer:
             user_warnings.warn(f"resuming a run trained with train.seed={state.get('seed')} with train.seed="
                                f"{self.rj.job.train.seed}: dropout masks and data order change from here")
 
-    def restore(self) -> str | None:
+    def restore(self, strict_data: bool = True) -> str | None:
         """Collective: load ``train.resume``'s checkpoint (returned), else ``train.init_from``'s weights."""
         t = self.rj.job.train
         resume_dir = self.ckpt.find(t.resume)
         if resume_dir is not None:
-            self.load_checkpoint(resume_dir)
+            self.load_checkpoint(resume_dir, strict_data)
         elif t.init_from is not None:
             load_hf_weights(self.optimizer, self.pstate, t.init_from, self.rj.model)
         return resume_dir
@@ -217,7 +218,7 @@ class Trainer:
             heartbeat.start()
         self.stop_policy.install()
         try:
-            return self._train(heartbeat)
+            return self._evaluate_only() if self.rj.train.eval_only else self._train(heartbeat)
         except BaseException:
             # The previous step's checkpoint may still be written in the background: finish it (its
             # collectives time out after train.timeout_s) rather than lose it with this process.
@@ -243,7 +244,7 @@ class Trainer:
             self.wandb_id = wandb.run_id
             self._wandb_dir = wandb.run_dir
             self._banner(resume_dir)
-        end = t.steps if t.stop_after is None else min(t.steps, t.stop_after)
+        end = self.rj.train.last_step()
         if resume_dir is not None and self.step < end:  # checkpoints after the one resumed are now another branch
             self.ckpt.branch_from(resume_dir)
         clock = RunClock(self.step, end, eval_every=t.eval_every, evaluating=self.evaluator is not None)
@@ -314,6 +315,13 @@ class Trainer:
             wandb.finish(result.summary.wandb() if result.summary else {})
         return result
 
+    def _evaluate_only(self) -> TrainResult:
+        """``train.eval_only``: one evaluation of the restored weights (``parallel3d.eval_only``), nothing trained."""
+        resume_dir = self.restore(strict_data=False)  # no training batch is read: any data order will do
+        record, stopped = evaluate_once(self.rj, self.pstate, self.evaluator, self.step, resume_dir, self.full_config,
+                                        interrupt=lambda: self.stop_policy.should_stop(0.0))
+        return TrainResult(self.pstate.rank, self.step, self.step, [record] if record else [], stopped=stopped)
+
     def _stop_if_diverged(self, reason: str | None, info: Any, loss: float | None, saved: list[int]) -> None:
         """Collective: raise ``TrainingDiverged`` for ``reason`` (``divergence``: every rank has the same one),
         before anything of this step is saved; a save still in flight (an earlier, good step) finishes first."""
@@ -381,8 +389,8 @@ class Trainer:
                f"weights from {t.init_from}" if t.init_from else "fresh start"),
             flush=True,
         )
-        if self.step >= t.steps:
-            print(already_trained_line(t.steps, self.step), flush=True)
+        if idle := nothing_to_do_line(rj.train, self.step):
+            print(idle, flush=True)
 
 
 def train(rj: ResolvedJob, pstate: ParallelState | None = None, full_config: dict[str, Any] | None = None) -> TrainResult:

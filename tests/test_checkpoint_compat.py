@@ -8,6 +8,7 @@ import os
 import pytest
 
 from parallel3d.checkpoint import CheckpointError, step_dir
+from parallel3d.config import ConfigError
 from tests.test_train_e2e import job_values, train_single
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
@@ -21,7 +22,7 @@ def cache_dir(tmp_path_factory) -> str:
 def test_another_model_shape_is_refused_in_one_line(tmp_path, cache_dir):
     out = str(tmp_path / "run")
     train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 1}))
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(ConfigError) as caught:  # resume=auto: preflight's line (session 45), before any rank
         train_single("gpt_tiny", job_values(out, cache_dir, model={"hidden_size": 128}))
     message = str(caught.value)
     assert "\n" not in message

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -126,3 +129,56 @@ def test_moe_panels_plot_each_layers_metrics(moe_run_dir):
 
 def test_dense_run_has_no_moe_panels(run_dir):
     assert report.moe_panels(_records(run_dir)) == []
+
+
+@contextlib.contextmanager
+def _unwritable_run_dir(run_dir: str, tmp_path) -> typing.Iterator[str]:
+    """A copy of ``run_dir`` the report cannot write into: a read-only bind mount (session 44's trial: as root,
+    permission bits do not bind), a mode-0555 directory for another user; where neither can be had (a container
+    without mount rights), the copy's ``report.png`` is a directory, so the default path is unwritable all the same."""
+    source, mounted = tmp_path / "source", tmp_path / "read_only"
+    shutil.copytree(run_dir, source)
+    mounted.mkdir()
+    bound = os.geteuid() == 0 and shutil.which("mount") is not None and subprocess.run(
+        ["mount", "--bind", str(source), str(mounted)], capture_output=True).returncode == 0
+    if bound:
+        try:
+            if subprocess.run(["mount", "-o", "remount,bind,ro", str(mounted)], capture_output=True).returncode == 0:
+                yield str(mounted)
+                return
+        finally:
+            subprocess.run(["umount", str(mounted)], check=True)
+    if os.geteuid() != 0:
+        source.chmod(0o555)
+    else:
+        (source / "report.png").mkdir()
+    yield str(source)
+
+
+@pytest.mark.parametrize("case", ["--out in a missing directory", "--out a directory", "read-only run directory"])
+def test_an_unwritable_output_is_one_line_naming_it_and_the_way_out(run_dir, tmp_path, capsys, case):
+    """Session 44's trial: a read-only run directory gave ``error: [Errno 30] Read-only file system: '.../report.png'``
+    (no word of ``--out``); each unwritable output is now one line naming the file and the flag to use, exit 2."""
+    with contextlib.ExitStack() as stack:
+        if case == "read-only run directory":
+            where = stack.enter_context(_unwritable_run_dir(run_dir, tmp_path))
+            args, path, way_out = [where], os.path.join(where, "report.png"), "pass --out FILE in a writable directory"
+        else:
+            path = str(tmp_path / "no_such_dir" / "r.png") if case.endswith("missing directory") else str(tmp_path)
+            args, way_out = [run_dir, "--out", path], "pass another --out FILE"
+        assert report.main(args) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1, err
+    assert lines[0].startswith(f"error: cannot write the report to {path} (") and way_out in lines[0], lines[0]
+
+
+def test_the_printed_path_is_the_file_written(run_dir, tmp_path, capsys):
+    """``--out NAME`` without an extension: matplotlib writes ``NAME.png``, and the report printed ``NAME`` (no such
+    file). Cases: with and without an extension, and another format matplotlib writes (svg)."""
+    for given, written in (("picture", "picture.png"), ("picture.png", "picture.png"), ("picture.svg", "picture.svg")):
+        target = tmp_path / given
+        assert report.main([run_dir, "--out", str(target)]) == 0
+        printed = capsys.readouterr().out.strip()
+        assert printed == str(tmp_path / written) and os.path.isfile(printed), (given, printed)
+        os.remove(printed)

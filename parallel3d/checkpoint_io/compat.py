@@ -7,10 +7,12 @@ shape (the fields below) and the format. Checkpoints of the earlier per-rank for
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from models.config import ModelConfig
+from models.params import parameter_shapes
 from parallel3d.checkpoint import CheckpointError
 
 FORMAT = "parallel3d-dcp-v1"
@@ -42,14 +44,32 @@ def check_format(directory: str, meta: dict[str, Any]) -> None:
     raise CheckpointError(f"checkpoint {directory} has format {fmt!r}; this version reads {FORMAT!r}")
 
 
+def _other_parameters(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
+    """Where ``model_signature`` agrees, the settings that still change a parameter's name or shape (q/k norms,
+    q/k/v biases, the head width, the experts, latent attention): each differing setting and a parameter. Both
+    models are built on the meta device, so only where the configs differ at all (seconds for the largest)."""
+    if dataclasses.replace(saved, kernel_backend=cfg.kernel_backend, name=cfg.name) == cfg:
+        return []
+    theirs, ours = parameter_shapes(saved), parameter_shapes(cfg)
+    if theirs == ours:
+        return []
+    settings = [f"{f.name}={getattr(saved, f.name)!r} there, {getattr(cfg, f.name)!r} here"
+                for f in dataclasses.fields(ModelConfig)
+                if f.name not in ("kernel_backend", "name") and getattr(saved, f.name) != getattr(cfg, f.name)]
+    names = sorted(set(theirs) ^ set(ours)) or sorted(k for k in ours if theirs[k] != ours[k])
+    return [*settings, f"e.g. parameter {names[0]}"]
+
+
 def check_same_model(directory: str, meta: dict[str, Any], cfg: ModelConfig) -> None:
     """Raise unless the checkpoint's model has the same parameters (names and shapes) as ``cfg``."""
     saved = meta.get("model")
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {directory}: meta.json has no model section")
-    theirs = model_signature(ModelConfig(**saved))
+    saved_cfg = ModelConfig(**saved)
+    theirs = model_signature(saved_cfg)
     ours = model_signature(cfg)
     diff = [f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in ours if theirs.get(k) != ours.get(k)]
+    diff = diff or _other_parameters(saved_cfg, cfg)
     if diff:
         raise CheckpointError(f"checkpoint {directory} holds another model ({'; '.join(diff)}): a layout may "
                               f"change on resume, the model's shape may not")
