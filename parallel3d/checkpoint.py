@@ -101,6 +101,15 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def publishable_steps(root: str) -> list[int]:
+    """Steps of the complete ``.tmp`` directories under ``root`` (a kill came among a save's renames): the next
+    job's rank 0 publishes them as checkpoints (``CheckpointManager._recover``), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(TMP_DIR.match, os.listdir(root))
+                  if m and is_loadable(os.path.join(root, m.group(0))))
+
+
 def _relative_files(directory: str) -> list[str]:
     """Every file under ``directory`` (relative paths), the list ``meta.json`` records."""
     out = []
@@ -158,13 +167,12 @@ class CheckpointManager:
                 step = int(fh.read())
             self._set_aside_from(step + 1, f"a run resumed from step {step}")
             os.remove(marker)
-        for name in sorted(os.listdir(self.root)):
-            m = TMP_DIR.match(name)
-            if m and is_loadable(os.path.join(self.root, name)):
-                try:
-                    self._publish(int(m.group(1)))
-                except OSError as exc:
-                    user_warnings.warn(f"checkpoint {name} was complete but could not be renamed into place: {exc}")
+        for step in publishable_steps(self.root):
+            try:
+                self._publish(step)
+            except OSError as exc:
+                user_warnings.warn(f"checkpoint {os.path.basename(step_dir(self.root, step))}.tmp was complete but "
+                                   f"could not be renamed into place: {exc}")
 
     def _remove_partial(self) -> None:
         for name in os.listdir(self.root):

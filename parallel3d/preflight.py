@@ -19,7 +19,7 @@ import torch
 
 from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, read_meta
+from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, publishable_steps, read_meta
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -99,7 +99,9 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
     if checkpoint.resume == "auto":
         _check_newest(out_dir, model)
     if checkpoint.resume == "none":
-        old = [step for step, _ in complete_checkpoints(os.path.join(out_dir, "checkpoints"))]
+        # A complete .tmp counts: the ranks publish it before training (``CheckpointManager._recover``).
+        root = os.path.join(out_dir, "checkpoints")
+        old = sorted({step for step, _ in complete_checkpoints(root)} | set(publishable_steps(root)))
         if old:
             raise ConfigError(
                 f"train.resume=none but train.out_dir={out_dir!r} holds checkpoints of steps {old}; "

@@ -244,6 +244,20 @@ def test_resume_none_refuses_to_mix_with_old_checkpoints(tmp_path):
     assert _resolve_fast([f"train.out_dir={out}", "train.resume=auto"]).job.train.resume == "auto"
 
 
+def test_resume_none_counts_a_complete_tmp_the_ranks_would_publish(tmp_path):
+    """Session 45 (review45): a complete ``step_N.tmp`` (a kill among a save's renames) is published by the next
+    job's ranks before training, so under ``resume=none`` it mixed an old run's step into the new run."""
+    from parallel3d.checkpoint import CheckpointManager, step_dir
+    from parallel3d.parallel_state import ParallelState
+
+    out = str(tmp_path / "run")
+    root = os.path.join(out, "checkpoints")
+    CheckpointManager(root, ParallelState.single_process()).save(6, lambda d: None, {})
+    os.rename(step_dir(root, 6), step_dir(root, 6) + ".tmp")
+    with pytest.raises(ConfigError, match=r"train\.resume=none but train\.out_dir=.* holds checkpoints of steps \[6\]"):
+        _resolve_fast([f"train.out_dir={out}", "train.resume=none"])
+
+
 def test_the_already_trained_line_advises_only_what_the_config_accepts(tmp_path):
     """Session 43: resuming a run already at train.steps advised "train.resume=none starts over", which the
     check above refuses for that very directory. Every key=value the line names must resolve there."""
