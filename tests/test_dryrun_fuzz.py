@@ -41,19 +41,19 @@ pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")]
 # checked exactly first, on every case.
 KNOWN_PLANNER_GAPS: dict[int, str] = {
     # (session 44: 2044, a sent output freed by its batch's wait, fixed by gap44)
-    # session 44 (docs/dryrun.md, "3029"): llama bf16 on a tiny shape (h 80, head width 10, seq 30): the dry run holds,
-    # per microbatch in flight, each RMSNorm's fp32 weight (h x 4 B) and per layer a seq x head-width fp32 tensor that
-    # the estimate does not count (-6.1%; the same 5,840 B at pp 1, any tp, micro-batch 1 or 3; GPT: exact).
-    3029: "llama 16-bit: the norms' fp32 weights and a per-layer seq x head-width fp32 tensor, not estimated",
+    # (session 45: 3029, the torch RMSNorm's fp32 weight copies and the torch RoPE's 16-bit table casts, fixed by
+    # plan45: tests/test_dryrun_estimator_positions.py)
 }
 KNOWN_BIG_GAPS: dict[str, str] = {}  # none left (session 40: big7, big4 fixed)
 # Where the dry run's activation peak is known to miss a real rank's by more than ACTIVATION_BOUND, pinned the same way
 # (docs/dryrun.md, "Sent outputs on gloo and document ids").
 KNOWN_ACTIVATION_GAPS: dict[int, str] = {
-    # session 44: rank 0 671,328 B dry vs 708,416 B real (-5.2%; ranks 1 and 2 +0.4% / -1.9%). Not its document mask:
-    # every row of the step holds one document (the corpus' documents are far longer than seq 24), and the real step
-    # with every document id zeroed peaks at the same bytes. Cause open (MoE routing, balanced on meta, is a guess).
-    1001: "MoE, cp 3 allgather, rank 0 -5.2%: not the document mask, cause open",
+    # session 44: rank 0 671,328 B dry vs 708,416 B real (-5.2%; ranks 1 and 2 +0.4% / -1.9%). Not its document mask.
+    # Session 45 (docs/dryrun.md, "Case 1001"): the routing. At pp 1 the peak is one microbatch's forward, and each
+    # row routed to the rank's experts keeps 976 B; the dry run routes evenly (rank 0: 210 rows over 7 layers, ranks 1
+    # and 2: 231), the real step's busiest microbatch sent rank 0 248 rows (+38 x 976 B = +37,088 B, the whole gap),
+    # rank 1 228, rank 2 245: data, which no layout count predicts. Not a missing estimator term.
+    1001: "MoE, cp 3 allgather, rank 0 -5.2%: the real step's busiest microbatch routes 38 more rows to its experts",
 }
 
 

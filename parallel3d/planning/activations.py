@@ -27,10 +27,11 @@ from models.spec import BlockSpec
 from parallel3d.pipeline.actions import Action, split_backwards
 from parallel3d.pipeline.schedules import peak_in_flight
 from parallel3d.planning.layout import Layout
-from parallel3d.planning.loss_bytes import (SHARDED_LOSS_COUNT_BYTES, SHARDED_LOSS_TOKEN_BYTES, loss_logit_bytes,
-                                             loss_token_bytes, vocab_parallel_loss)
+from parallel3d.planning.loss_bytes import (SHARDED_LOSS_TOKEN_BYTES, loss_count_bytes, loss_logit_bytes,
+                                             loss_token_bytes)
+from parallel3d.planning.position_bytes import position_rows, rotary_layer_bytes
 from parallel3d.planning.schedule_cache import ScheduleCache
-from parallel3d.planning.sequence_experts import kv_repeats, local_seq_len, moe_layer_activation_bytes
+from parallel3d.planning.sequence_experts import a2a_size, kv_repeats, local_seq_len, moe_layer_activation_bytes
 from parallel3d.tensor_parallel.layers import padded_vocab_size
 
 # fp32 statistics one norm of each kind keeps per token for backward: LayerNorm mean and rstd, RMSNorm rstd.
@@ -38,6 +39,9 @@ NORM_STATS_PER_TOKEN: dict[str, int] = {"layernorm": 2, "rmsnorm": 1}
 # Bytes per hidden element the torch reference norm of each kind keeps (None: one activation-dtype copy
 # of its input, as the fused kernels keep): the RMSNorm reference keeps fp32 input and normalised output.
 REFERENCE_NORM_KEPT_BYTES: dict[str, float | None] = {"layernorm": None, "rmsnorm": 8.0}
+# Whether the torch reference norm of each kind multiplies by an fp32 copy of its weight, which it keeps for backward
+# where the weight is 16-bit (``kernels.reference.rms_norm_reference``: ``weight.float()``; in fp32 the weight itself).
+REFERENCE_NORM_FP32_WEIGHT: dict[str, bool] = {"layernorm": False, "rmsnorm": True}
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class ActivationAssumptions:
     # input and of its normalised output: 8.
     norm_kept_bytes: float | None = None
     swiglu_tensors: int = 3  # [s, b, ffn] tensors SwiGLU keeps: gate, up, product (+ silu(gate) unfused)
+    # Bytes per weight element a norm keeps beside its parameter (``REFERENCE_NORM_FP32_WEIGHT``: 4 for the torch
+    # RMSNorm of a 16-bit model; the fused kernels save the parameter itself).
+    norm_weight_copy_bytes: int = 0
+    # The torch reference RoPE casts the fp32 rotary tables to the activations' dtype in every layer and keeps the
+    # casts; False: the fused kernel keeps the tables (``position_bytes``).
+    rope_cast_copies: bool = False
     # fp32 per-token norm statistics, per-head log-sum-exp, the embedding's saved ids, the loss's per-token tensors
     # (``loss_token_bytes``) and the step's microbatch tensors (``batch_tensors``): what the paper leaves out
     small_stats: bool = False
@@ -111,6 +121,7 @@ class ActivationAssumptions:
         if kernels not in ("fused", "torch"):
             raise ValueError(f"kernels={kernels!r} is not one of ('fused', 'torch')")
         reference = kernels == "torch"
+        norm = config.spec.blocks[0].norm.kind
         return cls(
             element_bytes=4 if precision == "fp32" else 2,
             hidden_dropout=config.dropout > 0,
@@ -119,8 +130,10 @@ class ActivationAssumptions:
             chunk_output_kept=True,
             sent_outputs_freed=True,
             sends_complete_unwaited=not reference,
-            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[config.spec.blocks[0].norm.kind] if reference else None,
+            norm_kept_bytes=REFERENCE_NORM_KEPT_BYTES[norm] if reference else None,
             swiglu_tensors=4 if reference else 3,
+            norm_weight_copy_bytes=4 if reference and REFERENCE_NORM_FP32_WEIGHT[norm] and precision != "fp32" else 0,
+            rope_cast_copies=reference,
             small_stats=True,
             # The fused cross entropy (Triton, full or vocab-sharded) keeps the logits in their own
             # dtype (plus fp32 per-row stats); torch's keeps an fp32 log-softmax.
@@ -170,6 +183,12 @@ def _norm_bytes(assumptions: ActivationAssumptions) -> float:
     return float(assumptions.element_bytes) if kept is None else float(kept)
 
 
+def _norm_weight_copies(block: BlockSpec, assumptions: ActivationAssumptions) -> float:
+    """The weight copies (``norm_weight_copy_bytes``) of a block's norms: its two pre-norms and Qwen3's q / k norms."""
+    qk = block.attention.qk_norm
+    return float(assumptions.norm_weight_copy_bytes * 2 * (block.norm.size + (qk.size if qk is not None else 0)))
+
+
 def layer_activation_terms(
     config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions, layer: int | None = None
 ) -> LayerActivationTerms:
@@ -192,12 +211,17 @@ def layer_activation_terms(
     replicated = norms + matmul_inputs
     if layout.sequence_parallel:
         replicated /= t
+    # Whole on every rank whatever sp: the norms' weight copies and the rotary tables' casts.
+    replicated += _norm_weight_copies(block, assumptions) + rotary_layer_bytes(
+        config, layout, e, assumptions.rope_cast_copies, assumptions.document_ids)
     # q, k, v and the attention projection input (the attention output).
     q_k_v = block.attention.q_size + 2 * block.attention.kv_size * kv_repeats(config, layout)
     sharded = e * s * b * q_k_v + e * s * b * block.attention.q_size
-    if layout.cp > 1 and layout.cp_comm in ("a2a", "a2a+p2p"):
+    if a2a_size(layout) > 1:  # an all-to-all runs (a2a+p2p at cp_a2a_size 1 is the ring alone: fuzz case 2020)
         sharded += e * s * b * block.attention.q_size  # the output in head layout, kept by the attention
-    if assumptions.fused_attention and assumptions.small_stats and layout.recompute == "none":
+    # selective recompute reruns the attention core only where it is local (not with cp or document ids: blocks.py)
+    rerun = layout.recompute == "selective" and layout.cp == 1 and not assumptions.document_ids
+    if assumptions.fused_attention and assumptions.small_stats and layout.recompute != "full" and not rerun:
         sharded += 4 * a * s * b  # log-sum-exp per head and token
     if block.moe is None:
         sharded += _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * f
@@ -225,6 +249,7 @@ def mlp_half_activation_bytes(config: ModelConfig, layout: Layout, assumptions: 
     replicated = (_norm_bytes(assumptions) + e) * s * b * h
     if layout.sequence_parallel:
         replicated /= t
+    replicated += assumptions.norm_weight_copy_bytes * block.norm.size  # the second norm's weight copy
     if block.moe is not None:
         return replicated + moe_layer_activation_bytes(block, layout, e, assumptions.swiglu_tensors)
     return replicated + _mlp_kept_tensors(block.mlp.kind, assumptions) * e * s * b * block.mlp.ffn_size / t
@@ -246,10 +271,10 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
     tokens = local_seq_len(layout) * layout.micro_batch_size
     lookup = (8 + 1) * tokens if assumptions.small_stats and layout.tp > 1 else 0.0
     if assumptions.small_stats and config.spec.learned_positions:
-        # the position lookup's int64 positions, one row for the batch (``models.gpt.Embedding``): the rank's
-        # sequence-parallel slice, or cp's whole local positions (the slice is a view of them)
-        sp_slice = layout.tp if layout.sequence_parallel and layout.cp == 1 else 1
-        lookup += 8 * local_seq_len(layout) / sp_slice
+        # the position lookup's int64 positions (``models.gpt.Embedding``), ``position_rows`` of them: the rank's
+        # sequence-parallel slice, or (cp; per-document positions) the whole local positions the slice is a view of
+        sp_slice = layout.tp if layout.sequence_parallel and layout.cp == 1 and not assumptions.document_ids else 1
+        lookup += 8 * position_rows(layout, assumptions.document_ids) * local_seq_len(layout) / sp_slice
     if not assumptions.hidden_dropout:
         return float(lookup)
     sbh = tokens * config.hidden_size
@@ -259,7 +284,7 @@ def embedding_activation_bytes(config: ModelConfig, layout: Layout, assumptions:
 def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: ActivationAssumptions) -> float:
     """Last stage, per in-flight microbatch: final-norm input (and, ``small_stats``, its fp32 statistics, as each
     layer's norms), head input, the loss's kept logits of the vocab shard (``loss_logit_bytes``), its per-token
-    tensors (``loss_token_bytes``) and the sharded loss's token count."""
+    tensors (``loss_token_bytes``), the sharded loss's token count and the final norm's weight copy."""
     s, b, h = local_seq_len(layout), layout.micro_batch_size, config.hidden_size
     norm_input = _norm_bytes(assumptions) * s * b * h
     if assumptions.small_stats:
@@ -268,10 +293,10 @@ def head_activation_bytes(config: ModelConfig, layout: Layout, assumptions: Acti
     norm_and_head_inputs = norm_input + head_input
     if layout.sequence_parallel:
         norm_and_head_inputs /= layout.tp
+    norm_and_head_inputs += assumptions.norm_weight_copy_bytes * config.spec.final_norm.size
     local_vocab = padded_vocab_size(config.vocab_size, layout.tp) / layout.tp
     logits = loss_logit_bytes(config, layout, assumptions) * s * b * local_vocab
-    count = SHARDED_LOSS_COUNT_BYTES if assumptions.small_stats and layout.tp > 1 and not vocab_parallel_loss(
-        config, layout) else 0
+    count = loss_count_bytes(config, layout, assumptions)
     return norm_and_head_inputs + logits + loss_token_bytes(config, layout, assumptions) * s * b + count
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from models.config import ModelConfig
 from parallel3d.config import (ConfigError, JobConfig, build_model_config, check_no_extra_keys, options_of,
                                register_schema, resolve)
+from parallel3d.data.options import DataOptions
 from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
@@ -187,7 +188,8 @@ def job_candidate(job: JobConfig, cluster: ClusterSpec) -> Candidate:
     """The job's own layout (``parallel.*``, ``train.*``) priced as training would run it, its layer split
     included (``plan.explain``); a layout training refuses raises the training validator's error."""
     rj = resolve(job, world_size=cluster.gpus)
-    return evaluate(rj.model, _layout_of(rj), cluster, chunk_layers=job_chunk_layers(rj))
+    return evaluate(rj.model, _layout_of(rj), cluster, chunk_layers=job_chunk_layers(rj),
+                    document_mask=rj.data.document_mask)
 
 
 def job_w_lags(rj) -> tuple[int, ...] | None:
@@ -299,7 +301,8 @@ def plan_json(result: Plan, top_k: int) -> list[dict]:
 def run_estimate(job: PlanningJob) -> str:
     cluster = cluster_from(job.cluster)
     model, layout, stage_layers = layout_from_job(job, cluster)
-    assumptions = ActivationAssumptions.for_model(model, layout.precision, kernels=job.plan.kernels)
+    assumptions = replace(ActivationAssumptions.for_model(model, layout.precision, kernels=job.plan.kernels),
+                          document_ids=options_of(DataOptions, job.data).document_mask)
     estimate = estimate_memory(model, layout, assumptions, stage_layers=stage_layers)
     return format_memory(estimate, cluster.device.memory_bytes)
 
@@ -317,7 +320,7 @@ def search(job: PlanningJob, progress: Optional[Callable[[str], None]] = None) -
         zero_stages=tuple(o.zero_stages), offload_modes=tuple(o.offload), memory_fraction=o.memory_fraction,
         top_k=o.top_k,
         simulate_top=max(o.simulate_top, o.top_k), uneven_stages=o.uneven_stages, max_cp=o.max_cp,
-        schedules=tuple(o.schedules),
+        schedules=tuple(o.schedules), document_mask=options_of(DataOptions, job.data).document_mask,
     )
     return plan(model, cluster, request, progress=progress)
 

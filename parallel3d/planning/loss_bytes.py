@@ -22,6 +22,10 @@ from parallel3d.tensor_parallel.layers import padded_vocab_size
 SHARDED_LOSS_TOKEN_BYTES = 4 + 1
 # The int64 count of valid labels the sharded loss's mean divides by (``models.transformer``), kept by the division.
 SHARDED_LOSS_COUNT_BYTES = 8
+# The fp32 total weight torch's ``nll_loss`` keeps, its mean's divisor (torch's cross entropy: tp 1 on the torch path).
+TORCH_LOSS_TOTAL_WEIGHT_BYTES = 4
+# cp > 1: the fp32 factor ``[1]`` that reweights a cp share's mean loss (``models.transformer``'s ``_cp_weighted``).
+CP_LOSS_WEIGHT_BYTES = 4
 VOCAB_PARALLEL_LOSS_TOKEN_BYTES = 8 + 1 + 1
 
 
@@ -50,6 +54,19 @@ def loss_logit_bytes(config: ModelConfig, layout: Layout, assumptions: LossAssum
     if vocab_parallel_loss(config, layout):
         return 4  # fp32 softmax (``tensor_parallel.cross_entropy``)
     return assumptions.element_bytes
+
+
+def loss_count_bytes(config: ModelConfig, layout: Layout, assumptions: LossAssumptions) -> int:
+    """Bytes of the divisor the loss's mean keeps (only with ``small_stats``): the int64 count of valid labels of
+    the kernels' losses (the sharded one at tp > 1; at tp 1 the fused one, ``kernels.cross_entropy.reduce_loss``,
+    told from torch's by its per-token bytes), torch's total weight at tp 1; none counted for the torch vocab-parallel
+    loss; and with cp > 1 the factor that reweights the share's mean."""
+    if not assumptions.small_stats:
+        return 0
+    cp = CP_LOSS_WEIGHT_BYTES if layout.cp > 1 else 0
+    if layout.tp == 1:
+        return cp + (SHARDED_LOSS_COUNT_BYTES if assumptions.loss_token_bytes else TORCH_LOSS_TOTAL_WEIGHT_BYTES)
+    return cp + (0 if vocab_parallel_loss(config, layout) else SHARDED_LOSS_COUNT_BYTES)
 
 
 def loss_token_bytes(config: ModelConfig, layout: Layout, assumptions: LossAssumptions) -> int:

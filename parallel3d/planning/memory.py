@@ -48,6 +48,7 @@ from parallel3d.planning.params import (
     stage_layer_ids,
 )
 from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.planning.position_bytes import rotary_chunk_bytes
 from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
 from parallel3d.planning.split_memory import split_peak_bytes, stage_computations
@@ -193,10 +194,8 @@ def stage_activation_bytes(
     """(peak activation bytes, in-flight chunk count) on one rank of ``stage`` holding ``layers`` (a
     count, where every layer has the same block, or the global indices: each layer's own block).
 
-    The first stage also holds the embedding's activations for every in-flight
-    microbatch; the last stage holds the head's for the one microbatch whose
-    backward it runs (1F1B/interleaved finish each last-stage forward with its
-    backward at once; GPipe holds all of them).
+    The first stage also holds the embedding's activations for every in-flight microbatch; the last stage the
+    head's for the one whose backward it runs (GPipe: all of them). Each chunk with layers, its rotary tables.
 
     Each in-flight chunk is counted as holding the mean of the stage's chunks (``1/v`` of its layers):
     exact where the chunks are alike. ``chunk_layers`` (the global layer indices of each of the stage's
@@ -226,14 +225,15 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
         chunks = chunk_layers if chunk_layers is not None and len(chunk_layers) == v \
             else [ids[c * len(ids) // v:(c + 1) * len(ids) // v] for c in range(v)]
         return split_peak_bytes(config, layout, stage, computations, chunks, assumptions,
-                                lambda chunk: _layers_bytes(config, layout, chunk, assumptions), schedules)
+                                lambda c: _layers_bytes(config, layout, c, assumptions)
+                                + _tables(config, layout, c, assumptions), schedules)
     loop = layout.placement.chunks_of(layout.pp - 1)[-1] \
         == layout.pp * layout.virtual_stages - 1  # the head on the last stage's last chunk (not zbv's V)
     if chunk_layers is not None and layout.virtual_stages > 1 and len(chunk_layers) == layout.virtual_stages \
             and loop:
-        per_chunk = [_layers_bytes(config, layout, ids, assumptions) for ids in chunk_layers]
-        per_chunk = [b + (received_input_bytes(config, layout, assumptions, bool(chunk_layers[c])) if stage or c
-                          else 0.0) for c, b in enumerate(per_chunk)]
+        per_chunk = [_layers_bytes(config, layout, ids, assumptions) + _tables(config, layout, ids, assumptions)
+                     + (received_input_bytes(config, layout, assumptions, bool(ids)) if stage or c else 0.0)
+                     for c, ids in enumerate(chunk_layers)]
         if stage == 0:
             per_chunk[0] += embedding_activation_bytes(config, layout, assumptions)
         if stage == layout.pp - 1:  # the model's last chunk: the head's, while its microbatch is in flight
@@ -247,8 +247,8 @@ def _in_flight_peak(config: ModelConfig, layout: Layout, stage: int, layers: int
             return total + outputs * chunk_output_bytes(config, layout, assumptions), inflight
     inflight = inflight_chunks(layout, stage, schedules)
     # a chunk in flight holds 1/v of the stage's layers: their mean bytes per chunk
-    total = inflight * _layers_bytes(config, layout, ids, assumptions) \
-        / layout.virtual_stages
+    total = inflight * (_layers_bytes(config, layout, ids, assumptions) / layout.virtual_stages
+                        + _tables(config, layout, ids, assumptions))
     microbatches_in_flight = math.ceil(inflight / layout.virtual_stages)
     # every chunk but the model's first receives its input (on stage 0: all but chunk 0's microbatches)
     received = inflight - (microbatches_in_flight if stage == 0 else 0)
@@ -266,6 +266,12 @@ def _layers_bytes(config: ModelConfig, layout: Layout, ids: Sequence[int], assum
         first, count = by_block.get(config.spec.blocks[i], (i, 0))
         by_block[config.spec.blocks[i]] = (first, count + 1)
     return sum(n * layer_activation_bytes(config, layout, assumptions, i) for i, n in by_block.values())
+
+
+def _tables(config: ModelConfig, layout: Layout, ids: Sequence[int], assumptions: ActivationAssumptions) -> float:
+    """One microbatch's rotary tables the layers ``ids`` of one chunk save, once for all (``position_bytes``)."""
+    return rotary_chunk_bytes(config, layout, assumptions.element_bytes, assumptions.rope_cast_copies,
+                              assumptions.document_ids) if ids else 0.0
 
 
 def _outputs_and_head(config: ModelConfig, layout: Layout, stage: int, inflight: int,

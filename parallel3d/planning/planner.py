@@ -33,9 +33,10 @@ no layout is dropped by a pre-ranking that disagrees with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.config import ModelConfig
+from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.cost import CostOptions, StepEstimate, chunk_layer_counts, estimate_step
 from parallel3d.planning.pipeline_price import pipeline_lower_bound
@@ -265,6 +266,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     if request.seq_len > config.max_seq_len:
         raise ValueError(f"train.seq_len={request.seq_len} exceeds model.max_seq_len={config.max_seq_len}")
     budget = cluster.device.memory_bytes * request.memory_fraction
+    assumptions = job_assumptions(config, request.precision, request.document_mask)
     result = Plan(config=config, cluster=cluster, request=request)
     splits: dict[tuple[int, int], list[int]] = {}
     chunks: dict[tuple[int, int, str], list[list[int]]] = {}  # per (stage, chunk), by schedule placement
@@ -291,7 +293,7 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
                     layout = base.replace(recompute=recompute, zero_stage=zero, offload=offload,
                                           expert_zero_stage=ezero)
                     runs = options.runs(layout)
-                    memory = estimate_memory(config, memory_layout(runs), stage_layers=splits[key],
+                    memory = estimate_memory(config, memory_layout(runs), assumptions, stage_layers=splits[key],
                                              schedules=schedules, step_microbatches=runs.num_microbatches)
                     if memory.peak_bytes > budget:
                         if result.closest is None or memory.peak_bytes < result.closest[1].peak_bytes:
@@ -326,24 +328,29 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     return result
 
 
+def job_assumptions(config: ModelConfig, precision: str, document_mask: bool) -> ActivationAssumptions:
+    """What the searched job's layers keep (its fused kernels), with ``data.document_mask``'s per-microbatch tensors."""
+    return replace(ActivationAssumptions.for_model(config, precision), document_ids=document_mask)
+
+
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
              options: CostOptions | None = None, schedules: ScheduleCache | None = None,
-             chunk_layers: list[list[int]] | None = None) -> Candidate:
+             chunk_layers: list[list[int]] | None = None, document_mask: bool = False) -> Candidate:
     """Memory and simulated step time of one given layout (e.g. a published one); ``schedules``: the
     caller's built schedules where it evaluates several layouts (``ScheduleCache``); ``chunk_layers``: the
     layers of each (stage, local chunk) where the job splits them itself (``parallel.pp_layers``), else the
-    engine's balanced split."""
+    engine's balanced split. ``document_mask``: the job's ``data.document_mask``."""
     splits = ([sum(c) for c in chunk_layers] if chunk_layers is not None
               else stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len))
     options = options or CostOptions()
     schedules = ScheduleCache.of(schedules)
     runs = options.runs(layout)
-    memory = estimate_memory(config, memory_layout(runs), stage_layers=splits, schedules=schedules,
-                             step_microbatches=runs.num_microbatches)
+    memory = estimate_memory(config, memory_layout(runs), job_assumptions(config, layout.precision, document_mask),
+                             stage_layers=splits, schedules=schedules, step_microbatches=runs.num_microbatches)
     step = estimate_step(config, layout, cluster, options, splits, chunk_layers=chunk_layers, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)
 
 
 __all__ = ["Candidate", "Plan", "PlanRequest", "enumerate_layouts",
-           "evaluate", "finest_virtual_stages", "pipeline_sizes", "plan", "tensor_parallel_sizes",
+           "evaluate", "finest_virtual_stages", "job_assumptions", "pipeline_sizes", "plan", "tensor_parallel_sizes",
            "virtual_stage_counts"]

@@ -60,6 +60,9 @@ class PlanRequest:
     # Fewest stages interleaved 1F1B is searched at: 2 for parallel3d; 3 prices Megatron-LM without P2P
     # overlap, whose arguments.py asserts pp > 2 with interleaving (the published-run rank check).
     min_interleaved_pp: int = 2
+    # The job's ``data.document_mask``: every microbatch carries document ids and per-sequence positions and rotary
+    # tables (memory only: ``ActivationAssumptions.document_ids``).
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "seq_len", "max_virtual_stages", "top_k", "simulate_top", "max_cp",
@@ -71,6 +74,8 @@ class PlanRequest:
             isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.micro_batch_sizes
         ):
             raise ValueError(f"plan.micro_batch_sizes={list(self.micro_batch_sizes)!r} must be integers >= 1")
+        if not isinstance(self.document_mask, bool):
+            raise ValueError(f"data.document_mask={self.document_mask!r} must be true or false")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"plan.memory_fraction={self.memory_fraction!r} must be in (0, 1]")
         bad = [z for z in self.zero_stages if z not in ZERO_STAGES]

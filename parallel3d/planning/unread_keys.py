@@ -2,7 +2,8 @@
 
 A training command pasted into the planner carries ``parallel.*`` and ``train.*`` keys that the search does not
 read (it searches the layout; they are no constraints) and ``optimizer.*`` / ``data.*`` / ``logging.*`` keys
-that nothing in it reads. Invariant: a key is named only if neither the search (``SEARCH_READS``) nor, with
+that nothing in it reads (but ``data.document_mask``: the step's per-microbatch tensors, in the memory estimate).
+Invariant: a key is named only if neither the search (``SEARCH_READS``) nor, with
 ``plan.explain=true``, the pricing of the job's own layout (``EXPLAIN_READS`` less ``EXPLAIN_SKIPS``) reads it.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 SEARCH_READS: tuple[str, ...] = ("model", "cluster", "plan", "hydra", "train.global_batch_size", "train.seq_len",
-                                 "train.precision")
+                                 "train.precision", "data.document_mask")
 # plan.explain prices the job's layout (cli._layout_of, cli.job_chunk_layers); these parallel.* keys only
 # place ranks or files, or size buffers the cost model takes from the runtime's defaults.
 EXPLAIN_READS: tuple[str, ...] = ("parallel", "train.micro_batch_size", "train.recompute")
