@@ -248,8 +248,10 @@ def build_schedule(
     coalesced_p2p: bool = False,
     w_lags: Sequence[int] | None = None,
     split_drain: bool = False,
+    validate: bool = True,
 ) -> Schedule:
-    """One action list per stage for schedule ``name``; validated before it is returned.
+    """One action list per stage for schedule ``name``; validated before it is returned (``validate=False``:
+    not, for the planner's pricing alone; what runs, the engine and the dry run, always builds validated).
 
     ``coalesced_p2p``: the backend runs each p2p batch as one unit, in FIFO order (NCCL; see
     the module contract); only ``interleaved_1f1b`` places its communication differently.
@@ -277,10 +279,10 @@ def build_schedule(
         else:
             iterations = [[c] for c in compute]
         schedule[s] = _with_comms(s, place, iterations)
-    limits = {"1f1b": lambda s: p - s, "zb_h1": lambda s: p, "zbv": lambda s: 2 * p}
-    limit = limits.get(name)
-    validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limit,
-                      coalesced_p2p=coalesced_p2p)
+    if validate:
+        limits = {"1f1b": lambda s: p - s, "zb_h1": lambda s: p, "zbv": lambda s: 2 * p}
+        validate_schedule(schedule, num_microbatches=m, num_virtual_stages=v, max_in_flight=limits.get(name),
+                          coalesced_p2p=coalesced_p2p)
     return schedule
 
 
