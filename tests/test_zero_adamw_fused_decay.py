@@ -46,17 +46,24 @@ def test_in_kernel_decay_is_bitwise_the_separate_pass(step):
             assert torch.equal(a, b), (name, i)
 
 
-def test_matches_torch_fused_adamw_per_decay_group():
-    """torch's own optimizer with two parameter groups (decayed, not) over three steps: equal bitwise."""
-    lists = _lists([True, False, False, True])
+def _with_torch_twin(decay: list[bool]):
+    """``(lists, ours, params, opt)``: our lists, a copy with zero moments (torch's optimizer starts from zero), and
+    torch's fused AdamW over the same masters in two parameter groups (decayed, not)."""
+    lists = _lists(decay)
     ours = _clone(lists)
-    for m in ours.exp_avgs + ours.exp_avg_sqs:  # torch's optimizer starts from zero moments
+    for m in ours.exp_avgs + ours.exp_avg_sqs:
         m.zero_()
     params = [torch.nn.Parameter(m.clone()) for m in lists.masters]
     groups = [{"params": [p for p, d in zip(params, lists.decay) if d], "weight_decay": HYPER["weight_decay"]},
               {"params": [p for p, d in zip(params, lists.decay) if not d], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
                             fused=True)
+    return lists, ours, params, opt
+
+
+def test_matches_torch_fused_adamw_per_decay_group():
+    """torch's own optimizer with two parameter groups (decayed, not) over three steps: equal bitwise."""
+    lists, ours, params, opt = _with_torch_twin([True, False, False, True])
     for step in (1, 2, 3):
         for p, g in zip(params, lists.grads):
             p.grad = g.clone()
@@ -71,15 +78,7 @@ def test_kept_step_counts_follow_the_step_torch_is_given(steps):
     """The kernel's step tensors live across calls (``TensorLists.steps``, as torch keeps ``state["step"]``);
     a step that does not follow the last one (a skipped update, a loaded checkpoint, a retried step) must
     still use its own count: torch's optimizer told the same count each time, bitwise."""
-    lists = _lists([True, False, True])
-    ours = _clone(lists)
-    for m in ours.exp_avgs + ours.exp_avg_sqs:
-        m.zero_()
-    params = [torch.nn.Parameter(m.clone()) for m in lists.masters]
-    groups = [{"params": [p for p, d in zip(params, lists.decay) if d], "weight_decay": HYPER["weight_decay"]},
-              {"params": [p for p, d in zip(params, lists.decay) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                            fused=True)
+    lists, ours, params, opt = _with_torch_twin([True, False, True])
     for step in steps:
         for p, g in zip(params, lists.grads):
             p.grad = g.clone()
