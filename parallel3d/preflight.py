@@ -19,7 +19,8 @@ import torch
 
 from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, publishable_steps, read_meta
+from parallel3d.checkpoint import (BRANCH_POINT, CheckpointError, complete_checkpoints, is_loadable, publishable_steps,
+                                   read_meta, step_dir)
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -110,14 +111,33 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
 
 
 def _check_newest(out_dir: str, model: ModelConfig) -> None:
-    """``resume=auto``: the newest loadable checkpoint (the one the ranks resume unless its CRCs fail) holds this
-    model, so a changed model is one line here rather than every rank's failure after the spawn. A ``meta.json``
-    without a model section was not written by a run (the ranks judge it, as a damaged checkpoint)."""
-    for _, path in reversed(complete_checkpoints(os.path.join(out_dir, "checkpoints"))):
+    """``resume=auto``: the newest loadable checkpoint the ranks will see (``_auto_candidates``: the one they resume
+    unless its CRCs fail) holds this model, so a changed model is one line here rather than every rank's failure
+    after the spawn. A ``meta.json`` without a model section was not written by a run (the ranks judge it, as a
+    damaged checkpoint)."""
+    for path in reversed(_auto_candidates(os.path.join(out_dir, "checkpoints"))):
         if is_loadable(path):
             if isinstance(read_meta(path).get("model"), dict):
                 _check_resumable("train.resume=auto", path, model, "start over in another train.out_dir")
             return
+
+
+def _auto_candidates(root: str) -> list[str]:
+    """The complete checkpoints ``auto`` chooses among once rank 0's ``CheckpointManager._recover`` has run, oldest
+    first, read where they lie now: an unfinished ``branch_point`` set-aside drops the steps after it, then each
+    complete ``step_<N>.tmp`` (``publishable_steps``) is published after the steps from ``N`` on are set aside
+    (``tests/test_preflight_tmp.py`` holds this to the real manager)."""
+    found = dict(complete_checkpoints(root))
+    try:
+        with open(os.path.join(root, BRANCH_POINT)) as fh:
+            branch = int(fh.read())
+        found = {step: path for step, path in found.items() if step <= branch}
+    except (OSError, ValueError):  # no set-aside was cut short (or an unreadable marker: the ranks' to judge)
+        pass
+    for step in publishable_steps(root):
+        found = {s: path for s, path in found.items() if s < step}
+        found[step] = step_dir(root, step) + ".tmp"
+    return [found[step] for step in sorted(found)]
 
 
 def _check_resumable(key: str, directory: str, model: ModelConfig, otherwise: str | None = None) -> None:
