@@ -124,8 +124,9 @@ class Trainer:
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
             recompute=t.recompute,
+            # An evaluation-only run computes no MFU: no warning that the peak is unknown.
             peak_tflops=resolve_peak_tflops(t.peak_tflops, pstate.device, t.precision)
-            if self.is_logging_rank else t.peak_tflops,
+            if self.is_logging_rank and not rj.train.eval_only else t.peak_tflops,
         )
         self.recorder = StepRecorder(pstate, self.optimizer, self.moe, self.throughput, self.is_logging_rank)
         self.guard = DivergenceGuard(t.on_nonfinite, self.optimizer.scaler, announce=self.is_logging_rank)
