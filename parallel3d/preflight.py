@@ -2,11 +2,11 @@
 
 The options classes check values; this module checks the environment those values point at:
 directories that must be writable (``train.out_dir``, ``parallel.offload_dir``, ``data.cache_dir``),
-checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one of
-this model; none left over under ``train.resume=none``), an explicit kernel backend on a CPU run, the
-``train.init_from`` transformers directory, the data files, and the device (CUDA present,
-bf16 supported). ``config.resolve`` runs it last, so the entry point (``parallel3d.train``,
-``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
+checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one the
+ranks will see, of this model; none left over under ``train.resume=none``), an explicit kernel backend on a
+CPU run, the ``train.init_from`` transformers directory, the data files (indexed data: at least one global
+batch), and the device (CUDA present, bf16 supported). ``config.resolve`` runs it last, so the entry point
+(``parallel3d.train``, ``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
 initialises torch.distributed. It reads and probes; it never creates or changes anything.
 """
 
@@ -24,6 +24,8 @@ from parallel3d.checkpoint import (BRANCH_POINT, CheckpointError, complete_check
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
+from parallel3d.dataset_pair import dataset_pair, short_of_a_batch
+from parallel3d.data.errors import DataError
 from parallel3d.data.options import DataOptions
 from parallel3d.data.run_tokenizer import indexed_tokenizer_path
 from parallel3d.option_checks import ConfigError
@@ -48,6 +50,7 @@ def check_environment(train: TrainOptions, checkpoint: CheckpointOptions, zero: 
     device = resolve_device(train)
     check_kernels(model, device)
     check_data_files(data)
+    check_one_global_batch(data, train)
     return device
 
 
@@ -191,6 +194,22 @@ def check_data_files(data: DataOptions) -> None:
         beside = f" (no {paths[0]}.tokenizer.json beside the data either)" if paths else ""
         raise ConfigError("data.document_mask=true: needs the data's tokenizer for its end-of-document id: set "
                           f"data.tokenizer_file{beside}")
+
+
+def check_one_global_batch(data: DataOptions, train: TrainOptions) -> None:
+    """Indexed data holds one global batch, in training and validation (``dataset_pair.short_of_a_batch``). Data
+    that cannot be read as a dataset at all (empty, truncated) is left to the ranks, whose line names the file; the
+    built-in corpus is tokenized on the rank at first use and counted there."""
+    if data.source != "indexed":
+        return
+    try:
+        pair = dataset_pair(*data.blends(), valid_fraction=data.valid_fraction, seq_len=train.seq_len,
+                            seed=train.seed, vocab_size=None)
+    except DataError:
+        return
+    if short := short_of_a_batch(*pair, train.global_batch_size):
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size}: {short}; use a smaller "
+                          f"train.global_batch_size or train.seq_len, or more data")
 
 
 def _prefix_hint(prefix: str) -> str:
