@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from parallel3d import data, user_warnings
 from parallel3d.config import ResolvedJob
+from parallel3d.dataset_pair import dataset_pair, short_of_a_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -34,20 +35,14 @@ def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDa
     else:
         (paths, weights), (valid_paths, valid_weights) = rj.data.blends()
         tokenizer = data.indexed_data_tokenizer(d.tokenizer_file, paths)
-    common = dict(seq_len=t.seq_len, seed=t.seed, model_vocab_size=rj.model.vocab_size)
-    if d.valid_fraction > 0:
-        train = data.GPTDataset(paths, weights, split="train", valid_fraction=d.valid_fraction, **common)
-        valid = data.GPTDataset(paths, weights, split="valid", valid_fraction=d.valid_fraction, **common)
-    else:
-        train = data.GPTDataset(paths, weights, **common)
-        valid = data.GPTDataset(valid_paths, valid_weights, **common) if valid_paths else None
+    train, valid = dataset_pair((paths, weights), (valid_paths, valid_weights), valid_fraction=d.valid_fraction,
+                                seq_len=t.seq_len, seed=t.seed, vocab_size=rj.model.vocab_size)
+    if valid is not None and d.valid_fraction == 0:
         shared = sorted({os.path.realpath(p) for p in paths} & {os.path.realpath(p) for p in valid_paths})
         if shared and pstate.rank == 0:
             user_warnings.warn(f"data.valid_paths shares {shared} with data.paths: the eval loss is measured on "
                                f"training data (hold out a split with data.valid_fraction, or give other prefixes)")
-    for name, dataset in (("training", train), ("validation", valid)):
-        if dataset is not None and dataset.samples_per_epoch < t.global_batch_size:
-            raise data.DataError(
-                f"{name} data {[ds.prefix for ds in dataset.datasets]} has {dataset.samples_per_epoch} samples of "
-                f"seq_len={t.seq_len}: fewer than one global batch (train.global_batch_size={t.global_batch_size})")
+    # Indexed data was counted by preflight already; the built-in corpus is first tokenized here.
+    if short := short_of_a_batch(train, valid, t.global_batch_size):
+        raise data.DataError(f"{short} (train.global_batch_size={t.global_batch_size})")
     return train, valid, tokenizer

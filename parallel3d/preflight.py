@@ -2,11 +2,11 @@
 
 The options classes check values; this module checks the environment those values point at:
 directories that must be writable (``train.out_dir``, ``parallel.offload_dir``, ``data.cache_dir``),
-checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one of
-this model; none left over under ``train.resume=none``), an explicit kernel backend on a CPU run, the
-``train.init_from`` transformers directory, the data files, and the device (CUDA present,
-bf16 supported). ``config.resolve`` runs it last, so the entry point (``parallel3d.train``,
-``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
+checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one the
+ranks will see, of this model; none left over under ``train.resume=none``), an explicit kernel backend on a
+CPU run, the ``train.init_from`` transformers directory, the data files (indexed data: at least one global
+batch), and the device (CUDA present, bf16 supported). ``config.resolve`` runs it last, so the entry point
+(``parallel3d.train``, ``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
 initialises torch.distributed. It reads and probes; it never creates or changes anything.
 """
 
@@ -19,10 +19,13 @@ import torch
 
 from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import CheckpointError, complete_checkpoints, is_loadable, publishable_steps, read_meta
+from parallel3d.checkpoint import (BRANCH_POINT, CheckpointError, complete_checkpoints, is_loadable, publishable_steps,
+                                   read_meta, step_dir)
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
+from parallel3d.dataset_pair import dataset_pair, short_of_a_batch
+from parallel3d.data.errors import DataError
 from parallel3d.data.options import DataOptions
 from parallel3d.data.run_tokenizer import indexed_tokenizer_path
 from parallel3d.option_checks import ConfigError
@@ -47,6 +50,7 @@ def check_environment(train: TrainOptions, checkpoint: CheckpointOptions, zero: 
     device = resolve_device(train)
     check_kernels(model, device)
     check_data_files(data)
+    check_one_global_batch(data, train)
     return device
 
 
@@ -110,14 +114,33 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
 
 
 def _check_newest(out_dir: str, model: ModelConfig) -> None:
-    """``resume=auto``: the newest loadable checkpoint (the one the ranks resume unless its CRCs fail) holds this
-    model, so a changed model is one line here rather than every rank's failure after the spawn. A ``meta.json``
-    without a model section was not written by a run (the ranks judge it, as a damaged checkpoint)."""
-    for _, path in reversed(complete_checkpoints(os.path.join(out_dir, "checkpoints"))):
+    """``resume=auto``: the newest loadable checkpoint the ranks will see (``_auto_candidates``: the one they resume
+    unless its CRCs fail) holds this model, so a changed model is one line here rather than every rank's failure
+    after the spawn. A ``meta.json`` without a model section was not written by a run (the ranks judge it, as a
+    damaged checkpoint)."""
+    for path in reversed(_auto_candidates(os.path.join(out_dir, "checkpoints"))):
         if is_loadable(path):
             if isinstance(read_meta(path).get("model"), dict):
                 _check_resumable("train.resume=auto", path, model, "start over in another train.out_dir")
             return
+
+
+def _auto_candidates(root: str) -> list[str]:
+    """The complete checkpoints ``auto`` chooses among once rank 0's ``CheckpointManager._recover`` has run, oldest
+    first, read where they lie now: an unfinished ``branch_point`` set-aside drops the steps after it, then each
+    complete ``step_<N>.tmp`` (``publishable_steps``) is published after the steps from ``N`` on are set aside
+    (``tests/test_preflight_tmp.py`` holds this to the real manager)."""
+    found = dict(complete_checkpoints(root))
+    try:
+        with open(os.path.join(root, BRANCH_POINT)) as fh:
+            branch = int(fh.read())
+        found = {step: path for step, path in found.items() if step <= branch}
+    except (OSError, ValueError):  # no set-aside was cut short (or an unreadable marker: the ranks' to judge)
+        pass
+    for step in publishable_steps(root):
+        found = {s: path for s, path in found.items() if s < step}
+        found[step] = step_dir(root, step) + ".tmp"
+    return [found[step] for step in sorted(found)]
 
 
 def _check_resumable(key: str, directory: str, model: ModelConfig, otherwise: str | None = None) -> None:
@@ -171,6 +194,22 @@ def check_data_files(data: DataOptions) -> None:
         beside = f" (no {paths[0]}.tokenizer.json beside the data either)" if paths else ""
         raise ConfigError("data.document_mask=true: needs the data's tokenizer for its end-of-document id: set "
                           f"data.tokenizer_file{beside}")
+
+
+def check_one_global_batch(data: DataOptions, train: TrainOptions) -> None:
+    """Indexed data holds one global batch, in training and validation (``dataset_pair.short_of_a_batch``). Data
+    that cannot be read as a dataset at all (empty, truncated) is left to the ranks, whose line names the file; the
+    built-in corpus is tokenized on the rank at first use and counted there."""
+    if data.source != "indexed":
+        return
+    try:
+        pair = dataset_pair(*data.blends(), valid_fraction=data.valid_fraction, seq_len=train.seq_len,
+                            seed=train.seed, vocab_size=None)
+    except DataError:
+        return
+    if short := short_of_a_batch(*pair, train.global_batch_size):
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size}: {short}; use a smaller "
+                          f"train.global_batch_size or train.seq_len, or more data")
 
 
 def _prefix_hint(prefix: str) -> str:

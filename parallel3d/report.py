@@ -234,15 +234,18 @@ class UnwritableOutput(OSError):
 
 
 def _writing(path: str, run_dir: str, given: bool, write: Callable[[str], Any] | None = None) -> str:
-    """Probe that ``path`` can be written, then ``write(path)`` (when given). A failure (a read-only run directory,
-    a missing folder, a directory, a full disk) is one line naming ``path`` and the way out: another ``--out``."""
+    """Without ``write``: probe that ``path`` can be written (before the figure is drawn); with it: ``write(path)``,
+    whose own failure is caught (the place was probed once already: a second probe would only repeat the first).
+    A failure (a read-only run directory, a missing folder, a directory, a full disk) is one line naming ``path``
+    and the way out: another ``--out``."""
     try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "it is a directory")
-        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
-            pass  # permission bits do not bind root: only a real write tells
         if write is not None:
             write(path)
+        else:
+            if os.path.isdir(path):
+                raise IsADirectoryError(errno.EISDIR, "it is a directory")
+            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
+                pass  # permission bits do not bind root: only a real write tells
     except OSError as exc:
         instead = "another --out FILE" if given else \
             f"--out FILE in a writable directory (python -m parallel3d.report {run_dir} --out /tmp/report.png)"

@@ -19,7 +19,8 @@ Evaluation (``parallel3d/eval.py``) runs every ``train.eval_every`` steps and at
 through the pipeline; a step with an evaluation is always logged, its record carrying ``eval_loss`` /
 ``eval_ppl``. ``train.eval_only`` runs it once instead of training (``parallel3d/eval_only.py``; restored
 with ``strict_data=False``: no training batch is read). Console lines carry elapsed time and ETA
-(``progress.RunClock``), a line per saved checkpoint, and the run ends with a summary (``summary.RunSummary``).
+(``progress.RunClock``), a line per saved checkpoint; the banner, the end summary and ``TrainResult`` are
+``parallel3d/run_result.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,8 +44,7 @@ from parallel3d.divergence import DivergenceGuard, stop_run
 from parallel3d.eval import EvalResult, Evaluator
 from parallel3d.eval_only import evaluate_once
 from parallel3d.heartbeat import Heartbeat, beat_interval
-from parallel3d.metrics import (JsonlSink, StepTimer, ThroughputModel, WandbSink, format_console, memory_snapshot,
-                                resolve_peak_tflops)
+from parallel3d.metrics import JsonlSink, StepTimer, ThroughputModel, WandbSink, format_console, resolve_peak_tflops
 from parallel3d.moe_step import MoEStep
 from parallel3d.parallel_state import ParallelState
 from parallel3d.pipeline.engine import PipelineEngine
@@ -55,24 +54,10 @@ from parallel3d.preemption import StopPolicy
 from parallel3d.progress import RunClock, checkpoint_line
 from parallel3d.resume_notes import lr_schedule, nothing_to_do_line, schedule_change
 from parallel3d.rank_build import build_chunks, make_parallel_state
+from parallel3d.run_result import TrainResult, banner, run_summary
 from parallel3d.step_record import StepRecorder
-from parallel3d.summary import RunSummary, per_rank_values
 from parallel3d.zero import ZeroOptimizer
 from parallel3d.zero.precision import precision_dtype
-
-
-@dataclass
-class TrainResult:
-    """What ``train`` returns on every rank (records only on the logging rank)."""
-
-    rank: int
-    start_step: int  # steps already done when this run started (0 unless resumed)
-    last_step: int
-    records: list[dict[str, Any]] = field(default_factory=list)
-    checkpoints: list[int] = field(default_factory=list)  # steps saved successfully
-    wall_time: float = 0.0
-    summary: RunSummary | None = None  # logging rank only
-    stopped: str | None = None  # why the run stopped before its end (signal, time budget), checkpointed
 
 
 class Trainer:
@@ -124,8 +109,9 @@ class Trainer:
         self.throughput = ThroughputModel.build(
             rj.model, seq_len=t.seq_len, global_batch_size=t.global_batch_size, world_size=rj.world_size,
             recompute=t.recompute,
+            # An evaluation-only run computes no MFU: no warning that the peak is unknown.
             peak_tflops=resolve_peak_tflops(t.peak_tflops, pstate.device, t.precision)
-            if self.is_logging_rank else t.peak_tflops,
+            if self.is_logging_rank and not rj.train.eval_only else t.peak_tflops,
         )
         self.recorder = StepRecorder(pstate, self.optimizer, self.moe, self.throughput, self.is_logging_rank)
         self.guard = DivergenceGuard(t.on_nonfinite, self.optimizer.scaler, announce=self.is_logging_rank)
@@ -307,7 +293,8 @@ class Trainer:
         result.checkpoints += self._report_saves(self.checkpoints.close())
         result.last_step = self.step
         result.wall_time = time.perf_counter() - t0
-        result.summary = self._summary(result, clock)  # collective
+        result.summary = run_summary(self.rj, self.pstate, result, clock, self.throughput, self.ckpt.root,
+                                     [self._wandb_dir] if self._wandb_dir else [])  # collective
         if result.summary is not None:
             for line in result.summary.lines():
                 print(line, flush=True)
@@ -352,44 +339,9 @@ class Trainer:
                   f"batches: {result.interrupted}; no eval_loss logged for it", flush=True)
         return result
 
-    def _summary(self, result: TrainResult, clock: RunClock) -> RunSummary | None:
-        """Collective (per-rank peak memory); the summary on the logging rank, None elsewhere."""
-        peak = memory_snapshot(self.pstate.device)["mem_peak_bytes"]
-        peaks = per_rank_values(peak, self.pstate)
-        if not self.is_logging_rank:
-            return None
-        steps = result.last_step - result.start_step
-        tp = self.throughput
-        tflops = tp.model_flops_per_step * steps / clock.train_seconds / tp.world_size / 1e12 \
-            if steps and clock.train_seconds > 0 else None
-        evals = [(r["step"], r["eval_loss"]) for r in result.records if r.get("eval_loss") is not None]
-        losses = [r["loss"] for r in result.records if r.get("loss") is not None]
-        return RunSummary(
-            steps=steps, first_step=result.start_step, last_step=result.last_step,
-            total_steps=self.rj.job.train.steps, tokens=steps * tp.tokens_per_step, wall_seconds=result.wall_time,
-            train_seconds=clock.train_seconds, tflops_per_device=tflops,
-            mfu=tflops / tp.peak_tflops if tflops is not None and tp.peak_tflops else None, peak_bytes=peaks,
-            out_dir=self.rj.job.train.out_dir, best_eval=min(evals, key=lambda e: e[1]) if evals else None,
-            last_eval=evals[-1] if evals else None, final_loss=losses[-1] if losses else None,
-            checkpoint=step_dir(self.ckpt.root, result.checkpoints[-1]) if result.checkpoints else None,
-            extra_outputs=[self._wandb_dir] if self._wandb_dir else [],
-        )
-
     def _banner(self, resume_dir: str | None) -> None:
-        rj, t = self.rj, self.rj.job.train
-        n = sum(p.numel() for c in self.chunks for p in c.parameters())
-        offload = rj.job.parallel.offload
-        print(
-            f"parallel3d: {rj.model.name or rj.model.arch} | {rj.topology.describe()} | zero_stage="
-            f"{rj.job.parallel.zero_stage}{'' if offload == 'none' else f' offload={offload}'} | "
-            f"schedule={rj.job.parallel.schedule} | global_batch="
-            f"{t.global_batch_size} = micro {t.micro_batch_size} x accum {rj.grad_accum} x dp {rj.topology.dp} | "
-            f"seq {t.seq_len} | {t.precision} on {self.pstate.device} | params on this rank {n:,} | "
-            + (f"resumed from {resume_dir} at step {self.step}" if resume_dir else
-               f"weights from {t.init_from}" if t.init_from else "fresh start"),
-            flush=True,
-        )
-        if idle := nothing_to_do_line(rj.train, self.step):
+        print(banner(self.rj, self.chunks, self.pstate.device, resume_dir, self.step), flush=True)
+        if idle := nothing_to_do_line(self.rj.train, self.step):
             print(idle, flush=True)
 
 

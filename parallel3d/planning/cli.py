@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,13 +19,12 @@ from models.config import ModelConfig
 from parallel3d.config import (ConfigError, JobConfig, build_model_config, check_no_extra_keys, options_of,
                                register_schema, resolve)
 from parallel3d.data.options import DataOptions
-from parallel3d.planning.activations import ActivationAssumptions
 from parallel3d.planning.cluster import GiB, ClusterSpec
 from parallel3d.planning.layout import Layout
 from parallel3d.planning.memory import MemoryEstimate, estimate_memory
 from parallel3d.planning.no_fit import nothing_fits
 from parallel3d.planning.params import stage_layer_counts
-from parallel3d.planning.planner import Candidate, evaluate, Plan, plan
+from parallel3d.planning.planner import Candidate, evaluate, job_assumptions, Plan, plan
 from parallel3d.planning.request import PlanRequest
 from parallel3d.planning.zb_lags import zb_h1_w_lags
 from parallel3d.preflight import check_writable_file
@@ -298,13 +297,17 @@ def plan_json(result: Plan, top_k: int) -> list[dict]:
     ]
 
 
+def job_estimate(job: PlanningJob) -> MemoryEstimate:
+    """The memory of the job's own layout, its activations priced as the planner prices them (``plan.kernels``'
+    profile, ``data.document_mask``'s tensors)."""
+    model, layout, stage_layers = layout_from_job(job, cluster_from(job.cluster))
+    assumptions = job_assumptions(model, layout.precision, options_of(DataOptions, job.data).document_mask,
+                                  job.plan.kernels)
+    return estimate_memory(model, layout, assumptions, stage_layers=stage_layers)
+
+
 def run_estimate(job: PlanningJob) -> str:
-    cluster = cluster_from(job.cluster)
-    model, layout, stage_layers = layout_from_job(job, cluster)
-    assumptions = replace(ActivationAssumptions.for_model(model, layout.precision, kernels=job.plan.kernels),
-                          document_ids=options_of(DataOptions, job.data).document_mask)
-    estimate = estimate_memory(model, layout, assumptions, stage_layers=stage_layers)
-    return format_memory(estimate, cluster.device.memory_bytes)
+    return format_memory(job_estimate(job), cluster_from(job.cluster).device.memory_bytes)
 
 
 def search(job: PlanningJob, progress: Optional[Callable[[str], None]] = None) -> Plan:

@@ -328,9 +328,13 @@ def plan(config: ModelConfig, cluster: ClusterSpec, request: PlanRequest,
     return result
 
 
-def job_assumptions(config: ModelConfig, precision: str, document_mask: bool) -> ActivationAssumptions:
-    """What the searched job's layers keep (its fused kernels), with ``data.document_mask``'s per-microbatch tensors."""
-    return replace(ActivationAssumptions.for_model(config, precision), document_ids=document_mask)
+def job_assumptions(config: ModelConfig, precision: str, document_mask: bool,
+                    kernels: str | None = None) -> ActivationAssumptions:
+    """What the job's layers keep, with ``data.document_mask``'s per-microbatch tensors; ``kernels``: the activation
+    profile (``plan.kernels``; None: ``ActivationAssumptions.for_model``'s, the fused kernels the search prices)."""
+    profile = ActivationAssumptions.for_model(config, precision) if kernels is None \
+        else ActivationAssumptions.for_model(config, precision, kernels)
+    return replace(profile, document_ids=document_mask)
 
 
 def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
