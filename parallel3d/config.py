@@ -32,7 +32,7 @@ from models.config import ModelConfig
 from models.mla import check_latent_layout
 from models.moe_block import check_expert_degrees_need_moe, check_moe_layout, check_moe_split
 from models.transformer import RECOMPUTE_MODES as RECOMPUTE
-from parallel3d import preflight
+from parallel3d import plain_schema, preflight
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.context_parallel.options import ContextParallelOptions
 from parallel3d.data.options import DataOptions
@@ -109,11 +109,10 @@ def schema_of(name: str, sources: tuple[type, ...], order: tuple[str, ...] | Non
 
 def options_of(cls: type, section: Any) -> Any:
     """The options ``cls`` from its keys in a schema section (validates them)."""
-    hints = typing.get_type_hints(cls)
     values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(section, f.name)
-        values[f.name] = options_of(hints[f.name], value) if dataclasses.is_dataclass(hints[f.name]) else value
+    for name, hint in plain_schema.field_types(cls).items():
+        value = getattr(section, name)
+        values[name] = options_of(hint, value) if dataclasses.is_dataclass(hint) else value
     return cls(**values)
 
 
@@ -281,14 +280,13 @@ def resolve(job: JobConfig, world_size: int | None = None) -> ResolvedJob:
 
 
 def job_from_dict(values: dict | None = None, *, model: str | None = None) -> JobConfig:
-    """A ``JobConfig`` from nested plain values (for tests and scripts), type-checked like Hydra does.
+    """A ``JobConfig`` from nested plain values (for tests and scripts), type-checked like Hydra does:
+    values already of their fields' types are built directly (``plain_schema``: the same object), the
+    rest (and every error) go through OmegaConf.
 
     ``model`` names a registry config (``models.get_config``) for the model section;
     ``values["model"]`` then overrides single keys of it.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     values = dict(values or {})
     if model is not None:
         from models import get_config
@@ -298,6 +296,15 @@ def job_from_dict(values: dict | None = None, *, model: str | None = None) -> Jo
         if isinstance(overrides.get("moe"), dict):  # a partial model.moe keeps the named config's other keys
             overrides["moe"] = {**named["moe"], **overrides["moe"]}
         values["model"] = {**named, **overrides}
+    fast = plain_schema.instance_of(JobConfig, values)  # plain typed values: OmegaConf would only copy them
+    return fast if fast is not None else _job_via_omegaconf(values)
+
+
+def _job_via_omegaconf(values: dict) -> JobConfig:
+    """``job_from_dict``'s OmegaConf path: ``values`` merged into the structured schema (any ``ConfigError``)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg = OmegaConf.merge(_job_schema(), OmegaConf.create(values))  # merge copies the schema first
         return OmegaConf.to_object(cfg)

@@ -27,6 +27,7 @@ expert bias, a buffer: the continued curve holds only if the checkpoint restores
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -109,6 +110,7 @@ def _side(case: lm.LayoutCase) -> Side:
     return Side(dict(case.parallel), dict(case.train))
 
 
+@functools.lru_cache(maxsize=None)  # ci_pairs asks again for the pairs each property's search passed over
 def generated_pair(k: int) -> Pair:
     source = lm.generate_case(PAIR_BASE + 2 * k)
     target = lm.generate_case(
