@@ -9,27 +9,20 @@ is the one that says what happened and what to do, and under torchrun the launch
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 
 import pytest
-import torch
 
-from parallel3d.config import resolve
 from parallel3d.divergence import MAX_CONSECUTIVE_SKIPS, DivergenceGuard, TrainingDiverged
-from parallel3d.parallel_state import ParallelState
-from parallel3d.train import compose_job
-from parallel3d.trainer import train
 from parallel3d.user_warnings import RunWarning
 from parallel3d.zero.precision import LossScaler
 from tests.fault_runs import REPO, cli_env
 from tests.harness import free_port
 from tests.test_divergence import (HUGE_LR, LINE, _args, _finish, _info, _records, _steps_saved,  # noqa: F401
-                                   _stop_line, cache_dir)
+                                   _stop_line, _train_in_process, cache_dir)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known"),
               pytest.mark.filterwarnings("ignore:step \\d+ skipped")]
@@ -38,25 +31,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known"),
 # the run can only stop on the count of consecutive skips, never on the scale's floor.
 OVERFLOWING = ("train.precision=fp16", f"optimizer.loss_scale_init={2.0**100:g}", "train.save_every=0")
 STEPS = 3 * MAX_CONSECUTIVE_SKIPS // 2
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """As the CLI's own process runs (``OMP_NUM_THREADS=1``), so its sums, and the losses it prints, are the same."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _train_in_process(args: list[str]) -> None:
-    """The job the CLI would run for ``args``, trained in this process (a reference or a setup, not the CLI
-    under test): what it leaves in ``train.out_dir`` is what the CLI's run would leave; a divergence raises."""
-    job, plain = compose_job(args)
-    with _one_thread():
-        train(resolve(job, 1), ParallelState.single_process(), full_config=plain)
 
 
 def test_consecutive_skips_count_on_across_a_resume(tmp_path, cache_dir):
