@@ -65,11 +65,13 @@ def _rank() -> int:
 
 
 def _config_exit(exc: ConfigError) -> None:
-    """Rank 0 prints the one line; every rank exits 2. Under torchrun (which stops the job at
-    the first rank that exits) each rank waits a moment, exiting 2 on torchrun's SIGTERM, so
-    rank 0 is not killed before it prints and no rank is reported killed by a signal."""
+    """Rank 0 prints the one line and exits 2 at once; every other rank exits 2 too. Under torchrun (which
+    stops the job at the first rank that exits) the other ranks wait a moment, exiting 2 on torchrun's SIGTERM,
+    so rank 0 is not killed before it prints. Rank 0 does not wait: its exit, once the line is out, is what
+    ends the job (when every rank waited, each config error under torchrun took ``CONFIG_EXIT_DELAY_S`` longer)."""
     if _rank() == 0:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
     _await_launcher_stop(EXIT_CONFIG)
     sys.exit(EXIT_CONFIG)
 

@@ -5,10 +5,13 @@ overflows above the loss scale's floor still skip. Real CLI runs (``tests/fault_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
 import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,21 +19,25 @@ import torch
 from parallel3d.checkpoint import complete_checkpoints, is_loadable, read_meta
 from parallel3d.checkpoint_io.pieces import pieces_to_write
 from parallel3d.checkpoint_verify import damage
+from parallel3d.config import resolve
 from parallel3d.divergence import DivergenceGuard, state_is_finite
 from parallel3d.parallel_state import ParallelState
 from parallel3d.topology import Topology
-from parallel3d.train import CONFIG_EXIT_DELAY_S
+from parallel3d.train import CONFIG_EXIT_DELAY_S, compose_job
+from parallel3d.trainer import train
 from parallel3d.zero import ZeroOptimizer
 from parallel3d.zero.optimizer import StepInfo
 from parallel3d.zero.owned import STATE_KINDS
 from parallel3d.zero.precision import LossScaler
-from tests.fault_runs import TINY, run_to_end
+from tests.fault_runs import TINY, Run, run_to_end
 from tests.harness import run_on_ranks
 from tests.test_zero_optimizer import TINY_BUCKET_MB, make_mlp
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
 HUGE_LR = "optimizer.lr=1e300"  # the first update overflows the fp32 weights: the user trial's divergence
 LINE = "training diverged at step"
+# What parallel3d itself prints (console lines, warnings, a rank's failure line): none may follow the stop line.
+OWN_LINE = re.compile(r"^(step\s+\d+/|warning: |\[rank \d+\] |stopping at step|parallel3d: |checkpoint )")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,45 @@ def _intact(out, step: int) -> bool:
 def _records(out) -> dict[int, dict]:
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         return {r["step"]: r for r in map(json.loads, fh)}
+
+
+def _finish(args: list[str], nproc: int = 1) -> tuple[int, list[str]]:
+    """Run to the end: ``(exit status, every line, stdout and stderr merged as a terminal shows them)``."""
+    run = Run(args, nproc=nproc)
+    try:
+        status, _ = run.finish(timeout=400)
+    finally:
+        run.kill()
+    return status, run.lines
+
+
+def _stop_line(lines: list[str]) -> str:
+    found = [ln for ln in lines if LINE in ln and ln.startswith("[rank")]  # (not torchrun's summary quoting it)
+    assert len(found) == 1, "\n".join(lines[-30:])
+    return found[0]
+
+
+def _after(lines: list[str], line: str) -> list[str]:
+    return lines[lines.index(line) + 1:]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """As the CLI's own process runs (``OMP_NUM_THREADS=1``), so its sums, and the losses it prints, are the same."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train_in_process(args: list[str]) -> None:
+    """The job the CLI would run for ``args``, trained in this process (a reference or a setup, not the CLI
+    under test): what it leaves in ``train.out_dir`` is what the CLI's run would leave; a divergence raises."""
+    job, plain = compose_job(args)
+    with _one_thread():
+        train(resolve(job, 1), ParallelState.single_process(), full_config=plain)
 
 
 def _info(skipped: bool, scale: float) -> StepInfo:
@@ -119,8 +165,7 @@ def test_the_save_check_reads_every_saved_state_wherever_it_lives(kind, tmp_path
 
 def test_diverged_run_exits_1_keeps_the_good_checkpoints_and_skip_keeps_saving(tmp_path, cache_dir):
     good = tmp_path / "good"
-    first = run_to_end(_args(good, cache_dir, 2, "train.save_every=1", "train.keep_last=2"))
-    assert first.returncode == 0, first.stderr[-2000:]
+    _train_in_process(_args(good, cache_dir, 2, "train.save_every=1", "train.keep_last=2"))  # the good checkpoints
     skipping = tmp_path / "skipping"
     shutil.copytree(good, skipping)
     # Resumed at step 2 with the huge lr: step 3's update overflows the weights; its save is refused.
@@ -149,6 +194,25 @@ def test_non_finite_grad_norm_stops_before_the_final_save(tmp_path, cache_dir):
     assert _steps_saved(out) == []
 
 
+@pytest.fixture(scope="module")
+def pp2_diverged(tmp_path_factory, cache_dir) -> tuple[str, int, list[str]]:
+    """torchrun, pp 2, a huge lr, stopping at step 2: ``(run dir, exit status, merged lines)``. One run read by
+    the two tests of what a two-rank divergence prints (each asserts its own of the run's properties)."""
+    out = str(tmp_path_factory.mktemp("pp2"))
+    status, lines = _finish(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2)
+    return out, status, lines
+
+
+@pytest.fixture(scope="module")
+def fp16_at_the_floor(tmp_path_factory, cache_dir) -> tuple[str, int, list[str]]:
+    """One process, fp16 at a loss scale of 2 and a huge lr: step 2 skips (scale 2 -> 1), step 3 overflows at the
+    floor and stops: ``(run dir, exit status, merged lines)``, read by two tests (the numbers, what it prints)."""
+    out = str(tmp_path_factory.mktemp("fp16"))
+    status, lines = _finish(_args(out, cache_dir, 6, "train.save_every=0", "train.precision=fp16",
+                                  "optimizer.loss_scale_init=2", HUGE_LR))
+    return out, status, lines
+
+
 # A logging rank slower to print its line than the other rank is to exit (a loaded node): torchrun stops the
 # job at the first exit, so the line must not depend on who gets there first. Slower than the other ranks'
 # own wait for torchrun's stop (``CONFIG_EXIT_DELAY_S``), so only the ranks' meeting (``exit_together``) keeps it.
@@ -156,25 +220,54 @@ SLOW_LOGGING_RANK = {"as fast": {}, "slow logging rank": {
     "P3D_FAULT": f"train.failure_line@1=sleep:{CONFIG_EXIT_DELAY_S + 3:g}"}}
 
 
+@pytest.mark.xdist_group("divergence_pp2")  # with the other reader of pp2_diverged: one run, one worker
 @pytest.mark.parametrize("env", SLOW_LOGGING_RANK)
-def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir, env):
-    out = tmp_path / "pp2"
-    proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2,
-                      **SLOW_LOGGING_RANK[env])
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir, env, request):
+    """"as fast" reads the module's ``pp2_diverged`` run (stdout and stderr merged: the rank's line is its stderr,
+    no console line carries the divergence); the slow logging rank needs its own run."""
+    if env == "as fast":
+        out, status, text = request.getfixturevalue("pp2_diverged")
+    else:
+        out = str(tmp_path / "pp2")
+        proc = run_to_end(_args(out, cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR), nproc=2,
+                          **SLOW_LOGGING_RANK[env])
+        status, text = proc.returncode, proc.stderr.splitlines()
+    assert status == 1, "\n".join(text[-40:])
     # (torchrun's failure summary quotes the logging rank's line as its root cause: that is not a rank's line)
-    full = [ln for ln in proc.stderr.splitlines() if f"{LINE} 2: non-finite gradient norm" in ln
+    full = [ln for ln in text if f"{LINE} 2: non-finite gradient norm" in ln
             and not ln.lstrip().startswith("traceback :")]
-    assert len(full) == 1 and full[0].startswith("[rank 1] failed") and "loss nan" in full[0], proc.stderr[-3000:]
+    assert len(full) == 1 and full[0].startswith("[rank 1] failed") and "loss nan" in full[0], "\n".join(text[-40:])
     assert _steps_saved(out) == []
 
 
-def test_fp16_overflow_skips_above_the_floor_and_stops_at_it(tmp_path, cache_dir):
-    out = tmp_path / "fp16"
-    proc = run_to_end(_args(out, cache_dir, 6, "train.save_every=0", "train.precision=fp16",
-                            "optimizer.loss_scale_init=2", HUGE_LR))
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert f"{LINE} 3: fp16 overflow at the loss scale's floor" in proc.stderr, proc.stderr[-2000:]
+@pytest.mark.xdist_group("divergence_pp2")
+def test_under_torchrun_the_logging_ranks_line_is_last_and_the_launchers_root_cause(pp2_diverged):
+    _, status, lines = pp2_diverged
+    assert status == 1, "\n".join(lines[-40:])
+    stop = _stop_line(lines)
+    assert stop.startswith("[rank 1] failed") and f"{LINE} 2: non-finite gradient norm" in stop
+    assert "hung or dead" not in stop and not any("skipped" in ln for ln in lines), "\n".join(lines[-40:])
+    assert not [ln for ln in _after(lines, stop) if OWN_LINE.search(ln)], "\n".join(lines[-40:])
+    root = "\n".join(lines[next(i for i, ln in enumerate(lines) if "Root Cause" in ln):])
+    assert "rank      : 1 " in root and f"{LINE} 2: non-finite gradient norm" in root, root
+
+
+@pytest.mark.xdist_group("divergence_fp16")  # the two readers of fp16_at_the_floor share a worker: one run
+def test_fp16_overflow_skips_above_the_floor_and_stops_at_it(fp16_at_the_floor):
+    out, status, lines = fp16_at_the_floor
+    assert status == 1, "\n".join(lines[-20:])
+    assert f"{LINE} 3: fp16 overflow at the loss scale's floor" in _stop_line(lines), "\n".join(lines[-20:])
     records = _records(out)
     assert records[2]["skipped"] and records[2]["loss_scale"] == 2.0 and not records[1]["skipped"]
     assert _steps_saved(out) == []
+
+
+@pytest.mark.xdist_group("divergence_fp16")
+def test_the_stop_line_is_the_last_the_run_prints_and_no_skip_warning_precedes_it(fp16_at_the_floor):
+    _, status, lines = fp16_at_the_floor
+    assert status == 1, "\n".join(lines[-20:])
+    stop = _stop_line(lines)
+    assert f"{LINE} 3: fp16 overflow at the loss scale's floor" in stop and lines[-1] == stop, "\n".join(lines[-8:])
+    skipped = [ln for ln in lines if "skipped" in ln]
+    # Step 2's overflow is absorbed (scale 2 -> 1): one warning says so; step 3's is the stop, said once, last.
+    assert len(skipped) == 1 and skipped[0].startswith("warning: step 2 skipped"), "\n".join(lines[-12:])

@@ -2,8 +2,9 @@
 
 A run resumed by a scheduler counts its skipped steps on as one uninterrupted run does (the count is in the
 checkpoint; an older checkpoint without it counts from 0, with a note). The last line of the run's own output
-is the one that says what happened and what to do, and under torchrun the launcher's root cause is that line.
-Real CLI runs (``tests/fault_runs.py``); the reference for a resumed run is the same run straight through.
+is the one that says what happened and what to do, and under torchrun the launcher's root cause is that line
+(those two tests live in ``tests/test_divergence.py``, beside the runs they share). Real CLI runs
+(``tests/fault_runs.py``); the reference for a resumed run is the same run straight through, trained in process.
 """
 
 from __future__ import annotations
@@ -15,52 +16,39 @@ import warnings
 
 import pytest
 
-from parallel3d.divergence import MAX_CONSECUTIVE_SKIPS, DivergenceGuard
+from parallel3d.divergence import MAX_CONSECUTIVE_SKIPS, DivergenceGuard, TrainingDiverged
 from parallel3d.user_warnings import RunWarning
 from parallel3d.zero.precision import LossScaler
-from tests.fault_runs import REPO, Run, cli_env
+from tests.fault_runs import REPO, cli_env
 from tests.harness import free_port
-from tests.test_divergence import HUGE_LR, LINE, _args, _info, _records, _steps_saved, cache_dir  # noqa: F401
+from tests.test_divergence import (HUGE_LR, LINE, _args, _finish, _info, _records, _steps_saved,  # noqa: F401
+                                   _stop_line, _train_in_process, cache_dir)
 
-pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
+pytestmark = [pytest.mark.filterwarnings("ignore:no peak TFLOP/s known"),
+              pytest.mark.filterwarnings("ignore:step \\d+ skipped")]
 # fp16 at a loss scale of 2^100: every step's gradients overflow (the weights never change, so they stay finite
 # and a checkpoint may be saved), and halving the scale 32 times leaves it far above anything that fits fp16:
 # the run can only stop on the count of consecutive skips, never on the scale's floor.
 OVERFLOWING = ("train.precision=fp16", f"optimizer.loss_scale_init={2.0**100:g}", "train.save_every=0")
 STEPS = 3 * MAX_CONSECUTIVE_SKIPS // 2
-# What parallel3d itself prints (console lines, warnings, a rank's failure line): none may follow the stop line.
-OWN_LINE = re.compile(r"^(step\s+\d+/|warning: |\[rank \d+\] |stopping at step|parallel3d: |checkpoint )")
-
-
-def _finish(args: list[str], nproc: int = 1) -> tuple[int, list[str]]:
-    """Run to the end: ``(exit status, every line, stdout and stderr merged as a terminal shows them)``."""
-    run = Run(args, nproc=nproc)
-    try:
-        status, _ = run.finish(timeout=400)
-    finally:
-        run.kill()
-    return status, run.lines
-
-
-def _stop_line(lines: list[str]) -> str:
-    found = [ln for ln in lines if LINE in ln and ln.startswith("[rank")]  # (not torchrun's summary quoting it)
-    assert len(found) == 1, "\n".join(lines[-30:])
-    return found[0]
 
 
 def test_consecutive_skips_count_on_across_a_resume(tmp_path, cache_dir):
+    """The resumed CLI run is under test; the straight run (its reference) and the first part (the checkpoint it
+    resumes from) are the same jobs trained in process, as ``parallel3d.train`` would compose them."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    status, lines = _finish(_args(straight, cache_dir, STEPS, *OVERFLOWING))
-    assert status == 1, "\n".join(lines[-20:])
-    reference = _stop_line(lines)
+    with pytest.raises(TrainingDiverged) as stopped:
+        _train_in_process(_args(straight, cache_dir, STEPS, *OVERFLOWING))
+    reference = str(stopped.value)
     assert f"{LINE} {MAX_CONSECUTIVE_SKIPS}: {MAX_CONSECUTIVE_SKIPS} consecutive fp16 overflow steps" in reference
-    first, lines = _finish(_args(resumed, cache_dir, STEPS, *OVERFLOWING, "train.stop_after=10"))
-    assert first == 0 and _steps_saved(resumed) == [10] and all(r["skipped"] for r in _records(resumed).values()), \
-        "\n".join(lines[-20:])
+    _train_in_process(_args(resumed, cache_dir, STEPS, *OVERFLOWING, "train.stop_after=10"))
+    assert _steps_saved(resumed) == [10] and all(r["skipped"] for r in _records(resumed).values())
     status, lines = _finish(_args(resumed, cache_dir, STEPS, *OVERFLOWING))
     assert status == 1 and any("resumed from" in ln for ln in lines), "\n".join(lines[-20:])
     # The same step, reason, loss and scale as straight through (the checkpoint is named only in the resumed one).
-    assert _stop_line(lines).split("; stopped")[0] == reference.split("; stopped")[0]
+    stop = _stop_line(lines)
+    assert stop.startswith("[rank 0] failed: TrainingDiverged: "), stop
+    assert stop.split("TrainingDiverged: ", 1)[1].split("; stopped")[0] == reference.split("; stopped")[0]
 
 
 def test_a_checkpoint_without_the_count_loads_with_0_and_a_note():
@@ -102,33 +90,6 @@ def test_a_run_resumed_from_a_checkpoint_without_the_count_trains_on_with_one_no
         warnings.simplefilter("always")
         assert sorted(train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 3}))) == [3]
     assert not [w for w in later if "predates" in str(w.message)]
-
-
-def _after(lines: list[str], line: str) -> list[str]:
-    return lines[lines.index(line) + 1:]
-
-
-def test_the_stop_line_is_the_last_the_run_prints_and_no_skip_warning_precedes_it(tmp_path, cache_dir):
-    status, lines = _finish(_args(tmp_path / "fp16", cache_dir, 6, "train.save_every=0", "train.precision=fp16",
-                                  "optimizer.loss_scale_init=2", HUGE_LR))
-    assert status == 1, "\n".join(lines[-20:])
-    stop = _stop_line(lines)
-    assert f"{LINE} 3: fp16 overflow at the loss scale's floor" in stop and lines[-1] == stop, "\n".join(lines[-8:])
-    skipped = [ln for ln in lines if "skipped" in ln]
-    # Step 2's overflow is absorbed (scale 2 -> 1): one warning says so; step 3's is the stop, said once, last.
-    assert len(skipped) == 1 and skipped[0].startswith("warning: step 2 skipped"), "\n".join(lines[-12:])
-
-
-def test_under_torchrun_the_logging_ranks_line_is_last_and_the_launchers_root_cause(tmp_path, cache_dir):
-    status, lines = _finish(_args(tmp_path / "pp2", cache_dir, 4, "train.save_every=0", "parallel.pp=2", HUGE_LR),
-                            nproc=2)
-    assert status == 1, "\n".join(lines[-40:])
-    stop = _stop_line(lines)
-    assert stop.startswith("[rank 1] failed") and f"{LINE} 2: non-finite gradient norm" in stop
-    assert "hung or dead" not in stop and not any("skipped" in ln for ln in lines), "\n".join(lines[-40:])
-    assert not [ln for ln in _after(lines, stop) if OWN_LINE.search(ln)], "\n".join(lines[-40:])
-    root = "\n".join(lines[next(i for i, ln in enumerate(lines) if "Root Cause" in ln):])
-    assert "rank      : 1 " in root and f"{LINE} 2: non-finite gradient norm" in root, root
 
 
 def test_without_torchrun_the_other_rank_points_to_the_line_and_names_no_hang(tmp_path, cache_dir):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from parallel3d.config import TrainConfig
+from parallel3d import train as entry
+from parallel3d.config import ConfigError, TrainConfig
 from parallel3d.wandb_reader import find_offline_runs, read_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +56,32 @@ def test_torchrun_config_error_prints_one_line(tmp_path):
     # Each rank exits 2 on its own, unless torchrun stopped it (SIGTERM, -15) after the first rank's 2.
     exits = [line.split(":")[1].split()[0] for line in text.splitlines() if line.strip().startswith("exitcode")]
     assert len(exits) == 2 and "2" in exits and set(exits) <= {"2", "-15"}, text[-3000:]
+    # Rank 0's exit, once its line is out, is what ends the job: the launcher's root cause.
+    root = text[text.index("Root Cause"):]
+    assert "rank      : 0 " in root and "exitcode  : 2 " in root, root
     # The only traceback is torchrun's own failure report (ChildFailedError), none from a rank.
     assert "parallel3d" not in "".join(line for line in text.splitlines() if line.startswith("  File"))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_rank_0_exits_once_its_line_is_out_and_the_others_await_the_stop(rank, monkeypatch, capsys):
+    """In process, as a torchrun rank: rank 0 prints the config error and exits 2 without waiting (its exit ends
+    the job); another rank prints nothing and waits for torchrun's SIGTERM, answering it with exit 2. Before
+    session 46 rank 0 waited too, so every config error under torchrun took ``CONFIG_EXIT_DELAY_S`` longer."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "cli46")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank))
+    waited, handled = [], []
+    monkeypatch.setattr(entry.time, "sleep", waited.append)
+    monkeypatch.setattr(entry.signal, "signal", lambda signum, handler: handled.append(signum))
+    with pytest.raises(SystemExit) as done:
+        entry._config_exit(ConfigError("train.steps=0: must be an integer >= 1"))
+    assert done.value.code == entry.EXIT_CONFIG
+    err = capsys.readouterr().err
+    if rank == 0:
+        assert err.splitlines() == ["config error: train.steps=0: must be an integer >= 1"] and waited == [] == handled
+    else:
+        assert err == "" and waited == [entry.CONFIG_EXIT_DELAY_S] and handled == [signal.SIGTERM]
 
 
 @pytest.mark.slow

@@ -72,6 +72,13 @@ def assert_close(got: dict[int, float], ref: dict[int, float]) -> None:
 
 
 @pytest.fixture(scope="module")
+def gpt_single(tmp_path_factory, cache_dir) -> dict[int, float]:
+    """The one-process gpt_tiny run's losses, trained once for the module: the reference of the layouts and the
+    uninterrupted run a one-process resume must equal."""
+    return train_single("gpt_tiny", job_values(str(tmp_path_factory.mktemp("gpt1") / "run"), cache_dir))
+
+
+@pytest.fixture(scope="module")
 def gpt_8_ranks(tmp_path_factory, cache_dir) -> tuple[str, list]:
     out = str(tmp_path_factory.mktemp("gpt8") / "run")
     results = run_on_ranks(train_on_rank, 8, "gpt_tiny", job_values(out, cache_dir, parallel=GPT_LAYOUT), timeout=240)
@@ -79,8 +86,9 @@ def gpt_8_ranks(tmp_path_factory, cache_dir) -> tuple[str, list]:
 
 
 @pytest.mark.slow
-def test_gpt_8_ranks_match_1_rank(tmp_path, cache_dir, gpt_8_ranks):
-    ref = train_single("gpt_tiny", job_values(str(tmp_path / "ref"), cache_dir))
+@pytest.mark.xdist_group("e2e_gpt_single")  # the readers of gpt_single share a worker: it trains once
+def test_gpt_8_ranks_match_1_rank(gpt_single, gpt_8_ranks):
+    ref = gpt_single
     out, results = gpt_8_ranks
     assert_close(losses_of(out), ref)
     # Only the logging rank (last stage, tp=0, dp=0) recorded anything.
@@ -114,11 +122,12 @@ def _zero3_disk(out_dir: str, cache_dir: str, **train) -> dict:
 
 
 @pytest.mark.slow
-def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_path, cache_dir):
+@pytest.mark.xdist_group("e2e_gpt_single")
+def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_path, cache_dir, gpt_single):
     """Through the real Trainer: stage 3 (pp=2, so parameters whole per step) with the optimizer state
     in files matches one process, and a run stopped after step 2 resumes (state files restored from the
     checkpoint) to the same losses as the uninterrupted run."""
-    ref = train_single("gpt_tiny", job_values(str(tmp_path / "ref"), cache_dir))
+    ref = gpt_single
     full = str(tmp_path / "full")
     run_on_ranks(train_on_rank, 4, "gpt_tiny", _zero3_disk(full, cache_dir), timeout=240)
     assert_close(losses_of(full), ref)
@@ -129,8 +138,9 @@ def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_pa
     assert losses_of(out) == losses_of(full)
 
 
-def test_resume_is_bit_identical(tmp_path, cache_dir):
-    full = train_single("gpt_tiny", job_values(str(tmp_path / "full"), cache_dir))
+@pytest.mark.xdist_group("e2e_gpt_single")
+def test_resume_is_bit_identical(tmp_path, cache_dir, gpt_single):
+    full = gpt_single
     out = str(tmp_path / "stopped")
     stopped = train_single("gpt_tiny", job_values(out, cache_dir, train={"stop_after": 2}))
     assert sorted(stopped) == [1, 2]
