@@ -1,16 +1,18 @@
 """Topology: groups equal megatron-core's RankGenerator on generated layouts (no process group needed).
 
 The reference is megatron-core's ``RankGenerator`` (a dev dependency: a missing one fails
-the suite), built the way ``initialize_model_parallel`` builds its two generators: the dense
+the suite; imported by the tests that use it, not at collection, where every xdist worker would pay its
+~5 s import), built the way ``initialize_model_parallel`` builds its two generators: the dense
 one with ``ep=1`` and the expert one with ``tp=etp, cp=1, dp=edp``, both with our order.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import itertools
 import random
 
 import pytest
-from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
 
 from parallel3d.topology import DENSE_DIMS, GROUP_KINDS, ORDER_DIMS, Coords, LayoutError, Topology, complement
 
@@ -58,7 +60,9 @@ def _cases(seed: int, per_order: int) -> list[tuple[dict[str, int], str]]:
     return out
 
 
-def _megatron(sizes: dict[str, int], order: str) -> tuple[RankGenerator, RankGenerator]:
+def _megatron(sizes: dict[str, int], order: str) -> tuple[RankGenerator, RankGenerator]:  # noqa: F821
+    from megatron.core.parallel_state import RankGenerator
+
     world = sizes["tp"] * sizes["cp"] * sizes["dp"] * sizes["pp"]
     dense = RankGenerator(tp=sizes["tp"], ep=1, dp=sizes["dp"], pp=sizes["pp"], cp=sizes["cp"], order=order)
     edp = world // (sizes["etp"] * sizes["ep"] * sizes["pp"])
@@ -66,7 +70,9 @@ def _megatron(sizes: dict[str, int], order: str) -> tuple[RankGenerator, RankGen
     return dense, expert
 
 
-def _megatron_groups(dense: RankGenerator, expert: RankGenerator) -> dict[str, list[list[int]]]:
+def _megatron_groups(dense: RankGenerator, expert: RankGenerator) -> dict[str, list[list[int]]]:  # noqa: F821
+    from megatron.core.parallel_state import default_embedding_ranks
+
     out = {kind: dense.get_ranks(token) for kind, token in DENSE_TOKENS.items()}
     out.update({kind: expert.get_ranks(token) for kind, token in EXPERT_TOKENS.items()})
     out["embedding"] = [default_embedding_ranks(g) for g in dense.get_ranks("pp")]
