@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,22 +66,26 @@ def fused_attention_on_meta() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
-def _block_forward(q, k, v, *, scale, allowed=None):  # type: ignore[no-untyped-def]
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_forward_math``'s ``(out [b, hq, sq, dv], lse [b, hq, sq])``, shapes and dtype only."""
     b, hq, sq, _ = q.shape
     ct = compute_dtype(q.dtype)
     return q.new_empty((b, hq, sq, v.shape[-1]), dtype=ct), q.new_empty((b, hq, sq), dtype=ct)
 
 
-def _block_backward(dout, q, k, v, lse, delta, *, scale, allowed=None):  # type: ignore[no-untyped-def]
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, *, scale: float,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``attention_backward_math``'s ``(dq, dk, dv)``, shapes and dtype only."""
     ct = compute_dtype(q.dtype)
     return q.new_empty(q.shape, dtype=ct), k.new_empty(k.shape, dtype=ct), v.new_empty(v.shape, dtype=ct)
 
 
-def _on_meta_only(original, shapes):  # type: ignore[no-untyped-def]
+def _on_meta_only(original: Callable[..., Any], shapes: Callable[..., Any]) -> Callable[..., Any]:
+    """``shapes`` where the first tensor is on meta, else ``original``."""
     @functools.wraps(original)
-    def routed(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def routed(*args: Any, **kwargs: Any) -> Any:
         return shapes(*args, **kwargs) if args[0].device.type == "meta" else original(*args, **kwargs)
     return routed
 
