@@ -322,6 +322,35 @@ def test_meta_attention_saves_what_the_cpu_kernel_saves(kv_heads):
     assert saved("meta") == saved("cpu")
 
 
+@pytest.mark.parametrize("hq, hk, dv, dtype", [(4, 4, 8, torch.float32), (4, 1, 8, torch.bfloat16),
+                                               (6, 2, 4, torch.float16), (2, 2, 8, torch.float64)])
+def test_meta_blocks_come_out_as_the_math_blocks_do(hq, hk, dv, dtype):
+    """``block_attention_on_meta``: a context-parallel block's forward and backward on meta have the shapes and
+    dtypes of the math path's own meta results (grouped kv heads, narrower value heads, every precision), and
+    tensors with data still get the math path's values."""
+    from kernels import attention_math as am
+    from parallel3d.context_parallel import block_compute as bc
+    from parallel3d.dryrun.meta_attention import block_attention_on_meta
+
+    def run(device: str) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + dv)
+        q, dout = (torch.randn(2, hq, 5, 8, generator=gen).to(dtype).to(device) for _ in range(2))
+        k, v = torch.randn(2, hk, 7, 8, generator=gen).to(dtype).to(device), \
+            torch.randn(2, hk, 7, dv, generator=gen).to(dtype).to(device)
+        dout = dout[..., :dv]
+        out, lse = bc.attention_forward_math(q, k, v, scale=0.3)
+        delta = (dout.to(out.dtype) * out).sum(-1)
+        return [out, lse, *bc.attention_backward_math(dout, q, k, v, lse, delta, scale=0.3)]
+
+    expected = [(t.shape, t.dtype) for t in run("meta")]
+    with block_attention_on_meta():
+        assert bc.attention_forward_math is not am.attention_forward_math  # the patch is what runs
+        assert [(t.shape, t.dtype) for t in run("meta")] == expected
+        patched_cpu = run("cpu")
+    assert all(torch.equal(a, b) for a, b in zip(patched_cpu, run("cpu")))
+    assert bc.attention_forward_math is am.attention_forward_math  # restored
+
+
 def _loss_token_bytes_saved(loss, dtype: torch.dtype, tokens: int = 24, vocab: int = 48) -> float:
     """Bytes per token ``loss(logits, labels)`` saves for backward beyond its logits (or their fp32 log-softmax,
     ``loss_logit_bytes``'s) and its targets (the step's labels), counted on real CPU tensors by storage."""

@@ -75,7 +75,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("case", [*ci, *(pytest.param(c, marks=pytest.mark.extended) for c in rest), *wide],
                              ids=[c.name for c in (*ci, *rest, *wide)])
     if "big" in metafunc.fixturenames:
-        jobs = big_jobs()
+        jobs = big_jobs() if extended else big_jobs(max(CI_BIG) + 1)  # a prefix of the whole draw
         params = [pytest.param(j, marks=() if i in CI_BIG else pytest.mark.extended)
                   for i, j in enumerate(jobs) if extended or i in CI_BIG]
         metafunc.parametrize("big", params, ids=lambda j: j.name)

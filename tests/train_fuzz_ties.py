@@ -43,14 +43,18 @@ def failing_steps(result: tf.TrainResult) -> list[int]:
 
 
 def routing_problems(case: tf.TrainCase, result: tf.TrainResult, upto: int, work_dir: str, cache_dir: str,
-                     timeout: float) -> tuple[str, list[str]]:
-    """Conditions (a) and (c): a summary of the flips up to step ``upto`` and, for each that fails, why."""
+                     timeout: float, references: dict) -> tuple[str, list[str]]:
+    """Conditions (a) and (c): a summary of the flips up to step ``upto`` and, for each that fails, why.
+    The single process's routing record is kept in ``references`` (``train_fuzz.run``'s cache) by its reference key."""
     from tests.harness import run_on_ranks
 
     out = os.path.join(work_dir, case.name + "-routing")
     layout = rf.merged(run_on_ranks(rf.record_on_rank, case.world_size, case.values(out, cache_dir), False,
                                     timeout=timeout))
-    one = rf.merged([rf.record_on_rank(0, 1, lm.reference_values(case, out + "-one", cache_dir))])
+    key = ("routing", *case.reference_key())
+    if key not in references:
+        references[key] = rf.merged([rf.record_on_rank(0, 1, lm.reference_values(case, out + "-one", cache_dir))])
+    one = references[key]
     routing = rf.compare(layout[1], one[1], case.model_values()["moe"]["top_k"])
     # The routing keys count the trainer's steps from 0 (``run.step``), the curve from 1: map them in order.
     curve_steps = [c[0] for c in layout[0]]
@@ -90,7 +94,7 @@ def rejudge(case: tf.TrainCase, result: tf.TrainResult, work_dir: str, cache_dir
     if not applies(case, result):
         return result
     upto = max(failing_steps(result))
-    summary, problems = routing_problems(case, result, upto, work_dir, cache_dir, timeout)
+    summary, problems = routing_problems(case, result, upto, work_dir, cache_dir, timeout, references)
     fp32 = tf.run(case.in_fp32(), work_dir, cache_dir, references, timeout=timeout)
     if not fp32.ok:
         problems.append(f"(b) the layout in fp32 misses its single process: {'; '.join(fp32.problems())[:500]}")

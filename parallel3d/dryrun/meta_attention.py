@@ -9,6 +9,11 @@ kv heads unrepeated (the kernel reads them so on meta as on CPU, and saves them 
 attention's narrower value heads
 (``models.mla``: v_head_dim < the q/k width) are padded to the q/k width for the kernel, which
 takes one head size, and the output sliced back (an over-count of v and the output).
+``block_attention_on_meta`` does the same for context parallelism's blocks (``context_parallel.block_compute``'s
+math path, which meta tensors take): a block's ``(out, lse)`` and ``(dq, dk, dv)`` only flow into the caller's fp32
+accumulators inside the variants' autograd Functions (nothing of a block is saved), so on meta only their shapes and
+dtypes matter, and those come without the ~20 meta operators per block (softmax, masks, einsums in torch's Python
+reference kernels: two thirds of a cp job's dry run, e.g. 1,024-rank Llama 3 405B at cp 4).
 Invariant: calls with any non-meta tensor run unchanged.
 """
 
@@ -16,10 +21,13 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_math import compute_dtype
+from parallel3d.context_parallel import block_compute
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -56,3 +64,40 @@ def fused_attention_on_meta() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_forward_math``'s ``(out [b, hq, sq, dv], lse [b, hq, sq])``, shapes and dtype only."""
+    b, hq, sq, _ = q.shape
+    ct = compute_dtype(q.dtype)
+    return q.new_empty((b, hq, sq, v.shape[-1]), dtype=ct), q.new_empty((b, hq, sq), dtype=ct)
+
+
+def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                    delta: torch.Tensor, *, scale: float,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_backward_math``'s ``(dq, dk, dv)``, shapes and dtype only."""
+    ct = compute_dtype(q.dtype)
+    return q.new_empty(q.shape, dtype=ct), k.new_empty(k.shape, dtype=ct), v.new_empty(v.shape, dtype=ct)
+
+
+def _on_meta_only(original: Callable[..., Any], shapes: Callable[..., Any]) -> Callable[..., Any]:
+    """``shapes`` where the first tensor is on meta, else ``original``."""
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return shapes(*args, **kwargs) if args[0].device.type == "meta" else original(*args, **kwargs)
+    return routed
+
+
+@contextmanager
+def block_attention_on_meta() -> Iterator[None]:
+    """Inside: context parallelism's math blocks on meta tensors give their results' shapes without computing them
+    (module doc); restored after, and patched, not a mode, for full recompute's sake (``fused_attention_on_meta``)."""
+    forward, backward = block_compute.attention_forward_math, block_compute.attention_backward_math
+    block_compute.attention_forward_math = _on_meta_only(forward, _block_forward)
+    block_compute.attention_backward_math = _on_meta_only(backward, _block_backward)
+    try:
+        yield
+    finally:
+        block_compute.attention_forward_math, block_compute.attention_backward_math = forward, backward

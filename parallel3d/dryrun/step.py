@@ -7,7 +7,8 @@ so a shape mismatch between chunks, a p2p message of the wrong shape, a ZeRO buf
 fault, or an optimizer step that does not fit the layout raises here as it would at step 1.
 Receives from the ranks not simulated complete at once on the fake backend and leave their
 meta buffers of the pipeline's message shape; data reads are answered by ``MetaValues``;
-attention saves what a fused kernel saves (``fused_attention_on_meta``), and where the job runs the fused
+attention saves what a fused kernel saves (``fused_attention_on_meta``; context parallelism's blocks only
+their shapes, ``block_attention_on_meta``), and where the job runs the fused
 kernels (``meta_kernels.job_runs_fused_kernels``: any backend but torch, off ``train.device=cpu``) so do
 the norms, SwiGLU and rotary (``fused_kernels_on_meta``); MoE layers route as if
 balanced (``meta_routing``: their token counts are data, so the all-to-all sizes are an assumption).
@@ -38,7 +39,7 @@ import torch
 
 from parallel3d.config import ResolvedJob
 from parallel3d.data.batches import split_step
-from parallel3d.dryrun.meta_attention import fused_attention_on_meta
+from parallel3d.dryrun.meta_attention import block_attention_on_meta, fused_attention_on_meta
 from parallel3d.dryrun.meta_kernels import fused_kernels_on_meta, job_runs_fused_kernels
 from parallel3d.dryrun.meta_routing import balanced_routing_on_meta
 from parallel3d.dryrun.meta_values import MetaValues
@@ -174,7 +175,7 @@ def run_step(rj: ResolvedJob, pstate, chunks, optimizer, microbatches: int) -> S
     # The job's kernels: fused ones save what the Triton kernels save; the CPU job's torch ops their own.
     fused = job_runs_fused_kernels(rj.model.backend, t.device)
     kernels = fused_kernels_on_meta() if fused else fused_attention_on_meta()
-    with MetaValues(), kernels, routing:
+    with MetaValues(), kernels, routing, block_attention_on_meta():
         optimizer.zero_grad()
         moe.before_step(optimizer.loss_scale, microbatches)
         result = engine.run_step(batch, loss_scale=optimizer.loss_scale, step=0, account_activations=True)
