@@ -15,6 +15,7 @@ product whether or not it is causal, so ``attention="full"`` is the convention t
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
 import random
@@ -71,7 +72,11 @@ def _expected(tensors, tp: int) -> dict[str, tuple[tuple[int, ...], int | None]]
 
 
 # ---- parameters: the whole single-process model -------------------------------------------
+@functools.cache
 def _check_whole_model(cfg: ModelConfig) -> None:
+    """Asserts; a config that passed is not built again in this process: every conf/model YAML equals the
+    registry's config of its name (a meta build of a huge model costs seconds, and each was built twice
+    before session 46). A failing config raises again on every call (``functools.cache`` keeps no exception)."""
     model = build_model(cfg, ParallelState.single_process(device="meta"), device="meta")
     shape = cfg.shape
     assert _built(model) == _expected(shape.tensors(), 1)

@@ -8,6 +8,7 @@ step bound, and a brute force that prices every fitting setting in full for the 
 from __future__ import annotations
 
 import random
+from functools import cache
 
 import pytest
 
@@ -90,9 +91,11 @@ def test_pipeline_bound_is_the_closed_form_for_uniform_chunks(name, v):
     assert sim.makespan == pytest.approx((v * m + p - 1) * (f + b), rel=REL)
 
 
+@cache
 def _settings(config, cluster, request):
     """Every fitting setting the planner considers, with its base layout's index (the planner's own rule:
-    cheapest recompute that fits, every ZeRO / offload / expert ZeRO stage)."""
+    cheapest recompute that fits, every ZeRO / offload / expert ZeRO stage). Computed once per search: the
+    cost options do not enter it, and ``PAIRS`` prices searches 0 and 1 under several."""
     budget = cluster.device.memory_bytes * request.memory_fraction
     out = []
     for index, base in enumerate(enumerate_layouts(config, cluster, request)):
@@ -108,7 +111,7 @@ def _settings(config, cluster, request):
                         out.append((index, layout, splits))
             if fits:
                 break
-    return out
+    return tuple(out)  # shared by the tests: read only
 
 
 SEARCHES = [  # (model, GPUs, device, request): dense and MoE, every searched schedule, tight memory

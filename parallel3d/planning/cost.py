@@ -49,11 +49,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from models.config import ModelConfig
-from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.partition import stage_layer_ranges
 from parallel3d.pipeline.placement import placement_for
 from parallel3d.planning.cluster import ClusterSpec
 from parallel3d.planning.comm_cost import CommModel
 from parallel3d.planning.cost_options import CostOptions
+from parallel3d.planning.engine_split import engine_split
 from parallel3d.planning.dp_overlap import chunk_shares, exposed_gather, exposed_reduction
 from parallel3d.planning.gemm import GemmCurve, head_seconds
 from parallel3d.planning.grad_buckets import bucket_count, unit_bucket_count
@@ -236,7 +237,7 @@ def chunk_layer_counts(config: ModelConfig, layout: Layout,
     layers are spread evenly over its chunks."""
     p, v = layout.pp, layout.virtual_stages
     placement = placement_for(layout.schedule, p, v)  # v: chunks per stage
-    ranges = partition_layers(config, p, v, seq_len=layout.seq_len)
+    ranges = engine_split(config, p, v, layout.seq_len)
     per = [[b - a for a, b in stage_layer_ranges(ranges, p, s, placement)] for s in range(p)]
     if stage_layers is not None and [sum(c) for c in per] != list(stage_layers):
         return [[n / v] * v for n in stage_layers]

@@ -38,7 +38,8 @@ from parallel3d.planning.params import (
     stage_layer_counts,
     stage_layer_ids,
 )
-from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.partition import stage_layer_ranges
+from parallel3d.planning.engine_split import engine_split
 from parallel3d.planning.position_bytes import rotary_chunk_bytes
 from parallel3d.planning.schedule_cache import ScheduleCache
 from parallel3d.planning.sequence_experts import cp_inflight_kv_bytes, local_seq_len, moe_combine_backward_bytes
@@ -103,7 +104,7 @@ def stage_layer_indices(config: ModelConfig, layout: Layout, stage_layers: Seque
     """Global layer indices of every stage for per-stage counts ``stage_layers``: the pipeline engine's
     own split where the counts are its counts, else consecutive runs of the counts (the stage order
     of a single-chunk pipeline; with virtual stages, an approximation for custom counts)."""
-    engine = partition_layers(config, layout.pp, layout.virtual_stages, seq_len=layout.seq_len)
+    engine = engine_split(config, layout.pp, layout.virtual_stages, layout.seq_len)
     by_stage = [[i for a, b in stage_layer_ranges(engine, layout.pp, s) for i in range(a, b)]
                 for s in range(layout.pp)]
     if [len(ids) for ids in by_stage] == list(stage_layers):

@@ -15,14 +15,15 @@ from typing import Sequence
 
 from models.config import ModelConfig
 from models.shape import HeldParams, ModelShape
-from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.partition import stage_layer_ranges
+from parallel3d.planning.engine_split import engine_split
 from parallel3d.pipeline.placement import ChunkPlacement
 
 
 def stage_layer_counts(config: ModelConfig, pp: int, virtual_stages: int = 1, seq_len: int | None = None) -> list[int]:
     """Layers held by each pipeline stage, split exactly as the pipeline engine splits them: balanced by
     cost at the job's ``seq_len`` (``rank_build`` passes ``train.seq_len``; None: ``model.max_seq_len``)."""
-    ranges = partition_layers(config, pp, virtual_stages, seq_len=seq_len)
+    ranges = engine_split(config, pp, virtual_stages, seq_len)
     return [sum(b - a for a, b in stage_layer_ranges(ranges, pp, stage)) for stage in range(pp)]
 
 
@@ -44,7 +45,7 @@ def _stage_ids(config: ModelConfig, pp: int, stage: int, layers: int | Sequence[
     shape = config.shape
     if not isinstance(layers, int) or shape.uniform_layers:
         return stage_layer_ids(shape, layers)
-    start, end = partition_layers(config, pp, 1, seq_len=seq_len)[stage]
+    start, end = engine_split(config, pp, 1, seq_len)[stage]
     if end - start == layers:
         return range(start, end)
     blocks = config.spec.blocks

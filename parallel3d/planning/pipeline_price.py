@@ -11,6 +11,7 @@ pre-ranking relies on it to simulate only what can reach its top).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from parallel3d.pipeline.actions import splits_backward
 from parallel3d.pipeline.placement import placement_for
@@ -119,6 +120,14 @@ def _extend(a: PipelineTimes, b: PipelineTimes, k: float, busy_scale: float) -> 
     )
 
 
+@lru_cache(maxsize=64)
+def _splits_every_backward(name: str, v: int) -> bool:
+    """Whether schedule ``name`` at ``v`` chunks splits its backwards (read off a 2-stage, 2-microbatch build).
+    Cached: ``plan`` bounds every fitting setting, and a validated build per bound was a tenth of a search
+    (session 46 profile of the 175B search in ``tests/test_planning_published.py``)."""
+    return splits_backward(build_schedule(name, 2, 2, v)[0])
+
+
 def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p, split_drain: bool = False) -> PipelineTimes:
     """What no run of schedule ``name`` can beat, per stage, with ``simulate_pipeline``'s arguments:
     ``stage_end[s]`` and ``makespan`` are at most the simulated ones, ``busy`` is exact.
@@ -137,7 +146,7 @@ def pipeline_lower_bound(name: str, p: int, m: int, v: int, fwd, bwd, p2p, split
     bound the exposed DP traffic instead of deriving it from them.
     """
     lat = float(p2p) if isinstance(p2p, (int, float)) else 0.0
-    split = p > 1 and splits_backward(build_schedule(name, 2, 2, v)[0])
+    split = p > 1 and _splits_every_backward(name, v)
     drain = p > 1 and split_drain and not split
     place = placement_for(name, p, p * v)
     order = [place.stage_and_chunk(k) for k in range(p * v)]  # model chunks in forward order

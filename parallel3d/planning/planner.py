@@ -348,13 +348,27 @@ def evaluate(config: ModelConfig, layout: Layout, cluster: ClusterSpec,
               else stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len))
     options = options or CostOptions()
     schedules = ScheduleCache.of(schedules)
-    runs = options.runs(layout)
-    memory = estimate_memory(config, memory_layout(runs), job_assumptions(config, layout.precision, document_mask),
-                             stage_layers=splits, schedules=schedules, step_microbatches=runs.num_microbatches)
+    memory = layout_memory(config, layout, options, schedules, splits, document_mask)
     step = estimate_step(config, layout, cluster, options, splits, chunk_layers=chunk_layers, schedules=schedules)
     return Candidate(layout, memory, step, simulated=True)
 
 
+def layout_memory(config: ModelConfig, layout: Layout, options: CostOptions, schedules: ScheduleCache,
+                  splits: list[int], document_mask: bool = False) -> MemoryEstimate:
+    """``evaluate``'s memory estimate of ``layout`` with the engine's split ``splits`` (per-stage layers)."""
+    runs = options.runs(layout)
+    return estimate_memory(config, memory_layout(runs), job_assumptions(config, layout.precision, document_mask),
+                           stage_layers=splits, schedules=schedules, step_microbatches=runs.num_microbatches)
+
+
+def step_bound(config: ModelConfig, layout: Layout, cluster: ClusterSpec, options: CostOptions) -> float:
+    """What ``evaluate(...).step.step_time_s`` of ``layout`` (the engine's split) can never go below: ``plan``'s
+    pre-ranking bound (``pipeline_lower_bound``), for callers that keep only a layout faster than one they have."""
+    splits = stage_layer_counts(config, layout.pp, layout.virtual_stages, layout.seq_len)
+    return estimate_step(config, layout, cluster, options, splits, pipeline=pipeline_lower_bound).step_time_s
+
+
 __all__ = ["Candidate", "Plan", "PlanRequest", "enumerate_layouts",
-           "evaluate", "finest_virtual_stages", "job_assumptions", "pipeline_sizes", "plan", "tensor_parallel_sizes",
+           "evaluate", "finest_virtual_stages", "job_assumptions", "layout_memory", "pipeline_sizes", "plan",
+           "step_bound", "tensor_parallel_sizes",
            "virtual_stage_counts"]

@@ -16,6 +16,7 @@ own; on gloo with more chunks once a receive of its batch was waited, read off t
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 from models.config import ModelConfig
@@ -103,6 +104,15 @@ def split_moments(actions: Sequence[tuple[str, int, int]]) -> frozenset[tuple[in
     return frozenset(x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen))
 
 
+@lru_cache(maxsize=4096)
+def _compute_order(name: str, stage: int, p: int, m: int, v: int, w_lag: int | None,
+                   split_drain: bool) -> tuple[tuple[str, int, int], ...]:
+    """``stage_compute_order`` with these arguments, as a tuple (shared: read only). Cached: a search asks for
+    the same (schedule, stage, p, m, v) for every recompute / ZeRO setting of a layout (session 46 profile of
+    the 175B search in ``tests/test_planning_published.py``: a tenth of it)."""
+    return tuple(stage_compute_order(name, stage, p, m, v, w_lag, split_drain))
+
+
 def stage_computations(config: ModelConfig, layout: Layout, stage: int, w_lags: Sequence[int] | None = None,
                        schedules: ScheduleCache | None = None) -> list[tuple[str, int, int]] | None:
     """``stage``'s computations ``(kind, microbatch, local chunk)`` in the order the engine runs them, or None
@@ -117,7 +127,7 @@ def stage_computations(config: ModelConfig, layout: Layout, stage: int, w_lags: 
         order = [(a.kind, a.microbatch, a.chunk) for a in built[stage] if a.is_compute]
     else:
         lag = (w_lags or zb_h1_w_lags(config, layout))[stage] if layout.schedule == "zb_h1" else None
-        order = stage_compute_order(layout.schedule, stage, p, m, v, lag, layout.splits_drain)
+        order = list(_compute_order(layout.schedule, stage, p, m, v, lag, layout.splits_drain))
     return order if any(kind == "W" for kind, _, _ in order) else None
 
 

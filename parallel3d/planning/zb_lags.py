@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from models.config import ModelConfig
-from parallel3d.pipeline.partition import partition_layers, stage_layer_ranges
+from parallel3d.pipeline.partition import stage_layer_ranges
+from parallel3d.planning.engine_split import engine_split
 from parallel3d.pipeline.zero_bubble import zb_h1_lags
 from parallel3d.planning.activations import (
     ActivationAssumptions,
@@ -48,7 +49,7 @@ def zb_h1_w_lags(config: ModelConfig, layout: Layout) -> tuple[int, ...]:
     """Per stage, how many microbatches zb_h1's ``W``s trail its ``B``s (``build_schedule(w_lags=...)``)."""
     p = layout.pp
     assumptions = ActivationAssumptions.for_model(config, layout.precision)
-    ranges = partition_layers(config, p, 1, seq_len=layout.seq_len)
+    ranges = engine_split(config, p, 1, layout.seq_len)
     ids = [[i for a, b in stage_layer_ranges(ranges, p, s) for i in range(a, b)] for s in range(p)]
 
     def layers(lay: Layout) -> list[float]:
