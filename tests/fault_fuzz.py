@@ -7,9 +7,10 @@
 - the step (1 or later) and the point (``tests/fault_inject.POINTS``, those the layout reaches) and how
   (``tests/fault_inject.HOWS``).
 
-``run_case`` runs the layout uninterrupted (the reference), then with the fault (``tests/fault_inject`` wraps the
-framework's own function on that rank inside the launched process), then resumes the damaged run to the end, and
-returns an ``Outcome``; ``Outcome.problems()`` lists every broken promise of principle 4:
+``run_case`` runs the layout uninterrupted (the reference, trained in-process on harness ranks as the CLI would:
+``fault_runs.train_like_the_cli``; the reference is not under test), then through torchrun with the fault
+(``tests/fault_inject`` wraps the framework's own function on that rank inside the launched process), then resumes
+the damaged run to the end through torchrun, and returns an ``Outcome``; ``Outcome.problems()`` lists every broken promise of principle 4:
 - the job ends within ``bound_s`` of the fault (collective timeout(s) + torchrun's grace + ``MARGIN_S``);
 - it exits non-zero (a failed checkpoint save is the documented exception: a warning naming the rank,
   training goes on, exit 0);
@@ -40,7 +41,7 @@ from parallel3d.checkpoint_verify import damage
 from parallel3d.config import ConfigError, resolve
 from parallel3d.train import compose_job
 from tests.fault_inject import ENV, HOWS, POINTS
-from tests.fault_runs import REPO, cli_env, losses_of
+from tests.fault_runs import REPO, cli_env, losses_of, train_like_the_cli
 
 FUZZ_SEED = 20261207
 MAX_WORLD = 6
@@ -49,6 +50,7 @@ TIMEOUT_S = 10  # train.timeout_s of every run
 TORCHRUN_GRACE_S = 30  # torchrun's SIGTERM -> SIGKILL wait for ranks that do not exit
 MARGIN_S = 25  # start-up of a rank's failure path, exit and reaping on a loaded 2-core machine
 RUN_LIMIT_S = 600  # a run that takes longer than this is killed and reported as a hang
+REAP_WAIT_S = 0.5  # how long a launch's processes may take to be reaped after the launcher exits
 MODELS = {"dense": "gpt_tiny", "moe": ("mixtral_tiny", "deepseek_tiny")}
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=1", "logging.log_every=1", "train.device=cpu", "train.seed=7",
         f"train.steps={STEPS}", "train.save_every=1", "train.keep_last=3", "train.eval_every=1", "train.eval_iters=1",
@@ -188,8 +190,11 @@ def _run(case: FaultCase, overrides: list[str], fault: dict | None = None) -> tu
         out, _ = proc.communicate()
         status = None
     ended = time.time()  # wall clock: the faulty rank stamps the fault with it
-    time.sleep(0.5)
+    reaped_by = time.monotonic() + REAP_WAIT_S
     left = _session_processes(proc.pid)
+    while left and time.monotonic() < reaped_by:
+        time.sleep(0.05)
+        left = _session_processes(proc.pid)
     for pid in left:  # the test's own clean-up; reported as a problem below
         try:
             os.kill(pid, 9)
@@ -267,9 +272,7 @@ def run_case(case: FaultCase, work_dir: str, cache_dir: str, resume: bool = True
     ``resume=False``: the faulted run alone (checkpoints still verified; no reference, no resume)."""
     ref_dir, out_dir = os.path.join(work_dir, "ref"), os.path.join(work_dir, "run")
     if resume:
-        status, out, _, _ = _run(case, case.overrides(ref_dir, cache_dir))
-        if status != 0:
-            raise RuntimeError(f"{case.name}: the uninterrupted run failed:\n{out[-3000:]}")
+        train_like_the_cli(case.overrides(ref_dir, cache_dir), case.world, timeout=RUN_LIMIT_S)
     marker = os.path.join(work_dir, "fired.json")
     fault = {"rank": case.rank, "step": case.step, "point": case.point, "how": case.how, "marker": marker}
     status, out, ended, left = _run(case, case.overrides(out_dir, cache_dir), fault)

@@ -1,4 +1,5 @@
-"""Helpers of the fault tests: the real CLI as subprocesses, signals by PID, losses from metrics.jsonl."""
+"""Helpers of the fault tests: the real CLI as subprocesses, signals by PID, losses from metrics.jsonl, and the
+uninterrupted reference run of a CLI command trained in-process on harness ranks (``train_like_the_cli``)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,35 @@ class Run:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 9)
             self.proc.communicate()
+
+
+def _cli_rank(rank: int, world: int, overrides: list[str]) -> None:
+    """One rank of ``torchrun -m parallel3d.train *overrides``: the job the CLI composes, the CLI's thread
+    settings (``train._configure_threads``, restored after: harness workers are reused), the CLI's calls."""
+    import torch
+
+    from parallel3d.config import resolve
+    from parallel3d.rank_build import make_parallel_state
+    from parallel3d.train import _configure_threads, compose_job
+    from parallel3d.trainer import train
+
+    job, plain = compose_job(overrides)
+    rj = resolve(job, world)
+    threads = torch.get_num_threads()
+    _configure_threads(rj.device)
+    try:
+        train(rj, make_parallel_state(rj), full_config=plain)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train_like_the_cli(overrides: list[str], world: int, timeout: float = 300) -> None:
+    """Train what ``overrides`` asks for on ``world`` harness ranks (forks of a torch-preloaded server), writing
+    ``train.out_dir`` as the CLI would: the reference of a test whose CLI run is interrupted, where the
+    reference itself is not under test and a launch would cost start-up (torchrun + a torch import per rank)."""
+    from tests.harness import run_on_ranks
+
+    run_on_ranks(_cli_rank, world, list(overrides), timeout=timeout)
 
 
 def losses_of(out_dir: str) -> dict[int, float]:

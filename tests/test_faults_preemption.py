@@ -16,7 +16,7 @@ from parallel3d.config import job_from_dict, resolve
 from parallel3d.parallel_state import ParallelState
 from parallel3d.preemption import EXIT_STOPPED
 from parallel3d.trainer import train
-from tests.fault_runs import TINY, Run, losses_of, run_to_end
+from tests.fault_runs import TINY, Run, losses_of, run_to_end, train_like_the_cli
 from tests.test_train_e2e import job_values
 
 pytestmark = pytest.mark.filterwarnings("ignore:no peak TFLOP/s known")
@@ -95,26 +95,38 @@ def test_max_minutes_saves_and_stops_in_time_then_resumes_bit_identically(tmp_pa
     assert sorted(losses_of(out)) == list(range(1, until + 1))
 
 
+def _save_in_flight(root, after: int, timeout: float = 120) -> str:
+    """Wait until ``root`` holds a checkpoint being written (``step_N.tmp``, renamed at its commit) of a step past
+    ``after``; returns its name. Read from the disk, so a signal sent next lands inside that save."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = os.listdir(root) if os.path.isdir(root) else []
+        for name in names:
+            found = re.fullmatch(r"step_(\d+)\.tmp", name)
+            if found and int(found.group(1)) > after:
+                return name
+        time.sleep(0.02)
+    raise AssertionError(f"no save in flight under {root} after step {after}: {names}")
+
+
 @pytest.mark.slow
 def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_path, cache_dir):
     """2 ranks (pp=2). First SIGTERM mid-step; after a resume, SIGTERM while an async save is
-    in flight (the disk made slow on rank 1 by the ``checkpoint.write`` fault point). Each stop:
-    exit status 3 on the ranks, one stop line, the requeue marker, the newest checkpoint intact."""
+    in flight (the disk made slow on rank 1 by the ``checkpoint.write`` fault point; the signal follows its
+    ``.tmp`` directory on disk). Each stop: exit status 3 on the ranks, one stop line, the requeue marker,
+    the newest checkpoint intact. The uninterrupted reference trains in-process (``train_like_the_cli``)."""
     steps = 12
     layout = ["parallel.pp=2", "train.async_save=true"]
-    ref = run_to_end(_args(tmp_path / "ref", cache_dir, steps, *layout), nproc=2)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
     out = tmp_path / "run"
     marker = tmp_path / "requeue"
     stops = []
-    for fault in ("", "checkpoint.write@1=sleep:4"):
+    for fault in ("", "checkpoint.write@1=sleep:2"):
         run = Run(_args(out, cache_dir, steps, *layout, "train.save_every=2"), nproc=2, P3D_FAULT=fault,
                   P3D_REQUEUE_FILE=str(marker))
         try:
-            if fault:  # wait until a save is in flight (its write sleeps 4 s on rank 1)
+            if fault:  # a save of the resumed run in flight (its write sleeps 2 s on rank 1)
                 run.wait_for(r"resumed from")
-                run.wait_for(r"^step +\d*[02468]/")
-                time.sleep(1.0)
+                _save_in_flight(out / "checkpoints", after=stops[-1][0])
             else:
                 run.wait_for(r"^step +3/")
             t0 = time.monotonic()
@@ -139,6 +151,7 @@ def test_sigterm_to_torchrun_mid_step_and_mid_save_resumes_bit_identically(tmp_p
     final = run_to_end(_args(out, cache_dir, steps, *layout, "train.save_every=2"), nproc=2)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     assert f"resumed from {newest} at step {stops[-1][0]}" in final.stdout
+    train_like_the_cli(_args(tmp_path / "ref", cache_dir, steps, *layout), world=2)
     assert losses_of(str(out)) == losses_of(str(tmp_path / "ref"))
     print(f"SIGTERM -> all processes gone: mid-step {stops[0][1]:.1f}s, mid-save {stops[1][1]:.1f}s")
 
