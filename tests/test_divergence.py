@@ -220,7 +220,6 @@ SLOW_LOGGING_RANK = {"as fast": {}, "slow logging rank": {
     "P3D_FAULT": f"train.failure_line@1=sleep:{CONFIG_EXIT_DELAY_S + 3:g}"}}
 
 
-@pytest.mark.xdist_group("divergence_pp2")  # with the other reader of pp2_diverged: one run, one worker
 @pytest.mark.parametrize("env", SLOW_LOGGING_RANK)
 def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, cache_dir, env, request):
     """"as fast" reads the module's ``pp2_diverged`` run (stdout and stderr merged: the rank's line is its stderr,
@@ -240,7 +239,6 @@ def test_two_ranks_stop_together_with_one_line_from_the_logging_rank(tmp_path, c
     assert _steps_saved(out) == []
 
 
-@pytest.mark.xdist_group("divergence_pp2")
 def test_under_torchrun_the_logging_ranks_line_is_last_and_the_launchers_root_cause(pp2_diverged):
     _, status, lines = pp2_diverged
     assert status == 1, "\n".join(lines[-40:])
@@ -252,7 +250,6 @@ def test_under_torchrun_the_logging_ranks_line_is_last_and_the_launchers_root_ca
     assert "rank      : 1 " in root and f"{LINE} 2: non-finite gradient norm" in root, root
 
 
-@pytest.mark.xdist_group("divergence_fp16")  # the two readers of fp16_at_the_floor share a worker: one run
 def test_fp16_overflow_skips_above_the_floor_and_stops_at_it(fp16_at_the_floor):
     out, status, lines = fp16_at_the_floor
     assert status == 1, "\n".join(lines[-20:])
@@ -262,7 +259,6 @@ def test_fp16_overflow_skips_above_the_floor_and_stops_at_it(fp16_at_the_floor):
     assert _steps_saved(out) == []
 
 
-@pytest.mark.xdist_group("divergence_fp16")
 def test_the_stop_line_is_the_last_the_run_prints_and_no_skip_warning_precedes_it(fp16_at_the_floor):
     _, status, lines = fp16_at_the_floor
     assert status == 1, "\n".join(lines[-20:])

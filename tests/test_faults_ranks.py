@@ -71,7 +71,6 @@ def late_start_then_stop(tmp_path_factory, cache_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("faults_late_start_then_stop")  # one shared launch: one worker
 def test_a_stopped_rank_is_named_and_the_job_ends_after_timeout(late_start_then_stop):
     run = late_start_then_stop
     err0, seconds = run["err0"], run["seconds"]
@@ -105,7 +104,6 @@ def test_a_killed_rank_ends_the_whole_torchrun_job(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("faults_late_start_then_stop")  # one shared launch: one worker
 def test_ranks_starting_further_apart_than_the_collective_timeout_still_train(late_start_then_stop):
     """Ranks start minutes apart on a loaded node (each imports torch); with train.timeout_s shorter than
     that, the default group's rendezvous had failed the start-up (``DistStoreError: wait timeout``, no rank

@@ -86,7 +86,6 @@ def gpt_8_ranks(tmp_path_factory, cache_dir) -> tuple[str, list]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("e2e_gpt_single")  # the readers of gpt_single share a worker: it trains once
 def test_gpt_8_ranks_match_1_rank(gpt_single, gpt_8_ranks):
     ref = gpt_single
     out, results = gpt_8_ranks
@@ -122,7 +121,6 @@ def _zero3_disk(out_dir: str, cache_dir: str, **train) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("e2e_gpt_single")
 def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_path, cache_dir, gpt_single):
     """Through the real Trainer: stage 3 (pp=2, so parameters whole per step) with the optimizer state
     in files matches one process, and a run stopped after step 2 resumes (state files restored from the
@@ -138,7 +136,6 @@ def test_zero3_with_disk_offload_matches_1_rank_and_resumes_bit_identical(tmp_pa
     assert losses_of(out) == losses_of(full)
 
 
-@pytest.mark.xdist_group("e2e_gpt_single")
 def test_resume_is_bit_identical(tmp_path, cache_dir, gpt_single):
     full = gpt_single
     out = str(tmp_path / "stopped")
