@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -94,6 +95,10 @@ def _worker(
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
+    # Everything imported so far (torch, parallel3d) lives as long as the worker: out of the collector's
+    # sight, each automatic collection walks only what the tests create (paired CPU seconds, session 47:
+    # test_zero_parallel + test_moe_tp 36.3/36.0 -> 31.0/29.9 s).
+    gc.freeze()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
