@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -65,3 +66,16 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("extended")])
         items[:] = keep
+
+
+def pytest_collection_finish(session):
+    """The collected items and everything imported live until the session ends: frozen out of the cyclic
+    collector's sight, its full collections walk only what the tests create (session 47, test_model_shape +
+    test_zb_memory in one process: 3.0 -> 2.3 s of 24 s CPU in the collector; the rank workers do the same,
+    tests/harness.py)."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    # Back in sight for the interpreter's last collection, so extension types see their objects freed at exit.
+    gc.unfreeze()
