@@ -16,8 +16,10 @@ had not finished (``tests/test_harness_timeout.py``). A failure or timeout also
 tears the worker set down, so the next test starts on fresh processes.
 
 Workers are forked from ``multiprocessing``'s fork server, which imports ``PRELOAD`` (torch
-and the framework) once per session: a new worker costs a fork, not an interpreter importing
-torch (~4 s of CPU each on 2 cores). They are kept alive between tests of the same world size;
+and the framework, and what a first step would import lazily) once per session: a new worker costs a fork,
+not an interpreter importing torch (~4 s of CPU each on 2 cores) nor a first step importing torch._dynamo and
+triton (~1 s each; ``tests/test_harness_pools.py``). They are kept alive between tests of the same world size
+(the ``WARM_WORLD_SIZES`` most recently used sizes);
 each task's new process groups are destroyed when it ends. An idle worker whose owner (the test
 process) has died exits within ``OWNER_POLL_S`` (``tests/test_harness_orphans.py``). Set ``P3D_FRESH_RANKS=1`` for fresh
 processes per test. Workers see the environment of the session when its first pool started:
@@ -42,8 +44,13 @@ from typing import Any, Callable
 
 COLLECTIVE_TIMEOUT_S = 90.0
 STARTUP_TIMEOUT_S = 300.0
+WARM_WORLD_SIZES = 3  # pools kept between tests; idle pools cost memory, not CPU
 OWNER_POLL_S = 2.0  # how often an idle worker checks that the test process owning its pool still lives
-PRELOAD = ["tests.harness", "parallel3d.trainer"]  # imported once, in the fork server
+# Imported once, in the fork server. Beyond the trainer: what a rank's first step imports lazily (about 300
+# modules, ~1 s of CPU in every fresh rank otherwise): torch.utils.checkpoint's first call imports
+# torch._dynamo (and inductor, numpy), the AdamW / cross-entropy kernels import triton, the corpus tokenizers.
+PRELOAD = ["tests.harness", "parallel3d.trainer", "torch._dynamo", "kernels.adamw", "kernels.cross_entropy",
+           "tokenizers"]
 
 
 def free_port() -> int:
@@ -261,18 +268,17 @@ atexit.register(_shutdown_pools)
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; see module doc."""
     fresh = os.environ.get("P3D_FRESH_RANKS") == "1"
-    pool = None if fresh else _POOLS.get(world_size)
+    pool = None if fresh else _POOLS.pop(world_size, None)
     if pool is not None and not pool.alive():
         pool.close(kill=True)
         pool = None
     if pool is None:
-        # Idle pools cost memory, not CPU; keep at most three world sizes (e.g. 2, 4, 8) warm.
-        if len(_POOLS) >= 3 and not fresh:
+        if len(_POOLS) >= WARM_WORLD_SIZES and not fresh:  # evict the least recently used
             oldest = next(iter(_POOLS))
             _POOLS.pop(oldest).close()
         pool = RankPool(world_size)
-        if not fresh:
-            _POOLS[world_size] = pool
+    if not fresh:
+        _POOLS[world_size] = pool  # (re)inserted last: the dict runs from least to most recently used
     try:
         return pool.run(fn, args, kwargs, timeout)
     except BaseException:
