@@ -22,6 +22,7 @@ from parallel3d.planning.params import stage_layer_counts
 from parallel3d.planning.pipeline_price import _simulate_once, pipeline_lower_bound, simulate_pipeline
 from parallel3d.planning.planner import enumerate_layouts, expert_zero_choices, memory_layout, plan
 from parallel3d.planning.request import RECOMPUTE_ORDER, PlanRequest
+from parallel3d.planning.schedule_cache import ScheduleCache
 
 REL = 1e-9  # float rounding only
 
@@ -91,6 +92,26 @@ def test_pipeline_bound_is_the_closed_form_for_uniform_chunks(name, v):
     assert sim.makespan == pytest.approx((v * m + p - 1) * (f + b), rel=REL)
 
 
+def test_priced_pipeline_memo_keys_on_every_input():
+    # A search's cache returns a simulation only for the same inputs: each variant differs from the first in
+    # one key field (schedule, m, per-chunk forward / backward time, P2P time, split drain, zb_h1's W lags) and
+    # must give its own uncached simulation, not the first one's. Reference: a fresh cache per call.
+    f, b = [[0.5], [0.7], [0.6], [0.9]], [[1.1], [1.5], [1.3], [1.8]]
+    base = dict(name="1f1b", p=4, m=12, v=1, fwd=lambda s, c: f[s][c], bwd=lambda s, c: b[s][c], p2p=0.05)
+    variants = [{}, dict(name="zb_h1"), dict(m=16), dict(fwd=lambda s, c: f[s][c] + (s == 3) * 0.25),
+                dict(bwd=lambda s, c: b[s][c] * (1.5 if s == 0 else 1.0)), dict(p2p=0.3), dict(split_drain=True),
+                dict(name="zb_h1", w_lags=(0, 1, 1, 1))]
+    shared = ScheduleCache()
+    seen = []
+    for change in variants:
+        args = {**base, **change}
+        got = simulate_pipeline(**args, schedules=shared)
+        assert got == simulate_pipeline(**args), change
+        assert all(got != other for other in seen), change  # each key field changes this result
+        seen.append(got)
+    assert simulate_pipeline(**base, schedules=shared) is seen[0] and shared.hits > 0  # a repeat is a hit
+
+
 @cache
 def _settings(config, cluster, request):
     """Every fitting setting the planner considers, with its base layout's index (the planner's own rule:
@@ -136,9 +157,13 @@ def test_step_bound_never_exceeds_the_full_price_and_the_top_is_the_full_prices(
     cluster = ClusterSpec.build(gpus, 8, device)
     best: dict[int, float] = {}
     settings = _settings(config, cluster, request)
+    # One search's cache, as ``plan`` keeps: settings with the same pipeline inputs share one simulation
+    # (exact: test_priced_pipeline_memo_keys_on_every_input); search 2 prices 2,172 settings on 362 pipelines.
+    schedules = ScheduleCache()
     for index, layout, splits in settings:
         chunks = chunk_layer_counts(config, layout, splits)
-        full = estimate_step(config, layout, cluster, OPTIONS[options], splits, chunk_layers=chunks).step_time_s
+        full = estimate_step(config, layout, cluster, OPTIONS[options], splits, chunk_layers=chunks,
+                             schedules=schedules).step_time_s
         low = estimate_step(config, layout, cluster, OPTIONS[options], splits, pipeline=pipeline_lower_bound,
                             chunk_layers=chunks).step_time_s
         assert low <= full * (1 + REL), (layout.short(), low, full)

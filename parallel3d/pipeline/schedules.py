@@ -131,20 +131,26 @@ def _with_comms(stage: int, place: ChunkPlacement, iterations: list[list[Compute
     iteration's sends and the next one's receives. A neighbour chunk on this stage gets no message.
     """
     last = place.total - 1
+    # Per local chunk: whether its model chunk's predecessor / successor sits on another stage (asked once
+    # per chunk, not per action: a planner search builds thousands of schedules).
+    chunks = {c for iteration in iterations for _, _, c in iteration}
+    remote_prev, remote_next = {}, {}
+    for chunk in chunks:
+        vs = place.model_chunk(stage, chunk)
+        remote_prev[chunk] = vs > 0 and place.stage_of(vs - 1) != stage
+        remote_next[chunk] = vs < last and place.stage_of(vs + 1) != stage
     out: list[Action] = []
     for iteration in iterations:
         for kind, mb, chunk in iteration:
-            vs = place.model_chunk(stage, chunk)
-            if kind == "F" and vs > 0 and place.stage_of(vs - 1) != stage:
+            if kind == "F" and remote_prev[chunk]:
                 out.append(Action("RECV_ACT", mb, chunk))
-            elif kind == "B" and vs < last and place.stage_of(vs + 1) != stage:
+            elif kind == "B" and remote_next[chunk]:
                 out.append(Action("RECV_GRAD", mb, chunk))
         out += [Action(kind, mb, chunk) for kind, mb, chunk in iteration]
         for kind, mb, chunk in iteration:
-            vs = place.model_chunk(stage, chunk)
-            if kind == "F" and vs < last and place.stage_of(vs + 1) != stage:
+            if kind == "F" and remote_next[chunk]:
                 out.append(Action("SEND_ACT", mb, chunk))
-            elif kind == "B" and vs > 0 and place.stage_of(vs - 1) != stage:
+            elif kind == "B" and remote_prev[chunk]:
                 out.append(Action("SEND_GRAD", mb, chunk))
     return out
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from parallel3d.pipeline.actions import (
+    COMPUTE_KINDS,
+    SEND_KINDS,
     Action,
     CostFn,
     Schedule,
@@ -30,8 +32,9 @@ from parallel3d.pipeline.actions import (
 )
 
 
-@dataclass(frozen=True)
-class TimedAction:
+class TimedAction(NamedTuple):
+    """One action's span. A named tuple: built per simulated action, several times faster than a frozen dataclass."""
+
     stage: int
     action: Action
     start: float
@@ -46,7 +49,14 @@ class Timeline:
     actions: list[TimedAction]
     busy: list[float]  # per stage: time spent in F and B
     makespan: float
-    by_action: dict[tuple[int, Action], TimedAction] = field(default_factory=dict, repr=False)
+    _by_action: dict[tuple[int, Action], TimedAction] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def by_action(self) -> dict[tuple[int, Action], TimedAction]:
+        """Each (stage, action)'s span, indexed on first use (pricing never reads it)."""
+        if self._by_action is None:
+            self._by_action = {(t.stage, t.action): t for t in self.actions}
+        return self._by_action
 
     @property
     def bubble_fraction(self) -> float:
@@ -91,8 +101,11 @@ class ScheduleReplay:
         self.wgt = (lambda st, c: self.bwd(st, c) / 2) if wgrad_time is None else _as_cost(wgrad_time, "wgrad_time")
         self.action_time = action_time
         self.schedule = schedule
-        self.p, _, _ = schedule_shape(schedule)
+        self.p, _, v = schedule_shape(schedule)
         self.place = placement_of(schedule)
+        # Per (stage, local chunk): its model chunk, the stages of the next and the previous one (once, not per message)
+        self.hops = [[(k, self.place.stage_of(k + 1), self.place.stage_of(k - 1))
+                      for k in (self.place.model_chunk(s, c) for c in range(v))] for s in range(self.p)]
         self.split = {s: split_backwards(acts) for s, acts in schedule.items()}  # per stage: (mb, chunk) with a W
         self.pos = [0] * self.p
         self.channels: dict[tuple[int, int], deque] = {}
@@ -118,16 +131,16 @@ class ScheduleReplay:
 
     def send(self, s: int, a: Action, now: float) -> int | None:
         """Post ``a``'s message at ``now`` (it arrives one latency later); the stage it wakes, if any."""
-        vs = self.place.model_chunk(s, a.chunk)
-        peer = self.place.stage_of(vs + 1 if a.kind == "SEND_ACT" else vs - 1)
+        vs, after, before = self.hops[s][a.chunk]
+        peer = after if a.kind == "SEND_ACT" else before
         message = (_message(a.kind, a.microbatch, vs), now + self.lat(s, a.chunk))
         self.channels.setdefault((s, peer), deque()).append(message)
         return self.waiting.pop((s, peer), None)
 
     def receive(self, s: int, a: Action) -> float | None:
         """Take ``a``'s message: its arrival time, or None (``s`` now blocks on the channel) if unsent."""
-        src_vs = self.place.model_chunk(s, a.chunk) + (-1 if a.kind == "RECV_ACT" else 1)
-        peer = self.place.stage_of(src_vs)
+        vs, after, before = self.hops[s][a.chunk]
+        src_vs, peer = (vs - 1, before) if a.kind == "RECV_ACT" else (vs + 1, after)
         queue = self.channels.get((peer, s))
         if not queue:
             self.waiting[(peer, s)] = s
@@ -154,9 +167,7 @@ class ScheduleReplay:
 
 def make_timeline(p: int, timed: list[TimedAction], busy: list[float], ends: list[float]) -> Timeline:
     """The ``Timeline`` of a finished run: ``ends``, each stage's last action's end."""
-    timeline = Timeline(p, timed, busy, max(ends) if ends else 0.0)
-    timeline.by_action = {(t.stage, t.action): t for t in timed}
-    return timeline
+    return Timeline(p, timed, busy, max(ends) if ends else 0.0)
 
 
 def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: CostFn = 0,
@@ -185,11 +196,11 @@ def simulate(schedule: Schedule, fwd_time: CostFn, bwd_time: CostFn, p2p_time: C
         s = runnable.popleft()
         while (a := run.next_action(s)) is not None:
             start = clock[s]
-            if a.is_compute:
+            if a.kind in COMPUTE_KINDS:
                 cost = run.cost(s, a)
                 clock[s] += cost
                 busy[s] += cost
-            elif a.kind.startswith("SEND"):
+            elif a.kind in SEND_KINDS:
                 woken = run.send(s, a, clock[s])
                 if woken is not None:
                     runnable.append(woken)
@@ -238,8 +249,11 @@ class _BatchRun:
     """
 
     def __init__(self, schedule: Schedule, prefetch: int, coalesced: bool, wait_sent_activations: bool) -> None:
-        self.p, _, _ = schedule_shape(schedule)
+        self.p, _, v = schedule_shape(schedule)
         self.place = placement_of(schedule)
+        # Per (stage, local chunk): its model chunk, the stages of the next and the previous one (once, not per message)
+        self.hops = [[(k, self.place.stage_of(k + 1), self.place.stage_of(k - 1))
+                      for k in (self.place.model_chunk(s, c) for c in range(v))] for s in range(self.p)]
         self.coalesced = coalesced
         self.units: list[_Unit] = []
         self.programs = {s: self._program(s, schedule[s], prefetch, wait_sent_activations) for s in range(self.p)}

@@ -77,6 +77,27 @@ def simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p,
     1T-scale layouts (p = 64, m = 512) to seconds.
     """
     schedules = ScheduleCache.of(schedules)
+    # Priced once per distinct input in a search: settings that differ only where the pipeline does not
+    # look (ZeRO stage, offload) give the same per-chunk times. The key holds every value the simulation reads.
+    fwd, bwd, p2p = _table(fwd, p, v), _table(bwd, p, v), _table(p2p, p, v)
+    key = (name, p, m, v, None if w_lags is None else tuple(w_lags), split_drain, fwd, bwd, p2p)
+    return schedules.priced(key, lambda: _simulate_pipeline(name, p, m, v, _read(fwd), _read(bwd), _read(p2p),
+                                                            w_lags, split_drain, schedules))
+
+
+def _table(cost, p: int, v: int):
+    """A per-(stage, chunk) cost as a hashable value: a number as it is, a callable as its table of values."""
+    return tuple(tuple(cost(s, c) for c in range(v)) for s in range(p)) if callable(cost) else cost
+
+
+def _read(table):
+    """``_table``'s value back as a cost the simulator takes (the same numbers)."""
+    return (lambda s, c: table[s][c]) if isinstance(table, tuple) else table
+
+
+def _simulate_pipeline(name: str, p: int, m: int, v: int, fwd, bwd, p2p, w_lags, split_drain: bool,
+                       schedules: ScheduleCache) -> PipelineTimes:
+    """``simulate_pipeline`` without the memo."""
     step = p  # interleaved 1F1B needs whole groups of p; the others reach steady state by 2p or so
     base = 2 * p
     a = b = None

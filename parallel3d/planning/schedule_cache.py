@@ -1,4 +1,4 @@
-"""Built pipeline schedules, kept for one search (issue 26: validation speed).
+"""Built pipeline schedules, and the pipelines priced on them, kept for one search (issue 26: validation speed).
 
 Invariant: ``ScheduleCache.build(...)`` returns what ``build_schedule(...)`` returns for the same
 arguments, unvalidated: the planner only prices them, a third of a search's time went to re-checking
@@ -9,17 +9,20 @@ stages, ``coalesced_p2p``, zb_h1's ``w_lags``, the split drain), so two calls sh
 where ``build_schedule`` would build the same one. The cached schedule is shared: callers read it
 (simulate, count moments) and never change it. One cache belongs to one search (``planner.plan``,
 ``validation.completed_layout``): a plain dict on the object, dropped with it, never module state.
+``priced`` memoizes a simulated pipeline by a key of every value the simulation reads (``simulate_pipeline``:
+schedule arguments, per-chunk times, P2P time), so a hit returns what the simulation would.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 from parallel3d.pipeline.actions import Schedule
 from parallel3d.pipeline.schedules import build_schedule
 
 __all__ = ["ScheduleCache"]
 
+T = TypeVar("T")
 ScheduleKey = tuple[str, int, int, int, bool, "tuple[int, ...] | None", bool]
 
 
@@ -28,6 +31,7 @@ class ScheduleCache:
 
     def __init__(self) -> None:
         self._built: dict[ScheduleKey, Schedule] = {}
+        self._priced: dict[Hashable, Any] = {}
         self.hits = 0  # calls answered from the dict (what the cache saved)
 
     @classmethod
@@ -51,3 +55,12 @@ class ScheduleCache:
                                               coalesced_p2p=coalesced_p2p, w_lags=w_lags, split_drain=split_drain,
                                               validate=False)
         return self._built[key]
+
+    def priced(self, key: Hashable, price: Callable[[], T]) -> T:
+        """``price()``, computed on the first call with ``key`` only: a simulated pipeline of this search, keyed
+        by every value it reads (``pipeline_price.simulate_pipeline``). The result is shared: read, never changed."""
+        if key in self._priced:
+            self.hits += 1
+        else:
+            self._priced[key] = price()
+        return self._priced[key]
