@@ -171,17 +171,33 @@ def extra_confs(tmp_path):
     return d
 
 
+def _print_job_in_process(args: list[str], tmp_path, monkeypatch, capsys) -> str:
+    """What ``python -m parallel3d.train --cfg job *args`` prints, from the CLI's entry function in this process:
+    its check of the command line, then Hydra's own ``--cfg job`` (the composed job, printed; nothing runs)."""
+    monkeypatch.setattr(sys, "argv", ["parallel3d.train"])  # main() sets sys.argv for Hydra: restored afterwards
+    monkeypatch.chdir(tmp_path)  # where the process ran: relative paths of the default job resolve there
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    entry.main(["--cfg", "job", *args])
+    out, err = capsys.readouterr()
+    assert err == "", err[-2000:]
+    return out
+
+
 @pytest.mark.slow
-def test_searchpath_config_dir_and_config_name_are_honoured(tmp_path, extra_confs):
+def test_searchpath_config_dir_and_config_name_are_honoured(tmp_path, extra_confs, monkeypatch, capsys):
+    """The three composed jobs are printed by the entry function in this process (the same check and Hydra
+    composition a process runs: a launch would add only its start-up); the two refusals are real processes
+    (exit 2, one line)."""
     assert "num_layers: 4" in open(os.path.join(REPO, "conf", "model", "gpt_tiny.yaml")).read()
     for args in ([f"hydra.searchpath=[file://{extra_confs}]", "model=my_tiny"],
                  ["--config-dir", str(extra_confs), "model=my_tiny"]):
-        proc = _train(["--cfg", "job", *args], tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "name: my_tiny" in proc.stdout and "num_layers: 3" in proc.stdout
-    proc = _train(["--cfg", "job", "--config-dir", str(extra_confs), "--config-name", "my_exp"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "steps: 70" in proc.stdout
+        out = _print_job_in_process(args, tmp_path, monkeypatch, capsys)
+        assert "name: my_tiny" in out and "num_layers: 3" in out
+    out = _print_job_in_process(["--config-dir", str(extra_confs), "--config-name", "my_exp"], tmp_path,
+                                monkeypatch, capsys)
+    assert "steps: 70" in out
     # The pre-check composes the same config Hydra would: a bad value there is one line too.
     proc = _train(["--config-dir", str(extra_confs), "--config-name", "my_bad_exp"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
