@@ -19,8 +19,8 @@ import torch
 
 from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import (BRANCH_POINT, CheckpointError, complete_checkpoints, is_loadable, publishable_steps,
-                                   read_meta, step_dir)
+from parallel3d.checkpoint import (BRANCH_POINT, META, SET_ASIDE, CheckpointError, complete_checkpoints, is_loadable,
+                                   publishable_steps, read_branch_point, read_meta, step_dir)
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
@@ -95,7 +95,7 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
     if checkpoint.resume_dir is not None:
         if not os.path.isdir(checkpoint.resume_dir):
             raise ConfigError(f"train.resume={checkpoint.resume!r}: must be auto, none or an existing checkpoint "
-                              f"directory")
+                              f"directory{_restored(checkpoint.resume_dir)}")
         if not is_loadable(checkpoint.resume_dir):
             raise ConfigError(f"train.resume={checkpoint.resume!r}: not a complete checkpoint directory (needs a "
                               f"readable meta.json and every file it lists, at its size)")
@@ -111,6 +111,17 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
                 f"train.resume=none but train.out_dir={out_dir!r} holds checkpoints of steps {old}; "
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
+
+
+def _restored(directory: str) -> str:
+    """Where a set-aside ``step_<N>.superseded`` went once a run resumed it (``CheckpointManager._branch`` renames it
+    back to ``step_<N>``): a clause for the error line, or ''."""
+    named = SET_ASIDE.match(os.path.basename(os.path.normpath(directory)))
+    back = step_dir(os.path.dirname(os.path.normpath(directory)), int(named.group(1))) if named else ""
+    if not named or not is_loadable(back):
+        return ""
+    return (f" (a run resumed it and it was restored as {back}: train.resume=auto continues from there, or name "
+            f"{back})")
 
 
 def _check_newest(out_dir: str, model: ModelConfig) -> None:
@@ -132,9 +143,14 @@ def _auto_candidates(root: str) -> list[str]:
     (``tests/test_preflight_tmp.py`` holds this to the real manager)."""
     found = dict(complete_checkpoints(root))
     try:
-        with open(os.path.join(root, BRANCH_POINT)) as fh:
-            branch = int(fh.read())
-        found = {step: path for step, path in found.items() if step <= branch}
+        branch, restore = read_branch_point(os.path.join(root, BRANCH_POINT))
+        source = os.path.join(root, restore) if restore else ""
+        if os.path.isdir(source):  # a resumed set-aside checkpoint is put back, what was written after it set aside
+            written = os.path.getmtime(os.path.join(source, META))
+            found = {s: p for s, p in found.items() if s < branch and os.path.getmtime(os.path.join(p, META)) <= written}
+            found[branch] = source
+        else:
+            found = {step: path for step, path in found.items() if step <= branch}
     except (OSError, ValueError):  # no set-aside was cut short (or an unreadable marker: the ranks' to judge)
         pass
     for step in publishable_steps(root):
