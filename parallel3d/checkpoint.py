@@ -8,33 +8,32 @@ Layout (``root`` = ``<train.out_dir>/checkpoints``, on a filesystem every rank s
     root/step_00000200.tmp/        a save in progress or a failed one: never resumed from
 
 Invariants:
-- A directory named ``step_<N>`` is complete: every rank created ``step_<N>.tmp`` and
-  all agreed it did (so ``write_rank``, which may be collective, runs on every rank or
-  on none), every rank wrote and fsynced its files, all ranks agreed that they
-  succeeded (a MIN all-reduce of their success flags, which is also the barrier), then
-  rank 0 wrote ``meta.json`` and renamed the directory. A kill at any earlier point
-  leaves only ``.tmp``. The agreement runs on ``group`` when given (a gloo group of the
-  whole job, so a save can run in a background thread), else on the pstate's world group.
-- A failed save (disk full, permissions) on any rank warns on the ranks that saw it,
-  removes the ``.tmp`` directory, keeps the previous checkpoints and returns False;
-  training goes on.
-- Only after a new checkpoint is complete does rank 0 delete older ones beyond the
-  newest ``keep_last``. Complete checkpoints of the saved step or *later* ones are another
-  branch of the run (``train.resume`` named an older step, or ``auto`` fell back past a
-  damaged one): before the new one is renamed into place they are renamed
-  ``step_<N>.superseded`` (kept, never resumed by ``auto``) rather than counted or replaced,
-  so the save neither deletes itself nor the good checkpoint before it, and ``auto``
-  continues this run, not the abandoned branch. A run that resumed step ``B`` sets aside those of steps after
-  ``B`` already as it starts training (``branch_from``), so a kill before its first save leaves ``auto`` at ``B``,
-  not on the abandoned branch; a kill among those renames has them finished by the next job's rank 0
-  (``_recover``, from the step recorded in ``root/branch_point`` while they run). A ``step_<N>.tmp`` holding its ``meta.json``
-  is complete (rank 0 writes it last, once every rank agreed): a job killed among these
-  renames has them finished by the next job's rank 0 (``_recover``), which every rank's
-  ``find`` waits for, so a kill at any point loses no checkpoint and ``auto`` never resumes
-  the abandoned branch once the new checkpoint was complete.
-- ``find("auto")`` verifies sizes and checksums (``checkpoint_verify``, spread over the
-  ranks) and falls back to the previous complete checkpoint with a warning naming the
-  damaged file; an explicit ``train.resume=<dir>`` that is damaged fails in one line.
+- A directory named ``step_<N>`` is complete: every rank created ``step_<N>.tmp`` and all agreed it did (so
+  ``write_rank``, which may be collective, runs on every rank or on none), every rank wrote and fsynced its files, all
+  ranks agreed that they succeeded (a MIN all-reduce of their success flags, which is also the barrier), then rank 0
+  wrote ``meta.json`` and renamed the directory. A kill at any earlier point leaves only ``.tmp``. The agreement runs
+  on ``group`` when given (a gloo group of the whole job, so a save can run in a background thread), else on the
+  pstate's world group.
+- A failed save (disk full, permissions) on any rank warns on the ranks that saw it, removes the ``.tmp`` directory,
+  keeps the previous checkpoints and returns False; training goes on.
+- Only after a new checkpoint is complete does rank 0 delete older ones beyond the newest ``keep_last``. Complete
+  checkpoints of the saved step or *later* ones are another branch of the run (``train.resume`` named an older step,
+  or ``auto`` fell back past a damaged one): before the new one is renamed into place they are renamed
+  ``step_<N>.superseded`` (kept, never resumed by ``auto``) rather than counted or replaced, so the save neither
+  deletes itself nor the good checkpoint before it, and ``auto`` continues this run, not the abandoned branch. A run
+  that resumed step ``B`` sets aside those of steps after ``B`` already as it starts training (``branch_from``), so a
+  kill before its first save leaves ``auto`` at ``B``, not on the abandoned branch; a kill among those renames has
+  them finished by the next job's rank 0 (``_recover``, from ``root/branch_point`` while they run). Resuming a
+  set-aside ``step_<B>.superseded`` of this root also sets aside step ``B`` and those written after it (not its
+  history) and renames it back to ``step_<B>``. A ``step_<N>.tmp`` holding its ``meta.json`` is complete (rank 0
+  writes it last, once every rank agreed): a job killed among these renames has them finished by the next job's rank
+  0 (``_recover``), which every rank's ``find`` waits for, so a kill at any point loses no checkpoint and ``auto``
+  never resumes the abandoned branch once the new checkpoint was complete.
+- An explicit ``train.resume=<dir>`` (``keep``) wins over recovery: a ``branch_point`` set-aside that would move it
+  is dropped (``branch_from`` sets aside what follows it), a complete ``.tmp`` that would is set aside instead.
+- ``find("auto")`` verifies sizes and checksums (``checkpoint_verify``, spread over the ranks) and falls back to the
+  previous complete checkpoint with a warning naming the damaged file; an explicit ``train.resume=<dir>`` that is
+  damaged fails in one line.
 What each rank stores is the caller's business (``write_rank`` / ``read_rank``).
 """
 
@@ -62,11 +61,23 @@ STEP_DIR = re.compile(r"^step_(\d{8})$")
 TMP_DIR = re.compile(r"^step_(\d{8})\.tmp$")
 META = "meta.json"
 SUPERSEDED = ".superseded"
-BRANCH_POINT = "branch_point"  # the step a resumed run set aside later checkpoints from, while it does (branch_from)
+BRANCH_POINT = "branch_point"  # "<step> [<set-aside dir to restore>]" of a branch_from, while it runs
+SET_ASIDE = re.compile(r"^step_(\d{8})\.superseded\d*$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from (missing files, other layout)."""
+
+
+def read_branch_point(path: str) -> tuple[int, str | None]:
+    """``(step, set-aside directory name to restore or None)`` of a ``branch_point`` record (ValueError: unreadable)."""
+    with open(path) as fh:
+        step, *restore = fh.read().split()
+    return int(step), (restore[0] if restore else None)
+
+
+def _written(directory: str) -> float:
+    return os.path.getmtime(os.path.join(directory, META))
 
 
 def rank_file(directory: str, rank: int) -> str:
@@ -146,7 +157,7 @@ class CheckpointManager:
     """Saves and finds checkpoints under ``root`` for one job (all ranks construct it)."""
 
     def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int = CheckpointOptions.keep_last,
-                 group: "dist.ProcessGroup | None" = None) -> None:
+                 group: "dist.ProcessGroup | None" = None, keep: str | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: must be >= 1")
         self.root = root
@@ -155,19 +166,24 @@ class CheckpointManager:
         self.group = group  # agreement of ``save`` (see module doc); find() uses the pstate's groups
         if pstate.rank == 0:
             os.makedirs(root, exist_ok=True)
-            self._recover()
+            self._recover(keep)
             self._remove_partial()
 
-    def _recover(self) -> None:
-        """Finish a ``branch_from`` and publish the complete ``.tmp`` directories a kill left among the renames (module
-        doc)."""
+    def _recover(self, keep: str | None = None) -> None:
+        """Finish a ``branch_from`` and publish the complete ``.tmp`` directories a kill left among the renames, neither
+        moving ``keep`` (module doc)."""
+        keep = None if keep is None else os.path.realpath(keep)
         marker = os.path.join(self.root, BRANCH_POINT)
         if os.path.isfile(marker):
-            with open(marker) as fh:
-                step = int(fh.read())
-            self._set_aside_from(step + 1, f"a run resumed from step {step}")
+            step, restore = read_branch_point(marker)
+            aside, source = self._branch_moves(step, restore)
+            if keep not in map(os.path.realpath, [*aside, *([source] if source else [])]):
+                self._branch(step, restore, f"a run resumed from step {step}")
             os.remove(marker)
         for step in publishable_steps(self.root):
+            if keep in map(os.path.realpath, self._later(step)):
+                self._set_aside([step_dir(self.root, step) + ".tmp"], f"checkpoint step {step} (interrupted)", step)
+                continue
             try:
                 self._publish(step)
             except OSError as exc:
@@ -249,7 +265,7 @@ class CheckpointManager:
         """Rename the complete ``step_<N>.tmp`` to ``step_<N>`` once the checkpoints of steps from ``N`` on are set
         aside (module doc). Every rename is one a repeat after a kill finishes (``_recover``)."""
         final = step_dir(self.root, step)
-        self._set_aside_from(step, f"checkpoint step {step}")
+        self._set_aside(self._later(step), f"checkpoint step {step}", step)
         if os.path.exists(final):  # a step_<N> without meta.json (not a checkpoint, left aside above): replaced
             os.replace(final, final + ".old")
         os.replace(final + ".tmp", final)
@@ -260,23 +276,48 @@ class CheckpointManager:
         """Rank 0, as a run that resumed ``resumed`` starts training: set aside the checkpoints of later steps (module
         doc), so ``auto`` never takes the branch this run abandons, even if it is killed before its first save."""
         if self.pstate.rank == 0:
-            step = int(read_meta(resumed)["step"])
+            step, real = int(read_meta(resumed)["step"]), os.path.realpath(resumed)
+            here = os.path.dirname(real) == os.path.realpath(self.root) and SET_ASIDE.match(os.path.basename(real))
+            restore = os.path.basename(real) if here else None
             marker = os.path.join(self.root, BRANCH_POINT)  # the next job's _recover finishes what a kill cuts short
-            atomic_write_bytes(marker, lambda fh: fh.write(str(step).encode()))
+            atomic_write_bytes(marker, lambda fh: fh.write(f"{step} {restore or ''}".strip().encode()))
             fsync_dir(self.root)
-            self._set_aside_from(step + 1, f"this run, resumed from step {step},")
+            self._branch(step, restore, f"this run, resumed from step {step},")
             os.remove(marker)
 
-    def _set_aside_from(self, first: int, branch: str) -> None:
-        """Rename the complete checkpoints of step ``first`` and later to ``step_<N>.superseded`` (module doc);
-        ``branch`` names what branches off them, for the warning."""
+    def _later(self, first: int, newer_than: float | None = None) -> list[str]:
+        """The complete checkpoints of step ``first`` on, and (``newer_than``) those whose meta.json is newer."""
+        return [path for step, path in complete_checkpoints(self.root)
+                if step >= first or (newer_than is not None and _written(path) > newer_than)]
+
+    def _branch_moves(self, step: int, restore: str | None) -> tuple[list[str], str | None]:
+        """What ``_branch`` renames: the checkpoints it sets aside, and the set-aside one it restores (or None)."""
+        source = os.path.join(self.root, restore) if restore else None
+        if source is not None and os.path.isdir(source):
+            return self._later(step, _written(source)), source
+        return self._later(step + 1), None
+
+    def _branch(self, step: int, restore: str | None, branch: str) -> None:
+        """Set aside the checkpoints after ``step``; with ``restore`` (the set-aside checkpoint of ``step`` resumed) also
+        step ``step`` and those written after it, then rename it back (module doc). A repeat after a kill finishes."""
+        aside, source = self._branch_moves(step, restore)
+        self._set_aside(aside, branch, step if source else step + 1)
+        if source is None:
+            return
+        os.replace(source, step_dir(self.root, step))
+        fsync_dir(self.root)
+        user_warnings.warn(f"{restore} restored as {os.path.basename(step_dir(self.root, step))} in {self.root}: "
+                           f"train.resume=auto continues this run from it")
+
+    def _set_aside(self, paths: list[str], branch: str, first: int) -> None:
+        """Rename ``paths`` (complete checkpoints, or a complete ``.tmp``) to ``step_<N>.superseded`` (module doc);
+        ``branch`` names what branches off them from step ``first``, for the warning."""
         moved = []
-        for step, path in complete_checkpoints(self.root):
-            if step < first:
-                continue
-            target, n = path + SUPERSEDED, 1
+        for path in paths:
+            base = path[: -len(".tmp")] if path.endswith(".tmp") else path
+            target, n = base + SUPERSEDED, 1
             while os.path.exists(target):
-                target, n = f"{path}{SUPERSEDED}{n}", n + 1
+                target, n = f"{base}{SUPERSEDED}{n}", n + 1
             try:
                 os.replace(path, target)
                 moved.append(os.path.basename(target))

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from parallel3d import data, user_warnings
 from parallel3d.config import ResolvedJob
-from parallel3d.dataset_pair import dataset_pair, short_of_a_batch
+from parallel3d.dataset_pair import dataset_pair
+from parallel3d.preflight import refuse_short
 
 if TYPE_CHECKING:  # pragma: no cover
     from parallel3d.parallel_state import ParallelState
@@ -42,7 +43,7 @@ def build_datasets(rj: ResolvedJob, pstate: "ParallelState") -> tuple[data.GPTDa
         if shared and pstate.rank == 0:
             user_warnings.warn(f"data.valid_paths shares {shared} with data.paths: the eval loss is measured on "
                                f"training data (hold out a split with data.valid_fraction, or give other prefixes)")
-    # Indexed data was counted by preflight already; the built-in corpus is first tokenized here.
-    if short := short_of_a_batch(train, valid, t.global_batch_size):
-        raise data.DataError(f"{short} (train.global_batch_size={t.global_batch_size})")
+    # Preflight counted indexed data and a cached built-in corpus; one tokenized here at first use is counted by the
+    # same rule (a ConfigError: one line, exit 2).
+    refuse_short((train, valid), t.global_batch_size)
     return train, valid, tokenizer

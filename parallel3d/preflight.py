@@ -4,8 +4,8 @@ The options classes check values; this module checks the environment those value
 directories that must be writable (``train.out_dir``, ``parallel.offload_dir``, ``data.cache_dir``),
 checkpoints (a ``train.resume`` directory complete and of this model; under ``auto`` the newest one the
 ranks will see, of this model; none left over under ``train.resume=none``), an explicit kernel backend on a
-CPU run, the ``train.init_from`` transformers directory, the data files (indexed data: at least one global
-batch), and the device (CUDA present, bf16 supported). ``config.resolve`` runs it last, so the entry point
+CPU run, the ``train.init_from`` transformers directory, the data files (at least one global batch: indexed data,
+and the built-in corpus once tokenized), and the device (CUDA present, bf16 supported). ``config.resolve`` runs it last, so the entry point
 (``parallel3d.train``, ``parallel3d.command_line``) has every problem as one ``ConfigError`` line before it
 initialises torch.distributed. It reads and probes; it never creates or changes anything.
 """
@@ -19,12 +19,14 @@ import torch
 
 from kernels.runtime import BackendUnavailableError, resolve_backend
 from models.config import ModelConfig
-from parallel3d.checkpoint import (BRANCH_POINT, CheckpointError, complete_checkpoints, is_loadable, publishable_steps,
-                                   read_meta, step_dir)
+from parallel3d.checkpoint import (BRANCH_POINT, META, SET_ASIDE, CheckpointError, complete_checkpoints, is_loadable,
+                                   publishable_steps, read_branch_point, read_meta, step_dir)
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.hf_init import check_init_from
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from parallel3d.dataset_pair import dataset_pair, short_of_a_batch
+from parallel3d.data import GPTDataset
+from parallel3d.data.corpus import cached_default_corpus
 from parallel3d.data.errors import DataError
 from parallel3d.data.options import DataOptions
 from parallel3d.data.run_tokenizer import indexed_tokenizer_path
@@ -50,7 +52,7 @@ def check_environment(train: TrainOptions, checkpoint: CheckpointOptions, zero: 
     device = resolve_device(train)
     check_kernels(model, device)
     check_data_files(data)
-    check_one_global_batch(data, train)
+    check_one_global_batch(data, train, model.vocab_size)
     return device
 
 
@@ -95,7 +97,7 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
     if checkpoint.resume_dir is not None:
         if not os.path.isdir(checkpoint.resume_dir):
             raise ConfigError(f"train.resume={checkpoint.resume!r}: must be auto, none or an existing checkpoint "
-                              f"directory")
+                              f"directory{_restored(checkpoint.resume_dir)}")
         if not is_loadable(checkpoint.resume_dir):
             raise ConfigError(f"train.resume={checkpoint.resume!r}: not a complete checkpoint directory (needs a "
                               f"readable meta.json and every file it lists, at its size)")
@@ -111,6 +113,17 @@ def check_checkpoints(checkpoint: CheckpointOptions, out_dir: str, model: ModelC
                 f"train.resume=none but train.out_dir={out_dir!r} holds checkpoints of steps {old}; "
                 f"use another train.out_dir, delete them, or train.resume=auto"
             )
+
+
+def _restored(directory: str) -> str:
+    """Where a set-aside ``step_<N>.superseded`` went once a run resumed it (``CheckpointManager._branch`` renames it
+    back to ``step_<N>``): a clause for the error line, or ''."""
+    named = SET_ASIDE.match(os.path.basename(os.path.normpath(directory)))
+    back = step_dir(os.path.dirname(os.path.normpath(directory)), int(named.group(1))) if named else ""
+    if not named or not is_loadable(back):
+        return ""
+    return (f" (a run resumed it and it was restored as {back}: train.resume=auto continues from there, or name "
+            f"{back})")
 
 
 def _check_newest(out_dir: str, model: ModelConfig) -> None:
@@ -132,9 +145,14 @@ def _auto_candidates(root: str) -> list[str]:
     (``tests/test_preflight_tmp.py`` holds this to the real manager)."""
     found = dict(complete_checkpoints(root))
     try:
-        with open(os.path.join(root, BRANCH_POINT)) as fh:
-            branch = int(fh.read())
-        found = {step: path for step, path in found.items() if step <= branch}
+        branch, restore = read_branch_point(os.path.join(root, BRANCH_POINT))
+        source = os.path.join(root, restore) if restore else ""
+        if os.path.isdir(source):  # a resumed set-aside checkpoint is put back, what was written after it set aside
+            written = os.path.getmtime(os.path.join(source, META))
+            found = {s: p for s, p in found.items() if s < branch and os.path.getmtime(os.path.join(p, META)) <= written}
+            found[branch] = source
+        else:
+            found = {step: path for step, path in found.items() if step <= branch}
     except (OSError, ValueError):  # no set-aside was cut short (or an unreadable marker: the ranks' to judge)
         pass
     for step in publishable_steps(root):
@@ -196,19 +214,33 @@ def check_data_files(data: DataOptions) -> None:
                           f"data.tokenizer_file{beside}")
 
 
-def check_one_global_batch(data: DataOptions, train: TrainOptions) -> None:
-    """Indexed data holds one global batch, in training and validation (``dataset_pair.short_of_a_batch``). Data
-    that cannot be read as a dataset at all (empty, truncated) is left to the ranks, whose line names the file; the
-    built-in corpus is tokenized on the rank at first use and counted there."""
-    if data.source != "indexed":
-        return
+def check_one_global_batch(data: DataOptions, train: TrainOptions, vocab_size: int) -> None:
+    """The data holds one global batch, in training and validation (``refuse_short``): indexed data, and the built-in
+    corpus once tokenized (``cached_default_corpus``; at its first use the rank tokenizes it and applies the same
+    ``refuse_short``). Data that cannot be read as a dataset at all (empty, truncated) is left to the ranks, whose
+    line names the file."""
+    blends = data.blends()
+    if data.source == "default":
+        try:
+            prefix = cached_default_corpus(data.cache_dir, vocab_size, corpus=data.corpus, tokenizer=data.tokenizer)
+        except DataError:
+            return
+        if prefix is None:
+            return
+        blends = (([prefix], None), ([], None))
     try:
-        pair = dataset_pair(*data.blends(), valid_fraction=data.valid_fraction, seq_len=train.seq_len,
+        pair = dataset_pair(*blends, valid_fraction=data.valid_fraction, seq_len=train.seq_len,
                             seed=train.seed, vocab_size=None)
     except DataError:
         return
-    if short := short_of_a_batch(*pair, train.global_batch_size):
-        raise ConfigError(f"train.global_batch_size={train.global_batch_size}: {short}; use a smaller "
+    refuse_short(pair, train.global_batch_size)
+
+
+def refuse_short(pair: tuple[GPTDataset, GPTDataset | None], global_batch_size: int) -> None:
+    """The one rule, for preflight and the ranks (``datasets.build_datasets``): a ``ConfigError`` line (exit 2) when
+    a set of ``pair`` holds fewer samples than one global batch (``dataset_pair.short_of_a_batch``)."""
+    if short := short_of_a_batch(*pair, global_batch_size):
+        raise ConfigError(f"train.global_batch_size={global_batch_size}: {short}; use a smaller "
                           f"train.global_batch_size or train.seq_len, or more data")
 
 

@@ -15,7 +15,8 @@ Order of events on every rank, so a bad value never hangs a job:
    holds is one ``ConfigError``), then runs the ``@hydra.main`` app with ``hydra.run.dir = train.out_dir`` (the same on every
    rank); ranks other than 0 pass ``hydra.output_subdir=null`` so only rank 0 writes
    ``.hydra/``; Hydra never changes the working directory;
-3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1
+3. train; an exception on a rank prints ``[rank R] failed: <cause>`` and exits 1 (a ``ConfigError`` only the rank
+   can find, the built-in corpus short of a global batch at its first tokenization, is step 1's line and exit 2)
    (torchrun then stops the job; collectives time out after ``train.timeout_s``, and the
    line then names the ranks whose heartbeat stopped: ``parallel3d.heartbeat``); the line is
    also torchrun's cause of that rank's failure (its error file), so the launcher's summary
@@ -126,6 +127,8 @@ def hydra_app(cfg: DictConfig) -> int | None:
     try:
         pstate = make_parallel_state(rj)
         result = train(rj, pstate, full_config=plain)
+    except ConfigError as exc:  # found only on the rank (the built-in corpus, tokenized at first use): as before it
+        _config_exit(exc)
     except Exception as exc:  # noqa: BLE001 - one clear line, non-zero exit, torchrun ends the job
         _report_failure(rank, exc, rj, pstate if isinstance(exc, TrainingDiverged) else None)
         if os.environ.get("PARALLEL3D_TRACEBACK") == "1":

@@ -102,7 +102,8 @@ class Trainer:
         # Async saves stage the whole shard in host memory; a disk-offloaded state does not fit
         # there by assumption, so it is streamed from its memory-mapped files synchronously.
         self.checkpoints = CheckpointWriter(os.path.join(t.out_dir, "checkpoints"), pstate, keep_last=t.keep_last,
-                                            async_save=t.async_save and p.offload != "disk", timeout_s=t.timeout_s)
+                                            async_save=t.async_save and p.offload != "disk", timeout_s=t.timeout_s,
+                                            keep=rj.checkpoint.resume_dir)  # recovery never moves it
         self.ckpt = self.checkpoints.manager
         self._save_started: dict[int, float] = {}  # step -> when its (possibly background) save began
         self.is_logging_rank = pstate.is_logging_rank()

@@ -40,8 +40,7 @@ def main() -> int:
             values["optimizer"]["eps"] = args.eps
         one = rf.merged(rm.run(rf.record_on_rank, 1, values, args.float64))
     print(pair.name, "float64" if args.float64 else "fp32")
-    top_k = pair.case.shape["moe"]["top_k"]
-    for (step, *got), (_, *ref), routing in zip(layout[0], one[0], rf.compare(layout[1], one[1], top_k)):
+    for (step, *got), (_, *ref), routing in zip(layout[0], one[0], rf.compare(layout[1], one[1], layout[2], one[2])):
         gaps = [abs(a - b) / abs(b) for a, b in zip(got, ref) if b is not None]
         print(f"step {step}: loss/grad-norm/eval rel gaps {' '.join(f'{g:.1e}' for g in gaps)}; {routing.tokens} routed tokens, "
               f"{len(routing.flips)} flips, score rounding {routing.rounding:.1e}")

@@ -1,11 +1,13 @@
 """Is an MoE layout's miss of the one-process run a top-k near tie, or a wrong term? Record both runs' routing.
 
 Invariant: ``record_on_rank`` trains a job exactly as ``layout_run.train_case_on_rank`` does, and also returns
-every training token's router scores, keyed by layout-independent coordinates ``(step, layer, global sample
-id, position in the sequence)`` (the cp share's chunks are mapped back to their global positions with the
-layer's own ``token_positions``). ``compare`` then finds the tokens whose top-k expert SET differs between
-two runs ("flips") and, per flip, its margin: the gap, in each run, between the scores of the experts the two
-runs disagree on. A near tie is a flip whose margin is within the rounding the two runs' scores show anyway
+every training token's selection scores (the router's scores plus its expert bias, what the top-k is taken of)
+and the experts it chose, keyed by layout-independent coordinates ``(step, layer, global sample id, position in
+the sequence)`` (the cp share's chunks are mapped back to their global positions with the layer's own
+``token_positions``). ``compare`` then finds the tokens whose chosen expert SET differs between two runs
+("flips": the experts recorded as chosen, not the scores' top-k, which DeepSeek's expert bias and group-limited
+routing shift) and, per flip, its margin: the gap, in each run, between the selection scores of the experts the
+two runs disagree on. A near tie is a flip whose margin is within the rounding the two runs' scores show anyway
 (``rounding``: the largest score difference over the tokens that did not flip, up to that step); a wrong term
 moves the scores themselves (a larger ``rounding``) or flips tokens with a wide margin.
 
@@ -32,7 +34,7 @@ Chosen = dict[Key, tuple[int, ...]]  # each routed token's top-k expert ids, in 
 @dataclasses.dataclass
 class Flip:
     key: Key
-    experts: tuple[tuple[int, ...], tuple[int, ...]]  # each run's top-k set
+    experts: tuple[tuple[int, ...], tuple[int, ...]]  # each run's chosen set
     margin: float  # largest |score(e) - score(f)| in either run, over e, f the experts only one run picked
 
 
@@ -86,7 +88,10 @@ def _recording(records: dict[Key, torch.Tensor], float64: bool, chosen: Chosen,
             routing = router_forward(self, tokens)
         finally:
             router_module.select_experts = select
-        scores, indices = routing.scores.detach().to(torch.float64).cpu(), routing.indices.cpu().tolist()
+        scores = routing.scores.detach().to(torch.float64)
+        if self.expert_bias is not None:  # what select_experts ranks
+            scores = scores + self.expert_bias.to(torch.float64)
+        scores, indices = scores.cpu(), routing.indices.cpu().tolist()
         for t, key in enumerate(keys):
             records.setdefault(key, scores[t])
             chosen.setdefault(key, tuple(indices[t]))
@@ -129,9 +134,11 @@ def merged(per_rank: list[tuple[list, dict, Chosen]]) -> tuple[list, dict[Key, t
     return next(c for c, _, _ in per_rank if c), records, chosen
 
 
-def compare(a: dict[Key, torch.Tensor], b: dict[Key, torch.Tensor], top_k: int) -> list[StepRouting]:
-    """Per step, the flips between runs ``a`` and ``b`` (the same tokens: ValueError otherwise) and the rounding."""
-    if a.keys() != b.keys():
+def compare(a: dict[Key, torch.Tensor], b: dict[Key, torch.Tensor], chosen_a: Chosen,
+            chosen_b: Chosen) -> list[StepRouting]:
+    """Per step, the flips between runs ``a`` and ``b`` (selection scores; their chosen experts ``chosen_a`` /
+    ``chosen_b``; the same tokens: ValueError otherwise) and the rounding."""
+    if a.keys() != b.keys() or a.keys() != chosen_a.keys() or a.keys() != chosen_b.keys():
         raise ValueError(f"the runs routed different tokens: {len(a.keys() ^ b.keys())} keys differ")
     out: list[StepRouting] = []
     rounding = 0.0
@@ -140,8 +147,7 @@ def compare(a: dict[Key, torch.Tensor], b: dict[Key, torch.Tensor], top_k: int) 
         flips = []
         for key in keys:
             sa, sb = a[key], b[key]
-            ea = tuple(sorted(sa.topk(top_k).indices.tolist()))
-            eb = tuple(sorted(sb.topk(top_k).indices.tolist()))
+            ea, eb = tuple(sorted(chosen_a[key])), tuple(sorted(chosen_b[key]))
             if ea == eb:
                 rounding = max(rounding, (sa - sb).abs().max().item())
                 continue

@@ -5,19 +5,20 @@ than one global batch`` and exit 1 (session 45's trial). Preflight now counts th
 will build (training, and the validation set: ``data.valid_paths`` or the held-out ``data.valid_fraction`` tail).
 Reference: the sample count from the documents' token total (``(tokens - 1) // seq_len``, the dataset's stated
 chunking) where nothing is held out, else the ranks' own ``GPTDataset`` split. The built-in corpus is tokenized on
-the rank at first use, so its count stays the rank's check (``DataError``, exit 1), tested at the end.
+the rank at first use and counted there by the same rule (``preflight.refuse_short``: exit 2), tested at the end.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import numpy as np
 import pytest
 
 from parallel3d import train as train_cli
 from parallel3d.config import ConfigError, job_from_dict, resolve
-from parallel3d.data import DataError, GPTDataset, write_indexed_dataset
-from parallel3d.datasets import build_datasets
-from parallel3d.parallel_state import ParallelState
+from parallel3d.data import GPTDataset, write_indexed_dataset
 
 SEQ, DOC = 16, 20  # seq_len; tokens per document
 
@@ -102,12 +103,28 @@ def test_the_entry_point_says_it_in_one_line_and_exit_2(tmp_path, monkeypatch, c
                                 f"or train.seq_len, or more data"]
 
 
-def test_the_built_in_corpus_is_counted_on_the_rank(tmp_path):
-    """Tokenized at first use on rank 0, after preflight: the same rule there, one ``DataError`` line."""
-    values = {"train": {"global_batch_size": 8192, "micro_batch_size": 64, "seq_len": 64, "eval_iters": 0,
-                        "out_dir": str(tmp_path / "run"), "device": "cpu"},
-              "data": {"cache_dir": str(tmp_path / "cache"), "tokenizer": "byte", "valid_fraction": 0.0}}
-    rj = resolve(job_from_dict(values, model="gpt_tiny"), 1)
-    with pytest.raises(DataError, match=r"^training data \[.*\] has \d+ samples of seq_len=64: fewer than one global "
-                                        r"batch \(train\.global_batch_size=8192\)$"):
-        build_datasets(rj, ParallelState.single_process())
+def _corpus_values(tmp_path, cache: str) -> dict:
+    return {"train": {"global_batch_size": 8192, "micro_batch_size": 64, "seq_len": 64, "eval_iters": 0,
+                      "out_dir": str(tmp_path / "run"), "device": "cpu"},
+            "data": {"cache_dir": cache, "tokenizer": "byte", "valid_fraction": 0.0}}
+
+
+def test_the_built_in_corpus_is_the_same_rule_tokenized_or_not(tmp_path, monkeypatch, capsys):
+    """gaps47: the built-in corpus smaller than one global batch was ``[rank 0] failed: DataError`` and exit 1. At
+    its first use (tokenized on the rank, after preflight) the rank now applies preflight's ``refuse_short``: the
+    CLI's one ``config error:`` line, exit 2; once cached, preflight counts it (``resolve`` refuses, nothing built)."""
+    cache = str(tmp_path / "cache")
+    args = ["train.global_batch_size=8192", "train.micro_batch_size=64", "train.seq_len=64", "train.eval_iters=0",
+            "train.device=cpu", f"train.out_dir={tmp_path / 'run'}", f"data.cache_dir={cache}", "data.tokenizer=byte",
+            "data.valid_fraction=0"]
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(args)
+    err = capsys.readouterr().err.splitlines()
+    line = [e for e in err if e.startswith("config error:")]
+    assert exit_info.value.code == 2 and len(line) == 1, err
+    assert re.fullmatch(r"config error: train\.global_batch_size=8192: training data \[.*\] has \d+ samples of "
+                        r"seq_len=64: fewer than one global batch; use a smaller train\.global_batch_size or "
+                        r"train\.seq_len, or more data", line[0]), line[0]
+    assert _refusal(_corpus_values(tmp_path, cache)) == line[0].removeprefix("config error: ")  # cached: preflight
+    assert _refusal(_corpus_values(tmp_path, str(tmp_path / "empty"))) is None  # not tokenized: the rank's to count
+    assert not os.path.exists(tmp_path / "empty")

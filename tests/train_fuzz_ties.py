@@ -55,7 +55,7 @@ def routing_problems(case: tf.TrainCase, result: tf.TrainResult, upto: int, work
     if key not in references:
         references[key] = rf.merged([rf.record_on_rank(0, 1, lm.reference_values(case, out + "-one", cache_dir))])
     one = references[key]
-    routing = rf.compare(layout[1], one[1], case.model_values()["moe"]["top_k"])
+    routing = rf.compare(layout[1], one[1], layout[2], one[2])
     # The routing keys count the trainer's steps from 0 (``run.step``), the curve from 1: map them in order.
     curve_steps = [c[0] for c in layout[0]]
     if len(routing) != len(curve_steps):

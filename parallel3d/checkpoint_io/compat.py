@@ -1,7 +1,9 @@
 """Can this job resume from that checkpoint? Format and model checks, each failing in one line.
 
 A checkpoint written at any layout resumes at any other; what cannot change is the model's
-shape (the fields below) and the format. Checkpoints of the earlier per-rank format
+shape (the fields below) and the format; a setting that keeps the shapes but changes what the model computes
+(``moe.top_k``, ``rope_base``, ``norm_eps``, ...) may change, and ``computation_changes`` names each one for the
+resume's warning. Checkpoints of the earlier per-rank format
 (``zero/`` directory, same tp/pp only, no ``format`` in meta.json) are refused, not read.
 """
 
@@ -22,6 +24,11 @@ TRAINER_KEY = "trainer"  # the trainer-state object in the DCP directory
 # What fixes the parameters' names and shapes (dropout, init_std, norm_eps, kernels may change).
 SHAPE_FIELDS = ("arch", "num_layers", "hidden_size", "num_heads", "kv_heads", "ffn_size", "vocab_size",
                 "tie_embeddings", "use_bias")
+
+
+# ModelConfig fields that do not change what a resumed model computes: a label, kernels of the same function, and
+# the initialisation (the checkpoint's weights replace it). Every other field is compared (``computation_changes``).
+NOT_COMPUTATION = ("name", "kernel_backend", "fused_kernels", "init_std")
 
 
 def model_signature(cfg: ModelConfig) -> dict[str, Any]:
@@ -73,3 +80,29 @@ def check_same_model(directory: str, meta: dict[str, Any], cfg: ModelConfig) -> 
     if diff:
         raise CheckpointError(f"checkpoint {directory} holds another model ({'; '.join(diff)}): a layout may "
                               f"change on resume, the model's shape may not")
+
+
+def _differences(saved: Any, cfg: Any, prefix: str = "") -> list[str]:
+    """``key=<there> there, <here> here`` for each differing field of two config dataclasses, nested ones (``moe``,
+    ``mla``) by their dotted key, as a user writes the override."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        there, here = getattr(saved, f.name), getattr(cfg, f.name)
+        if prefix == "" and f.name in NOT_COMPUTATION or there == here:
+            continue
+        if dataclasses.is_dataclass(here):
+            out += _differences(there, here, f"{prefix}{f.name}.")
+        else:
+            out.append(f"model.{prefix}{f.name}={there!r} there, {here!r} here")
+    return out
+
+
+def computation_changes(directory: str, meta: dict[str, Any], cfg: ModelConfig) -> str | None:
+    """The warning for resuming ``directory`` (whose model ``check_same_model`` accepted) with settings that change
+    the model's computation but no parameter's shape (each field of ``ModelConfig`` but ``NOT_COMPUTATION``), or
+    None when there is none. Changing them is legitimate (a run may lower top_k), so this warns, never refuses."""
+    diff = _differences(ModelConfig(**meta["model"]), cfg)
+    if not diff:
+        return None
+    return (f"resuming checkpoint {directory} with model settings that change what the model computes: "
+            f"{'; '.join(diff)}; the run continues with this run's settings")

@@ -3,7 +3,8 @@
 ``save_request`` gives what one rank hands to ``CheckpointWriter.save``: its pieces of the
 weights and Adam state (``pieces.pieces_to_write``), the trainer-state object (from the
 logging rank only) and the checkpoint's ``meta.json`` body. ``load_training_state``
-checks format and model, reads every box this rank holds into its optimizer, refreshes
+checks format and model (rank 0 warns about settings that change the model's computation, not its shapes:
+``compat.computation_changes``), reads every box this rank holds into its optimizer, refreshes
 the parameters and returns the trainer-state object.
 """
 
@@ -14,6 +15,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from models.config import ModelConfig
+from parallel3d import user_warnings
 from parallel3d.checkpoint import CheckpointError, read_meta
 from parallel3d.checkpoint_io import compat
 from parallel3d.checkpoint_io.pieces import TensorPiece, pieces_to_read, pieces_to_write, zero_owned_state
@@ -52,6 +54,8 @@ def load_training_state(directory: str, opt: "ZeroOptimizer", pstate: "ParallelS
     meta = read_meta(directory)
     compat.check_format(directory, meta)
     compat.check_same_model(directory, meta, model)
+    if pstate.rank == 0 and (changes := compat.computation_changes(directory, meta, model)):
+        user_warnings.warn(changes)
     zero_owned_state(opt)
     try:
         objects = read_state(os.path.join(directory, compat.STATE_DIR), pieces_to_read(opt, pstate),

@@ -89,10 +89,10 @@ class CheckpointWriter:
     """The checkpoints of one job under ``root`` (all ranks construct it, in the same order)."""
 
     def __init__(self, root: str, pstate: "ParallelState", *, keep_last: int, async_save: bool,
-                 timeout_s: float) -> None:
+                 timeout_s: float, keep: str | None = None) -> None:
         self.pstate = pstate
         self.group = checkpoint_group(pstate, timeout_s)
-        self.manager = CheckpointManager(root, pstate, keep_last=keep_last, group=self.group)
+        self.manager = CheckpointManager(root, pstate, keep_last=keep_last, group=self.group, keep=keep)
         self.async_save = async_save  # read at each save: may be switched between saves
         self.staging = HostStaging()
         self._executor: ThreadPoolExecutor | None = None

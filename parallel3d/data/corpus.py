@@ -116,18 +116,7 @@ def build_default_corpus(
     The builder shows progress (``parallel3d.progress``) unless ``show_progress=False``.
     """
     del seed  # accepted so callers can pass the run seed; the build is seed-independent
-    if tokenizer not in TOKENIZER_KINDS:
-        raise DataError(
-            f"tokenizer={tokenizer!r} is not a default-corpus tokenizer; choose from {list(TOKENIZER_KINDS)}"
-        )
-    min_vocab = ByteTokenizer().vocab_size
-    if not isinstance(vocab_size, int) or vocab_size < min_vocab:
-        raise DataError(f"vocab_size={vocab_size!r} must be an int >= {min_vocab} (256 bytes + end-of-document)")
-    docs = corpus_documents(corpus)
-    # The byte vocabulary does not depend on vocab_size: share one entry.
-    key_vocab = min_vocab if tokenizer == "byte" else vocab_size
-    name = f"{corpus.replace('+', '_')}-{tokenizer}{key_vocab}-{_cache_key(docs, tokenizer, key_vocab)}"
-    entry = Path(cache_dir) / name
+    entry, docs = _entry(cache_dir, vocab_size, corpus, tokenizer)
     if not (entry / COMPLETE_MARKER).exists():
         if is_builder:
             entry.parent.mkdir(parents=True, exist_ok=True)
@@ -142,3 +131,27 @@ def build_default_corpus(
                     )
                 time.sleep(poll_interval_s)
     return _load_entry(entry)
+
+
+def cached_default_corpus(cache_dir: str | os.PathLike, vocab_size: int, *, corpus: str = "pydoc",
+                          tokenizer: str = "bpe") -> str | None:
+    """The prefix ``build_default_corpus`` returns for these arguments if its cache entry is complete, else None
+    (nothing is built: preflight counts the corpus here when it can)."""
+    entry, _ = _entry(cache_dir, vocab_size, corpus, tokenizer)
+    return os.fspath(entry / "corpus") if (entry / COMPLETE_MARKER).exists() else None
+
+
+def _entry(cache_dir: str | os.PathLike, vocab_size: int, corpus: str, tokenizer: str) -> tuple[Path, list[str]]:
+    """The cache entry of a built-in corpus and its documents (DataError for a tokenizer or vocabulary it refuses)."""
+    if tokenizer not in TOKENIZER_KINDS:
+        raise DataError(
+            f"tokenizer={tokenizer!r} is not a default-corpus tokenizer; choose from {list(TOKENIZER_KINDS)}"
+        )
+    min_vocab = ByteTokenizer().vocab_size
+    if not isinstance(vocab_size, int) or vocab_size < min_vocab:
+        raise DataError(f"vocab_size={vocab_size!r} must be an int >= {min_vocab} (256 bytes + end-of-document)")
+    docs = corpus_documents(corpus)
+    # The byte vocabulary does not depend on vocab_size: share one entry.
+    key_vocab = min_vocab if tokenizer == "byte" else vocab_size
+    name = f"{corpus.replace('+', '_')}-{tokenizer}{key_vocab}-{_cache_key(docs, tokenizer, key_vocab)}"
+    return Path(cache_dir) / name, docs
