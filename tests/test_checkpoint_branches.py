@@ -25,7 +25,7 @@ from parallel3d.parallel_state import ParallelState
 from parallel3d.preflight import _auto_candidates, check_checkpoints
 from parallel3d.checkpoint_io.options import CheckpointOptions
 from tests.test_resume_cli import _args, _train_in_process
-from tests.test_train_checkpoint import _Killed, _payloads, _writer
+from tests.test_train_checkpoint import _payloads, _writer, killed_at_rename
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 ONE = ParallelState.single_process
@@ -85,22 +85,9 @@ def _resume_set_aside(root: str, kill_at: int | None) -> list[str]:
     mgr = CheckpointManager(root, ONE(), keep_last=5)
     mgr.branch_from(step_dir(root, 2))
     assert mgr.save(4, _writer({"step": 4, "branch": "new"}), {})
-    renames, real_replace = [], os.replace
-
-    def replace(src, dst):
-        if len(renames) == kill_at:
-            raise _Killed
-        renames.append(dst)
-        real_replace(src, dst)
-
-    os.replace = replace
-    try:
+    with killed_at_rename(kill_at) as renames:
         CheckpointManager(root, ONE()).branch_from(step_dir(root, 6) + ".superseded")
-    except _Killed:
-        pass
-    finally:
-        os.replace = real_replace
-    return renames
+    return [dst for _, dst in renames]
 
 
 def test_a_run_resumed_from_a_set_aside_checkpoint_and_killed_before_saving_is_continued_by_auto(tmp_path):

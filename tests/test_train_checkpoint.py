@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import signal
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -154,15 +156,12 @@ class _Killed(BaseException):
     """The process killed here: not an ``Exception``, so no failure handling of the save runs after it."""
 
 
-def _branch_off(root: str, kill_at: int | None) -> list[tuple[str, str]]:
-    """A run resumed from step 2 of a run that saved 2, 4, 6 saves its own step 4 (keep_last=1), killed before
-    the save's ``kill_at``-th ``os.replace`` (None: not killed). Returns the renames the save made."""
-    first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
-    for step in (2, 4, 6):
-        assert first.save(step, _writer({"step": step, "branch": "old"}), {})
-    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)
-    assert mgr.find(step_dir(root, 2)) == step_dir(root, 2)
-    renames, real_replace = [], os.replace
+@contextlib.contextmanager
+def killed_at_rename(kill_at: int | None) -> Iterator[list[tuple[str, str]]]:
+    """Inside the block the process is "killed" (``_Killed``, which ends the block) at its ``kill_at``-th
+    ``os.replace`` (None: never); yields the ``(src, dst)`` renames made before that."""
+    renames: list[tuple[str, str]] = []
+    real_replace = os.replace
 
     def replace(src, dst):
         if len(renames) == kill_at:
@@ -172,13 +171,24 @@ def _branch_off(root: str, kill_at: int | None) -> list[tuple[str, str]]:
 
     os.replace = replace
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mgr.save(4, _writer({"step": 4, "branch": "new"}), {})
+        yield renames
     except _Killed:
         pass
     finally:
         os.replace = real_replace
+
+
+def _branch_off(root: str, kill_at: int | None) -> list[tuple[str, str]]:
+    """A run resumed from step 2 of a run that saved 2, 4, 6 saves its own step 4 (keep_last=1), killed before
+    the save's ``kill_at``-th ``os.replace`` (None: not killed). Returns the renames the save made."""
+    first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
+    for step in (2, 4, 6):
+        assert first.save(step, _writer({"step": step, "branch": "old"}), {})
+    mgr = CheckpointManager(root, ParallelState.single_process(), keep_last=1)
+    assert mgr.find(step_dir(root, 2)) == step_dir(root, 2)
+    with killed_at_rename(kill_at) as renames, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr.save(4, _writer({"step": 4, "branch": "new"}), {})
     return renames
 
 
@@ -225,23 +235,9 @@ def test_a_kill_among_the_set_asides_of_a_resumed_run_is_finished_by_the_next_jo
             first = CheckpointManager(root, ParallelState.single_process(), keep_last=5)
             for step in (2, 4, 6):
                 assert first.save(step, _writer({"step": step}), {})
-            renames, real_replace = [], os.replace
-
-            def replace(src, dst):
-                if len(renames) == kill_at:
-                    raise _Killed
-                renames.append(dst)
-                real_replace(src, dst)
-
-            os.replace = replace
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    CheckpointManager(root, ParallelState.single_process()).branch_from(step_dir(root, base))
-            except _Killed:
-                pass
-            finally:
-                os.replace = real_replace
+            with killed_at_rename(kill_at) as renames, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                CheckpointManager(root, ParallelState.single_process()).branch_from(step_dir(root, base))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 resumed = torch.load(os.path.join(CheckpointManager(root, ParallelState.single_process()).find("auto"),
