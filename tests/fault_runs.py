@@ -1,5 +1,6 @@
-"""Helpers of the fault tests: the real CLI as subprocesses, signals by PID, losses from metrics.jsonl, and the
-uninterrupted reference run of a CLI command trained in-process on harness ranks (``train_like_the_cli``)."""
+"""Helpers of the fault tests: the real CLI as subprocesses, signals by PID, losses from metrics.jsonl, and a CLI
+command trained in-process on harness ranks (``train_like_the_cli``: an uninterrupted reference, or a resume whose
+launcher is not under test)."""
 
 from __future__ import annotations
 
@@ -77,9 +78,10 @@ class Run:
             self.proc.communicate()
 
 
-def _cli_rank(rank: int, world: int, overrides: list[str]) -> None:
+def _cli_rank(rank: int, world: int, overrides: list[str]) -> tuple[int, int]:
     """One rank of ``torchrun -m parallel3d.train *overrides``: the job the CLI composes, the CLI's thread
-    settings (``train._configure_threads``, restored after: harness workers are reused), the CLI's calls."""
+    settings (``train._configure_threads``, restored after: harness workers are reused), the CLI's calls.
+    Returns the step it started after (a resume's checkpoint step, else 0) and the last step it trained."""
     import torch
 
     from parallel3d.config import resolve
@@ -92,18 +94,20 @@ def _cli_rank(rank: int, world: int, overrides: list[str]) -> None:
     threads = torch.get_num_threads()
     _configure_threads(rj.device)
     try:
-        train(rj, make_parallel_state(rj), full_config=plain)
+        result = train(rj, make_parallel_state(rj), full_config=plain)
     finally:
         torch.set_num_threads(threads)
+    return result.start_step, result.last_step
 
 
-def train_like_the_cli(overrides: list[str], world: int, timeout: float = 300) -> None:
+def train_like_the_cli(overrides: list[str], world: int, timeout: float = 300) -> list[tuple[int, int]]:
     """Train what ``overrides`` asks for on ``world`` harness ranks (forks of a torch-preloaded server), writing
-    ``train.out_dir`` as the CLI would: the reference of a test whose CLI run is interrupted, where the
-    reference itself is not under test and a launch would cost start-up (torchrun + a torch import per rank)."""
+    ``train.out_dir`` as the CLI would (``train.resume=auto`` resumes from its newest checkpoint): the reference of
+    a test whose CLI run is interrupted, or the resume that ends it, where the launcher is not what is tested and a
+    launch would cost start-up (torchrun + a torch import per rank). Per rank: ``(start_step, last_step)``."""
     from tests.harness import run_on_ranks
 
-    run_on_ranks(_cli_rank, world, list(overrides), timeout=timeout)
+    return run_on_ranks(_cli_rank, world, list(overrides), timeout=timeout)
 
 
 def losses_of(out_dir: str) -> dict[int, float]:
